@@ -1,0 +1,2 @@
+//! The hub binary.
+fn main() {}

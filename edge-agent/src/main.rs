@@ -1,0 +1,2 @@
+//! The edge agent binary.
+fn main() {}

@@ -1,0 +1,1 @@
+//! Tributary firmware: sensor sources and the device simulator.

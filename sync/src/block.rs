@@ -1,0 +1,438 @@
+//! Sealed blocks: the unit of durability and of replication.
+//!
+//! A block is an immutable run of consecutive records of one stream from one device epoch.
+//! It is a fixed 64-byte header followed by a zstd-compressed body. The layout is specified in
+//! `docs/format/segment.md`; offsets below are derived from one another and the header size is
+//! checked at compile time.
+//!
+//! Decoding is defensive: every length is checked against [`DecodeLimits`] before anything is
+//! allocated, so a corrupt or hostile block cannot exhaust memory.
+
+use crate::record::{Record, Value};
+use crate::{columnar, varint};
+use thiserror::Error;
+
+/// `TRBK`: marks the start of every block header.
+pub const BLOCK_MAGIC: [u8; 4] = *b"TRBK";
+/// Row-by-row body encoding.
+pub const VERSION_ROWS: u8 = 1;
+/// Columnar body encoding (see [`crate::columnar`]).
+pub const VERSION_COLUMNAR: u8 = 2;
+
+// Header field offsets, each derived from the previous field.
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = OFF_MAGIC + 4;
+const OFF_FLAGS: usize = OFF_VERSION + 1;
+const OFF_HEADER_LEN: usize = OFF_FLAGS + 1;
+const OFF_EPOCH: usize = OFF_HEADER_LEN + 2;
+const OFF_FIRST_SEQ: usize = OFF_EPOCH + 8;
+const OFF_COUNT: usize = OFF_FIRST_SEQ + 8;
+const OFF_RAW_LEN: usize = OFF_COUNT + 4;
+const OFF_MIN_TS: usize = OFF_RAW_LEN + 4;
+const OFF_MAX_TS: usize = OFF_MIN_TS + 8;
+const OFF_BODY_LEN: usize = OFF_MAX_TS + 8;
+const OFF_BODY_CRC: usize = OFF_BODY_LEN + 4;
+const OFF_RAW_CRC: usize = OFF_BODY_CRC + 4;
+const OFF_HEADER_CRC: usize = OFF_RAW_CRC + 4;
+/// Size of the fixed block header in bytes.
+pub const HEADER_LEN: usize = OFF_HEADER_CRC + 4;
+const _: () = assert!(HEADER_LEN == 64);
+
+/// zstd level used when sealing. Level 3 is zstd's default balance of speed and ratio.
+pub const DEFAULT_ZSTD_LEVEL: i32 = 3;
+
+/// Limits applied while decoding untrusted blocks.
+#[derive(Debug, Clone, Copy)]
+pub struct DecodeLimits {
+    /// Largest decompressed body accepted.
+    pub raw_bytes_max: u32,
+    /// Largest record count accepted.
+    pub records_max: u32,
+    /// Largest compressed body accepted.
+    pub body_bytes_max: u32,
+}
+
+impl Default for DecodeLimits {
+    fn default() -> Self {
+        DecodeLimits { raw_bytes_max: 64 << 20, records_max: 1 << 20, body_bytes_max: 64 << 20 }
+    }
+}
+
+/// The decoded fixed header of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockHeader {
+    pub version: u8,
+    pub epoch: u64,
+    pub first_seq: u64,
+    pub count: u32,
+    pub raw_len: u32,
+    pub min_ts: i64,
+    pub max_ts: i64,
+    pub body_len: u32,
+    /// crc32c of the compressed body as stored.
+    pub body_crc: u32,
+    /// crc32c of the decompressed body: checked again after decompression.
+    pub raw_crc: u32,
+}
+
+impl BlockHeader {
+    /// The last seq in the block. Blocks are never empty.
+    pub fn last_seq(&self) -> u64 {
+        self.first_seq + u64::from(self.count) - 1
+    }
+
+    /// Total encoded size of the block, header included.
+    pub fn encoded_len(&self) -> usize {
+        HEADER_LEN + self.body_len as usize
+    }
+}
+
+/// A decoded block.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Block {
+    pub header: BlockHeader,
+    pub records: Vec<Record>,
+}
+
+/// Why a block could not be sealed.
+#[derive(Debug, Error)]
+pub enum EncodeError {
+    #[error("a block must hold at least one record")]
+    Empty,
+    #[error("block holds {0} records, more than the format allows")]
+    TooManyRecords(usize),
+    #[error("block body is {0} bytes, more than the format allows")]
+    TooLarge(usize),
+    #[error("unsupported block version {0}")]
+    UnsupportedVersion(u8),
+    #[error("seq range starting at {first_seq} with {count} records overflows u64")]
+    SeqOverflow { first_seq: u64, count: usize },
+    #[error("compression failed: {0}")]
+    Compress(#[source] std::io::Error),
+    #[error("columnar encoding failed: {0}")]
+    Columnar(#[from] columnar::ColumnarError),
+}
+
+/// Why bytes are not a valid block. Every variant names what was wrong.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum BlockError {
+    #[error("block is {got} bytes, shorter than the {need}-byte header")]
+    ShortHeader { got: usize, need: usize },
+    #[error("bad block magic {0:02x?}")]
+    BadMagic([u8; 4]),
+    #[error("block header checksum mismatch")]
+    HeaderChecksum,
+    #[error("unsupported block version {0}; this build reads versions 1 and 2")]
+    UnsupportedVersion(u8),
+    #[error("block header length {0} is not 64")]
+    BadHeaderLen(u16),
+    #[error("block records {count} exceed limit {limit}")]
+    TooManyRecords { count: u32, limit: u32 },
+    #[error("block with zero records")]
+    Empty,
+    #[error("block body of {len} bytes exceeds limit {limit}")]
+    BodyTooLarge { len: u32, limit: u32 },
+    #[error("decompressed size {len} exceeds limit {limit}")]
+    RawTooLarge { len: u32, limit: u32 },
+    #[error("block is {got} bytes but its header says {need}")]
+    Truncated { got: usize, need: usize },
+    #[error("block body checksum mismatch")]
+    BodyChecksum,
+    #[error("decompressed body checksum mismatch")]
+    RawChecksum,
+    #[error("decompression failed: {0}")]
+    Decompress(String),
+    #[error("decompressed {got} bytes, header says {want}")]
+    RawLenMismatch { got: usize, want: u32 },
+    #[error("malformed block body at byte {offset}: {what}")]
+    Body { offset: usize, what: &'static str },
+    #[error("malformed columnar body: {0}")]
+    Columnar(String),
+    #[error("block seq range first={first_seq} count={count} overflows")]
+    SeqOverflow { first_seq: u64, count: u32 },
+}
+
+/// Seals `records` into one block with the given body version.
+pub fn encode_block(
+    version: u8,
+    epoch: u64,
+    first_seq: u64,
+    records: &[Record],
+) -> Result<Vec<u8>, EncodeError> {
+    encode_block_with_level(version, epoch, first_seq, records, DEFAULT_ZSTD_LEVEL)
+}
+
+/// As [`encode_block`], with an explicit zstd level.
+pub fn encode_block_with_level(
+    version: u8,
+    epoch: u64,
+    first_seq: u64,
+    records: &[Record],
+    level: i32,
+) -> Result<Vec<u8>, EncodeError> {
+    if records.is_empty() {
+        return Err(EncodeError::Empty);
+    }
+    let count = u32::try_from(records.len()).map_err(|_| EncodeError::TooManyRecords(records.len()))?;
+    if first_seq.checked_add(u64::from(count) - 1).is_none() {
+        return Err(EncodeError::SeqOverflow { first_seq, count: records.len() });
+    }
+    let raw = match version {
+        VERSION_ROWS => encode_rows(records),
+        VERSION_COLUMNAR => columnar::encode(records)?,
+        other => return Err(EncodeError::UnsupportedVersion(other)),
+    };
+    let raw_len = u32::try_from(raw.len()).map_err(|_| EncodeError::TooLarge(raw.len()))?;
+    let body = zstd::bulk::compress(&raw, level).map_err(EncodeError::Compress)?;
+    let body_len = u32::try_from(body.len()).map_err(|_| EncodeError::TooLarge(body.len()))?;
+    let min_ts = records.iter().map(|r| r.ts).min().expect("non-empty");
+    let max_ts = records.iter().map(|r| r.ts).max().expect("non-empty");
+    let header = BlockHeader {
+        version,
+        epoch,
+        first_seq,
+        count,
+        raw_len,
+        min_ts,
+        max_ts,
+        body_len,
+        body_crc: crc32c::crc32c(&body),
+        raw_crc: crc32c::crc32c(&raw),
+    };
+    let mut out = Vec::with_capacity(HEADER_LEN + body.len());
+    out.extend_from_slice(&write_header(&header));
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Serialises a header, computing its own checksum.
+pub fn write_header(h: &BlockHeader) -> [u8; HEADER_LEN] {
+    let mut b = [0u8; HEADER_LEN];
+    b[OFF_MAGIC..OFF_VERSION].copy_from_slice(&BLOCK_MAGIC);
+    b[OFF_VERSION] = h.version;
+    b[OFF_FLAGS] = 0;
+    b[OFF_HEADER_LEN..OFF_EPOCH].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
+    b[OFF_EPOCH..OFF_FIRST_SEQ].copy_from_slice(&h.epoch.to_le_bytes());
+    b[OFF_FIRST_SEQ..OFF_COUNT].copy_from_slice(&h.first_seq.to_le_bytes());
+    b[OFF_COUNT..OFF_RAW_LEN].copy_from_slice(&h.count.to_le_bytes());
+    b[OFF_RAW_LEN..OFF_MIN_TS].copy_from_slice(&h.raw_len.to_le_bytes());
+    b[OFF_MIN_TS..OFF_MAX_TS].copy_from_slice(&h.min_ts.to_le_bytes());
+    b[OFF_MAX_TS..OFF_BODY_LEN].copy_from_slice(&h.max_ts.to_le_bytes());
+    b[OFF_BODY_LEN..OFF_BODY_CRC].copy_from_slice(&h.body_len.to_le_bytes());
+    b[OFF_BODY_CRC..OFF_RAW_CRC].copy_from_slice(&h.body_crc.to_le_bytes());
+    b[OFF_RAW_CRC..OFF_HEADER_CRC].copy_from_slice(&h.raw_crc.to_le_bytes());
+    let crc = crc32c::crc32c(&b[..OFF_HEADER_CRC]);
+    b[OFF_HEADER_CRC..HEADER_LEN].copy_from_slice(&crc.to_le_bytes());
+    b
+}
+
+fn le_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
+}
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
+/// Parses and verifies the fixed header. Does not touch the body.
+pub fn decode_header(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
+    if bytes.len() < HEADER_LEN {
+        return Err(BlockError::ShortHeader { got: bytes.len(), need: HEADER_LEN });
+    }
+    let magic: [u8; 4] = bytes[OFF_MAGIC..OFF_VERSION].try_into().expect("4 bytes");
+    if magic != BLOCK_MAGIC {
+        return Err(BlockError::BadMagic(magic));
+    }
+    if crc32c::crc32c(&bytes[..OFF_HEADER_CRC]) != le_u32(bytes, OFF_HEADER_CRC) {
+        return Err(BlockError::HeaderChecksum);
+    }
+    let version = bytes[OFF_VERSION];
+    if version != VERSION_ROWS && version != VERSION_COLUMNAR {
+        return Err(BlockError::UnsupportedVersion(version));
+    }
+    let header_len = le_u16(bytes, OFF_HEADER_LEN);
+    if usize::from(header_len) != HEADER_LEN {
+        return Err(BlockError::BadHeaderLen(header_len));
+    }
+    let h = BlockHeader {
+        version,
+        epoch: le_u64(bytes, OFF_EPOCH),
+        first_seq: le_u64(bytes, OFF_FIRST_SEQ),
+        count: le_u32(bytes, OFF_COUNT),
+        raw_len: le_u32(bytes, OFF_RAW_LEN),
+        min_ts: le_u64(bytes, OFF_MIN_TS) as i64,
+        max_ts: le_u64(bytes, OFF_MAX_TS) as i64,
+        body_len: le_u32(bytes, OFF_BODY_LEN),
+        body_crc: le_u32(bytes, OFF_BODY_CRC),
+        raw_crc: le_u32(bytes, OFF_RAW_CRC),
+    };
+    if h.count == 0 {
+        return Err(BlockError::Empty);
+    }
+    if h.first_seq.checked_add(u64::from(h.count) - 1).is_none() {
+        return Err(BlockError::SeqOverflow { first_seq: h.first_seq, count: h.count });
+    }
+    Ok(h)
+}
+
+/// Verifies the header and the compressed body's checksum without decompressing.
+pub fn verify_block(bytes: &[u8], limits: &DecodeLimits) -> Result<BlockHeader, BlockError> {
+    let h = decode_header(bytes)?;
+    check_limits(&h, limits)?;
+    let need = h.encoded_len();
+    if bytes.len() != need {
+        return Err(BlockError::Truncated { got: bytes.len(), need });
+    }
+    if crc32c::crc32c(&bytes[HEADER_LEN..]) != h.body_crc {
+        return Err(BlockError::BodyChecksum);
+    }
+    Ok(h)
+}
+
+fn check_limits(h: &BlockHeader, limits: &DecodeLimits) -> Result<(), BlockError> {
+    if h.count > limits.records_max {
+        return Err(BlockError::TooManyRecords { count: h.count, limit: limits.records_max });
+    }
+    if h.body_len > limits.body_bytes_max {
+        return Err(BlockError::BodyTooLarge { len: h.body_len, limit: limits.body_bytes_max });
+    }
+    if h.raw_len > limits.raw_bytes_max {
+        return Err(BlockError::RawTooLarge { len: h.raw_len, limit: limits.raw_bytes_max });
+    }
+    Ok(())
+}
+
+/// Verifies and fully decodes a block.
+pub fn decode_block(bytes: &[u8], limits: &DecodeLimits) -> Result<Block, BlockError> {
+    let header = verify_block(bytes, limits)?;
+    let raw = decompress_body(&header, &bytes[HEADER_LEN..])?;
+    let records = match header.version {
+        VERSION_ROWS => decode_rows(&raw, header.count)?,
+        VERSION_COLUMNAR => {
+            columnar::decode(&raw, header.count).map_err(|e| BlockError::Columnar(e.to_string()))?
+        }
+        other => return Err(BlockError::UnsupportedVersion(other)),
+    };
+    Ok(Block { header, records })
+}
+
+/// Decompresses a body whose size was already checked against the limits.
+fn decompress_body(h: &BlockHeader, body: &[u8]) -> Result<Vec<u8>, BlockError> {
+    // The capacity bound is what makes a zstd bomb harmless: zstd stops at `raw_len` bytes.
+    let raw = zstd::bulk::decompress(body, h.raw_len as usize)
+        .map_err(|e| BlockError::Decompress(e.to_string()))?;
+    if raw.len() != h.raw_len as usize {
+        return Err(BlockError::RawLenMismatch { got: raw.len(), want: h.raw_len });
+    }
+    if crc32c::crc32c(&raw) != h.raw_crc {
+        return Err(BlockError::RawChecksum);
+    }
+    Ok(raw)
+}
+
+/// Version 1 body: records one after another.
+///
+/// Per record: key (varint length + UTF-8), ts (zigzag varint), field count (varint), then per
+/// field: name (varint length + UTF-8), a type tag byte, and the value.
+fn encode_rows(records: &[Record]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(records.iter().map(Record::approx_bytes).sum::<usize>() + 16);
+    for r in records {
+        varint::put_bytes(&mut out, r.key.as_bytes());
+        varint::put_i64(&mut out, r.ts);
+        varint::put_u64(&mut out, r.fields.len() as u64);
+        for (name, value) in &r.fields {
+            varint::put_bytes(&mut out, name.as_bytes());
+            out.push(value.type_tag());
+            match value {
+                Value::F64(v) => out.extend_from_slice(&v.to_bits().to_le_bytes()),
+                Value::I64(v) => varint::put_i64(&mut out, *v),
+                Value::Bool(v) => out.push(u8::from(*v)),
+                Value::Str(s) => varint::put_bytes(&mut out, s.as_bytes()),
+                Value::Bytes(b) => varint::put_bytes(&mut out, b),
+            }
+        }
+    }
+    out
+}
+
+fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
+    let mut r = varint::Reader::new(raw);
+    // Each record takes at least 3 bytes, which bounds the allocation by the input.
+    let mut records = Vec::with_capacity((count as usize).min(raw.len() / 3 + 1));
+    for _ in 0..count {
+        let key = r.string().map_err(body_err)?;
+        let ts = r.i64().map_err(body_err)?;
+        let nfields = r.u64().map_err(body_err)?;
+        if nfields > r.remaining() as u64 {
+            return Err(BlockError::Body { offset: r.offset(), what: "field count exceeds body" });
+        }
+        let mut fields = Vec::with_capacity(nfields as usize);
+        for _ in 0..nfields {
+            let name = r.string().map_err(body_err)?;
+            let value = match r.byte().map_err(body_err)? {
+                0 => Value::F64(f64::from_bits(r.u64_le().map_err(body_err)?)),
+                1 => Value::I64(r.i64().map_err(body_err)?),
+                2 => Value::Bool(r.byte().map_err(body_err)? != 0),
+                3 => Value::Str(r.string().map_err(body_err)?),
+                4 => Value::Bytes(r.bytes().map_err(body_err)?.to_vec()),
+                _ => return Err(BlockError::Body { offset: r.offset(), what: "unknown field type tag" }),
+            };
+            fields.push((name, value));
+        }
+        records.push(Record { key, ts, fields });
+    }
+    if r.remaining() != 0 {
+        return Err(BlockError::Body { offset: r.offset(), what: "trailing bytes after last record" });
+    }
+    Ok(records)
+}
+
+fn body_err(e: varint::ReadError) -> BlockError {
+    BlockError::Body { offset: e.offset, what: e.what }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(n: usize) -> Vec<Record> {
+        (0..n)
+            .map(|i| Record {
+                key: format!("truck-{:04}/engine", i % 7),
+                ts: 1_764_374_400_000_000_000 + i as i64 * 1_000_000_000,
+                fields: vec![
+                    ("temp".into(), Value::F64(71.25 + i as f64)),
+                    ("odo".into(), Value::I64(i as i64 * 17)),
+                    ("on".into(), Value::Bool(i % 2 == 0)),
+                    ("note".into(), Value::Str("ok".into())),
+                    ("raw".into(), Value::Bytes(vec![1, 2, 3])),
+                ],
+            })
+            .collect()
+    }
+
+    #[test]
+    fn round_trip_rows() {
+        let recs = sample(100);
+        let bytes = encode_block(VERSION_ROWS, 42, 1000, &recs).unwrap();
+        let b = decode_block(&bytes, &DecodeLimits::default()).unwrap();
+        assert_eq!(b.records, recs);
+        assert_eq!(b.header.epoch, 42);
+        assert_eq!(b.header.first_seq, 1000);
+        assert_eq!(b.header.last_seq(), 1099);
+        assert_eq!(b.header.min_ts, recs[0].ts);
+        assert_eq!(b.header.max_ts, recs[99].ts);
+    }
+
+    #[test]
+    fn limits_are_enforced_before_decompression() {
+        let recs = sample(100);
+        let bytes = encode_block(VERSION_ROWS, 1, 1, &recs).unwrap();
+        let tight = DecodeLimits { raw_bytes_max: 100, ..DecodeLimits::default() };
+        assert!(matches!(decode_block(&bytes, &tight), Err(BlockError::RawTooLarge { .. })));
+        let few = DecodeLimits { records_max: 10, ..DecodeLimits::default() };
+        assert!(matches!(decode_block(&bytes, &few), Err(BlockError::TooManyRecords { .. })));
+    }
+}

@@ -1,0 +1,17 @@
+//! Tributary's shared core.
+//!
+//! Everything the edge agent, the hub and the tools must agree on lives here and only here:
+//! the record model ([`record`]), the ingest parsers ([`parse`]), the sealed block and segment
+//! file format ([`block`], [`segment`]), and the replication protocol.
+//!
+//! Nothing in this crate performs network IO or reads the clock. The segment scanner works on
+//! byte slices handed to it; files are the caller's business.
+
+pub mod block;
+pub mod columnar;
+pub mod parse;
+pub mod record;
+pub mod segment;
+pub mod varint;
+
+pub use record::{Origin, Record, Value};

@@ -1,0 +1,1 @@
+//! Ingest parsers: JSON objects and InfluxDB line protocol.

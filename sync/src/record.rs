@@ -1,0 +1,104 @@
+//! The record model shared by every side.
+//!
+//! A record is the InfluxDB line-protocol model: a routing key (the tags), an event timestamp in
+//! nanoseconds, and a set of typed fields. Its origin (`device`, `epoch`, `seq`) is not stored in
+//! each record: the device is the connection's identity and the block header carries the epoch
+//! and the seq range, so a record's seq is `first_seq + index` within its block.
+
+use serde::{Deserialize, Serialize};
+
+/// A typed field value.
+///
+/// Equality on `F64` compares bits, so NaN payloads and `-0.0` round-trip checks are exact.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Value {
+    F64(f64),
+    I64(i64),
+    Bool(bool),
+    Str(String),
+    Bytes(Vec<u8>),
+}
+
+impl Value {
+    /// A stable one-byte tag for the value's type, used by the encoders.
+    pub fn type_tag(&self) -> u8 {
+        match self {
+            Value::F64(_) => 0,
+            Value::I64(_) => 1,
+            Value::Bool(_) => 2,
+            Value::Str(_) => 3,
+            Value::Bytes(_) => 4,
+        }
+    }
+
+    /// The type's name as it appears in errors and docs.
+    pub fn type_name(&self) -> &'static str {
+        match self {
+            Value::F64(_) => "f64",
+            Value::I64(_) => "i64",
+            Value::Bool(_) => "bool",
+            Value::Str(_) => "string",
+            Value::Bytes(_) => "bytes",
+        }
+    }
+}
+
+impl PartialEq for Value {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Value::F64(a), Value::F64(b)) => a.to_bits() == b.to_bits(),
+            (Value::I64(a), Value::I64(b)) => a == b,
+            (Value::Bool(a), Value::Bool(b)) => a == b,
+            (Value::Str(a), Value::Str(b)) => a == b,
+            (Value::Bytes(a), Value::Bytes(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for Value {}
+
+/// One record as producers write it and readers see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Record {
+    /// The routing key, for example `truck-0042/engine`. Per-key order is preserved end to end.
+    pub key: String,
+    /// Event time in nanoseconds since the Unix epoch, stored exactly as given.
+    pub ts: i64,
+    /// Typed fields in the order the producer wrote them. Names are unique within a record.
+    pub fields: Vec<(String, Value)>,
+}
+
+impl Record {
+    /// A rough in-memory size, used for block sealing thresholds and budgets.
+    pub fn approx_bytes(&self) -> usize {
+        let fields: usize = self
+            .fields
+            .iter()
+            .map(|(name, value)| {
+                name.len()
+                    + match value {
+                        Value::Str(s) => s.len(),
+                        Value::Bytes(b) => b.len(),
+                        _ => 8,
+                    }
+                    + 2
+            })
+            .sum();
+        self.key.len() + 8 + fields
+    }
+
+    /// Looks a field up by name.
+    pub fn field(&self, name: &str) -> Option<&Value> {
+        self.fields.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+}
+
+/// Where a record came from: the agent stamps these, the hub deduplicates on them.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Origin {
+    pub device: String,
+    pub epoch: u64,
+    pub seq: u64,
+}
