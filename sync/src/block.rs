@@ -38,6 +38,10 @@ const OFF_HEADER_CRC: usize = OFF_RAW_CRC + 4;
 pub const HEADER_LEN: usize = OFF_HEADER_CRC + 4;
 const _: () = assert!(HEADER_LEN == 64);
 
+/// Set on every block of a producer batch except its last, when one batch had to be split
+/// across blocks. Recovery drops a trailing run of such blocks, so a batch is all or nothing.
+pub const FLAG_BATCH_CONTINUES: u8 = 1;
+
 /// zstd level used when sealing. Level 3 is zstd's default balance of speed and ratio.
 pub const DEFAULT_ZSTD_LEVEL: i32 = 3;
 
@@ -62,6 +66,8 @@ impl Default for DecodeLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockHeader {
     pub version: u8,
+    /// Bit flags; see [`FLAG_BATCH_CONTINUES`]. Unknown bits are preserved and ignored.
+    pub flags: u8,
     pub epoch: u64,
     pub first_seq: u64,
     pub count: u32,
@@ -159,17 +165,32 @@ pub fn encode_block(
     first_seq: u64,
     records: &[Record],
 ) -> Result<Vec<u8>, EncodeError> {
-    encode_block_with_level(version, epoch, first_seq, records, DEFAULT_ZSTD_LEVEL)
+    let opts = EncodeOptions { version, ..EncodeOptions::default() };
+    encode_block_with(&opts, epoch, first_seq, records)
 }
 
-/// As [`encode_block`], with an explicit zstd level.
-pub fn encode_block_with_level(
-    version: u8,
+/// How a block is sealed.
+#[derive(Debug, Clone, Copy)]
+pub struct EncodeOptions {
+    pub version: u8,
+    pub flags: u8,
+    pub zstd_level: i32,
+}
+
+impl Default for EncodeOptions {
+    fn default() -> Self {
+        EncodeOptions { version: VERSION_ROWS, flags: 0, zstd_level: DEFAULT_ZSTD_LEVEL }
+    }
+}
+
+/// As [`encode_block`], with explicit options.
+pub fn encode_block_with(
+    opts: &EncodeOptions,
     epoch: u64,
     first_seq: u64,
     records: &[Record],
-    level: i32,
 ) -> Result<Vec<u8>, EncodeError> {
+    let (version, level) = (opts.version, opts.zstd_level);
     if records.is_empty() {
         return Err(EncodeError::Empty);
     }
@@ -189,6 +210,7 @@ pub fn encode_block_with_level(
     let max_ts = records.iter().map(|r| r.ts).max().expect("non-empty");
     let header = BlockHeader {
         version,
+        flags: opts.flags,
         epoch,
         first_seq,
         count,
@@ -210,7 +232,7 @@ pub fn write_header(h: &BlockHeader) -> [u8; HEADER_LEN] {
     let mut b = [0u8; HEADER_LEN];
     b[OFF_MAGIC..OFF_VERSION].copy_from_slice(&BLOCK_MAGIC);
     b[OFF_VERSION] = h.version;
-    b[OFF_FLAGS] = 0;
+    b[OFF_FLAGS] = h.flags;
     b[OFF_HEADER_LEN..OFF_EPOCH].copy_from_slice(&(HEADER_LEN as u16).to_le_bytes());
     b[OFF_EPOCH..OFF_FIRST_SEQ].copy_from_slice(&h.epoch.to_le_bytes());
     b[OFF_FIRST_SEQ..OFF_COUNT].copy_from_slice(&h.first_seq.to_le_bytes());
@@ -258,6 +280,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
     }
     let h = BlockHeader {
         version,
+        flags: bytes[OFF_FLAGS],
         epoch: le_u64(bytes, OFF_EPOCH),
         first_seq: le_u64(bytes, OFF_FIRST_SEQ),
         count: le_u32(bytes, OFF_COUNT),
