@@ -82,9 +82,10 @@ pub struct BlockHeader {
 }
 
 impl BlockHeader {
-    /// The last seq in the block. Blocks are never empty.
+    /// The last seq in the block. Blocks are never empty, and a decoded header's range never
+    /// overflows; the parentheses matter for a range that ends at `u64::MAX`.
     pub fn last_seq(&self) -> u64 {
-        self.first_seq + u64::from(self.count) - 1
+        self.first_seq + (u64::from(self.count) - 1)
     }
 
     /// Total encoded size of the block, header included.
@@ -156,6 +157,10 @@ pub enum BlockError {
     Columnar(String),
     #[error("block seq range first={first_seq} count={count} overflows")]
     SeqOverflow { first_seq: u64, count: u32 },
+    #[error("record {index} has ts {ts}, outside the header's range {min_ts}..={max_ts}")]
+    TsOutOfRange { index: u32, ts: i64, min_ts: i64, max_ts: i64 },
+    #[error("block header min_ts {min_ts} is after max_ts {max_ts}")]
+    BadTsRange { min_ts: i64, max_ts: i64 },
 }
 
 /// Seals `records` into one block with the given body version.
@@ -297,6 +302,9 @@ pub fn decode_header(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
     if h.first_seq.checked_add(u64::from(h.count) - 1).is_none() {
         return Err(BlockError::SeqOverflow { first_seq: h.first_seq, count: h.count });
     }
+    if h.min_ts > h.max_ts {
+        return Err(BlockError::BadTsRange { min_ts: h.min_ts, max_ts: h.max_ts });
+    }
     Ok(h)
 }
 
@@ -338,7 +346,23 @@ pub fn decode_block(bytes: &[u8], limits: &DecodeLimits) -> Result<Block, BlockE
         }
         other => return Err(BlockError::UnsupportedVersion(other)),
     };
+    check_records(&header, &records)?;
     Ok(Block { header, records })
+}
+
+/// Cross-checks decoded records against the header, whatever the body version. Readers prune
+/// blocks by `min_ts..=max_ts`, so a record outside that range would be silently skipped.
+fn check_records(h: &BlockHeader, records: &[Record]) -> Result<(), BlockError> {
+    if records.len() != h.count as usize {
+        return Err(BlockError::Body { offset: 0, what: "body holds a different record count than the header" });
+    }
+    for (index, r) in records.iter().enumerate() {
+        if r.ts < h.min_ts || r.ts > h.max_ts {
+            let index = index as u32;
+            return Err(BlockError::TsOutOfRange { index, ts: r.ts, min_ts: h.min_ts, max_ts: h.max_ts });
+        }
+    }
+    Ok(())
 }
 
 /// Decompresses a body whose size was already checked against the limits.
@@ -397,7 +421,11 @@ fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
             let value = match r.byte().map_err(body_err)? {
                 0 => Value::F64(f64::from_bits(r.u64_le().map_err(body_err)?)),
                 1 => Value::I64(r.i64().map_err(body_err)?),
-                2 => Value::Bool(r.byte().map_err(body_err)? != 0),
+                2 => match r.byte().map_err(body_err)? {
+                    0 => Value::Bool(false),
+                    1 => Value::Bool(true),
+                    _ => return Err(BlockError::Body { offset: r.offset() - 1, what: "bool byte is not 0 or 1" }),
+                },
                 3 => Value::Str(r.string().map_err(body_err)?),
                 4 => Value::Bytes(r.bytes().map_err(body_err)?.to_vec()),
                 _ => return Err(BlockError::Body { offset: r.offset(), what: "unknown field type tag" }),

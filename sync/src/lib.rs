@@ -9,7 +9,9 @@
 
 pub mod block;
 pub mod columnar;
+pub mod fuzzing;
 pub mod parse;
+pub mod protocol;
 pub mod record;
 pub mod segment;
 pub mod varint;

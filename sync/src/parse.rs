@@ -1,1 +1,113 @@
-//! Ingest parsers: JSON objects and InfluxDB line protocol.
+//! Ingest parsers: NDJSON objects and InfluxDB line protocol, into [`Record`](crate::Record)s.
+//!
+//! Both parsers take a whole request body, parse all of it or nothing, and report the first
+//! problem as a [`ParseError`] that names the 1-based line and column, what was expected and
+//! what was found. The HTTP layer returns that error as a JSON body ([`ParseError::to_json`]),
+//! so a producer can fix its input without reading our code.
+//!
+//! Limits are per line ([`LINE_BYTES_MAX`]) and per record ([`FIELDS_MAX`]); the body size is
+//! the caller's limit. Neither parser panics on any input: both are fuzzed (`sync/fuzz`).
+//!
+//! The accepted shapes:
+//! - NDJSON ([`parse_ndjson`]): `{"key":"truck-0007/engine","ts":1764374400000000000,
+//!   "fields":{"engine_temp_c":71.28,"odometer_m":12345,"ignition":true,"note":"x"}}`, one
+//!   object per line. See [`json`] for the exact rules.
+//! - Line protocol ([`parse_line_protocol`]): `telemetry,device=truck-0007,unit=engine
+//!   engine_temp_c=71.28,odometer_m=12345i 1764374400000000000`. See [`line`].
+
+pub mod json;
+pub mod line;
+
+pub use json::{WriteError, parse_ndjson, parse_ndjson_with, write_ndjson, write_ndjson_line};
+pub use line::{LineRecord, parse_line_protocol};
+
+use serde::Serialize;
+use thiserror::Error;
+
+/// The longest accepted input line, in bytes (without its line ending).
+pub const LINE_BYTES_MAX: usize = 1 << 20;
+/// The most fields one record may carry.
+pub const FIELDS_MAX: usize = 1024;
+/// The most tags one line-protocol line may carry (their values make up the routing key).
+pub const TAGS_MAX: usize = 64;
+/// How much of an offending token an error quotes.
+const FOUND_CHARS_MAX: usize = 40;
+
+/// Options shared by both parsers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ParseOptions {
+    /// The timestamp given to records that carry none, in nanoseconds since the Unix epoch.
+    /// The HTTP and MQTT sources set it to the receive time; `None` makes a missing
+    /// timestamp an error.
+    pub default_ts: Option<i64>,
+}
+
+/// Why an input could not be parsed, and where.
+///
+/// Displays as `line 3, column 17: expected a number for "ts", found "abc"`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Error)]
+#[error("line {line}, column {column}: expected {expected}, found {found}")]
+pub struct ParseError {
+    /// 1-based line number in the input.
+    pub line: usize,
+    /// 1-based column, counted in characters.
+    pub column: usize,
+    /// What the parser wanted at that position.
+    pub expected: String,
+    /// What it saw there: the offending token (shortened), or a description such as
+    /// `end of line`.
+    pub found: String,
+}
+
+impl ParseError {
+    /// The error as a JSON object: `{"error":"<display>","line":..,"column":..,"expected":..,"found":..}`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": self.to_string(),
+            "line": self.line,
+            "column": self.column,
+            "expected": self.expected,
+            "found": self.found,
+        })
+    }
+}
+
+/// Converts a byte offset within `line` into a 1-based character column.
+fn column(line: &str, byte_offset: usize) -> usize {
+    match line.get(..byte_offset) {
+        Some(prefix) => prefix.chars().count() + 1,
+        None => byte_offset + 1,
+    }
+}
+
+/// Shortens a token for quoting in an error, on a character boundary.
+fn shorten(token: &str) -> String {
+    match token.char_indices().nth(FOUND_CHARS_MAX) {
+        Some((cut, _)) => format!("{}...", &token[..cut]),
+        None => token.to_owned(),
+    }
+}
+
+/// The error for a line longer than [`LINE_BYTES_MAX`].
+fn line_too_long(line_no: usize, line: &str) -> ParseError {
+    let mut cut = LINE_BYTES_MAX;
+    while !line.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    ParseError {
+        line: line_no,
+        column: column(line, cut),
+        expected: format!("a line of at most {LINE_BYTES_MAX} bytes"),
+        found: format!("a line of {} bytes", line.len()),
+    }
+}
+
+/// The error for a record with more than [`FIELDS_MAX`] fields.
+fn too_many_fields(line_no: usize, column: usize) -> ParseError {
+    ParseError {
+        line: line_no,
+        column,
+        expected: format!("at most {FIELDS_MAX} fields in a record"),
+        found: format!("field number {}", FIELDS_MAX + 1),
+    }
+}

@@ -98,6 +98,14 @@ impl FrameRef {
     pub fn end(&self) -> u64 {
         self.block_offset() + u64::from(self.len)
     }
+
+    /// The block bytes of this frame within the scanned segment, or `None` if `segment` is not
+    /// the buffer this frame was found in (it is too short).
+    pub fn block<'a>(&self, segment: &'a [u8]) -> Option<&'a [u8]> {
+        let start = usize::try_from(self.block_offset()).ok()?;
+        let end = usize::try_from(self.end()).ok()?;
+        segment.get(start..end)
+    }
 }
 
 /// The result of scanning a segment file.
@@ -155,9 +163,10 @@ pub fn scan_frames(bytes: &[u8], start: usize) -> Scan {
     Scan { frames, valid_len: pos as u64, fault }
 }
 
-/// Checks the frame at `pos`, returning the block length.
+/// Checks the frame at `pos`, returning the block length. A `pos` past the end is a short
+/// frame header, not a panic.
 pub fn check_frame(bytes: &[u8], pos: usize) -> Result<u32, FrameFault> {
-    let rest = &bytes[pos..];
+    let rest = bytes.get(pos..).unwrap_or_default();
     if rest.len() < FRAME_HEADER_LEN {
         return Err(FrameFault::ShortFrameHeader);
     }
@@ -180,8 +189,8 @@ pub fn check_frame(bytes: &[u8], pos: usize) -> Result<u32, FrameFault> {
 /// pass its checksum, so a false match inside data is vanishingly unlikely.
 pub fn resync(bytes: &[u8], from: usize) -> Option<usize> {
     let magic = crate::block::BLOCK_MAGIC;
-    let mut pos = from + 1;
-    while pos + FRAME_HEADER_LEN + magic.len() <= bytes.len() {
+    let mut pos = from.saturating_add(1);
+    while pos.saturating_add(FRAME_HEADER_LEN + magic.len()) <= bytes.len() {
         let at = pos + FRAME_HEADER_LEN;
         if bytes[at..at + magic.len()] == magic && check_frame(bytes, pos).is_ok() {
             return Some(pos);
@@ -210,6 +219,18 @@ mod tests {
         assert_eq!(s.frames.len(), 2);
         assert_eq!(s.valid_len as usize, seg.len());
         assert_eq!(s.fault, None);
+    }
+
+    #[test]
+    fn out_of_range_positions_are_faults_not_panics() {
+        let seg = segment_with(&[b"TRBKone"]);
+        assert_eq!(check_frame(&seg, seg.len() + 5), Err(FrameFault::ShortFrameHeader));
+        let s = scan_frames(&seg, seg.len() + 5);
+        assert_eq!((s.frames.len(), s.fault.map(|f| f.1)), (0, Some(FrameFault::ShortFrameHeader)));
+        assert_eq!(resync(&seg, usize::MAX), None);
+        let f = scan(&seg).unwrap().frames[0];
+        assert_eq!(f.block(&seg), Some(&b"TRBKone"[..]));
+        assert_eq!(f.block(&seg[..seg.len() - 1]), None);
     }
 
     #[test]

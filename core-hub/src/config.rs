@@ -1,0 +1,600 @@
+//! The hub's configuration: `hub.toml` plus `TRIBUTARY_HUB__*` environment overrides.
+//!
+//! The file is read once with the `config` crate into raw serde structs ([`RawConfig`]), then
+//! turned into typed values ([`HubConfig`]): socket addresses, durations, byte sizes and
+//! validated names. Every failure is one [`ConfigError`] that names the key at fault, so an
+//! operator can fix the file without reading our code. Libraries take [`HubConfig`]; only the
+//! binary reads files and the environment.
+
+use serde::Deserialize;
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use thiserror::Error;
+
+/// Environment variable prefix: `TRIBUTARY_HUB__LISTEN__QUIC` overrides `listen.quic`.
+pub const ENV_PREFIX: &str = "TRIBUTARY_HUB";
+/// Separator between key segments in environment variable names.
+pub const ENV_SEPARATOR: &str = "__";
+
+/// Why the configuration is unusable. Always names the key at fault.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("cannot read the configuration: {0}")]
+    Read(String),
+    #[error("config key `{key}`: {problem}")]
+    Key { key: String, problem: String },
+}
+
+impl ConfigError {
+    fn key(key: impl Into<String>, problem: impl Into<String>) -> Self {
+        ConfigError::Key { key: key.into(), problem: problem.into() }
+    }
+}
+
+/// The typed hub configuration.
+#[derive(Debug, Clone)]
+pub struct HubConfig {
+    pub data_dir: PathBuf,
+    pub listen: ListenConfig,
+    /// TLS material for the QUIC listener; `None` when `[tls]` is absent (HTTP-only runs and tests).
+    pub tls: Option<TlsPaths>,
+    pub tier2: Tier2Config,
+    pub wal: WalConfig,
+    pub ingest: IngestConfig,
+    pub streams: StreamPolicy,
+    pub http: HttpConfig,
+}
+
+/// Where the hub listens.
+#[derive(Debug, Clone)]
+pub struct ListenConfig {
+    /// Devices connect here over QUIC with mutual TLS.
+    pub quic: SocketAddr,
+    /// The HTTP API, `/metrics` and `/healthz`.
+    pub http: SocketAddr,
+}
+
+/// Paths of the hub's TLS material, as written by `core-hub pki init`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsPaths {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// Tier 2. Only parsed here; the tiering issue uses it.
+#[derive(Debug, Clone)]
+pub struct Tier2Config {
+    /// `file:///...` or `s3://bucket/prefix`, kept verbatim after validation.
+    pub url: String,
+    pub scheme: String,
+}
+
+/// The tier-1 write-ahead log.
+#[derive(Debug, Clone, Copy)]
+pub struct WalConfig {
+    /// A WAL file is rolled once it would grow past this size.
+    pub segment_bytes_max: u64,
+    /// How long the writer waits after the first request of a batch for more to arrive.
+    pub group_commit_linger: Duration,
+}
+
+/// Limits on what devices send.
+#[derive(Debug, Clone, Copy)]
+pub struct IngestConfig {
+    /// The global ingest memory budget, shared by every connection.
+    pub memory_bytes_max: u64,
+    /// The largest encoded block (header + compressed body) accepted.
+    pub block_bytes_max: u32,
+    /// The largest decompressed block body accepted.
+    pub block_raw_bytes_max: u32,
+    /// The most records one block may hold.
+    pub records_per_block_max: u32,
+    /// The most streams one connection may announce.
+    pub streams_per_connection_max: NonZeroU32,
+}
+
+/// Which streams exist and who may write them.
+#[derive(Debug, Clone, Default)]
+pub struct StreamPolicy {
+    /// Configured stream names; empty means any valid stream name is accepted.
+    pub configured: BTreeSet<String>,
+    /// Per-device allow-lists; a device without an entry may write every accepted stream.
+    pub device_allow: BTreeMap<String, BTreeSet<String>>,
+}
+
+/// The HTTP API.
+#[derive(Debug, Clone, Default)]
+pub struct HttpConfig {
+    /// Bearer tokens accepted by the reader API. Empty: the reader API is open.
+    pub reader_tokens: Vec<String>,
+}
+
+impl StreamPolicy {
+    /// Whether `device` may write `stream`; the stream name must already be valid.
+    pub fn allows(&self, device: &str, stream: &str) -> bool {
+        if !self.configured.is_empty() && !self.configured.contains(stream) {
+            return false;
+        }
+        match self.device_allow.get(device) {
+            Some(allowed) => allowed.contains(stream),
+            None => true,
+        }
+    }
+}
+
+/// `true` for stream names made of `[A-Za-z0-9_.-]`, 1 to 64 bytes, and not `.` or `..`.
+pub fn valid_stream_name(name: &str) -> bool {
+    valid_name(name, 64)
+}
+
+/// `true` for device ids made of `[A-Za-z0-9_.-]`, 1 to 128 bytes, and not `.` or `..`.
+pub fn valid_device_id(id: &str) -> bool {
+    valid_name(id, 128)
+}
+
+fn valid_name(s: &str, len_max: usize) -> bool {
+    let charset = s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    charset && !s.is_empty() && s.len() <= len_max && s != "." && s != ".."
+}
+
+/// The raw shape of `hub.toml`, before typing.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    pub data_dir: Option<String>,
+    #[serde(default)]
+    pub listen: RawListen,
+    pub tls: Option<RawTls>,
+    #[serde(default)]
+    pub tier2: RawTier2,
+    #[serde(default)]
+    pub wal: RawWal,
+    #[serde(default)]
+    pub ingest: RawIngest,
+    #[serde(default)]
+    pub streams: Vec<RawStream>,
+    #[serde(default)]
+    pub devices: BTreeMap<String, RawDevice>,
+    #[serde(default)]
+    pub http: RawHttp,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawListen {
+    pub quic: Option<String>,
+    pub http: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub ca: Option<String>,
+    pub cert: Option<String>,
+    pub key: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct RawTier2 {
+    pub url: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawWal {
+    pub segment_bytes_max: Option<String>,
+    pub group_commit_linger: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawIngest {
+    pub memory_bytes_max: Option<String>,
+    pub block_bytes_max: Option<String>,
+    pub block_raw_bytes_max: Option<String>,
+    pub records_per_block_max: Option<u64>,
+    pub streams_per_connection_max: Option<u64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStream {
+    pub name: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawDevice {
+    pub streams: Option<Vec<String>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHttp {
+    pub reader_tokens: Option<Vec<String>>,
+}
+
+/// Default QUIC listen address.
+pub const DEFAULT_QUIC: &str = "0.0.0.0:7400";
+/// Default HTTP listen address.
+pub const DEFAULT_HTTP: &str = "127.0.0.1:7480";
+/// Default WAL file size before rolling.
+pub const DEFAULT_WAL_SEGMENT_BYTES_MAX: u64 = 256 << 20;
+/// Default group-commit linger.
+pub const DEFAULT_GROUP_COMMIT_LINGER: Duration = Duration::from_millis(1);
+/// Default global ingest memory budget.
+pub const DEFAULT_MEMORY_BYTES_MAX: u64 = 512 << 20;
+/// Default largest encoded block.
+pub const DEFAULT_BLOCK_BYTES_MAX: u32 = 16 << 20;
+/// Default largest decompressed block body.
+pub const DEFAULT_BLOCK_RAW_BYTES_MAX: u32 = 64 << 20;
+/// Default most records per block.
+pub const DEFAULT_RECORDS_PER_BLOCK_MAX: u32 = 1 << 20;
+/// Default most streams per connection.
+pub const DEFAULT_STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+
+impl HubConfig {
+    /// Reads `path` and the process environment.
+    pub fn load(path: &Path) -> Result<HubConfig, ConfigError> {
+        Self::load_with_env(Some(path), None)
+    }
+
+    /// Reads `path` (if any) and the environment; `env` replaces the process environment
+    /// when given, which keeps tests free of global state.
+    pub fn load_with_env(
+        path: Option<&Path>,
+        env: Option<config::Map<String, String>>,
+    ) -> Result<HubConfig, ConfigError> {
+        let mut builder = config::Config::builder();
+        if let Some(path) = path {
+            let file = config::File::from(path).format(config::FileFormat::Toml).required(true);
+            builder = builder.add_source(file);
+        }
+        let environment = config::Environment::with_prefix(ENV_PREFIX)
+            .separator(ENV_SEPARATOR)
+            .try_parsing(true)
+            .source(env);
+        let built = builder.add_source(environment).build().map_err(|e| ConfigError::Read(e.to_string()))?;
+        let raw: RawConfig = built.try_deserialize().map_err(|e| ConfigError::Read(e.to_string()))?;
+        Self::from_raw(raw)
+    }
+
+    /// Parses TOML text (no environment), for tests and tools.
+    pub fn from_toml(text: &str) -> Result<HubConfig, ConfigError> {
+        let built = config::Config::builder()
+            .add_source(config::File::from_str(text, config::FileFormat::Toml))
+            .build()
+            .map_err(|e| ConfigError::Read(e.to_string()))?;
+        let raw: RawConfig = built.try_deserialize().map_err(|e| ConfigError::Read(e.to_string()))?;
+        Self::from_raw(raw)
+    }
+
+    /// A configuration with every default and the given data directory.
+    pub fn with_data_dir(data_dir: impl Into<PathBuf>) -> HubConfig {
+        let raw = RawConfig { data_dir: Some(data_dir.into().display().to_string()), ..RawConfig::default() };
+        Self::from_raw(raw).expect("defaults are valid")
+    }
+
+    /// Turns the raw structs into typed values.
+    pub fn from_raw(raw: RawConfig) -> Result<HubConfig, ConfigError> {
+        let data_dir = PathBuf::from(raw.data_dir.ok_or_else(|| ConfigError::key("data_dir", "is required"))?);
+        let listen = ListenConfig {
+            quic: parse_addr("listen.quic", raw.listen.quic.as_deref().unwrap_or(DEFAULT_QUIC))?,
+            http: parse_addr("listen.http", raw.listen.http.as_deref().unwrap_or(DEFAULT_HTTP))?,
+        };
+        let tls = raw.tls.map(parse_tls).transpose()?;
+        let tier2 = parse_tier2(raw.tier2.url, &data_dir)?;
+        let wal = parse_wal(&raw.wal)?;
+        let ingest = parse_ingest(&raw.ingest)?;
+        let streams = parse_streams(raw.streams, raw.devices)?;
+        let http = HttpConfig { reader_tokens: parse_tokens(raw.http.reader_tokens)? };
+        Ok(HubConfig { data_dir, listen, tls, tier2, wal, ingest, streams, http })
+    }
+
+    /// The catalog database path.
+    pub fn catalog_path(&self) -> PathBuf {
+        self.data_dir.join("catalog.sqlite")
+    }
+
+    /// The WAL directory.
+    pub fn wal_dir(&self) -> PathBuf {
+        self.data_dir.join("wal")
+    }
+
+    /// The block decode limits derived from `[ingest]`.
+    pub fn decode_limits(&self) -> sync::block::DecodeLimits {
+        sync::block::DecodeLimits {
+            raw_bytes_max: self.ingest.block_raw_bytes_max,
+            records_max: self.ingest.records_per_block_max,
+            body_bytes_max: self.ingest.block_bytes_max,
+        }
+    }
+}
+
+fn parse_addr(key: &str, s: &str) -> Result<SocketAddr, ConfigError> {
+    s.parse().map_err(|_| ConfigError::key(key, format!("`{s}` is not a socket address such as 0.0.0.0:7400")))
+}
+
+fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
+    let need = |v: Option<String>, key: &str| v.map(PathBuf::from).ok_or_else(|| ConfigError::key(key, "is required when [tls] is present"));
+    Ok(TlsPaths { ca: need(raw.ca, "tls.ca")?, cert: need(raw.cert, "tls.cert")?, key: need(raw.key, "tls.key")? })
+}
+
+fn parse_tier2(url: Option<String>, data_dir: &Path) -> Result<Tier2Config, ConfigError> {
+    let url = url.unwrap_or_else(|| format!("file://{}", data_dir.join("tier2").display()));
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| ConfigError::key("tier2.url", format!("`{url}` is not a URL such as file:///path or s3://bucket/prefix")))?;
+    match scheme {
+        "file" if rest.starts_with('/') => {}
+        "s3" if !rest.is_empty() => {}
+        "file" => return Err(ConfigError::key("tier2.url", "a file:// URL needs an absolute path")),
+        _ => return Err(ConfigError::key("tier2.url", format!("unsupported scheme `{scheme}`; use file:// or s3://"))),
+    }
+    let scheme = scheme.to_string();
+    Ok(Tier2Config { url, scheme })
+}
+
+fn parse_wal(raw: &RawWal) -> Result<WalConfig, ConfigError> {
+    let segment_bytes_max = opt_bytes("wal.segment_bytes_max", raw.segment_bytes_max.as_deref(), DEFAULT_WAL_SEGMENT_BYTES_MAX)?;
+    if segment_bytes_max < 1 << 20 {
+        return Err(ConfigError::key("wal.segment_bytes_max", "must be at least 1MiB"));
+    }
+    let group_commit_linger = match raw.group_commit_linger.as_deref() {
+        Some(s) => parse_duration("wal.group_commit_linger", s)?,
+        None => DEFAULT_GROUP_COMMIT_LINGER,
+    };
+    if group_commit_linger > Duration::from_secs(1) {
+        return Err(ConfigError::key("wal.group_commit_linger", "must be at most 1s"));
+    }
+    Ok(WalConfig { segment_bytes_max, group_commit_linger })
+}
+
+fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
+    let memory_bytes_max = opt_bytes("ingest.memory_bytes_max", raw.memory_bytes_max.as_deref(), DEFAULT_MEMORY_BYTES_MAX)?;
+    let block_bytes_max = opt_u32_bytes("ingest.block_bytes_max", raw.block_bytes_max.as_deref(), DEFAULT_BLOCK_BYTES_MAX)?;
+    let block_raw_bytes_max =
+        opt_u32_bytes("ingest.block_raw_bytes_max", raw.block_raw_bytes_max.as_deref(), DEFAULT_BLOCK_RAW_BYTES_MAX)?;
+    // A WAL frame carries an entry header and the block; it must fit sync's frame limit.
+    if !(1024..=sync::segment::FRAME_BYTES_MAX - 1024).contains(&block_bytes_max) {
+        return Err(ConfigError::key("ingest.block_bytes_max", "must be between 1KiB and 255MiB"));
+    }
+    // Admission control needs room for at least one worst-case block (see `ingest::block_cost`).
+    let worst = u64::from(block_bytes_max) + 2 * u64::from(block_raw_bytes_max);
+    if memory_bytes_max < worst {
+        return Err(ConfigError::key(
+            "ingest.memory_bytes_max",
+            format!("must be at least block_bytes_max + 2 * block_raw_bytes_max = {worst} bytes"),
+        ));
+    }
+    let records = raw.records_per_block_max.unwrap_or(u64::from(DEFAULT_RECORDS_PER_BLOCK_MAX));
+    let records_per_block_max = u32::try_from(records)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| ConfigError::key("ingest.records_per_block_max", "must be between 1 and 4294967295"))?;
+    let streams = raw.streams_per_connection_max.unwrap_or(u64::from(DEFAULT_STREAMS_PER_CONNECTION_MAX));
+    let streams_per_connection_max = u32::try_from(streams)
+        .ok()
+        .and_then(NonZeroU32::new)
+        .ok_or_else(|| ConfigError::key("ingest.streams_per_connection_max", "must be between 1 and 4294967295"))?;
+    Ok(IngestConfig { memory_bytes_max, block_bytes_max, block_raw_bytes_max, records_per_block_max, streams_per_connection_max })
+}
+
+fn parse_streams(streams: Vec<RawStream>, devices: BTreeMap<String, RawDevice>) -> Result<StreamPolicy, ConfigError> {
+    let mut configured = BTreeSet::new();
+    for (i, s) in streams.into_iter().enumerate() {
+        if !valid_stream_name(&s.name) {
+            return Err(ConfigError::key(format!("streams[{i}].name"), format!("`{}` is not [A-Za-z0-9_.-]{{1,64}}", s.name)));
+        }
+        configured.insert(s.name);
+    }
+    let mut device_allow = BTreeMap::new();
+    for (id, dev) in devices {
+        if !valid_device_id(&id) {
+            return Err(ConfigError::key(format!("devices.{id}"), "device id is not [A-Za-z0-9_.-]{1,128}"));
+        }
+        let Some(list) = dev.streams else { continue };
+        let mut allowed = BTreeSet::new();
+        for name in list {
+            let key = format!("devices.{id}.streams");
+            if !valid_stream_name(&name) {
+                return Err(ConfigError::key(key, format!("`{name}` is not a valid stream name")));
+            }
+            if !configured.is_empty() && !configured.contains(&name) {
+                return Err(ConfigError::key(key, format!("`{name}` is not a configured [[streams]] name")));
+            }
+            allowed.insert(name);
+        }
+        device_allow.insert(id, allowed);
+    }
+    Ok(StreamPolicy { configured, device_allow })
+}
+
+fn parse_tokens(tokens: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
+    let tokens = tokens.unwrap_or_default();
+    if let Some(i) = tokens.iter().position(|t| t.len() < 16 || t.chars().any(char::is_whitespace)) {
+        return Err(ConfigError::key(format!("http.reader_tokens[{i}]"), "tokens must be at least 16 characters, without spaces"));
+    }
+    Ok(tokens)
+}
+
+fn opt_bytes(key: &str, s: Option<&str>, default: u64) -> Result<u64, ConfigError> {
+    match s {
+        Some(s) => parse_bytes(s).map_err(|problem| ConfigError::key(key, problem)),
+        None => Ok(default),
+    }
+}
+
+fn opt_u32_bytes(key: &str, s: Option<&str>, default: u32) -> Result<u32, ConfigError> {
+    let n = opt_bytes(key, s, u64::from(default))?;
+    u32::try_from(n).map_err(|_| ConfigError::key(key, "must be below 4GiB"))
+}
+
+/// Parses `512MiB`, `16 MiB`, `64KiB`, `2GB`, `1024` (bytes).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a byte size such as 512MiB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        "kB" | "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "TB" => 1_000_000_000_000,
+        other => return Err(format!("unknown size unit `{other}` in `{s}`; use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("`{s}` overflows"))
+}
+
+fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(s.trim()).map_err(|e| ConfigError::key(key, format!("`{s}` is not a duration such as 1ms: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_apply() {
+        let c = HubConfig::from_toml("data_dir = \"/var/lib/hub\"").unwrap();
+        assert_eq!(c.listen.quic, "0.0.0.0:7400".parse().unwrap());
+        assert_eq!(c.listen.http, "127.0.0.1:7480".parse().unwrap());
+        assert_eq!(c.tier2.url, "file:///var/lib/hub/tier2");
+        assert_eq!(c.wal.segment_bytes_max, 256 << 20);
+        assert_eq!(c.wal.group_commit_linger, Duration::from_millis(1));
+        assert_eq!(c.ingest.memory_bytes_max, 512 << 20);
+        assert_eq!(c.ingest.block_bytes_max, 16 << 20);
+        assert!(c.tls.is_none());
+        assert!(c.http.reader_tokens.is_empty());
+        assert!(c.streams.allows("anyone", "telemetry"));
+    }
+
+    #[test]
+    fn full_file_parses() {
+        let text = r#"
+            data_dir = "/d"
+            [listen]
+            quic = "127.0.0.1:9000"
+            http = "127.0.0.1:9001"
+            [tls]
+            ca = "pki/ca.pem"
+            cert = "pki/hub.pem"
+            key = "pki/hub.key"
+            [tier2]
+            url = "s3://bucket/prefix"
+            [wal]
+            segment_bytes_max = "64MiB"
+            group_commit_linger = "2ms"
+            [ingest]
+            memory_bytes_max = "1GiB"
+            block_bytes_max = "4MiB"
+            records_per_block_max = 5000
+            streams_per_connection_max = 8
+            [[streams]]
+            name = "telemetry"
+            [[streams]]
+            name = "status"
+            [devices.truck-1]
+            streams = ["status"]
+            [http]
+            reader_tokens = ["0123456789abcdef0123"]
+        "#;
+        let c = HubConfig::from_toml(text).unwrap();
+        assert_eq!(c.listen.quic.port(), 9000);
+        assert_eq!(c.tls.unwrap().key, PathBuf::from("pki/hub.key"));
+        assert_eq!(c.tier2.scheme, "s3");
+        assert_eq!(c.wal.segment_bytes_max, 64 << 20);
+        assert_eq!(c.wal.group_commit_linger, Duration::from_millis(2));
+        assert_eq!(c.ingest.records_per_block_max, 5000);
+        assert_eq!(c.ingest.streams_per_connection_max.get(), 8);
+        assert!(c.streams.allows("truck-1", "status"));
+        assert!(!c.streams.allows("truck-1", "telemetry"));
+        assert!(c.streams.allows("truck-2", "telemetry"));
+        assert!(!c.streams.allows("truck-2", "other"));
+        assert_eq!(c.http.reader_tokens.len(), 1);
+    }
+
+    fn problem_key(text: &str) -> String {
+        match HubConfig::from_toml(text) {
+            Err(ConfigError::Key { key, .. }) => key,
+            other => panic!("expected a key error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        assert_eq!(problem_key("[listen]\nquic = \"x\""), "data_dir");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[listen]\nquic = \"nope\""), "listen.quic");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[wal]\nsegment_bytes_max = \"12 parsecs\""), "wal.segment_bytes_max");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[wal]\ngroup_commit_linger = \"soon\""), "wal.group_commit_linger");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[tier2]\nurl = \"ftp://x\""), "tier2.url");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[[streams]]\nname = \"../etc\""), "streams[0].name");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[tls]\nca = \"a\""), "tls.cert");
+        assert_eq!(problem_key("data_dir = \"/d\"\n[http]\nreader_tokens = [\"short\"]"), "http.reader_tokens[0]");
+        let allow = "data_dir = \"/d\"\n[[streams]]\nname = \"a\"\n[devices.d1]\nstreams = [\"b\"]";
+        assert_eq!(problem_key(allow), "devices.d1.streams");
+        let mem = "data_dir = \"/d\"\n[ingest]\nmemory_bytes_max = \"1MiB\"";
+        assert_eq!(problem_key(mem), "ingest.memory_bytes_max");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected() {
+        assert!(matches!(HubConfig::from_toml("data_dir = \"/d\"\n[wal]\nsegment_size = 3"), Err(ConfigError::Read(_))));
+    }
+
+    #[test]
+    fn env_overrides_scalars() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hub.toml");
+        std::fs::write(&path, "data_dir = \"/d\"\n[listen]\nquic = \"0.0.0.0:7400\"\n").unwrap();
+        let mut env = config::Map::new();
+        env.insert("TRIBUTARY_HUB__LISTEN__QUIC".to_string(), "127.0.0.1:7999".to_string());
+        env.insert("TRIBUTARY_HUB__DATA_DIR".to_string(), "/elsewhere".to_string());
+        env.insert("TRIBUTARY_HUB__INGEST__RECORDS_PER_BLOCK_MAX".to_string(), "77".to_string());
+        env.insert("TRIBUTARY_HUB__WAL__GROUP_COMMIT_LINGER".to_string(), "3ms".to_string());
+        let c = HubConfig::load_with_env(Some(&path), Some(env)).unwrap();
+        assert_eq!(c.listen.quic, "127.0.0.1:7999".parse().unwrap());
+        assert_eq!(c.data_dir, PathBuf::from("/elsewhere"));
+        assert_eq!(c.ingest.records_per_block_max, 77);
+        assert_eq!(c.wal.group_commit_linger, Duration::from_millis(3));
+    }
+
+    #[test]
+    fn env_bad_value_names_key() {
+        let mut env = config::Map::new();
+        env.insert("TRIBUTARY_HUB__DATA_DIR".to_string(), "/d".to_string());
+        env.insert("TRIBUTARY_HUB__LISTEN__HTTP".to_string(), "nowhere".to_string());
+        let err = HubConfig::load_with_env(None, Some(env)).unwrap_err();
+        assert!(matches!(err, ConfigError::Key { ref key, .. } if key == "listen.http"), "{err}");
+    }
+
+    #[test]
+    fn byte_sizes() {
+        assert_eq!(parse_bytes("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_bytes("16 MiB").unwrap(), 16 << 20);
+        assert_eq!(parse_bytes("2GB").unwrap(), 2_000_000_000);
+        assert_eq!(parse_bytes("1024").unwrap(), 1024);
+        assert!(parse_bytes("MiB").is_err());
+        assert!(parse_bytes("1 parsec").is_err());
+        assert!(parse_bytes("99999999999999999TiB").is_err());
+    }
+
+    #[test]
+    fn names() {
+        assert!(valid_stream_name("telemetry.v2_x-1"));
+        for bad in ["", ".", "..", "a/b", "../x", "a b", "é", &"x".repeat(65)] {
+            assert!(!valid_stream_name(bad), "{bad:?}");
+        }
+        assert!(valid_device_id(&"d".repeat(128)));
+        assert!(!valid_device_id(&"d".repeat(129)));
+    }
+}

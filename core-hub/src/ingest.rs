@@ -1,0 +1,1100 @@
+//! Hub ingest: everything the QUIC server needs except QUIC itself.
+//!
+//! [`Hub::commit_block`] takes one block from an authenticated device and either makes it
+//! durable in tier 1 or says why not. The cheap checks run first, so a bad peer costs little:
+//!
+//! 1. authorize: the device must not be fenced, and the stream name must be
+//!    `[A-Za-z0-9_.-]{1,64}` (no path tricks), configured (if `[[streams]]` lists any) and on
+//!    the device's allow-list (if it has one);
+//! 2. verify the block's size and checksums ([`sync::block::verify_block`]) without
+//!    decompressing;
+//! 3. reserve its memory from the global ingest budget, then decode it within the limits, on a
+//!    blocking thread (a zstd bomb stops at the declared size);
+//! 4. check its seqs against the mark of `(device, epoch, stream)`: a block at or below it is a
+//!    duplicate, and its content is compared with the committed checksums of the ranges it
+//!    covers (a mismatch fences the device and raises the alarm); a block straddling it is
+//!    trimmed to the records above it and re-encoded; a block starting past `mark + 1` is out
+//!    of order;
+//! 5. append it to the WAL and wait for the group commit (fsync + catalog transaction).
+//!
+//! Conflicts are detected for every committed range lying entirely within the resent block
+//! (the normal case: edge blocks are immutable, and a trimmed block's stored range is a suffix
+//! of the original). Ranges that only partly overlap it cannot be compared here; the protocol
+//! receiver compares those as consecutive blocks arrive (`sync::protocol::receiver`).
+//!
+//! Seqs start at 1 in every `(device, epoch, stream)`; a mark of 0 means nothing is committed.
+//!
+//! # Pipelining
+//!
+//! The check in step 4 runs against the *accepted* mark: the highest seq queued to the WAL,
+//! durable or not. [`Hub::submit_block`] returns as soon as a block is queued, with a
+//! [`PendingCommit`] to await durability; a driver pipelines one stream by submitting its
+//! blocks one after another, in seq order, and awaiting the acks concurrently. Queued blocks
+//! commit in queue order. (Independent `commit_block` futures for one stream would race for
+//! the queue and may see `out_of_order`.) Calls for one `(device, epoch, stream)` are
+//! serialized by a per-key async lock; different keys run in parallel.
+//!
+//! # Memory
+//!
+//! Every call reserves [`block_cost`] bytes from one semaphore sized by
+//! `ingest.memory_bytes_max` before decoding, and holds them until the block is durable, so the
+//! hub's ingest memory is bounded for any number of devices: callers wait (admission control)
+//! when it is spent. Size each connection's receive window so that the sum over the expected
+//! concurrently *active* connections stays within the budget, e.g.
+//! `window = max(block_bytes_max, memory_bytes_max / active_connections_expected)`. Bytes a
+//! driver holds before calling `commit_block` (frame reassembly) are its own to bound; it can
+//! use [`Hub::memory`] to reserve them from the same budget.
+
+use crate::catalog::{BacklogRow, Catalog, CatalogError, DeviceId, GapRow, StreamId};
+use crate::config::{HubConfig, StreamPolicy, valid_device_id, valid_stream_name};
+use crate::wal::{self, AppendDone, AppendRequest, CommitError, GapRequest, WalHandle, WalOpenError, WalReader};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::SystemTime;
+use sync::block::{self, BlockError, BlockHeader, DecodeLimits, EncodeOptions};
+use sync::record::Record;
+use thiserror::Error;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot, watch};
+
+/// The budget semaphore counts this many bytes per permit, so budgets above 4 GiB fit.
+pub const MEMORY_PERMIT_BYTES: u64 = 1024;
+
+/// Why the hub could not open.
+#[derive(Debug, Error)]
+pub enum OpenError {
+    #[error("cannot create {path}: {source}")]
+    DataDir { path: std::path::PathBuf, source: std::io::Error },
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error(transparent)]
+    Wal(#[from] WalOpenError),
+    #[error("{0} is locked: another hub is running on this data directory")]
+    Locked(std::path::PathBuf),
+}
+
+/// Why a block (or gap) was not accepted.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum IngestError {
+    #[error("device is fenced: {0}")]
+    Fenced(String),
+    #[error("invalid device id")]
+    BadDeviceId,
+    #[error("invalid stream name `{0}`: use [A-Za-z0-9_.-]{{1,64}}")]
+    BadStreamName(String),
+    #[error("device may not write stream `{0}`")]
+    Unauthorized(String),
+    #[error("block of {len} bytes exceeds the {limit}-byte limit")]
+    TooLarge { len: usize, limit: usize },
+    #[error("bad block: {0}")]
+    BadBlock(String),
+    #[error("seq 0 is reserved; seqs start at 1")]
+    ReservedSeq,
+    #[error("bad gap range {first}..={last}")]
+    BadGap { first: u64, last: u64 },
+    #[error("block out of order: expected seq {expected} next")]
+    OutOfOrder { expected: u64 },
+    #[error("seqs {first_seq}..={last_seq} were committed with different content; the device is fenced")]
+    Conflict { first_seq: u64, last_seq: u64 },
+    #[error("tier 1 unavailable: {0}")]
+    Unavailable(CommitError),
+    #[error("catalog: {0}")]
+    Catalog(String),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+impl IngestError {
+    /// A stable short code for logs, metrics and the wire; never reused for another meaning.
+    pub fn code(&self) -> &'static str {
+        match self {
+            IngestError::Fenced(_) => "fenced",
+            IngestError::BadDeviceId => "bad_device_id",
+            IngestError::BadStreamName(_) => "bad_stream_name",
+            IngestError::Unauthorized(_) => "unauthorized",
+            IngestError::TooLarge { .. } => "too_large",
+            IngestError::BadBlock(_) => "bad_block",
+            IngestError::ReservedSeq => "reserved_seq",
+            IngestError::BadGap { .. } => "bad_gap",
+            IngestError::OutOfOrder { .. } => "out_of_order",
+            IngestError::Conflict { .. } => "conflict",
+            IngestError::Unavailable(_) => "unavailable",
+            IngestError::Catalog(_) => "catalog",
+            IngestError::Internal(_) => "internal",
+        }
+    }
+
+    /// Whether the peer sent something it should not have; the driver disconnects it.
+    /// The others (`unavailable`, `catalog`, `internal`) are the hub's own trouble.
+    pub fn is_peer_fault(&self) -> bool {
+        !matches!(self, IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_))
+    }
+}
+
+impl From<CatalogError> for IngestError {
+    fn from(e: CatalogError) -> Self {
+        IngestError::Catalog(e.to_string())
+    }
+}
+
+/// What happened to a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// Appended and durable. `trimmed` records at or below the old mark were skipped.
+    Committed { durable_seq: u64, hub_offset_base: u64, trimmed: u32 },
+    /// Everything in it was already durable; the ack is idempotent.
+    Duplicate { durable_seq: u64 },
+}
+
+impl CommitOutcome {
+    /// The durable mark to acknowledge.
+    pub fn durable_seq(&self) -> u64 {
+        match *self {
+            CommitOutcome::Committed { durable_seq, .. } | CommitOutcome::Duplicate { durable_seq } => durable_seq,
+        }
+    }
+}
+
+/// A durable mark as reported to a device.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Mark {
+    pub stream: String,
+    pub epoch: u64,
+    pub durable_seq: u64,
+    pub tiered_seq: u64,
+}
+
+/// A device's backlog for one stream, as the agent reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BacklogReport {
+    pub blocks: u64,
+    pub bytes: u64,
+    /// Event time (ns) of the oldest record not yet sent.
+    pub oldest_unsent_ts: Option<i64>,
+    /// The highest seq the device holds.
+    pub last_seq: u64,
+}
+
+/// Ingest counters for `/metrics`.
+#[derive(Debug, Default)]
+pub struct IngestStats {
+    pub blocks_committed: AtomicU64,
+    pub records_committed: AtomicU64,
+    pub bytes_committed: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub trimmed_blocks: AtomicU64,
+    pub conflicts: AtomicU64,
+    pub rejected: AtomicU64,
+    pub gaps: AtomicU64,
+}
+
+/// The content checksum of consecutive records starting at `first_seq`: the protocol's
+/// [`sync::protocol::checksum::range_checksum`], independent of block version and compression,
+/// and additive over splits of a range. The hub stores it per committed block range.
+pub fn content_checksum(first_seq: u64, records: &[Record]) -> u64 {
+    sync::protocol::checksum::range_checksum(first_seq, records)
+}
+
+/// Bytes of ingest memory a block may use while it is decoded and queued: the owned copy,
+/// the decompressed body, and the decoded records (estimated at twice the raw size plus a
+/// fixed cost per record).
+pub fn block_cost(block_len: usize, h: &BlockHeader) -> u64 {
+    block_len as u64 + 3 * u64::from(h.raw_len) + 64 * u64::from(h.count)
+}
+
+/// The durable state of one key, published to waiters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Durable {
+    seq: u64,
+    failed: bool,
+}
+
+/// Seq bookkeeping of one `(device, epoch, stream)`.
+#[derive(Debug)]
+struct KeyState {
+    /// Highest seq durable in tier 1 and the catalog.
+    durable: u64,
+    /// Highest seq queued to the WAL (>= durable).
+    accepted: u64,
+    /// Queued, not yet durable ranges `(first, last, checksum)`, in seq order.
+    pending: VecDeque<(u64, u64, u64)>,
+}
+
+#[derive(Debug)]
+struct KeyCell {
+    /// Serializes the check-and-queue step of one key across concurrent calls.
+    order: tokio::sync::Mutex<()>,
+    state: Mutex<KeyState>,
+    durable_tx: watch::Sender<Durable>,
+}
+
+impl KeyCell {
+    fn new(durable: u64) -> Arc<KeyCell> {
+        let state = KeyState { durable, accepted: durable, pending: VecDeque::new() };
+        let (durable_tx, _) = watch::channel(Durable { seq: durable, failed: false });
+        Arc::new(KeyCell { order: tokio::sync::Mutex::new(()), state: Mutex::new(state), durable_tx })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, KeyState> {
+        self.state.lock().expect("key state lock")
+    }
+
+    /// Runs on the WAL writer thread after the catalog commit.
+    fn mark_durable(&self, last: u64) {
+        let mut s = self.lock();
+        s.durable = s.durable.max(last);
+        let durable = s.durable;
+        while s.pending.front().is_some_and(|&(_, l, _)| l <= durable) {
+            s.pending.pop_front();
+        }
+        drop(s);
+        self.durable_tx.send_replace(Durable { seq: durable, failed: false });
+    }
+
+    fn mark_failed(&self) {
+        let seq = self.lock().durable;
+        self.durable_tx.send_replace(Durable { seq, failed: true });
+    }
+
+    /// Waits until `seq` is durable, returning the durable mark.
+    async fn wait_durable(&self, seq: u64) -> Result<u64, IngestError> {
+        let mut rx = self.durable_tx.subscribe();
+        let d = *rx
+            .wait_for(|d| d.failed || d.seq >= seq)
+            .await
+            .map_err(|_| IngestError::Unavailable(CommitError::Stopped))?;
+        if d.seq >= seq { Ok(d.seq) } else { Err(IngestError::Unavailable(CommitError::Poisoned)) }
+    }
+}
+
+/// Interned names, cached from the catalog.
+#[derive(Debug, Default)]
+struct Names {
+    devices: HashMap<String, DeviceId>,
+    device_names: HashMap<DeviceId, String>,
+    streams: HashMap<String, StreamId>,
+    stream_names: HashMap<StreamId, String>,
+}
+
+/// The hub: catalog, WAL writer and ingest state. Share it behind an `Arc`.
+pub struct Hub {
+    policy: StreamPolicy,
+    limits: DecodeLimits,
+    block_bytes_max: usize,
+    catalog: Arc<Catalog>,
+    wal: WalHandle,
+    writer: Mutex<Option<std::thread::JoinHandle<()>>>,
+    reader: WalReader,
+    memory: Arc<Semaphore>,
+    memory_permits: u32,
+    names: RwLock<Names>,
+    keys: Mutex<HashMap<(DeviceId, u64, StreamId), Arc<KeyCell>>>,
+    fenced: RwLock<HashMap<String, String>>,
+    stats: Arc<IngestStats>,
+    /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
+    _lock: std::fs::File,
+}
+
+impl std::fmt::Debug for Hub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Hub").finish_non_exhaustive()
+    }
+}
+
+/// The records of a block from `first` on, prepared off the async threads.
+struct Decoded {
+    epoch: u64,
+    first: u64,
+    version: u8,
+    flags: u8,
+    records: Vec<Record>,
+    /// `content_checksum(first, records)`.
+    checksum: u64,
+    /// Encoded bytes holding exactly `records`, if available (else they are re-encoded).
+    block: Option<Vec<u8>>,
+}
+
+impl Decoded {
+    fn last(&self) -> u64 {
+        self.first + self.records.len() as u64 - 1
+    }
+}
+
+/// What step 4 decided.
+enum Plan {
+    Duplicate { last: u64 },
+    Append(Append),
+}
+
+/// A block ready for the WAL.
+struct Append {
+    block: Vec<u8>,
+    first: u64,
+    count: u32,
+    checksum: u64,
+    min_ts: i64,
+    max_ts: i64,
+    trimmed: u32,
+}
+
+/// A block checked and queued (or found to be a duplicate); [`PendingCommit::wait`] resolves
+/// once it is durable. Dropping it does not cancel the commit.
+#[must_use = "a submitted block is acknowledged only after `wait`"]
+pub struct PendingCommit {
+    stats: Arc<IngestStats>,
+    wait: Wait,
+}
+
+enum Wait {
+    Duplicate { cell: Arc<KeyCell>, last: u64 },
+    Append {
+        rx: oneshot::Receiver<Result<AppendDone, CommitError>>,
+        count: u32,
+        bytes: u64,
+        trimmed: u32,
+        /// The ingest memory stays reserved until the block is durable.
+        _permit: OwnedSemaphorePermit,
+    },
+}
+
+impl std::fmt::Debug for PendingCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PendingCommit").finish_non_exhaustive()
+    }
+}
+
+impl PendingCommit {
+    /// Waits until the block is durable (fsync + catalog commit).
+    pub async fn wait(self) -> Result<CommitOutcome, IngestError> {
+        let stats = self.stats;
+        let result = match self.wait {
+            Wait::Duplicate { cell, last } => {
+                cell.wait_durable(last).await.map(|durable_seq| CommitOutcome::Duplicate { durable_seq })
+            }
+            Wait::Append { rx, count, bytes, trimmed, _permit } => {
+                let done = rx.await.unwrap_or(Err(CommitError::Stopped)).map_err(IngestError::Unavailable);
+                done.map(|done| {
+                    stats.blocks_committed.fetch_add(1, Ordering::Relaxed);
+                    stats.records_committed.fetch_add(u64::from(count), Ordering::Relaxed);
+                    stats.bytes_committed.fetch_add(bytes, Ordering::Relaxed);
+                    if trimmed > 0 {
+                        stats.trimmed_blocks.fetch_add(1, Ordering::Relaxed);
+                    }
+                    CommitOutcome::Committed { durable_seq: done.last_seq, hub_offset_base: done.hub_offset_base, trimmed }
+                })
+            }
+        };
+        if result.is_err() {
+            stats.rejected.fetch_add(1, Ordering::Relaxed);
+        }
+        result
+    }
+}
+
+/// A block the protocol receiver already verified and decoded (`CommitItem::Block`).
+#[derive(Debug, Clone)]
+pub struct VerifiedBlock {
+    pub header: BlockHeader,
+    /// The block as received.
+    pub block: Vec<u8>,
+    /// Records at or below this seq are not to be committed.
+    pub skip_through: u64,
+    /// The records from `max(header.first_seq, skip_through + 1)` to the block's end.
+    pub records: Vec<Record>,
+}
+
+impl Hub {
+    /// Opens the catalog, recovers the WAL against it, and starts the writer.
+    pub fn open(cfg: &HubConfig) -> Result<Arc<Hub>, OpenError> {
+        Self::open_with_faults(cfg, None)
+    }
+
+    /// As [`Hub::open`], with a fault-injection hook in the WAL writer (crash tests).
+    pub fn open_with_faults(cfg: &HubConfig, faults: Option<wal::FaultHook>) -> Result<Arc<Hub>, OpenError> {
+        std::fs::create_dir_all(&cfg.data_dir)
+            .map_err(|source| OpenError::DataDir { path: cfg.data_dir.clone(), source })?;
+        let lock = lock_data_dir(&cfg.data_dir)?;
+        let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
+        let streams = catalog.streams()?;
+        let offsets = streams.iter().map(|s| (s.id, s.next_offset)).collect();
+        let writer_cfg = wal::WriterConfig {
+            segment_bytes_max: cfg.wal.segment_bytes_max,
+            group_commit_linger: cfg.wal.group_commit_linger,
+            faults,
+        };
+        let (wal, join) = wal::start(&cfg.wal_dir(), catalog.clone(), offsets, writer_cfg)?;
+        let mut names = Names::default();
+        for s in streams {
+            names.streams.insert(s.name.clone(), s.id);
+            names.stream_names.insert(s.id, s.name);
+        }
+        let mut fenced = HashMap::new();
+        for d in catalog.devices()? {
+            if let Some(reason) = &d.fence_reason {
+                fenced.insert(d.name.clone(), reason.clone());
+            }
+            names.devices.insert(d.name.clone(), d.id);
+            names.device_names.insert(d.id, d.name);
+        }
+        let keys = catalog
+            .all_marks()?
+            .into_iter()
+            .map(|m| ((m.device, m.epoch, m.stream), KeyCell::new(m.durable_seq)))
+            .collect();
+        let memory_permits = u32::try_from(cfg.ingest.memory_bytes_max / MEMORY_PERMIT_BYTES).unwrap_or(u32::MAX).max(1);
+        Ok(Arc::new(Hub {
+            policy: cfg.streams.clone(),
+            limits: cfg.decode_limits(),
+            block_bytes_max: cfg.ingest.block_bytes_max as usize,
+            catalog,
+            wal,
+            writer: Mutex::new(Some(join)),
+            reader: WalReader::new(&cfg.wal_dir()),
+            memory: Arc::new(Semaphore::new(memory_permits as usize)),
+            memory_permits,
+            names: RwLock::new(names),
+            keys: Mutex::new(keys),
+            fenced: RwLock::new(fenced),
+            stats: Arc::new(IngestStats::default()),
+            _lock: lock,
+        }))
+    }
+
+    /// The durable marks of `device`, for the handshake.
+    pub fn marks(&self, device: &str) -> Vec<Mark> {
+        let Some(id) = self.names.read().expect("names lock").devices.get(device).copied() else {
+            return Vec::new();
+        };
+        let rows = match self.catalog.marks_of(id) {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::error!(error = %e, device, "cannot read marks");
+                return Vec::new();
+            }
+        };
+        rows.into_iter()
+            .map(|m| Mark {
+                stream: self.stream_name(m.stream).unwrap_or_default(),
+                epoch: m.epoch,
+                durable_seq: m.durable_seq,
+                tiered_seq: m.tiered_seq,
+            })
+            .collect()
+    }
+
+    /// The highest epoch the hub has seen from `device` (0 if none).
+    pub fn epoch_max(&self, device: &str) -> u64 {
+        self.marks(device).iter().map(|m| m.epoch).max().unwrap_or(0)
+    }
+
+    /// Stored checksums of committed ranges of `(device, stream, epoch)` with
+    /// `last_seq >= from`, earliest first, at most `limit`, plus the range ending at the durable
+    /// mark (what the protocol receiver asks for in `MarksQuery`). Empty for unknown names.
+    pub fn range_checksums(
+        &self,
+        device: &str,
+        stream: &str,
+        epoch: u64,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<sync::protocol::RangeChecksum>, IngestError> {
+        let names = self.names.read().expect("names lock");
+        let (Some(&d), Some(&s)) = (names.devices.get(device), names.streams.get(stream)) else {
+            return Ok(Vec::new());
+        };
+        drop(names);
+        let mut ranges = self.catalog.ranges_from(d, epoch, s, from, limit)?;
+        let durable = self.keys.lock().expect("keys lock").get(&(d, epoch, s)).map(|c| c.lock().durable);
+        if let Some(mark) = durable.filter(|&m| m > 0)
+            && !ranges.iter().any(|&(_, l, _)| l == mark)
+            && let Some(r) = self.catalog.range_ending_at(d, epoch, s, mark)?
+        {
+            ranges.push(r);
+        }
+        let to_range = |(first_seq, last_seq, checksum)| sync::protocol::RangeChecksum { first_seq, last_seq, checksum };
+        Ok(ranges.into_iter().map(to_range).collect())
+    }
+
+    /// The fence reason, if `device` is fenced.
+    pub fn is_fenced(&self, device: &str) -> Option<String> {
+        self.fenced.read().expect("fenced lock").get(device).cloned()
+    }
+
+    /// Fences `device`: every later block is refused until an operator clears it.
+    pub fn fence(&self, device: &str, reason: &str) {
+        tracing::error!(device, reason, alarm = "device_fenced", "fencing device");
+        self.fenced.write().expect("fenced lock").insert(device.to_string(), reason.to_string());
+        match self.device_id(device) {
+            Ok(id) => {
+                if let Err(e) = self.catalog.set_fenced(id, Some(reason)) {
+                    tracing::error!(error = %e, device, "cannot persist the fence");
+                }
+            }
+            Err(e) => tracing::error!(error = %e, device, "cannot persist the fence"),
+        }
+    }
+
+    /// Clears the fence on `device` (operator action).
+    pub fn unfence(&self, device: &str) -> Result<(), IngestError> {
+        let id = self.device_id(device)?;
+        self.catalog.set_fenced(id, None)?;
+        self.fenced.write().expect("fenced lock").remove(device);
+        Ok(())
+    }
+
+    /// Records that `device` was heard from now. Stored with the next group commit.
+    pub fn touch(&self, device: &str) {
+        let Ok(id) = self.device_id(device) else { return };
+        let now = now_ns();
+        self.wal.deferred().lock().expect("deferred lock").contacts.insert(id, now);
+    }
+
+    /// Stores the latest backlog `device` reported for `stream`.
+    pub fn record_backlog(&self, device: &str, stream: &str, report: BacklogReport) -> Result<(), IngestError> {
+        self.authorize(device, stream)?;
+        let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
+        let row = BacklogRow {
+            device: d,
+            stream: s,
+            reported_at_ns: now_ns(),
+            blocks: report.blocks,
+            bytes: report.bytes,
+            oldest_unsent_ts: report.oldest_unsent_ts,
+            last_seq: report.last_seq,
+        };
+        let mut deferred = self.wal.deferred().lock().expect("deferred lock");
+        deferred.backlogs.insert((d, s), row);
+        deferred.contacts.insert(d, now_ns());
+        Ok(())
+    }
+
+    /// Records a gap `first..=last` the device reported for `(stream, epoch)`.
+    ///
+    /// The gap is clipped against the mark: seqs the hub holds never show as lost. When it
+    /// starts at `mark + 1` the mark moves over it (those seqs will never arrive). Returns the
+    /// durable mark afterwards.
+    pub async fn record_gap(
+        &self,
+        device: &str,
+        stream: &str,
+        epoch: u64,
+        first: u64,
+        last: u64,
+        reason: &str,
+    ) -> Result<u64, IngestError> {
+        self.admit(device, stream)?;
+        if first == 0 || first > last {
+            return Err(IngestError::BadGap { first, last });
+        }
+        let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
+        let cell = self.cell(d, epoch, s);
+        let order = cell.order.lock().await;
+        let accepted = cell.lock().accepted;
+        if last <= accepted {
+            drop(order);
+            return cell.wait_durable(last).await;
+        }
+        if first > accepted + 1 {
+            return Err(IngestError::OutOfOrder { expected: accepted + 1 });
+        }
+        let gap = GapRow {
+            device: d,
+            epoch,
+            stream: s,
+            first_seq: first.max(accepted + 1),
+            last_seq: last,
+            reason: reason.to_string(),
+            reported_at_ns: now_ns(),
+        };
+        let (tx, rx) = oneshot::channel();
+        let done_cell = cell.clone();
+        let done = Box::new(move |r: Result<(), CommitError>| {
+            match &r {
+                Ok(()) => done_cell.mark_durable(last),
+                Err(_) => done_cell.mark_failed(),
+            }
+            let _ = tx.send(r);
+        });
+        cell.lock().accepted = last;
+        self.wal.gap(GapRequest { gap, new_mark: Some(last), done });
+        drop(order);
+        self.stats.gaps.fetch_add(1, Ordering::Relaxed);
+        rx.await.map_err(|_| IngestError::Unavailable(CommitError::Stopped))?.map_err(IngestError::Unavailable)?;
+        Ok(last)
+    }
+
+    /// Commits one block from `device` to `stream`; see the module docs for the steps.
+    /// Equivalent to [`Hub::submit_block`] followed by [`PendingCommit::wait`].
+    pub async fn commit_block(&self, device: &str, stream: &str, block: &[u8]) -> Result<CommitOutcome, IngestError> {
+        match self.submit_block(device, stream, block).await {
+            Ok(pending) => pending.wait().await,
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Steps 1 to 4 and the queueing of step 5: returns once the block is checked and queued
+    /// to the WAL (or found to be a duplicate). Await [`PendingCommit::wait`] for durability.
+    ///
+    /// This is how a driver pipelines one stream: submit blocks one after another, in seq
+    /// order, and wait for their durability concurrently.
+    pub async fn submit_block(&self, device: &str, stream: &str, block: &[u8]) -> Result<PendingCommit, IngestError> {
+        let result = async {
+            self.admit(device, stream)?;
+            let header = self.verify(block)?;
+            let permit = self.reserve(block_cost(block.len(), &header)).await?;
+            let decoded = self.decode(block).await?;
+            self.submit_decoded(device, stream, decoded, permit).await
+        }
+        .await;
+        self.count_rejection(device, stream, result)
+    }
+
+    /// Commits a block the protocol receiver already verified, decoded and trimmed
+    /// (`sync::protocol::CommitItem::Block`), without decoding it again. The seq checks of
+    /// step 4 still run here, against the hub-wide mark: another connection of the same device
+    /// may have moved it.
+    pub async fn commit_verified(&self, device: &str, stream: &str, vb: VerifiedBlock) -> Result<CommitOutcome, IngestError> {
+        match self.submit_verified(device, stream, vb).await {
+            Ok(pending) => pending.wait().await,
+            Err(e) => Err(e),
+        }
+    }
+
+    /// As [`Hub::submit_block`], for a block the protocol receiver already verified.
+    pub async fn submit_verified(&self, device: &str, stream: &str, vb: VerifiedBlock) -> Result<PendingCommit, IngestError> {
+        let result = async {
+            self.admit(device, stream)?;
+            let first = vb.header.first_seq.max(vb.skip_through.saturating_add(1));
+            let expected = vb.header.last_seq().checked_sub(first).map(|n| n + 1);
+            if vb.header.first_seq == 0 {
+                return Err(IngestError::ReservedSeq);
+            }
+            if expected != Some(vb.records.len() as u64) {
+                let msg = format!("{} records for seqs {first}..={}", vb.records.len(), vb.header.last_seq());
+                return Err(IngestError::Internal(msg));
+            }
+            let permit = self.reserve(block_cost(vb.block.len(), &vb.header)).await?;
+            let untrimmed = first == vb.header.first_seq;
+            let decoded = Decoded {
+                epoch: vb.header.epoch,
+                first,
+                version: vb.header.version,
+                flags: vb.header.flags,
+                checksum: content_checksum(first, &vb.records),
+                records: vb.records,
+                block: untrimmed.then_some(vb.block),
+            };
+            self.submit_decoded(device, stream, decoded, permit).await
+        }
+        .await;
+        self.count_rejection(device, stream, result)
+    }
+
+    fn count_rejection<T>(&self, device: &str, stream: &str, result: Result<T, IngestError>) -> Result<T, IngestError> {
+        if let Err(e) = &result {
+            self.stats.rejected.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(device, stream, code = e.code(), error = %e, "block rejected");
+        }
+        result
+    }
+
+    /// Step 4 and the queueing of step 5, for decoded records.
+    async fn submit_decoded(
+        &self,
+        device: &str,
+        stream: &str,
+        dec: Decoded,
+        permit: OwnedSemaphorePermit,
+    ) -> Result<PendingCommit, IngestError> {
+        let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
+        let epoch = dec.epoch;
+        let cell = self.cell(d, epoch, s);
+        let _order = cell.order.lock().await;
+        let stats = self.stats.clone();
+        match self.plan(device, d, s, &cell, dec).await? {
+            Plan::Duplicate { last } => {
+                stats.duplicates.fetch_add(1, Ordering::Relaxed);
+                Ok(PendingCommit { stats, wait: Wait::Duplicate { cell: cell.clone(), last } })
+            }
+            Plan::Append(a) => {
+                let (count, bytes, trimmed) = (a.count, a.block.len() as u64, a.trimmed);
+                let rx = self.enqueue(&cell, d, s, epoch, a);
+                Ok(PendingCommit { stats, wait: Wait::Append { rx, count, bytes, trimmed, _permit: permit } })
+            }
+        }
+    }
+
+    /// Steps that need no decoding: identity, fencing, stream name, allow-list.
+    fn admit(&self, device: &str, stream: &str) -> Result<(), IngestError> {
+        if !valid_device_id(device) {
+            return Err(IngestError::BadDeviceId);
+        }
+        if let Some(reason) = self.is_fenced(device) {
+            return Err(IngestError::Fenced(reason));
+        }
+        if self.wal.stats().poisoned.load(Ordering::Relaxed) {
+            return Err(IngestError::Unavailable(CommitError::Poisoned));
+        }
+        self.authorize(device, stream)
+    }
+
+    fn authorize(&self, device: &str, stream: &str) -> Result<(), IngestError> {
+        if !valid_stream_name(stream) {
+            return Err(IngestError::BadStreamName(stream.chars().take(80).collect()));
+        }
+        if !self.policy.allows(device, stream) {
+            return Err(IngestError::Unauthorized(stream.to_string()));
+        }
+        Ok(())
+    }
+
+    /// Step 1: size and checksums, without decompressing.
+    fn verify(&self, block: &[u8]) -> Result<BlockHeader, IngestError> {
+        if block.len() > self.block_bytes_max {
+            return Err(IngestError::TooLarge { len: block.len(), limit: self.block_bytes_max });
+        }
+        let header = block::verify_block(block, &self.limits).map_err(|e| IngestError::BadBlock(e.to_string()))?;
+        if header.first_seq == 0 {
+            return Err(IngestError::ReservedSeq);
+        }
+        Ok(header)
+    }
+
+    /// Reserves `bytes` of the ingest budget, waiting while it is spent.
+    async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
+        let permits = bytes.div_ceil(MEMORY_PERMIT_BYTES).clamp(1, u64::from(self.memory_permits)) as u32;
+        self.memory
+            .clone()
+            .acquire_many_owned(permits)
+            .await
+            .map_err(|_| IngestError::Internal("ingest budget closed".into()))
+    }
+
+    /// Step 2: decompress and decode on a blocking thread.
+    async fn decode(&self, block: &[u8]) -> Result<Decoded, IngestError> {
+        let owned = block.to_vec();
+        let limits = self.limits;
+        let task = tokio::task::spawn_blocking(move || {
+            let b = block::decode_block(&owned, &limits)?;
+            let h = b.header;
+            let checksum = content_checksum(h.first_seq, &b.records);
+            Ok::<_, BlockError>(Decoded {
+                epoch: h.epoch,
+                first: h.first_seq,
+                version: h.version,
+                flags: h.flags,
+                records: b.records,
+                checksum,
+                block: Some(owned),
+            })
+        });
+        task.await
+            .map_err(|e| IngestError::Internal(e.to_string()))?
+            .map_err(|e| IngestError::BadBlock(e.to_string()))
+    }
+
+    /// Step 4: dedupe, conflict check and trimming against the accepted mark.
+    async fn plan(
+        &self,
+        device: &str,
+        d: DeviceId,
+        s: StreamId,
+        cell: &Arc<KeyCell>,
+        dec: Decoded,
+    ) -> Result<Plan, IngestError> {
+        let (first, last) = (dec.first, dec.last());
+        // Snapshot the pending ranges before querying the catalog: a range enters the catalog
+        // before it leaves `pending`, so this order never misses one.
+        let (accepted, pending) = {
+            let st = cell.lock();
+            (st.accepted, st.pending.clone())
+        };
+        if first > accepted + 1 {
+            return Err(IngestError::OutOfOrder { expected: accepted + 1 });
+        }
+        if first <= accepted {
+            self.check_conflicts(device, d, s, &dec, accepted, &pending)?;
+        }
+        if last <= accepted {
+            return Ok(Plan::Duplicate { last });
+        }
+        let skip = (accepted + 1 - first) as usize;
+        match dec.block {
+            Some(block) if skip == 0 => Ok(Plan::Append(Append {
+                min_ts: dec.records.iter().map(|r| r.ts).min().unwrap_or(0),
+                max_ts: dec.records.iter().map(|r| r.ts).max().unwrap_or(0),
+                block,
+                first,
+                count: dec.records.len() as u32,
+                checksum: dec.checksum,
+                trimmed: 0,
+            })),
+            _ => self.reencode(dec, skip).await,
+        }
+    }
+
+    /// Compares every committed or pending range that lies within the overlap with this block.
+    fn check_conflicts(
+        &self,
+        device: &str,
+        d: DeviceId,
+        s: StreamId,
+        dec: &Decoded,
+        accepted: u64,
+        pending: &VecDeque<(u64, u64, u64)>,
+    ) -> Result<(), IngestError> {
+        let (first, last) = (dec.first, dec.last());
+        let hi = last.min(accepted);
+        let mut ranges: Vec<(u64, u64, u64)> =
+            pending.iter().copied().filter(|&(f, l, _)| f >= first && l <= hi).collect();
+        ranges.extend(self.catalog.contained_ranges(d, dec.epoch, s, first, hi)?);
+        for (f, l, checksum) in ranges {
+            let slice = &dec.records[(f - first) as usize..=(l - first) as usize];
+            if content_checksum(f, slice) != checksum {
+                self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
+                let stream = self.stream_name(s).unwrap_or_default();
+                let reason = format!("conflicting content for stream {stream} epoch {} seqs {f}..={l}", dec.epoch);
+                self.fence(device, &reason);
+                return Err(IngestError::Conflict { first_seq: f, last_seq: l });
+            }
+        }
+        Ok(())
+    }
+
+    /// Encodes the records after the first `skip` as a new block, on a blocking thread.
+    async fn reencode(&self, dec: Decoded, skip: usize) -> Result<Plan, IngestError> {
+        let task = tokio::task::spawn_blocking(move || {
+            let kept = &dec.records[skip..];
+            let first = dec.first + skip as u64;
+            let opts = EncodeOptions { version: dec.version, flags: dec.flags, ..EncodeOptions::default() };
+            let block = block::encode_block_with(&opts, dec.epoch, first, kept)?;
+            Ok::<_, block::EncodeError>(Append {
+                block,
+                first,
+                count: kept.len() as u32,
+                checksum: content_checksum(first, kept),
+                min_ts: kept.iter().map(|r| r.ts).min().unwrap_or(0),
+                max_ts: kept.iter().map(|r| r.ts).max().unwrap_or(0),
+                trimmed: skip as u32,
+            })
+        });
+        let append = task
+            .await
+            .map_err(|e| IngestError::Internal(e.to_string()))?
+            .map_err(|e| IngestError::Internal(format!("re-encoding a trimmed block: {e}")))?;
+        Ok(Plan::Append(append))
+    }
+
+    /// Step 5: queues the block to the WAL and advances the accepted mark.
+    fn enqueue(
+        &self,
+        cell: &Arc<KeyCell>,
+        device: DeviceId,
+        stream: StreamId,
+        epoch: u64,
+        a: Append,
+    ) -> oneshot::Receiver<Result<AppendDone, CommitError>> {
+        let last = a.first + u64::from(a.count) - 1;
+        {
+            let mut st = cell.lock();
+            assert_eq!(a.first, st.accepted + 1, "blocks are queued contiguously");
+            st.accepted = last;
+            st.pending.push_back((a.first, last, a.checksum));
+        }
+        let (tx, rx) = oneshot::channel();
+        let done_cell = cell.clone();
+        let done = Box::new(move |r: Result<AppendDone, CommitError>| {
+            match &r {
+                Ok(done) => done_cell.mark_durable(done.last_seq),
+                Err(_) => done_cell.mark_failed(),
+            }
+            let _ = tx.send(r);
+        });
+        let req = AppendRequest {
+            device,
+            stream,
+            epoch,
+            first_seq: a.first,
+            count: a.count,
+            checksum: a.checksum,
+            min_ts: a.min_ts,
+            max_ts: a.max_ts,
+            block: a.block,
+            done,
+        };
+        self.wal.append(req);
+        rx
+    }
+
+    fn cell(&self, d: DeviceId, epoch: u64, s: StreamId) -> Arc<KeyCell> {
+        let mut keys = self.keys.lock().expect("keys lock");
+        keys.entry((d, epoch, s)).or_insert_with(|| KeyCell::new(0)).clone()
+    }
+
+    /// The interned id of a device, creating it on first sight.
+    pub fn device_id(&self, device: &str) -> Result<DeviceId, IngestError> {
+        if let Some(&id) = self.names.read().expect("names lock").devices.get(device) {
+            return Ok(id);
+        }
+        if !valid_device_id(device) {
+            return Err(IngestError::BadDeviceId);
+        }
+        let id = self.catalog.intern_device(device)?;
+        let mut names = self.names.write().expect("names lock");
+        names.devices.insert(device.to_string(), id);
+        names.device_names.insert(id, device.to_string());
+        Ok(id)
+    }
+
+    /// The interned id of a stream, creating it on first sight.
+    pub fn stream_id(&self, stream: &str) -> Result<StreamId, IngestError> {
+        if let Some(&id) = self.names.read().expect("names lock").streams.get(stream) {
+            return Ok(id);
+        }
+        if !valid_stream_name(stream) {
+            return Err(IngestError::BadStreamName(stream.chars().take(80).collect()));
+        }
+        let id = self.catalog.intern_stream(stream)?;
+        let mut names = self.names.write().expect("names lock");
+        names.streams.insert(stream.to_string(), id);
+        names.stream_names.insert(id, stream.to_string());
+        Ok(id)
+    }
+
+    /// A known stream's id, without creating it.
+    pub fn lookup_stream(&self, stream: &str) -> Option<StreamId> {
+        self.names.read().expect("names lock").streams.get(stream).copied()
+    }
+
+    /// The name of a device id.
+    pub fn device_name(&self, id: DeviceId) -> Option<String> {
+        self.names.read().expect("names lock").device_names.get(&id).cloned()
+    }
+
+    /// The name of a stream id.
+    pub fn stream_name(&self, id: StreamId) -> Option<String> {
+        self.names.read().expect("names lock").stream_names.get(&id).cloned()
+    }
+
+    /// The catalog, for the API and tools.
+    pub fn catalog(&self) -> &Arc<Catalog> {
+        &self.catalog
+    }
+
+    /// The WAL reader.
+    pub fn wal_reader(&self) -> &WalReader {
+        &self.reader
+    }
+
+    /// The WAL writer's counters.
+    pub fn wal_stats(&self) -> &Arc<wal::WalStats> {
+        self.wal.stats()
+    }
+
+    /// Ingest counters.
+    pub fn stats(&self) -> &IngestStats {
+        &self.stats
+    }
+
+    /// The global ingest memory budget (permits of [`MEMORY_PERMIT_BYTES`] bytes). A driver
+    /// may reserve from it for bytes it buffers before calling `commit_block`.
+    pub fn memory(&self) -> &Arc<Semaphore> {
+        &self.memory
+    }
+
+    /// Ingest memory currently reserved, in bytes.
+    pub fn memory_in_use_bytes(&self) -> u64 {
+        let free = self.memory.available_permits() as u64;
+        (u64::from(self.memory_permits) - free.min(u64::from(self.memory_permits))) * MEMORY_PERMIT_BYTES
+    }
+
+    /// The decode limits in force.
+    pub fn decode_limits(&self) -> DecodeLimits {
+        self.limits
+    }
+}
+
+impl Hub {
+    /// Stops the WAL writer after what is already queued, and waits for it. Later commits
+    /// fail with `unavailable`. Dropping the hub does the same.
+    pub fn shutdown(&self) {
+        self.wal.stop();
+        let join = self.writer.lock().expect("writer lock").take();
+        if let Some(join) = join
+            && join.join().is_err()
+        {
+            tracing::error!("the WAL writer panicked");
+        }
+    }
+}
+
+impl Drop for Hub {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Takes the exclusive lock on `data_dir/hub.lock`.
+fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, OpenError> {
+    let path = dir.join("hub.lock");
+    let io = |source| OpenError::DataDir { path: path.clone(), source };
+    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io)?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(OpenError::Locked(path)),
+        Err(std::fs::TryLockError::Error(e)) => Err(io(e)),
+    }
+}
+
+fn now_ns() -> i64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sync::record::Value;
+
+    fn rec(key: &str, ts: i64, v: Value) -> Record {
+        Record { key: key.into(), ts, fields: vec![("v".into(), v)] }
+    }
+
+    #[test]
+    fn checksum_is_independent_of_block_version() {
+        let recs: Vec<Record> = (0..50).map(|i| rec("k", i, Value::F64(i as f64))).collect();
+        let v1 = block::encode_block(block::VERSION_ROWS, 1, 1, &recs).unwrap();
+        let v2 = block::encode_block(block::VERSION_COLUMNAR, 1, 1, &recs).unwrap();
+        let l = DecodeLimits::default();
+        let a = content_checksum(1, &block::decode_block(&v1, &l).unwrap().records);
+        let b = content_checksum(1, &block::decode_block(&v2, &l).unwrap().records);
+        assert_eq!(a, b);
+        assert_eq!(a, content_checksum(1, &recs));
+        assert_ne!(a, content_checksum(2, &recs));
+        let mut changed = recs.clone();
+        changed[7].fields[0].1 = Value::F64(-1.0);
+        assert_ne!(a, content_checksum(1, &changed));
+    }
+
+    #[test]
+    fn error_codes_are_distinct() {
+        let errs = [
+            IngestError::Fenced(String::new()),
+            IngestError::BadDeviceId,
+            IngestError::BadStreamName(String::new()),
+            IngestError::Unauthorized(String::new()),
+            IngestError::TooLarge { len: 0, limit: 0 },
+            IngestError::BadBlock(String::new()),
+            IngestError::ReservedSeq,
+            IngestError::BadGap { first: 0, last: 0 },
+            IngestError::OutOfOrder { expected: 0 },
+            IngestError::Conflict { first_seq: 0, last_seq: 0 },
+            IngestError::Unavailable(CommitError::Poisoned),
+            IngestError::Catalog(String::new()),
+            IngestError::Internal(String::new()),
+        ];
+        let codes: std::collections::HashSet<_> = errs.iter().map(IngestError::code).collect();
+        assert_eq!(codes.len(), errs.len());
+        assert!(!IngestError::Unavailable(CommitError::Poisoned).is_peer_fault());
+        assert!(IngestError::Conflict { first_seq: 1, last_seq: 1 }.is_peer_fault());
+    }
+}

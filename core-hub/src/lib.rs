@@ -1,0 +1,22 @@
+//! The hub library: everything `core-hub` does, as modules the binary and the tests share.
+//!
+//! - [`config`]: `hub.toml` and `TRIBUTARY_HUB__*` overrides, parsed once into typed values.
+//! - [`pki`]: the fleet CA, device certificates, revocation, and the rustls server config.
+//! - [`catalog`]: SQLite beside the log: devices, streams, marks, the block index.
+//! - [`wal`]: tier 1, one write-ahead log for all devices, group commit.
+//! - [`ingest`]: [`ingest::Hub`], the API the QUIC driver calls for every block.
+//! - [`read`], [`api`], [`metrics`], [`client`]: the reader API, HTTP, `/metrics`, and the
+//!   CLI's HTTP client.
+
+pub mod api;
+pub mod catalog;
+pub mod client;
+pub mod config;
+pub mod ingest;
+pub mod metrics;
+pub mod pki;
+pub mod read;
+pub mod wal;
+
+pub use config::HubConfig;
+pub use ingest::{CommitOutcome, Hub, IngestError, Mark, content_checksum};

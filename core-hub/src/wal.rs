@@ -1,0 +1,934 @@
+//! The hub's tier 1: one write-ahead log for every device and stream, with group commit.
+//!
+//! This is Pravega's durable log applied to the hub: all blocks from all devices are appended
+//! to one log, so the fsync rate depends on the load, not on the number of devices. One
+//! writer thread drains every pending request, writes them with one `write`, makes them durable
+//! with one `fdatasync`, and then applies ONE catalog transaction ([`GroupCommit`]) that moves
+//! the durable marks, inserts the block index rows, advances the per-stream hub offsets, and
+//! records the WAL end offset those marks cover. Only then are the callers completed.
+//!
+//! # Files
+//!
+//! `wal/{first_offset:020}.wal`, where `first_offset` is the logical offset of the file's first
+//! frame. Logical offsets count frame bytes across files (headers excluded), so the log is one
+//! address space even when files roll or are evicted by tiering.
+//!
+//! ```text
+//! file   := header frame*
+//! header := magic "TRIBWAL\0" (8) | version u32 LE (4) | crc32c(magic..version) u32 LE (4)
+//! frame  := len u32 LE | crc32c(payload) u32 LE | payload          (sync::segment framing)
+//! payload:= entry header (56 bytes, below) | block (as in sync::block)
+//! ```
+//!
+//! The entry header, little-endian: kind u8 (1 = block) | 3 reserved bytes | device u32 |
+//! stream u32 | count u32 | epoch u64 | first_seq u64 | hub_offset_base u64 | ingest_ts i64 |
+//! checksum u64 (`sync::protocol::checksum::range_checksum` of the block's records).
+//!
+//! # Recovery
+//!
+//! The catalog stores the WAL end offset covered by the committed marks. At open, every byte
+//! after it is dropped: it was never acknowledged, and agents resend from the hub's marks. The
+//! frames before it are scanned and must all be intact, or opening fails loudly: they were
+//! fsynced and acknowledged, so damage there is a storage fault, not a torn tail. A crash at
+//! any point therefore neither loses an acknowledged record nor keeps an unacknowledged one,
+//! which would be a duplicate once resent.
+//!
+//! After a failed write or fsync the writer is poisoned: it fails every later request until
+//! the hub is reopened and recovery has re-verified the log (a retried fsync may report
+//! success with the data lost).
+
+use crate::catalog::{BacklogRow, BlockRow, Catalog, DeviceId, GapRow, GroupCommit, StreamId};
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use sync::segment::{FRAME_BYTES_MAX, FRAME_HEADER_LEN, frame_header};
+use thiserror::Error;
+
+/// Magic bytes at the start of every WAL file.
+pub const WAL_MAGIC: [u8; 8] = *b"TRIBWAL\0";
+/// The WAL file version written by this build.
+pub const WAL_VERSION: u32 = 1;
+/// Size of the WAL file header.
+pub const WAL_HEADER_LEN: usize = WAL_MAGIC.len() + 4 + 4;
+const _: () = assert!(WAL_HEADER_LEN == 16);
+
+/// Entry kind: a committed block.
+pub const KIND_BLOCK: u8 = 1;
+
+const OFF_KIND: usize = 0;
+const OFF_DEVICE: usize = OFF_KIND + 4;
+const OFF_STREAM: usize = OFF_DEVICE + 4;
+const OFF_COUNT: usize = OFF_STREAM + 4;
+const OFF_EPOCH: usize = OFF_COUNT + 4;
+const OFF_FIRST_SEQ: usize = OFF_EPOCH + 8;
+const OFF_HUB_OFFSET: usize = OFF_FIRST_SEQ + 8;
+const OFF_INGEST_TS: usize = OFF_HUB_OFFSET + 8;
+const OFF_CHECKSUM: usize = OFF_INGEST_TS + 8;
+/// Size of the entry header that precedes each block in a frame.
+pub const ENTRY_HEADER_LEN: usize = OFF_CHECKSUM + 8;
+const _: () = assert!(ENTRY_HEADER_LEN == 56);
+
+/// A batch stops collecting once it holds this many bytes.
+const BATCH_BYTES_MAX: usize = 64 << 20;
+/// A batch stops collecting once it holds this many requests.
+const BATCH_REQUESTS_MAX: usize = 8192;
+/// How often an idle writer flushes deferred metadata (contacts, backlogs).
+const IDLE_FLUSH: Duration = Duration::from_secs(1);
+
+/// The entry header of a WAL frame.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EntryHeader {
+    pub kind: u8,
+    pub device: DeviceId,
+    pub stream: StreamId,
+    pub count: u32,
+    pub epoch: u64,
+    pub first_seq: u64,
+    pub hub_offset_base: u64,
+    pub ingest_ts: i64,
+    pub checksum: u64,
+}
+
+impl EntryHeader {
+    /// Serialises the header.
+    pub fn encode(&self) -> [u8; ENTRY_HEADER_LEN] {
+        let mut b = [0u8; ENTRY_HEADER_LEN];
+        b[OFF_KIND] = self.kind;
+        b[OFF_DEVICE..OFF_STREAM].copy_from_slice(&self.device.to_le_bytes());
+        b[OFF_STREAM..OFF_COUNT].copy_from_slice(&self.stream.to_le_bytes());
+        b[OFF_COUNT..OFF_EPOCH].copy_from_slice(&self.count.to_le_bytes());
+        b[OFF_EPOCH..OFF_FIRST_SEQ].copy_from_slice(&self.epoch.to_le_bytes());
+        b[OFF_FIRST_SEQ..OFF_HUB_OFFSET].copy_from_slice(&self.first_seq.to_le_bytes());
+        b[OFF_HUB_OFFSET..OFF_INGEST_TS].copy_from_slice(&self.hub_offset_base.to_le_bytes());
+        b[OFF_INGEST_TS..OFF_CHECKSUM].copy_from_slice(&self.ingest_ts.to_le_bytes());
+        b[OFF_CHECKSUM..OFF_CHECKSUM + 8].copy_from_slice(&self.checksum.to_le_bytes());
+        b
+    }
+
+    /// Parses a header; `None` if `b` is too short.
+    pub fn decode(b: &[u8]) -> Option<EntryHeader> {
+        let b = b.get(..ENTRY_HEADER_LEN)?;
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().expect("4 bytes"));
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().expect("8 bytes"));
+        Some(EntryHeader {
+            kind: b[OFF_KIND],
+            device: u32_at(OFF_DEVICE),
+            stream: u32_at(OFF_STREAM),
+            count: u32_at(OFF_COUNT),
+            epoch: u64_at(OFF_EPOCH),
+            first_seq: u64_at(OFF_FIRST_SEQ),
+            hub_offset_base: u64_at(OFF_HUB_OFFSET),
+            ingest_ts: u64_at(OFF_INGEST_TS) as i64,
+            checksum: u64_at(OFF_CHECKSUM),
+        })
+    }
+}
+
+/// The header every WAL file starts with.
+pub fn wal_file_header() -> [u8; WAL_HEADER_LEN] {
+    let mut h = [0u8; WAL_HEADER_LEN];
+    h[..8].copy_from_slice(&WAL_MAGIC);
+    h[8..12].copy_from_slice(&WAL_VERSION.to_le_bytes());
+    let crc = crc32c::crc32c(&h[..12]);
+    h[12..16].copy_from_slice(&crc.to_le_bytes());
+    h
+}
+
+fn header_ok(h: &[u8]) -> bool {
+    h.len() >= WAL_HEADER_LEN && h[..WAL_HEADER_LEN] == wal_file_header()
+}
+
+/// The path of the WAL file whose first logical offset is `first`.
+pub fn wal_file_path(dir: &Path, first: u64) -> PathBuf {
+    dir.join(format!("{first:020}.wal"))
+}
+
+/// The WAL files in `dir`, by first logical offset.
+pub fn list_wal_files(dir: &Path) -> std::io::Result<Vec<u64>> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(stem) = name.strip_suffix(".wal") else { continue };
+        if stem.len() == 20 && let Ok(first) = stem.parse::<u64>() {
+            out.push(first);
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
+}
+
+/// Why the WAL could not be opened.
+#[derive(Debug, Error)]
+pub enum WalOpenError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("the catalog says the WAL holds {committed_end} bytes, but {what}")]
+    Missing { committed_end: u64, what: String },
+    #[error("{path}: committed WAL data is damaged at byte {pos}: {what}")]
+    Corrupt { path: PathBuf, pos: u64, what: String },
+}
+
+fn open_io(path: &Path) -> impl FnOnce(std::io::Error) -> WalOpenError + '_ {
+    move |source| WalOpenError::Io { path: path.to_path_buf(), source }
+}
+
+/// What recovery found.
+#[derive(Debug)]
+pub struct Recovered {
+    /// The active file, positioned at its end.
+    pub file: File,
+    pub first: u64,
+    /// Length of the active file in bytes, header included.
+    pub len: u64,
+    /// Uncommitted bytes dropped from the tail.
+    pub dropped_bytes: u64,
+}
+
+/// Brings `dir` back to exactly the `committed_end` logical bytes the catalog covers.
+pub fn recover(dir: &Path, committed_end: u64) -> Result<Recovered, WalOpenError> {
+    std::fs::create_dir_all(dir).map_err(open_io(dir))?;
+    let files = list_wal_files(dir).map_err(open_io(dir))?;
+    let Some(idx) = files.iter().rposition(|&f| f <= committed_end) else {
+        if committed_end != 0 {
+            let what = "no WAL file covers that offset".to_string();
+            return Err(WalOpenError::Missing { committed_end, what });
+        }
+        return create_active(dir, 0, files.iter().map(|&f| wal_file_path(dir, f)));
+    };
+    let first = files[idx];
+    let mut dropped = 0;
+    for &later in &files[idx + 1..] {
+        let path = wal_file_path(dir, later);
+        dropped += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        std::fs::remove_file(&path).map_err(open_io(&path))?;
+    }
+    let path = wal_file_path(dir, first);
+    let need = WAL_HEADER_LEN as u64 + (committed_end - first);
+    let mut file = OpenOptions::new().read(true).write(true).open(&path).map_err(open_io(&path))?;
+    let len = file.metadata().map_err(open_io(&path))?.len();
+    if len < need {
+        let what = format!("{} holds only {} of its {} committed bytes", path.display(), len, need);
+        return Err(WalOpenError::Missing { committed_end, what });
+    }
+    let mut header = [0u8; WAL_HEADER_LEN];
+    file.read_exact(&mut header).map_err(open_io(&path))?;
+    if !header_ok(&header) {
+        if need != WAL_HEADER_LEN as u64 {
+            return Err(WalOpenError::Corrupt { path, pos: 0, what: "bad WAL file header".into() });
+        }
+        // A file rolled just before a crash, holding nothing committed: rewrite its header.
+        file.write_all_at(&wal_file_header(), 0).map_err(open_io(&path))?;
+    }
+    if len > need {
+        dropped += len - need;
+        file.set_len(need).map_err(open_io(&path))?;
+    }
+    file.sync_all().map_err(open_io(&path))?;
+    sync_dir(dir).map_err(open_io(dir))?;
+    verify_frames(&path, &mut file, need)?;
+    file.seek(SeekFrom::Start(need)).map_err(open_io(&path))?;
+    Ok(Recovered { file, first, len: need, dropped_bytes: dropped })
+}
+
+fn create_active(
+    dir: &Path,
+    first: u64,
+    stale: impl Iterator<Item = PathBuf>,
+) -> Result<Recovered, WalOpenError> {
+    let mut dropped = 0;
+    for path in stale {
+        dropped += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        std::fs::remove_file(&path).map_err(open_io(&path))?;
+    }
+    let path = wal_file_path(dir, first);
+    let file = new_wal_file(&path).map_err(open_io(&path))?;
+    sync_dir(dir).map_err(open_io(dir))?;
+    Ok(Recovered { file, first, len: WAL_HEADER_LEN as u64, dropped_bytes: dropped })
+}
+
+/// Creates a WAL file holding just its header, fsynced. The caller syncs the directory.
+fn new_wal_file(path: &Path) -> std::io::Result<File> {
+    let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
+    file.write_all(&wal_file_header())?;
+    file.sync_all()?;
+    Ok(file)
+}
+
+fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
+}
+
+/// Checks every frame in `[header, end)` of the active file, streaming.
+fn verify_frames(path: &Path, file: &mut File, end: u64) -> Result<(), WalOpenError> {
+    file.seek(SeekFrom::Start(WAL_HEADER_LEN as u64)).map_err(open_io(path))?;
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, &*file);
+    let mut pos = WAL_HEADER_LEN as u64;
+    let mut payload = Vec::new();
+    let corrupt = |pos: u64, what: &str| WalOpenError::Corrupt { path: path.to_path_buf(), pos, what: what.into() };
+    while pos < end {
+        let mut fh = [0u8; FRAME_HEADER_LEN];
+        reader.read_exact(&mut fh).map_err(|_| corrupt(pos, "short frame header"))?;
+        let len = u32::from_le_bytes(fh[..4].try_into().expect("4 bytes"));
+        let crc = u32::from_le_bytes(fh[4..].try_into().expect("4 bytes"));
+        let frame_end = pos + (FRAME_HEADER_LEN as u64) + u64::from(len);
+        if len < ENTRY_HEADER_LEN as u32 || len > FRAME_BYTES_MAX || frame_end > end {
+            return Err(corrupt(pos, "bad frame length"));
+        }
+        payload.resize(len as usize, 0);
+        reader.read_exact(&mut payload).map_err(|_| corrupt(pos, "short frame"))?;
+        if crc32c::crc32c(&payload) != crc {
+            return Err(corrupt(pos, "frame checksum mismatch"));
+        }
+        pos = frame_end;
+    }
+    Ok(())
+}
+
+/// Counters the writer keeps for `/metrics` and the benchmarks.
+#[derive(Debug, Default)]
+pub struct WalStats {
+    /// WAL `fdatasync` calls.
+    pub fsyncs: AtomicU64,
+    /// Group commits (catalog transactions that covered appends or gaps).
+    pub group_commits: AtomicU64,
+    /// Requests completed through group commits.
+    pub group_commit_requests: AtomicU64,
+    /// Blocks appended.
+    pub entries: AtomicU64,
+    /// Bytes appended (frames).
+    pub bytes: AtomicU64,
+    /// The committed logical end offset.
+    pub committed_end: AtomicU64,
+    /// Histogram of group-commit sizes: bucket i counts batches of at most 2^i requests
+    /// (the last bucket is unbounded).
+    pub batch_hist: [AtomicU64; BATCH_BUCKETS],
+    /// Set once the writer is poisoned.
+    pub poisoned: AtomicBool,
+}
+
+/// Number of group-commit size histogram buckets (1, 2, 4, ... 2^14, +Inf).
+pub const BATCH_BUCKETS: usize = 16;
+
+impl WalStats {
+    fn record_batch(&self, n: usize) {
+        let bucket = (usize::BITS - n.saturating_sub(1).leading_zeros()) as usize;
+        self.batch_hist[bucket.min(BATCH_BUCKETS - 1)].fetch_add(1, Ordering::Relaxed);
+        self.group_commits.fetch_add(1, Ordering::Relaxed);
+        self.group_commit_requests.fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
+/// Why an append or gap did not become durable.
+#[derive(Debug, Error, Clone, PartialEq, Eq)]
+pub enum CommitError {
+    #[error("the tier-1 log is poisoned after a storage failure; the hub must be restarted")]
+    Poisoned,
+    #[error("tier-1 write failed: {0}")]
+    Io(String),
+    #[error("catalog commit failed: {0}")]
+    Catalog(String),
+    #[error("the WAL writer has stopped")]
+    Stopped,
+}
+
+/// A block made durable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AppendDone {
+    pub hub_offset_base: u64,
+    pub last_seq: u64,
+    pub ingest_ts: i64,
+}
+
+/// Completion callback: runs on the writer thread after the fsync and the catalog commit (or
+/// the failure). It must be quick and must not block.
+pub type Completion<T> = Box<dyn FnOnce(Result<T, CommitError>) + Send>;
+
+/// A block to append.
+pub struct AppendRequest {
+    pub device: DeviceId,
+    pub stream: StreamId,
+    pub epoch: u64,
+    pub first_seq: u64,
+    pub count: u32,
+    pub checksum: u64,
+    pub min_ts: i64,
+    pub max_ts: i64,
+    /// The encoded block, already trimmed to the records above the mark.
+    pub block: Vec<u8>,
+    pub done: Completion<AppendDone>,
+}
+
+/// A gap to record, optionally moving the mark over it.
+pub struct GapRequest {
+    pub gap: GapRow,
+    /// The new durable mark when the gap extends the contiguous prefix.
+    pub new_mark: Option<u64>,
+    pub done: Completion<()>,
+}
+
+enum Request {
+    Append(AppendRequest),
+    Gap(GapRequest),
+    Stop,
+}
+
+/// Metadata written with the next group commit rather than with its own fsync.
+#[derive(Debug, Default)]
+pub struct DeferredMeta {
+    pub contacts: HashMap<DeviceId, i64>,
+    pub backlogs: HashMap<(DeviceId, StreamId), BacklogRow>,
+}
+
+impl DeferredMeta {
+    fn is_empty(&self) -> bool {
+        self.contacts.is_empty() && self.backlogs.is_empty()
+    }
+}
+
+/// Settings of the writer.
+#[derive(Clone)]
+pub struct WriterConfig {
+    pub segment_bytes_max: u64,
+    pub group_commit_linger: Duration,
+    /// Fault injection for crash tests; `None` in production.
+    pub faults: Option<FaultHook>,
+}
+
+impl std::fmt::Debug for WriterConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriterConfig")
+            .field("segment_bytes_max", &self.segment_bytes_max)
+            .field("group_commit_linger", &self.group_commit_linger)
+            .field("faults", &self.faults.is_some())
+            .finish()
+    }
+}
+
+/// A step of a group commit where a test can inject a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// Appending the batch's frames: half of the bytes reach the file, then the write fails
+    /// (a torn write).
+    Write,
+    /// The WAL `fdatasync`: the bytes are written, the sync fails.
+    Fsync,
+    /// The catalog transaction, after the WAL fsync: the log holds the batch, the marks don't.
+    CatalogCommit,
+}
+
+/// Called at every [`FaultPoint`]; returning `true` makes that step fail.
+pub type FaultHook = Arc<dyn Fn(FaultPoint) -> bool + Send + Sync>;
+
+/// The handle producers use; cheap to clone.
+#[derive(Clone)]
+pub struct WalHandle {
+    tx: mpsc::Sender<Request>,
+    stats: Arc<WalStats>,
+    deferred: Arc<Mutex<DeferredMeta>>,
+}
+
+impl std::fmt::Debug for WalHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalHandle").finish_non_exhaustive()
+    }
+}
+
+impl WalHandle {
+    /// Queues a block. `done` runs once it is durable and in the catalog, or has failed.
+    pub fn append(&self, req: AppendRequest) {
+        if let Err(mpsc::SendError(Request::Append(req))) = self.tx.send(Request::Append(req)) {
+            (req.done)(Err(CommitError::Stopped));
+        }
+    }
+
+    /// Queues a gap. `done` runs once it is in the catalog, or has failed.
+    pub fn gap(&self, req: GapRequest) {
+        if let Err(mpsc::SendError(Request::Gap(req))) = self.tx.send(Request::Gap(req)) {
+            (req.done)(Err(CommitError::Stopped));
+        }
+    }
+
+    /// Asks the writer to finish what is queued before this call and exit. Requests queued
+    /// later are dropped, which their callers see as [`CommitError::Stopped`].
+    pub fn stop(&self) {
+        let _ = self.tx.send(Request::Stop);
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> &Arc<WalStats> {
+        &self.stats
+    }
+
+    /// Metadata flushed with the next group commit (or within a second when idle).
+    pub fn deferred(&self) -> &Arc<Mutex<DeferredMeta>> {
+        &self.deferred
+    }
+}
+
+/// Recovers the WAL in `dir` against the catalog and starts the writer thread.
+///
+/// `stream_offsets` are the next hub offsets per stream as committed in the catalog. The
+/// thread stops when every [`WalHandle`] is dropped.
+pub fn start(
+    dir: &Path,
+    catalog: Arc<Catalog>,
+    stream_offsets: HashMap<StreamId, u64>,
+    cfg: WriterConfig,
+) -> Result<(WalHandle, std::thread::JoinHandle<()>), WalOpenError> {
+    let committed_end = catalog.wal_committed_end().map_err(|e| WalOpenError::Missing {
+        committed_end: 0,
+        what: format!("the catalog cannot be read: {e}"),
+    })?;
+    let rec = recover(dir, committed_end)?;
+    if rec.dropped_bytes > 0 {
+        tracing::warn!(bytes = rec.dropped_bytes, committed_end, "dropped the unacknowledged WAL tail");
+    }
+    let stats = Arc::new(WalStats::default());
+    stats.committed_end.store(committed_end, Ordering::Relaxed);
+    let deferred = Arc::new(Mutex::new(DeferredMeta::default()));
+    let (tx, rx) = mpsc::channel();
+    let writer = Writer {
+        dir: dir.to_path_buf(),
+        file: rec.file,
+        file_first: rec.first,
+        file_len: rec.len,
+        catalog,
+        next_offset: stream_offsets,
+        cfg,
+        stats: stats.clone(),
+        deferred: deferred.clone(),
+        last_ingest_ts: 0,
+        poisoned: false,
+    };
+    let join = std::thread::Builder::new()
+        .name("wal-writer".into())
+        .spawn(move || writer.run(rx))
+        .map_err(open_io(dir))?;
+    Ok((WalHandle { tx, stats, deferred }, join))
+}
+
+struct Writer {
+    dir: PathBuf,
+    file: File,
+    file_first: u64,
+    file_len: u64,
+    catalog: Arc<Catalog>,
+    next_offset: HashMap<StreamId, u64>,
+    cfg: WriterConfig,
+    stats: Arc<WalStats>,
+    deferred: Arc<Mutex<DeferredMeta>>,
+    last_ingest_ts: i64,
+    poisoned: bool,
+}
+
+/// A completion waiting for its batch's outcome.
+enum Done {
+    Append(Completion<AppendDone>, AppendDone),
+    Gap(Completion<()>),
+}
+
+impl Done {
+    fn finish(self, result: Result<(), CommitError>) {
+        match (self, result) {
+            (Done::Append(f, d), Ok(())) => f(Ok(d)),
+            (Done::Append(f, _), Err(e)) => f(Err(e)),
+            (Done::Gap(f), r) => f(r),
+        }
+    }
+}
+
+impl Writer {
+    fn run(mut self, rx: mpsc::Receiver<Request>) {
+        loop {
+            let first = match rx.recv_timeout(IDLE_FLUSH) {
+                Ok(r) => r,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.flush_deferred();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            if matches!(first, Request::Stop) {
+                break;
+            }
+            let (batch, stop) = self.collect(first, &rx);
+            self.commit(batch);
+            if stop {
+                break;
+            }
+        }
+        self.flush_deferred();
+    }
+
+    /// Gathers what is queued, waiting up to the linger for more after the first request.
+    /// Returns the batch and whether a stop request ended it.
+    fn collect(&self, first: Request, rx: &mpsc::Receiver<Request>) -> (Vec<Request>, bool) {
+        let deadline = Instant::now() + self.cfg.group_commit_linger;
+        let mut bytes = request_bytes(&first);
+        let mut batch = vec![first];
+        while bytes < BATCH_BYTES_MAX && batch.len() < BATCH_REQUESTS_MAX {
+            let next = match rx.try_recv() {
+                Ok(r) => r,
+                Err(TryRecvError::Disconnected) => break,
+                Err(TryRecvError::Empty) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        break;
+                    }
+                    match rx.recv_timeout(deadline - now) {
+                        Ok(r) => r,
+                        Err(_) => break,
+                    }
+                }
+            };
+            if matches!(next, Request::Stop) {
+                return (batch, true);
+            }
+            bytes += request_bytes(&next);
+            batch.push(next);
+        }
+        (batch, false)
+    }
+
+    fn commit(&mut self, batch: Vec<Request>) {
+        let n = batch.len();
+        if self.poisoned {
+            for req in batch {
+                fail(req, CommitError::Poisoned);
+            }
+            return;
+        }
+        let ingest_ts = self.ingest_ts();
+        let mut g = GroupCommit::default();
+        let mut dones = Vec::with_capacity(n);
+        let result = self.write_batch(batch, ingest_ts, &mut g, &mut dones).and_then(|()| {
+            self.take_deferred(&mut g);
+            if self.fault(FaultPoint::CatalogCommit) {
+                return Err(CommitError::Catalog("injected fault".into()));
+            }
+            self.catalog.commit_group(&g).map_err(|e| CommitError::Catalog(e.to_string()))
+        });
+        if let Err(e) = &result {
+            tracing::error!(error = %e, "tier-1 group commit failed; the WAL is poisoned until restart");
+            self.poisoned = true;
+            self.stats.poisoned.store(true, Ordering::Relaxed);
+        } else {
+            self.stats.record_batch(n);
+            self.stats.committed_end.store(g.wal_end.unwrap_or(0), Ordering::Relaxed);
+        }
+        for done in dones {
+            done.finish(result.clone());
+        }
+    }
+
+    /// Hub ingest time for a batch: wall clock, but never moving backwards.
+    fn ingest_ts(&mut self) -> i64 {
+        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0);
+        self.last_ingest_ts = now.max(self.last_ingest_ts);
+        self.last_ingest_ts
+    }
+
+    /// Writes every request's frame, rolling files as needed, and fsyncs once.
+    fn write_batch(
+        &mut self,
+        batch: Vec<Request>,
+        ingest_ts: i64,
+        g: &mut GroupCommit,
+        dones: &mut Vec<Done>,
+    ) -> Result<(), CommitError> {
+        let mut buf: Vec<u8> = Vec::new();
+        let mut marks: HashMap<(DeviceId, u64, StreamId), u64> = HashMap::new();
+        let mut touched_streams = Vec::new();
+        for req in batch {
+            match req {
+                Request::Append(a) => {
+                    let frame_len = (FRAME_HEADER_LEN + ENTRY_HEADER_LEN + a.block.len()) as u64;
+                    let pending = self.file_len + buf.len() as u64;
+                    if pending > WAL_HEADER_LEN as u64 && pending + frame_len > self.cfg.segment_bytes_max {
+                        self.flush(&mut buf)?;
+                        self.roll()?;
+                    }
+                    let next = self.next_offset.entry(a.stream).or_insert(0);
+                    let base = *next;
+                    *next += u64::from(a.count);
+                    touched_streams.push(a.stream);
+                    let last_seq = a.first_seq + u64::from(a.count) - 1;
+                    let header = EntryHeader {
+                        kind: KIND_BLOCK,
+                        device: a.device,
+                        stream: a.stream,
+                        count: a.count,
+                        epoch: a.epoch,
+                        first_seq: a.first_seq,
+                        hub_offset_base: base,
+                        ingest_ts,
+                        checksum: a.checksum,
+                    };
+                    let wal_pos = self.file_len + buf.len() as u64;
+                    let mut payload = Vec::with_capacity(ENTRY_HEADER_LEN + a.block.len());
+                    payload.extend_from_slice(&header.encode());
+                    payload.extend_from_slice(&a.block);
+                    buf.extend_from_slice(&frame_header(&payload));
+                    buf.extend_from_slice(&payload);
+                    g.blocks.push(BlockRow {
+                        device: a.device,
+                        epoch: a.epoch,
+                        stream: a.stream,
+                        first_seq: a.first_seq,
+                        last_seq,
+                        checksum: a.checksum,
+                        hub_offset_base: base,
+                        wal_file: self.file_first,
+                        wal_pos,
+                        frame_len: (FRAME_HEADER_LEN + payload.len()) as u32,
+                        ingest_ts,
+                        min_ts: a.min_ts,
+                        max_ts: a.max_ts,
+                    });
+                    let mark = marks.entry((a.device, a.epoch, a.stream)).or_insert(last_seq);
+                    *mark = (*mark).max(last_seq);
+                    self.stats.entries.fetch_add(1, Ordering::Relaxed);
+                    let done = AppendDone { hub_offset_base: base, last_seq, ingest_ts };
+                    dones.push(Done::Append(a.done, done));
+                }
+                Request::Gap(gr) => {
+                    if let Some(m) = gr.new_mark {
+                        let key = (gr.gap.device, gr.gap.epoch, gr.gap.stream);
+                        let mark = marks.entry(key).or_insert(m);
+                        *mark = (*mark).max(m);
+                    }
+                    g.gaps.push(gr.gap);
+                    dones.push(Done::Gap(gr.done));
+                }
+                Request::Stop => unreachable!("collect never batches a stop request"),
+            }
+        }
+        let wrote = !buf.is_empty();
+        self.flush(&mut buf)?;
+        if wrote {
+            if self.fault(FaultPoint::Fsync) {
+                return Err(CommitError::Io("injected fsync fault".into()));
+            }
+            self.file.sync_data().map_err(|e| CommitError::Io(e.to_string()))?;
+            self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+        }
+        g.marks = marks.into_iter().map(|((d, e, s), m)| (d, e, s, m)).collect();
+        touched_streams.sort_unstable();
+        touched_streams.dedup();
+        g.stream_offsets = touched_streams.into_iter().map(|s| (s, self.next_offset[&s])).collect();
+        g.wal_end = Some(self.logical_end());
+        Ok(())
+    }
+
+    fn logical_end(&self) -> u64 {
+        self.file_first + self.file_len - WAL_HEADER_LEN as u64
+    }
+
+    /// Appends `buf` to the active file (no fsync).
+    fn flush(&mut self, buf: &mut Vec<u8>) -> Result<(), CommitError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        if self.fault(FaultPoint::Write) {
+            let _ = self.file.write_all(&buf[..buf.len() / 2]);
+            return Err(CommitError::Io("injected torn write".into()));
+        }
+        self.file.write_all(buf).map_err(|e| CommitError::Io(e.to_string()))?;
+        self.file_len += buf.len() as u64;
+        self.stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        buf.clear();
+        Ok(())
+    }
+
+    fn fault(&self, point: FaultPoint) -> bool {
+        self.cfg.faults.as_ref().is_some_and(|f| f(point))
+    }
+
+    /// Seals the active file (fsync) and starts the next one at the current logical end.
+    fn roll(&mut self) -> Result<(), CommitError> {
+        let io = |e: std::io::Error| CommitError::Io(e.to_string());
+        self.file.sync_data().map_err(io)?;
+        self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+        let first = self.logical_end();
+        let file = new_wal_file(&wal_file_path(&self.dir, first)).map_err(io)?;
+        sync_dir(&self.dir).map_err(io)?;
+        self.file = file;
+        self.file_first = first;
+        self.file_len = WAL_HEADER_LEN as u64;
+        Ok(())
+    }
+
+    fn take_deferred(&self, g: &mut GroupCommit) {
+        let mut d = self.deferred.lock().expect("deferred lock");
+        g.contacts.extend(d.contacts.drain());
+        g.backlogs.extend(d.backlogs.drain().map(|(_, b)| b));
+    }
+
+    fn flush_deferred(&mut self) {
+        if self.poisoned || self.deferred.lock().expect("deferred lock").is_empty() {
+            return;
+        }
+        let mut g = GroupCommit::default();
+        self.take_deferred(&mut g);
+        if let Err(e) = self.catalog.commit_group(&g) {
+            tracing::warn!(error = %e, "could not store device contacts and backlogs");
+        }
+    }
+}
+
+fn request_bytes(r: &Request) -> usize {
+    match r {
+        Request::Append(a) => a.block.len() + FRAME_HEADER_LEN + ENTRY_HEADER_LEN,
+        Request::Gap(_) | Request::Stop => 64,
+    }
+}
+
+fn fail(req: Request, e: CommitError) {
+    match req {
+        Request::Append(a) => (a.done)(Err(e)),
+        Request::Gap(g) => (g.done)(Err(e)),
+        Request::Stop => {}
+    }
+}
+
+/// Why a committed frame could not be read back.
+#[derive(Debug, Error)]
+pub enum WalReadError {
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: std::io::Error },
+    #[error("{path}: frame at {pos} is damaged: {what}")]
+    Corrupt { path: PathBuf, pos: u64, what: &'static str },
+}
+
+/// Reads committed frames by position. Safe to use while the writer appends: it only reads
+/// ranges the catalog says are committed, and WAL files are append-only.
+#[derive(Debug)]
+pub struct WalReader {
+    dir: PathBuf,
+    files: Mutex<HashMap<u64, Arc<File>>>,
+}
+
+/// Open file handles kept by a reader.
+const READER_FILES_MAX: usize = 64;
+
+impl WalReader {
+    /// A reader over `dir`.
+    pub fn new(dir: &Path) -> WalReader {
+        WalReader { dir: dir.to_path_buf(), files: Mutex::new(HashMap::new()) }
+    }
+
+    fn file(&self, first: u64) -> Result<Arc<File>, WalReadError> {
+        let mut files = self.files.lock().expect("reader files lock");
+        if let Some(f) = files.get(&first) {
+            return Ok(f.clone());
+        }
+        let path = wal_file_path(&self.dir, first);
+        let f = Arc::new(File::open(&path).map_err(|source| WalReadError::Io { path, source })?);
+        if files.len() >= READER_FILES_MAX {
+            files.clear();
+        }
+        files.insert(first, f.clone());
+        Ok(f)
+    }
+
+    /// Drops a cached handle, e.g. after tiering removed the file.
+    pub fn forget(&self, first: u64) {
+        self.files.lock().expect("reader files lock").remove(&first);
+    }
+
+    /// Reads and verifies the frame of `row`, returning its entry header and block bytes.
+    pub fn read(&self, row: &BlockRow) -> Result<(EntryHeader, Vec<u8>), WalReadError> {
+        self.read_at(row.wal_file, row.wal_pos, row.frame_len)
+    }
+
+    /// Reads and verifies the frame at `pos` in WAL file `first`.
+    pub fn read_at(&self, first: u64, pos: u64, frame_len: u32) -> Result<(EntryHeader, Vec<u8>), WalReadError> {
+        let file = self.file(first)?;
+        let path = || wal_file_path(&self.dir, first);
+        let mut buf = vec![0u8; frame_len as usize];
+        file.read_exact_at(&mut buf, pos).map_err(|source| WalReadError::Io { path: path(), source })?;
+        let corrupt = |what| WalReadError::Corrupt { path: path(), pos, what };
+        if buf.len() < FRAME_HEADER_LEN + ENTRY_HEADER_LEN {
+            return Err(corrupt("frame shorter than its headers"));
+        }
+        let len = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(buf[4..8].try_into().expect("4 bytes"));
+        if len + FRAME_HEADER_LEN != buf.len() {
+            return Err(corrupt("frame length differs from the index"));
+        }
+        let payload = &buf[FRAME_HEADER_LEN..];
+        if crc32c::crc32c(payload) != crc {
+            return Err(corrupt("frame checksum mismatch"));
+        }
+        let header = EntryHeader::decode(payload).ok_or_else(|| corrupt("short entry header"))?;
+        Ok((header, payload[ENTRY_HEADER_LEN..].to_vec()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_header_round_trips() {
+        let h = EntryHeader {
+            kind: KIND_BLOCK,
+            device: 7,
+            stream: 9,
+            count: 3,
+            epoch: u64::MAX,
+            first_seq: 11,
+            hub_offset_base: 1 << 40,
+            ingest_ts: -5,
+            checksum: 0xdead_beef_0bad_f00d,
+        };
+        assert_eq!(EntryHeader::decode(&h.encode()), Some(h));
+        assert_eq!(EntryHeader::decode(&[0u8; 10]), None);
+    }
+
+    #[test]
+    fn recovery_truncates_to_the_committed_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let rec = recover(dir.path(), 0).unwrap();
+        assert_eq!(rec.len, WAL_HEADER_LEN as u64);
+        drop(rec);
+        // Uncommitted garbage after the committed end (0) is dropped, and a later file too.
+        let path = wal_file_path(dir.path(), 0);
+        let mut f = OpenOptions::new().append(true).open(&path).unwrap();
+        f.write_all(&[1, 2, 3, 4, 5]).unwrap();
+        std::fs::write(wal_file_path(dir.path(), 5), wal_file_header()).unwrap();
+        let rec = recover(dir.path(), 0).unwrap();
+        assert_eq!(rec.dropped_bytes, 5 + WAL_HEADER_LEN as u64);
+        assert_eq!(list_wal_files(dir.path()).unwrap(), vec![0]);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), WAL_HEADER_LEN as u64);
+    }
+
+    #[test]
+    fn recovery_refuses_missing_committed_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        drop(recover(dir.path(), 0).unwrap());
+        assert!(matches!(recover(dir.path(), 100), Err(WalOpenError::Missing { .. })));
+    }
+
+    #[test]
+    fn batch_histogram_buckets() {
+        let s = WalStats::default();
+        for n in [1, 2, 3, 4, 5, 100, 1 << 20] {
+            s.record_batch(n);
+        }
+        let counts: Vec<u64> = s.batch_hist.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+        assert_eq!(counts[0], 1); // 1
+        assert_eq!(counts[1], 1); // 2
+        assert_eq!(counts[2], 2); // 3, 4
+        assert_eq!(counts[3], 1); // 5
+        assert_eq!(counts[7], 1); // 100
+        assert_eq!(counts[BATCH_BUCKETS - 1], 1);
+    }
+}

@@ -1,0 +1,87 @@
+//! `edge-agent run`: lock the data directory, recover the local log, serve the HTTP API, and
+//! shut down cleanly on SIGTERM or ctrl-c (in-flight batches finish, the log is flushed and
+//! fsynced).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::Context as _;
+use edge_agent::config::{EdgeConfig, fsync_name};
+use edge_agent::http::{self, AppState};
+use edge_agent::log::{Log, LogHandle};
+use edge_agent::storage::RealStorage;
+use tracing::info;
+
+use super::lock::DataDirLock;
+
+pub fn run(config_path: &Path) -> anyhow::Result<()> {
+    let cfg = super::load_config(config_path)?;
+    init_tracing();
+    let _lock = DataDirLock::acquire(&cfg.data_dir)?;
+    let (log, report) = Log::open(cfg.log_config(), Arc::new(RealStorage))
+        .with_context(|| format!("opening the local log in {}", cfg.data_dir.display()))?;
+    info!(
+        epoch = format!("{:016x}", report.epoch),
+        epoch_minted = report.epoch_minted,
+        segments = report.segments,
+        blocks = report.blocks,
+        records = report.records,
+        truncated_bytes = report.truncated_bytes,
+        truncated_records = report.truncated_records,
+        quarantined = report.quarantined.len(),
+        catalog_rebuilt = report.catalog_rebuilt,
+        "local log recovered"
+    );
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("edge-agent")
+        .build()
+        .context("starting the async runtime")?;
+    let served = runtime.block_on(serve(&cfg, log.clone()));
+    // Flush and fsync whatever the writer still holds, even when serving failed.
+    log.shutdown();
+    served?;
+    info!("stopped");
+    Ok(())
+}
+
+async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(cfg.http.listen).await.with_context(|| {
+        format!("could not listen on {} (http.listen): is another process using it?", cfg.http.listen)
+    })?;
+    let addr = listener.local_addr()?;
+    let app = AppState::new(cfg, log);
+    info!(
+        http = %format!("http://{addr}"),
+        fsync = fsync_name(&cfg.storage.fsync),
+        streams = cfg.streams.len(),
+        "edge-agent ready"
+    );
+    http::serve(listener, app, shutdown_signal()).await.context("serving the HTTP API")
+}
+
+/// Resolves on SIGTERM or ctrl-c (SIGINT).
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        () = ctrl_c => info!("ctrl-c: shutting down"),
+        () = terminate => info!("SIGTERM: shutting down"),
+    }
+}
+
+/// Logs to stderr; `RUST_LOG` overrides the default `info` level.
+fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

@@ -1,0 +1,108 @@
+//! `edge-agent status`: asks the running agent for `/v1/status` and prints streams, backlog
+//! bytes and segments, the oldest unsent record's age, the last acknowledged seq, link state
+//! and dropped counts. `--json` prints the report as the agent sent it.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::Context as _;
+use edge_agent::http::StatusReport;
+
+pub fn status(config: Option<&Path>, url: Option<String>, json: bool) -> anyhow::Result<()> {
+    let client = super::agent_client(config, url, None)?;
+    let runtime = super::runtime()?;
+    let response = runtime
+        .block_on(client.get("/v1/status"))
+        .map_err(|e| if e.is_unreachable() { super::unreachable(&client, &e) } else { e.into() })?;
+    if response.status != 200 {
+        anyhow::bail!("the agent at {} answered HTTP {}: {}", client.url(), response.status, response.text().trim());
+    }
+    let report: StatusReport = serde_json::from_slice(&response.body)
+        .with_context(|| format!("the agent at {} sent an unreadable status", client.url()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report, &client.url()));
+    }
+    Ok(())
+}
+
+/// The human-readable report.
+pub fn render(r: &StatusReport, url: &str) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "agent     {url}");
+    let _ = writeln!(out, "epoch     {:016x}", r.epoch);
+    let _ = writeln!(out, "link      {}", r.link.label());
+    let _ = writeln!(out, "storage   fsync {}, on_full {}, disk {} of {}", r.fsync, r.on_full, bytes(r.disk_bytes), bytes(r.disk_bytes_max));
+    if let Some(why) = &r.poisoned {
+        let _ = writeln!(out, "POISONED  {why} (restart the agent to re-verify the log)");
+    }
+    let _ = writeln!(out);
+    let header = ["STREAM", "NEXT SEQ", "DURABLE", "ACKED", "BACKLOG", "BLOCKS", "SEGMENTS", "OLDEST UNSENT", "DROPPED", "QUARANTINED"];
+    let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
+    for s in &r.streams {
+        rows.push(vec![
+            s.stream.clone(),
+            s.next_seq.to_string(),
+            s.durable_seq.to_string(),
+            if s.acked_seq == 0 { "-".into() } else { s.acked_seq.to_string() },
+            bytes(s.backlog_bytes),
+            s.backlog_blocks.to_string(),
+            s.segments.to_string(),
+            s.oldest_unsent_age_s.map_or_else(|| "-".into(), age),
+            format!("{} records", s.dropped_records),
+            format!("{} blocks", s.quarantined_blocks),
+        ]);
+    }
+    let widths: Vec<usize> = (0..header.len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    for row in rows {
+        let cells: Vec<String> = row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        let _ = writeln!(out, "{}", cells.join("  ").trim_end());
+    }
+    out
+}
+
+/// Bytes in binary units.
+fn bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64;
+    let mut unit = "B";
+    for u in UNITS {
+        if v < 1024.0 {
+            break;
+        }
+        v /= 1024.0;
+        unit = u;
+    }
+    format!("{v:.1} {unit}")
+}
+
+/// An age such as `42s`, `3m 20s`, `2h 5m` or `3d 4h`.
+fn age(secs: f64) -> String {
+    let s = secs.max(0.0) as u64;
+    match s {
+        0..60 => format!("{s}s"),
+        60..3600 => format!("{}m {}s", s / 60, s % 60),
+        3600..86400 => format!("{}h {}m", s / 3600, s % 3600 / 60),
+        _ => format!("{}d {}h", s / 86400, s % 86400 / 3600),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units() {
+        assert_eq!(bytes(10), "10 B");
+        assert_eq!(bytes(1536), "1.5 KiB");
+        assert_eq!(bytes(3 << 30), "3.0 GiB");
+        assert_eq!(age(5.2), "5s");
+        assert_eq!(age(200.0), "3m 20s");
+        assert_eq!(age(7500.0), "2h 5m");
+        assert_eq!(age(90000.0), "1d 1h");
+    }
+}

@@ -1,0 +1,662 @@
+//! The agent's configuration: `edge.toml` plus `TRIBUTARY_EDGE__*` environment overrides.
+//!
+//! The file is read once with the `config` crate into raw serde structs, then turned into typed
+//! values ([`EdgeConfig`]): socket addresses, durations, byte sizes and enums. Every problem is
+//! reported through one [`ConfigError`] that names the key at fault, so an operator can fix the
+//! file without reading code. Nothing else in the agent looks at strings from the file.
+//!
+//! Relative paths (`data_dir`, `tls.*`) are resolved against the directory holding the config
+//! file, so the agent behaves the same whatever its working directory is.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::log::{FsyncPolicy, LogConfig, OnFull};
+
+/// The environment variable prefix: `TRIBUTARY_EDGE__HUB__ADDR` overrides `[hub] addr`.
+pub const ENV_PREFIX: &str = "TRIBUTARY_EDGE";
+/// Separates the prefix and the key path segments in environment variable names.
+pub const ENV_SEPARATOR: &str = "__";
+/// Where the HTTP API listens unless configured.
+pub const DEFAULT_HTTP_LISTEN: &str = "127.0.0.1:7401";
+/// The largest ingest request body unless configured.
+pub const DEFAULT_BODY_BYTES_MAX: usize = 16 << 20;
+/// The fsync policy unless configured.
+pub const DEFAULT_FSYNC: &str = "interval:10ms";
+/// The disk budget unless configured.
+pub const DEFAULT_DISK_BYTES_MAX: u64 = 2 << 30;
+/// The segment roll size unless configured.
+pub const DEFAULT_SEGMENT_BYTES_MAX: u64 = 64 << 20;
+
+/// A configuration problem, naming the key at fault.
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    /// The file could not be read or is not valid TOML.
+    #[error("{path}: {message}")]
+    Read { path: PathBuf, message: String },
+    /// A key holds a value the agent cannot use.
+    #[error("{key}: {message}")]
+    Invalid { key: String, message: String },
+}
+
+impl ConfigError {
+    fn invalid(key: impl Into<String>, message: impl Into<String>) -> Self {
+        ConfigError::Invalid { key: key.into(), message: message.into() }
+    }
+
+    /// The dotted key at fault, when the problem is with one key.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { key, .. } => Some(key),
+            ConfigError::Read { .. } => None,
+        }
+    }
+}
+
+/// The whole, validated agent configuration.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    /// Holds the segments, the catalog and the `LOCK` file.
+    pub data_dir: PathBuf,
+    /// The hub to replicate to; `None` until replication is configured.
+    pub hub: Option<HubConfig>,
+    /// The device identity and the fleet CA; required with `[hub]`.
+    pub tls: Option<TlsConfig>,
+    pub http: HttpConfig,
+    pub storage: StorageConfig,
+    /// The local streams, in the order they were declared.
+    pub streams: Vec<StreamConfig>,
+    pub sources: Vec<SourceConfig>,
+}
+
+/// `[hub]`: where the hub listens for devices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HubConfig {
+    /// `host:port`; the host is resolved when connecting, so it may be a DNS name.
+    pub addr: String,
+    /// The name the hub's certificate must carry; defaults to the host part of `addr`.
+    pub server_name: String,
+}
+
+/// `[tls]`: PEM files written by `core-hub pki issue`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsConfig {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+/// `[http]`: the local ingest API, `/healthz`, `/metrics` and `/v1/status`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HttpConfig {
+    pub listen: SocketAddr,
+    /// Larger request bodies get 413.
+    pub body_bytes_max: usize,
+    /// When set, ingest requests must carry `Authorization: Bearer <token>`.
+    pub token: Option<String>,
+}
+
+/// `[storage]`: the local log's durability, sealing and disk budget.
+#[derive(Debug, Clone)]
+pub struct StorageConfig {
+    pub fsync: FsyncPolicy,
+    pub disk_bytes_max: u64,
+    pub on_full: OnFull,
+    pub segment_bytes_max: u64,
+    pub block_records_max: usize,
+    pub block_bytes_max: usize,
+    pub block_linger: Duration,
+    pub block_version: u8,
+    pub queue_batches_max: usize,
+}
+
+/// `[[streams]]`: one local stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamConfig {
+    pub name: String,
+    /// Higher ships first when streams compete for the link; order within a stream always wins.
+    pub priority: u8,
+}
+
+/// `[[sources]]`: where records come from besides the always-on HTTP API.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceConfig {
+    Mqtt(MqttSourceConfig),
+}
+
+/// A `kind = "mqtt"` source: subscriptions on a local broker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MqttSourceConfig {
+    pub url: String,
+    pub topics: Vec<String>,
+    pub stream: String,
+    pub format: PayloadFormat,
+}
+
+/// How a payload or request body encodes records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PayloadFormat {
+    /// One JSON object per line (NDJSON).
+    Json,
+    /// InfluxDB line protocol.
+    Line,
+}
+
+impl PayloadFormat {
+    /// Parses `json` or `line`, naming `key` on failure.
+    pub fn parse(key: &str, s: &str) -> Result<Self, ConfigError> {
+        match s {
+            "json" => Ok(PayloadFormat::Json),
+            "line" => Ok(PayloadFormat::Line),
+            other => Err(ConfigError::invalid(key, format!("expected json | line, found {other:?}"))),
+        }
+    }
+}
+
+impl EdgeConfig {
+    /// Reads `path` and applies `TRIBUTARY_EDGE__*` overrides from the process environment.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        Self::load_with_env(path, None)
+    }
+
+    /// Like [`EdgeConfig::load`], with the environment given explicitly (`None`: the process's).
+    /// Tests use this so they never mutate the process environment.
+    pub fn load_with_env(
+        path: &Path,
+        env: Option<HashMap<String, String>>,
+    ) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read { path: path.to_owned(), message: e.to_string() })?;
+        let base = path.parent().map(Path::to_owned).unwrap_or_default();
+        Self::from_toml(&text, &base, env).map_err(|e| match e {
+            ConfigError::Read { message, .. } => ConfigError::Read { path: path.to_owned(), message },
+            other => other,
+        })
+    }
+
+    /// Parses TOML text; relative paths are resolved against `base`.
+    pub fn from_toml(
+        text: &str,
+        base: &Path,
+        env: Option<HashMap<String, String>>,
+    ) -> Result<Self, ConfigError> {
+        let environment = config::Environment::with_prefix(ENV_PREFIX)
+            .prefix_separator(ENV_SEPARATOR)
+            .separator(ENV_SEPARATOR)
+            .try_parsing(true)
+            .source(env.map(|m| m.into_iter().collect()));
+        let raw: RawConfig = config::Config::builder()
+            .add_source(config::File::from_str(text, config::FileFormat::Toml))
+            .add_source(environment)
+            .build()
+            .and_then(|c| c.try_deserialize())
+            .map_err(from_config_error)?;
+        raw.into_typed(base)
+    }
+
+    /// The local log's configuration for this agent.
+    pub fn log_config(&self) -> LogConfig {
+        let s = &self.storage;
+        LogConfig {
+            data_dir: self.data_dir.clone(),
+            streams: self.streams.iter().map(|s| s.name.clone()).collect(),
+            fsync: s.fsync.clone(),
+            segment_bytes_max: s.segment_bytes_max,
+            block_records_max: s.block_records_max,
+            block_bytes_max: s.block_bytes_max,
+            block_linger: s.block_linger,
+            block_version: s.block_version,
+            disk_bytes_max: s.disk_bytes_max,
+            on_full: s.on_full.clone(),
+            queue_batches_max: s.queue_batches_max,
+            ..LogConfig::default()
+        }
+    }
+
+    /// Looks a stream up by name.
+    pub fn stream(&self, name: &str) -> Option<&StreamConfig> {
+        self.streams.iter().find(|s| s.name == name)
+    }
+}
+
+/// Turns the `config` crate's error into ours, keeping the key when it names one.
+fn from_config_error(e: config::ConfigError) -> ConfigError {
+    match e {
+        config::ConfigError::Type { key: Some(key), unexpected, expected, .. } => {
+            ConfigError::invalid(key, format!("expected {expected}, found {unexpected}"))
+        }
+        config::ConfigError::At { error, key: Some(key), .. } => match *error {
+            config::ConfigError::Message(m) => match unknown_field(&m) {
+                Some((field, tail)) => ConfigError::invalid(format!("{key}.{field}"), tail),
+                None => ConfigError::invalid(key, m),
+            },
+            other => ConfigError::invalid(key, other.to_string()),
+        },
+        config::ConfigError::Message(m) => match unknown_field(&m) {
+            Some((field, tail)) => ConfigError::invalid(field, tail),
+            None => ConfigError::Read { path: PathBuf::new(), message: m },
+        },
+        other => ConfigError::Read { path: PathBuf::new(), message: other.to_string() },
+    }
+}
+
+/// serde reports an unknown key as "unknown field `x`, expected ..."; returns the key and
+/// a message that starts with "unknown key".
+fn unknown_field(message: &str) -> Option<(String, String)> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (field, tail) = rest.split_once('`')?;
+    Some((field.to_owned(), format!("unknown key{tail}")))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raw serde structs: exactly what the file may contain, as loosely typed as the file is.
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    data_dir: Option<String>,
+    hub: Option<RawHub>,
+    tls: Option<RawTls>,
+    #[serde(default)]
+    http: RawHttp,
+    #[serde(default)]
+    storage: RawStorage,
+    #[serde(default)]
+    streams: Vec<RawStream>,
+    #[serde(default)]
+    sources: Vec<RawSource>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHub {
+    addr: Option<String>,
+    server_name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    ca: Option<String>,
+    cert: Option<String>,
+    key: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHttp {
+    listen: Option<String>,
+    body_bytes_max: Option<String>,
+    token: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStorage {
+    fsync: Option<String>,
+    disk_bytes_max: Option<String>,
+    on_full: Option<String>,
+    segment_bytes_max: Option<String>,
+    block_records_max: Option<String>,
+    block_bytes_max: Option<String>,
+    block_linger: Option<String>,
+    block_version: Option<String>,
+    queue_batches_max: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStream {
+    name: Option<String>,
+    priority: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSource {
+    kind: Option<String>,
+    url: Option<String>,
+    topics: Option<Vec<String>>,
+    stream: Option<String>,
+    format: Option<String>,
+}
+
+impl RawConfig {
+    fn into_typed(self, base: &Path) -> Result<EdgeConfig, ConfigError> {
+        let data_dir = required("data_dir", self.data_dir)?;
+        let data_dir = resolve_path("data_dir", &data_dir, base)?;
+        let hub = self.hub.map(RawHub::into_typed).transpose()?;
+        let tls = self.tls.map(|t| t.into_typed(base)).transpose()?;
+        if hub.is_some() && tls.is_none() {
+            return Err(ConfigError::invalid(
+                "tls",
+                "required when [hub] is set: add ca, cert and key (written by `core-hub pki issue`)",
+            ));
+        }
+        let streams = streams_typed(self.streams)?;
+        let sources = self
+            .sources
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.into_typed(i, &streams).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(EdgeConfig {
+            data_dir,
+            hub,
+            tls,
+            http: self.http.into_typed()?,
+            storage: self.storage.into_typed()?,
+            streams,
+            sources,
+        })
+    }
+}
+
+impl RawHub {
+    fn into_typed(self) -> Result<HubConfig, ConfigError> {
+        let addr = required("hub.addr", self.addr)?;
+        let host = host_of("hub.addr", &addr)?;
+        let server_name = match self.server_name {
+            Some(name) if name.trim().is_empty() => {
+                return Err(ConfigError::invalid("hub.server_name", "must not be empty"));
+            }
+            Some(name) => name,
+            None => host.to_owned(),
+        };
+        Ok(HubConfig { addr, server_name })
+    }
+}
+
+impl RawTls {
+    fn into_typed(self, base: &Path) -> Result<TlsConfig, ConfigError> {
+        let path = |key: &str, v: Option<String>| -> Result<PathBuf, ConfigError> {
+            resolve_path(key, &required(key, v)?, base)
+        };
+        Ok(TlsConfig {
+            ca: path("tls.ca", self.ca)?,
+            cert: path("tls.cert", self.cert)?,
+            key: path("tls.key", self.key)?,
+        })
+    }
+}
+
+impl RawHttp {
+    fn into_typed(self) -> Result<HttpConfig, ConfigError> {
+        let listen = self.listen.as_deref().unwrap_or(DEFAULT_HTTP_LISTEN);
+        let listen: SocketAddr = listen.parse().map_err(|_| {
+            ConfigError::invalid(
+                "http.listen",
+                format!("expected an address like 127.0.0.1:7401, found {listen:?}"),
+            )
+        })?;
+        let body_bytes_max = match self.body_bytes_max {
+            Some(s) => positive_usize("http.body_bytes_max", parse_bytes("http.body_bytes_max", &s)?)?,
+            None => DEFAULT_BODY_BYTES_MAX,
+        };
+        // An empty token (for example an empty environment override) means "no token".
+        let token = self.token.filter(|t| !t.is_empty());
+        Ok(HttpConfig { listen, body_bytes_max, token })
+    }
+}
+
+impl RawStorage {
+    fn into_typed(self) -> Result<StorageConfig, ConfigError> {
+        let d = LogConfig::default();
+        let fsync = parse_fsync("storage.fsync", self.fsync.as_deref().unwrap_or(DEFAULT_FSYNC))?;
+        let on_full = match self.on_full.as_deref() {
+            None | Some("drop-oldest") => OnFull::DropOldest,
+            Some("block") => OnFull::Block,
+            Some(other) => {
+                return Err(ConfigError::invalid(
+                    "storage.on_full",
+                    format!("expected drop-oldest | block, found {other:?}"),
+                ));
+            }
+        };
+        Ok(StorageConfig {
+            fsync,
+            disk_bytes_max: bytes_or("storage.disk_bytes_max", self.disk_bytes_max, DEFAULT_DISK_BYTES_MAX)?,
+            on_full,
+            segment_bytes_max: bytes_or(
+                "storage.segment_bytes_max",
+                self.segment_bytes_max,
+                DEFAULT_SEGMENT_BYTES_MAX,
+            )?,
+            block_records_max: count_or("storage.block_records_max", self.block_records_max, d.block_records_max)?,
+            block_bytes_max: positive_usize(
+                "storage.block_bytes_max",
+                bytes_or("storage.block_bytes_max", self.block_bytes_max, d.block_bytes_max as u64)?,
+            )?,
+            block_linger: match self.block_linger {
+                Some(s) => parse_duration("storage.block_linger", &s)?,
+                None => d.block_linger,
+            },
+            block_version: block_version(self.block_version, d.block_version)?,
+            queue_batches_max: count_or("storage.queue_batches_max", self.queue_batches_max, d.queue_batches_max)?,
+        })
+    }
+}
+
+impl RawSource {
+    /// `Ok(None)` for `kind = "http"`, which is always on and needs no settings.
+    fn into_typed(
+        self,
+        index: usize,
+        streams: &[StreamConfig],
+    ) -> Result<Option<SourceConfig>, ConfigError> {
+        let key = |k: &str| format!("sources[{index}].{k}");
+        let kind = required(&key("kind"), self.kind)?;
+        match kind.as_str() {
+            "http" => Ok(None),
+            "mqtt" => {
+                let url = required(&key("url"), self.url)?;
+                if !(url.starts_with("mqtt://") || url.starts_with("mqtts://")) {
+                    return Err(ConfigError::invalid(
+                        key("url"),
+                        format!("expected mqtt://host:port or mqtts://host:port, found {url:?}"),
+                    ));
+                }
+                let topics = self.topics.unwrap_or_default();
+                if topics.is_empty() || topics.iter().any(|t| t.is_empty()) {
+                    return Err(ConfigError::invalid(
+                        key("topics"),
+                        "expected a non-empty list of topic filters, such as [\"sensors/#\"]",
+                    ));
+                }
+                let stream = required(&key("stream"), self.stream)?;
+                if !streams.iter().any(|s| s.name == stream) {
+                    return Err(ConfigError::invalid(
+                        key("stream"),
+                        format!("no [[streams]] entry is named {stream:?}"),
+                    ));
+                }
+                let format = PayloadFormat::parse(&key("format"), self.format.as_deref().unwrap_or("json"))?;
+                Ok(Some(SourceConfig::Mqtt(MqttSourceConfig { url, topics, stream, format })))
+            }
+            other => Err(ConfigError::invalid(
+                key("kind"),
+                format!(
+                    "expected mqtt | http, found {other:?} (stdin goes through `edge-agent ingest`)"
+                ),
+            )),
+        }
+    }
+}
+
+fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> {
+    if raw.is_empty() {
+        return Err(ConfigError::invalid(
+            "streams",
+            "declare at least one stream: [[streams]] name = \"telemetry\"",
+        ));
+    }
+    let mut streams: Vec<StreamConfig> = Vec::with_capacity(raw.len());
+    for (i, s) in raw.into_iter().enumerate() {
+        let key = format!("streams[{i}].name");
+        let name = required(&key, s.name)?;
+        check_stream_name(&key, &name)?;
+        if streams.iter().any(|prev| prev.name == name) {
+            return Err(ConfigError::invalid(key, format!("stream {name:?} is declared twice")));
+        }
+        let priority = match s.priority {
+            None => 0,
+            Some(p) => p.parse::<u8>().map_err(|_| {
+                ConfigError::invalid(
+                    format!("streams[{i}].priority"),
+                    format!("expected an integer from 0 to 255, found {p:?}"),
+                )
+            })?,
+        };
+        streams.push(StreamConfig { name, priority });
+    }
+    Ok(streams)
+}
+
+/// Stream names appear in URLs, file names and metric labels, so they stay plain.
+pub fn check_stream_name(key: &str, name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        && !name.starts_with('.');
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::invalid(
+            key,
+            format!("expected 1 to 64 of A-Z a-z 0-9 _ - . (not starting with .), found {name:?}"),
+        ))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar parsers. Each names its key in the error.
+// ---------------------------------------------------------------------------------------------
+
+fn required(key: &str, v: Option<String>) -> Result<String, ConfigError> {
+    match v {
+        Some(s) if !s.trim().is_empty() => Ok(s),
+        Some(_) => Err(ConfigError::invalid(key, "must not be empty")),
+        None => Err(ConfigError::invalid(key, "missing")),
+    }
+}
+
+fn resolve_path(_key: &str, value: &str, base: &Path) -> Result<PathBuf, ConfigError> {
+    let p = PathBuf::from(value);
+    Ok(if p.is_absolute() { p } else { base.join(p) })
+}
+
+/// The host part of `host:port`, checking that the port is a number.
+fn host_of<'a>(key: &str, addr: &'a str) -> Result<&'a str, ConfigError> {
+    let bad = || ConfigError::invalid(key, format!("expected host:port, found {addr:?}"));
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    port.parse::<u16>().map_err(|_| bad())?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(bad());
+    }
+    Ok(host)
+}
+
+/// `always`, `never` or `interval:<duration>` such as `interval:10ms`.
+pub fn parse_fsync(key: &str, s: &str) -> Result<FsyncPolicy, ConfigError> {
+    let bad = || {
+        ConfigError::invalid(key, format!("expected always | interval:<N>ms | never, found {s:?}"))
+    };
+    match s {
+        "always" => Ok(FsyncPolicy::Always),
+        "never" => Ok(FsyncPolicy::Never),
+        _ => {
+            let d = s.strip_prefix("interval:").ok_or_else(bad)?;
+            let d = humantime::parse_duration(d.trim()).map_err(|_| bad())?;
+            if d.is_zero() {
+                return Err(bad());
+            }
+            Ok(FsyncPolicy::Interval(d))
+        }
+    }
+}
+
+/// The canonical text of a policy, as `parse_fsync` reads it back.
+pub fn fsync_name(p: &FsyncPolicy) -> String {
+    match p {
+        FsyncPolicy::Always => "always".into(),
+        FsyncPolicy::Never => "never".into(),
+        FsyncPolicy::Interval(d) => format!("interval:{}ms", d.as_millis()),
+    }
+}
+
+/// A duration with its unit, such as `2ms` or `30s`.
+pub fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(s.trim()).map_err(|_| {
+        ConfigError::invalid(key, format!("expected a duration with a unit, such as 2ms or 30s, found {s:?}"))
+    })
+}
+
+/// A byte size: a plain number of bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB.
+pub fn parse_bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
+    let bad = || {
+        ConfigError::invalid(
+            key,
+            format!("expected a size such as 4096, 512KiB, 64MiB or 2GiB, found {s:?}"),
+        )
+    };
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (digits, unit) = t.split_at(split);
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    let multiplier: u64 = match unit.trim() {
+        "" | "B" | "bytes" => 1,
+        "KB" | "kB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    n.checked_mul(multiplier).ok_or_else(bad)
+}
+
+fn bytes_or(key: &str, v: Option<String>, default: u64) -> Result<u64, ConfigError> {
+    let n = match v {
+        Some(s) => parse_bytes(key, &s)?,
+        None => default,
+    };
+    if n == 0 {
+        return Err(ConfigError::invalid(key, "must be greater than zero"));
+    }
+    Ok(n)
+}
+
+fn positive_usize(key: &str, n: u64) -> Result<usize, ConfigError> {
+    match usize::try_from(n) {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(ConfigError::invalid(key, format!("expected a size from 1 byte up, found {n}"))),
+    }
+}
+
+fn count_or(key: &str, v: Option<String>, default: usize) -> Result<usize, ConfigError> {
+    let Some(s) = v else { return Ok(default) };
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(ConfigError::invalid(key, format!("expected a positive integer, found {s:?}"))),
+    }
+}
+
+fn block_version(v: Option<String>, default: u8) -> Result<u8, ConfigError> {
+    match v.as_deref().map(str::trim) {
+        None => Ok(default),
+        Some("1") => Ok(1),
+        Some("2") => Ok(2),
+        Some(other) => Err(ConfigError::invalid(
+            "storage.block_version",
+            format!("expected 1 (rows) | 2 (columnar), found {other:?}"),
+        )),
+    }
+}

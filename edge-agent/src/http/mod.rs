@@ -1,0 +1,278 @@
+//! The agent's local HTTP API (axum): record ingest, `/healthz`, `/metrics` and `/v1/status`.
+//!
+//! - `POST /v1/streams/{stream}/records`: NDJSON (`application/x-ndjson`, `application/json`) or
+//!   line protocol (`text/plain`). The whole body is one atomic batch; the answer comes only after
+//!   it is durable under the configured fsync policy, with the seq range it received:
+//!   `{"stream","epoch","first_seq","last_seq","count"}`. Errors are JSON `{"error": ...}`, with
+//!   `line` and `column` when they point into the body: 400 malformed or empty, 401 bad token,
+//!   404 unknown stream, 413 body over `http.body_bytes_max`, 415 content type, 503 (with
+//!   `Retry-After` when the disk budget is full under `on_full = "block"`) when the log cannot
+//!   take the batch now.
+//! - `GET /healthz`: `ok`, or 503 with the reason (the log is poisoned).
+//! - `GET /metrics`: Prometheus text.
+//! - `GET /v1/status`: [`StatusReport`] as JSON.
+//!
+//! When `http.token` is set, ingest and `/v1/status` require `Authorization: Bearer <token>`;
+//! `/healthz` and `/metrics` stay open for probes and scrapers and reveal no data.
+
+pub mod client;
+pub mod ingest;
+pub mod status;
+
+pub use ingest::{BodyError, BodyFormat, Ingest, now_ns, parse_body};
+pub use status::{LinkState, StatusReport, StreamReport};
+
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::json;
+
+use crate::config::{EdgeConfig, fsync_name};
+use crate::log::{AppendError, LogHandle, OnFull};
+use crate::metrics::{Limits, Metrics};
+
+/// Everything the handlers share.
+#[derive(Debug)]
+pub struct AppState {
+    pub ingest: Ingest,
+    token: Option<String>,
+    body_bytes_max: usize,
+    limits: Limits,
+    fsync: String,
+    on_full: String,
+    /// Set by the replicator; `NotConfigured` without a `[hub]`.
+    pub link: RwLock<LinkState>,
+}
+
+impl AppState {
+    /// State for an agent configured by `cfg`, appending to `log`.
+    pub fn new(cfg: &EdgeConfig, log: LogHandle) -> Arc<Self> {
+        let metrics = Arc::new(Metrics::new(cfg.streams.iter().map(|s| s.name.as_str())));
+        let link = if cfg.hub.is_some() { LinkState::Down } else { LinkState::NotConfigured };
+        Arc::new(AppState {
+            ingest: Ingest::new(log, metrics),
+            token: cfg.http.token.clone(),
+            body_bytes_max: cfg.http.body_bytes_max,
+            limits: Limits { disk_bytes_max: cfg.storage.disk_bytes_max },
+            fsync: fsync_name(&cfg.storage.fsync),
+            on_full: on_full_name(cfg.storage.on_full).to_owned(),
+            link: RwLock::new(link),
+        })
+    }
+
+    /// The current status report.
+    pub fn status_report(&self) -> StatusReport {
+        let link = *self.link.read().unwrap_or_else(|e| e.into_inner());
+        StatusReport::new(
+            &self.ingest.log().status(),
+            link,
+            &self.fsync,
+            &self.on_full,
+            self.limits.disk_bytes_max,
+            now_ns(),
+        )
+    }
+
+    fn authorized(&self, headers: &HeaderMap) -> bool {
+        let Some(token) = &self.token else { return true };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        constant_time_eq(given.as_bytes(), token.as_bytes())
+    }
+}
+
+/// The config spelling of an `OnFull`.
+pub fn on_full_name(p: OnFull) -> &'static str {
+    match p {
+        OnFull::DropOldest => "drop-oldest",
+        OnFull::Block => "block",
+    }
+}
+
+/// The API's routes.
+pub fn router(app: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/streams/{stream}/records", post(post_records))
+        .route("/v1/status", get(get_status))
+        .route("/healthz", get(get_healthz))
+        .route("/metrics", get(get_metrics))
+        .layer(DefaultBodyLimit::max(app.body_bytes_max))
+        .layer(middleware::from_fn_with_state(app.clone(), count_answers))
+        .with_state(app)
+}
+
+/// Serves the API on `listener` until `shutdown` resolves, then lets in-flight requests finish.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    app: Arc<AppState>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
+}
+
+async fn count_answers(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    app.ingest.metrics().http_answered(response.status().as_u16());
+    response
+}
+
+/// A JSON error body: `{"error": message}`.
+fn error(status: StatusCode, message: impl Into<String>) -> Response {
+    (status, axum::Json(json!({ "error": message.into() }))).into_response()
+}
+
+async fn post_records(
+    State(app): State<Arc<AppState>>,
+    Path(stream): Path<String>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    if !app.authorized(&headers) {
+        let mut r = error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (http.token)");
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        return r;
+    }
+    if !app.ingest.log().config().streams.contains(&stream) {
+        return error(
+            StatusCode::NOT_FOUND,
+            format!("unknown stream {stream:?}: declare it as a [[streams]] entry in the agent's config"),
+        );
+    }
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let Some(format) = BodyFormat::from_content_type(content_type) else {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            format!("content type {content_type:?} is not accepted: use {}", ingest::ACCEPTED_CONTENT_TYPES),
+        );
+    };
+    let body = match body {
+        Ok(b) => b,
+        Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("the body is over {} bytes (http.body_bytes_max): send smaller batches", app.body_bytes_max),
+            );
+        }
+        Err(e) => return error(e.status(), e.body_text()),
+    };
+    let records = match parse_body(format, &stream, &body, now_ns()) {
+        Ok(r) => r,
+        Err(e) => return body_error(&e),
+    };
+    let count = records.len();
+    match app.ingest.ingest(&stream, records).await {
+        Ok(ack) => axum::Json(json!({
+            "stream": ack.stream,
+            "epoch": ack.epoch,
+            "first_seq": ack.first_seq,
+            "last_seq": ack.last_seq,
+            "count": count,
+        }))
+        .into_response(),
+        Err(e) => append_error(&e),
+    }
+}
+
+fn body_error(e: &BodyError) -> Response {
+    let mut body = json!({ "error": e.to_string() });
+    if let Some((line, column)) = e.position() {
+        body["line"] = line.into();
+        body["column"] = column.into();
+    }
+    if let BodyError::Parse(p) = e {
+        body["expected"] = p.expected.clone().into();
+        body["found"] = p.found.clone().into();
+    }
+    (StatusCode::BAD_REQUEST, axum::Json(body)).into_response()
+}
+
+fn append_error(e: &AppendError) -> Response {
+    match e {
+        AppendError::UnknownStream(_) => error(StatusCode::NOT_FOUND, e.to_string()),
+        AppendError::EmptyBatch => error(StatusCode::BAD_REQUEST, e.to_string()),
+        AppendError::RecordTooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
+        AppendError::Full { retry_after } => {
+            let mut r = error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the disk budget (storage.disk_bytes_max) is full and storage.on_full = \"block\": \
+                 retry after the hub has taken the backlog, or raise the budget",
+            );
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs(*retry_after)));
+            r
+        }
+        AppendError::Poisoned(_) | AppendError::Storage(_) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("{e}; check the disk, then restart the agent (it re-verifies the log at start-up)"),
+        ),
+        AppendError::Closed => error(StatusCode::SERVICE_UNAVAILABLE, "the agent is shutting down"),
+    }
+}
+
+/// `Retry-After` in whole seconds, at least 1.
+fn retry_after_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0).max(u64::from(d.is_zero()))
+}
+
+async fn get_status(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if !app.authorized(&headers) {
+        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (http.token)");
+    }
+    axum::Json(app.status_report()).into_response()
+}
+
+async fn get_healthz(State(app): State<Arc<AppState>>) -> Response {
+    match app.ingest.log().status().poisoned {
+        None => (StatusCode::OK, "ok\n").into_response(),
+        Some(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("poisoned: the local log refuses writes after a storage failure: {why}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn get_metrics(State(app): State<Arc<AppState>>) -> Response {
+    let status = app.ingest.log().status();
+    let text = app.ingest.metrics().render(&status, &app.limits, now_ns());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+/// Compares secrets without an early exit, so timing does not reveal a matching prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_to_whole_seconds() {
+        assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_secs(1)), 1);
+        assert_eq!(retry_after_secs(Duration::from_millis(1500)), 2);
+    }
+
+    #[test]
+    fn tokens_compare_exactly() {
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"abc", b"ab"));
+    }
+}

@@ -1,0 +1,516 @@
+//! The edge agent's durable local log: per-stream sequence numbers, sealed blocks in segment
+//! files, group commit, crash recovery, a disk budget and retention.
+//!
+//! # How it works
+//!
+//! - **One writer thread** owns every segment file. Producers call [`LogHandle::append`] (or
+//!   [`LogHandle::append_blocking`]); the batch goes through a bounded channel
+//!   (`queue_batches_max`) with a oneshot reply. The writer drains everything queued, assigns
+//!   seqs per `(epoch, stream)` without gaps, and stages the records into the stream's pending
+//!   block.
+//! - **Sealing.** A pending block is sealed (`sync::block::encode_block_with`, zstd) when it
+//!   reaches `block_records_max` or `block_bytes_max`, when it is older than `block_linger`, or
+//!   whenever an fsync is about to happen (so every waiting producer is covered). A producer
+//!   batch never spans blocks unless it alone exceeds the limits; then every block of it but the
+//!   last carries `FLAG_BATCH_CONTINUES`, and recovery drops a trailing run of such blocks, so a
+//!   batch is all or nothing.
+//! - **Writing.** Sealed blocks are framed (`sync::segment::frame_header`) into one reusable
+//!   buffer per stream and written with one `append` per segment. Segments are
+//!   `data_dir/streams/{stream}/{epoch:016x}-{first_seq:020}.seg`; at `segment_bytes_max` the
+//!   writer rolls: fsync the old file, create the new one with `segment_header()`, fsync it,
+//!   fsync the directory.
+//! - **Durability.** [`FsyncPolicy::Always`] is group commit: every batch drained in one loop
+//!   iteration shares one fsync per dirty file. [`FsyncPolicy::Interval`] fsyncs at most every
+//!   interval and producers wait for it. [`FsyncPolicy::Never`] answers after the write and is
+//!   unsafe: a power cut loses acknowledged data. Replies are sent only after the fsync; then
+//!   the durable seqs are published (read by [`LogHandle::read_blocks`], which never returns a
+//!   block that is not durable) and [`LogHandle::durable_watch`] is bumped.
+//! - **Poisoning.** Any failed write or fsync poisons the log: the failing batches get the IO
+//!   error, every later append gets [`AppendError::Poisoned`]. A retried fsync may report
+//!   success with the data lost, so only a reopen, which re-verifies everything, clears it.
+//! - **Recovery** ([`Log::open`]) scans every segment with `sync::segment::scan` and checks
+//!   every block with `verify_block`. A fault with no valid frame after it, in the last segment
+//!   of an epoch, is a torn tail: truncated, bytes and records reported. A fault followed by
+//!   valid frames (`resync`), or at the end of a sealed segment, is corruption: the bad bytes are
+//!   copied to `data_dir/quarantine/`, their seq range (from the neighbouring blocks) becomes a
+//!   `Corrupt` gap marker, and the segment is rewritten without them (tmp file, fsync, rename,
+//!   fsync dir). A segment whose header is unreadable is moved to quarantine whole. A trailing run
+//!   of `FLAG_BATCH_CONTINUES` blocks (an incomplete batch) is dropped. Recovered tails are
+//!   fsynced before anything is published as durable. The agent always starts.
+//! - **Epochs.** A random u64 minted when the data directory is first used, kept in
+//!   `data_dir/epochs.log` (CRC-framed entries, fsynced; the last is current) and mirrored in
+//!   the catalog. [`LogHandle::mint_epoch`] starts a new one; seqs restart at 1 in it, and older
+//!   epochs stay readable.
+//! - **Gap markers** are kept in `streams/{stream}/gaps.log` (CRC-framed, fsynced before the
+//!   data they describe is deleted) and mirrored in the catalog, so they survive catalog loss.
+//! - **Catalog** (`crate::catalog`): SQLite at `data_dir/catalog.db` (WAL). It holds epochs,
+//!   segments, acknowledgements and gap markers, and is rebuilt from the files above if missing
+//!   or corrupt; only acknowledgements are lost then (the hub repeats them).
+//! - **Disk budget** (`disk_bytes_max`, over segment bytes). [`OnFull::DropOldest`] deletes the
+//!   oldest whole segments that are locally durable, never an active one, after writing and
+//!   fsyncing their exact seq ranges as `Dropped` gap markers; usage stays within the budget
+//!   plus the active segment (per stream). [`OnFull::Block`] answers [`AppendError::Full`] at
+//!   once when a batch would not fit; nothing stored is touched.
+//! - **Retention.** A segment is deleted once the hub's `tiered_seq` covers its every block
+//!   ([`LogHandle::set_acked`]); `durable_seq` alone frees nothing.
+
+mod index;
+mod markers;
+mod recovery;
+mod writer;
+
+pub use index::{Gap, GapReason, LogStatus, StoredBlock, StreamStatus};
+
+use crate::catalog::{Catalog, CatalogError, CatalogLocation};
+use crate::storage::Storage;
+use index::Shared;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::mpsc::{self, SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use sync::Record;
+use thiserror::Error;
+use tokio::sync::{oneshot, watch};
+
+/// When the writer fsyncs, and so when producers are answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsyncPolicy {
+    /// Group commit: every batch drained together shares one fsync.
+    Always,
+    /// At most one fsync per interval; producers wait for the one that covers them.
+    Interval(Duration),
+    /// Never fsync; producers are answered after the write. Unsafe: a power cut loses
+    /// acknowledged records. For benchmarks and throwaway data only.
+    Never,
+}
+
+/// What to do when the disk budget is reached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OnFull {
+    /// Drop the oldest whole segments, recording their seq ranges as gap markers first.
+    DropOldest,
+    /// Refuse new batches with [`AppendError::Full`]; keep everything stored.
+    Block,
+}
+
+/// The log's configuration. Libraries take this struct; binaries build it from `edge.toml`.
+#[derive(Debug, Clone)]
+pub struct LogConfig {
+    pub data_dir: PathBuf,
+    /// Configured stream names: `[A-Za-z0-9_.-]{1,64}`.
+    pub streams: Vec<String>,
+    pub fsync: FsyncPolicy,
+    pub segment_bytes_max: u64,
+    pub block_records_max: usize,
+    /// Approximate, from `Record::approx_bytes`.
+    pub block_bytes_max: usize,
+    /// Seal a partial block once it is this old (it is always sealed before an fsync).
+    pub block_linger: Duration,
+    pub block_version: u8,
+    /// zstd level for block bodies.
+    pub zstd_level: i32,
+    /// Budget over segment bytes.
+    pub disk_bytes_max: u64,
+    pub on_full: OnFull,
+    /// Bound of the producer -> writer channel, in batches.
+    pub queue_batches_max: usize,
+    /// Where the SQLite catalog lives.
+    pub catalog: CatalogLocation,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            data_dir: PathBuf::new(),
+            streams: Vec::new(),
+            fsync: FsyncPolicy::Interval(Duration::from_millis(10)),
+            segment_bytes_max: 64 << 20,
+            block_records_max: 4096,
+            block_bytes_max: 1 << 20,
+            block_linger: Duration::from_millis(2),
+            block_version: sync::block::VERSION_ROWS,
+            zstd_level: 1,
+            disk_bytes_max: 2 << 30,
+            on_full: OnFull::DropOldest,
+            queue_batches_max: 1024,
+            catalog: CatalogLocation::InDataDir,
+        }
+    }
+}
+
+/// The answer to a successful append: the seqs the batch received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppendAck {
+    pub stream: String,
+    pub epoch: u64,
+    pub first_seq: u64,
+    pub last_seq: u64,
+}
+
+/// Why an append was refused. Nothing of a refused batch is stored.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum AppendError {
+    #[error("unknown stream {0:?}")]
+    UnknownStream(String),
+    #[error("empty batch: nothing to append")]
+    EmptyBatch,
+    #[error("a record of {bytes} bytes exceeds the {max}-byte record limit")]
+    RecordTooLarge { bytes: usize, max: usize },
+    #[error("disk budget reached (on_full = block): retry after {retry_after:?}")]
+    Full { retry_after: Duration },
+    #[error("storage failed while writing this batch: {0}")]
+    Storage(String),
+    #[error("the local log is poisoned after a storage failure and refuses writes until reopened: {0}")]
+    Poisoned(String),
+    #[error("the local log is shut down")]
+    Closed,
+}
+
+/// Why [`LogHandle::read_blocks`] failed.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum ReadError {
+    #[error("unknown stream {0:?}")]
+    UnknownStream(String),
+    #[error("reading {path}: {error}")]
+    Io { path: PathBuf, error: String },
+    #[error("block at {path}:{offset} failed verification: {error}")]
+    Corrupt { path: PathBuf, offset: u64, error: String },
+}
+
+/// Why [`LogHandle::set_acked`] failed.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum AckError {
+    #[error("unknown stream {0:?}")]
+    UnknownStream(String),
+    #[error("the local log is shut down")]
+    Closed,
+}
+
+/// Why [`LogHandle::mint_epoch`] failed.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum MintError {
+    #[error("the local log is poisoned: {0}")]
+    Poisoned(String),
+    #[error("storing the new epoch failed: {0}")]
+    Storage(String),
+    #[error("the local log is shut down")]
+    Closed,
+}
+
+/// Why the log could not be opened.
+#[derive(Debug, Error)]
+pub enum OpenError {
+    #[error("invalid log configuration: {0}")]
+    Config(String),
+    #[error("{op} {path}: {source}")]
+    Storage {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error("starting the writer thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// What recovery found and did at open. Also logged with `tracing`.
+#[derive(Debug, Clone, Default)]
+pub struct RecoveryReport {
+    /// The current epoch after open.
+    pub epoch: u64,
+    /// True when a new epoch was minted at open (fresh data directory, or ambiguous history).
+    pub epoch_minted: bool,
+    /// Bytes removed from torn tails (and incomplete trailing batches, and empty torn segments).
+    pub truncated_bytes: u64,
+    /// Records removed with them (those whose block header was still readable).
+    pub truncated_records: u64,
+    /// Files written to `data_dir/quarantine/`, and why.
+    pub quarantined: Vec<(PathBuf, String)>,
+    /// The catalog was missing or corrupt and was rebuilt from the segment files.
+    pub catalog_rebuilt: bool,
+    /// Where a corrupt catalog was moved.
+    pub catalog_moved_aside: Option<PathBuf>,
+    /// Segments, blocks and records found.
+    pub segments: usize,
+    pub blocks: usize,
+    pub records: u64,
+}
+
+/// Opens logs.
+#[derive(Debug)]
+pub struct Log;
+
+impl Log {
+    /// Recovers the data directory and starts the writer thread.
+    pub fn open(cfg: LogConfig, storage: Arc<dyn Storage>) -> Result<(LogHandle, RecoveryReport), OpenError> {
+        validate(&cfg)?;
+        let catalog_path = match &cfg.catalog {
+            CatalogLocation::InDataDir => Some(cfg.data_dir.join("catalog.db")),
+            CatalogLocation::Path(p) => Some(p.clone()),
+            CatalogLocation::Memory => None,
+        };
+        if catalog_path.is_some() && cfg.catalog == CatalogLocation::InDataDir {
+            std::fs::create_dir_all(&cfg.data_dir)
+                .map_err(|source| OpenError::Storage { op: "create_dir_all", path: cfg.data_dir.clone(), source })?;
+        }
+        let (catalog, cat_open) = Catalog::open(catalog_path.as_deref())?;
+        let rec = recovery::recover(&cfg, storage.as_ref(), catalog, cat_open)?;
+        let report = rec.report.clone();
+        recovery::log_report(&report);
+        let (tx, rx) = mpsc::sync_channel(cfg.queue_batches_max);
+        let shared = Arc::new(Shared::new(storage.clone(), rec.state));
+        let stream_ids: HashMap<String, usize> =
+            cfg.streams.iter().enumerate().map(|(i, s)| (s.clone(), i)).collect();
+        let w = writer::Writer::new(cfg.clone(), shared.clone(), rec.catalog, rec.writer_streams);
+        let thread = std::thread::Builder::new()
+            .name("tributary-log-writer".into())
+            .spawn(move || w.run(rx))
+            .map_err(OpenError::Thread)?;
+        let inner = HandleInner { tx, shared, stream_ids, cfg, thread: Mutex::new(Some(thread)) };
+        Ok((LogHandle { inner: Arc::new(inner) }, report))
+    }
+}
+
+fn validate(cfg: &LogConfig) -> Result<(), OpenError> {
+    let bad = |s: String| Err(OpenError::Config(s));
+    if cfg.data_dir.as_os_str().is_empty() {
+        return bad("data_dir is empty".into());
+    }
+    if cfg.streams.is_empty() {
+        return bad("no streams configured".into());
+    }
+    for (i, s) in cfg.streams.iter().enumerate() {
+        if !valid_stream_name(s) {
+            return bad(format!("stream name {s:?} must match [A-Za-z0-9_.-]{{1,64}}"));
+        }
+        if s == "." || s == ".." {
+            return bad(format!("stream name {s:?} is reserved"));
+        }
+        if cfg.streams[..i].contains(s) {
+            return bad(format!("stream {s:?} is configured twice"));
+        }
+    }
+    if cfg.segment_bytes_max < 1024 {
+        return bad(format!("segment_bytes_max {} is below 1024", cfg.segment_bytes_max));
+    }
+    if cfg.block_records_max == 0 || cfg.block_records_max > 1 << 20 {
+        return bad(format!("block_records_max {} must be in 1..=1048576", cfg.block_records_max));
+    }
+    if cfg.block_bytes_max == 0 || cfg.block_bytes_max > 64 << 20 {
+        return bad(format!("block_bytes_max {} must be in 1..=64MiB", cfg.block_bytes_max));
+    }
+    if cfg.queue_batches_max == 0 {
+        return bad("queue_batches_max must be at least 1".into());
+    }
+    if cfg.block_version != sync::block::VERSION_ROWS && cfg.block_version != sync::block::VERSION_COLUMNAR {
+        return bad(format!("block_version {} is not 1 or 2", cfg.block_version));
+    }
+    if let FsyncPolicy::Interval(d) = cfg.fsync
+        && d.is_zero()
+    {
+        return bad("fsync interval must be above zero (use Always)".into());
+    }
+    Ok(())
+}
+
+/// True for names matching `[A-Za-z0-9_.-]{1,64}`.
+pub fn valid_stream_name(s: &str) -> bool {
+    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
+}
+
+/// The largest single record accepted (approximate bytes), well under the frame limit.
+pub const RECORD_BYTES_MAX: usize = 16 << 20;
+
+/// Messages to the writer thread.
+pub(crate) enum Msg {
+    Append { stream: usize, records: Vec<Record>, reply: oneshot::Sender<Result<AppendAck, AppendError>> },
+    /// Acks changed: persist them and run retention.
+    Wake,
+    Mint(mpsc::Sender<Result<u64, MintError>>),
+    Shutdown(mpsc::Sender<()>),
+}
+
+#[derive(Debug)]
+struct HandleInner {
+    tx: SyncSender<Msg>,
+    shared: Arc<Shared>,
+    stream_ids: HashMap<String, usize>,
+    cfg: LogConfig,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Msg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Msg::Append { stream, records, .. } => write!(f, "Append(stream {stream}, {} records)", records.len()),
+            Msg::Wake => f.write_str("Wake"),
+            Msg::Mint(_) => f.write_str("Mint"),
+            Msg::Shutdown(_) => f.write_str("Shutdown"),
+        }
+    }
+}
+
+impl HandleInner {
+    fn shutdown(&self) {
+        let Some(thread) = self.thread.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return;
+        };
+        let (tx, rx) = mpsc::channel();
+        if self.tx.send(Msg::Shutdown(tx)).is_ok() {
+            // The writer answers after its final flush; a dropped sender means it already exited.
+            let _ = rx.recv();
+        }
+        if thread.join().is_err() {
+            tracing::error!("the log writer thread panicked");
+        }
+    }
+}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// A cheap, cloneable handle to an open log. The log shuts down when the last handle drops.
+#[derive(Debug, Clone)]
+pub struct LogHandle {
+    inner: Arc<HandleInner>,
+}
+
+impl LogHandle {
+    fn precheck(&self, stream: &str, records: &[Record]) -> Result<usize, AppendError> {
+        let id = *self.inner.stream_ids.get(stream).ok_or_else(|| AppendError::UnknownStream(stream.to_string()))?;
+        if records.is_empty() {
+            return Err(AppendError::EmptyBatch);
+        }
+        if let Some(msg) = self.inner.shared.poisoned() {
+            return Err(AppendError::Poisoned(msg));
+        }
+        if let Some(big) = records.iter().map(Record::approx_bytes).find(|b| *b > RECORD_BYTES_MAX) {
+            return Err(AppendError::RecordTooLarge { bytes: big, max: RECORD_BYTES_MAX });
+        }
+        Ok(id)
+    }
+
+    /// Appends one batch atomically; resolves once it is durable under the fsync policy.
+    pub async fn append(&self, stream: &str, records: Vec<Record>) -> Result<AppendAck, AppendError> {
+        let id = self.precheck(stream, &records)?;
+        let (reply, rx) = oneshot::channel();
+        let mut msg = Msg::Append { stream: id, records, reply };
+        loop {
+            // Register for "queue has room" before retrying, so a wakeup cannot be missed.
+            let notified = self.inner.shared.queue_space.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.inner.tx.try_send(msg) {
+                Ok(()) => break,
+                Err(TrySendError::Full(m)) => {
+                    msg = m;
+                    notified.await;
+                }
+                Err(TrySendError::Disconnected(_)) => return Err(AppendError::Closed),
+            }
+        }
+        rx.await.map_err(|_| AppendError::Closed)?
+    }
+
+    /// As [`LogHandle::append`], blocking the calling thread. Do not call from async code.
+    pub fn append_blocking(&self, stream: &str, records: Vec<Record>) -> Result<AppendAck, AppendError> {
+        let id = self.precheck(stream, &records)?;
+        let (reply, rx) = oneshot::channel();
+        self.inner.tx.send(Msg::Append { stream: id, records, reply }).map_err(|_| AppendError::Closed)?;
+        rx.blocking_recv().map_err(|_| AppendError::Closed)?
+    }
+
+    /// The current epoch.
+    pub fn epoch(&self) -> u64 {
+        self.inner.shared.epoch()
+    }
+
+    /// A counter bumped after every fsync (or, under `Never`, write) that made new blocks durable.
+    pub fn durable_watch(&self) -> watch::Receiver<u64> {
+        self.inner.shared.durable_tx.subscribe()
+    }
+
+    /// Durable blocks of `(stream, epoch)` in seq order, starting with the block that holds
+    /// `after_seq + 1` (or the next one held, if that seq is in a gap), up to about `bytes_max`
+    /// bytes but always at least one block when there is one.
+    pub fn read_blocks(
+        &self,
+        stream: &str,
+        epoch: u64,
+        after_seq: u64,
+        bytes_max: usize,
+    ) -> Result<Vec<StoredBlock>, ReadError> {
+        self.inner.shared.read_blocks(stream, epoch, after_seq, bytes_max)
+    }
+
+    /// Records the hub's acknowledgements for `(stream, epoch)`. Marks only move forward.
+    /// Persisted to the catalog by the writer (batched); segments fully covered by
+    /// `tiered_seq` are then deleted.
+    pub fn set_acked(&self, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) -> Result<(), AckError> {
+        if !self.inner.stream_ids.contains_key(stream) {
+            return Err(AckError::UnknownStream(stream.to_string()));
+        }
+        self.inner.shared.set_acked(stream, epoch, durable_seq, tiered_seq);
+        match self.inner.tx.try_send(Msg::Wake) {
+            // A full queue means the writer is busy and will see the dirty acks on its next pass.
+            Ok(()) | Err(TrySendError::Full(_)) => Ok(()),
+            Err(TrySendError::Disconnected(_)) => Err(AckError::Closed),
+        }
+    }
+
+    /// Gap markers of a stream, in epoch then seq order.
+    pub fn gaps(&self, stream: &str) -> Vec<Gap> {
+        self.inner.shared.gaps(stream)
+    }
+
+    /// A snapshot of every stream's state.
+    pub fn status(&self) -> LogStatus {
+        self.inner.shared.status(&self.inner.cfg.streams)
+    }
+
+    /// `(epoch, first seq held, last durable seq held)` for every epoch with data in `stream`,
+    /// oldest epoch first.
+    pub fn epochs_held(&self, stream: &str) -> Vec<(u64, u64, u64)> {
+        self.inner.shared.epochs_held(stream)
+    }
+
+    /// Starts a new random epoch for new appends (after a restore or clone is detected). Pending
+    /// data of the old epoch is flushed and fsynced first; the new epoch is persisted before it
+    /// is used. Blocks the calling thread briefly.
+    pub fn mint_epoch(&self) -> Result<u64, MintError> {
+        let (tx, rx) = mpsc::channel();
+        self.inner.tx.send(Msg::Mint(tx)).map_err(|_| MintError::Closed)?;
+        rx.recv().map_err(|_| MintError::Closed)?
+    }
+
+    /// Flushes, fsyncs and stops the writer. Later appends fail with [`AppendError::Closed`].
+    pub fn shutdown(&self) {
+        self.inner.shutdown();
+    }
+
+    /// The configuration the log was opened with.
+    pub fn config(&self) -> &LogConfig {
+        &self.inner.cfg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_names() {
+        assert!(valid_stream_name("telemetry"));
+        assert!(valid_stream_name("a.b-c_D9"));
+        assert!(!valid_stream_name(""));
+        assert!(!valid_stream_name("a/b"));
+        assert!(!valid_stream_name(&"x".repeat(65)));
+    }
+}

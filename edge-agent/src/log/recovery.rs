@@ -1,0 +1,607 @@
+//! Recovery at open: find the epoch, scan and verify every segment, truncate torn tails,
+//! quarantine corruption as gap markers, drop incomplete batches, and rebuild the catalog.
+//!
+//! Every repair is ordered so that a crash in the middle of recovery loses nothing: corrupt bytes
+//! are copied to `quarantine/` (fsynced) and their gap marker is fsynced before the segment is
+//! rewritten without them; a rewrite goes through a `.tmp` file, fsync, rename, directory fsync.
+//! Running recovery again after such a crash finds the same state or a cleaner one.
+
+use super::index::{BlockRef, Gap, GapReason, SegIndex, SharedState, StreamIndex};
+use super::markers::{self, EPOCHS_FILE, GAPS_FILE, MarkerFile};
+use super::{LogConfig, OpenError, RecoveryReport};
+use crate::catalog::{Catalog, CatalogOpen, GapRow, SegmentRow};
+use crate::storage::Storage;
+use std::collections::BTreeSet;
+use std::io;
+use std::path::{Path, PathBuf};
+use sync::block::{DecodeLimits, FLAG_BATCH_CONTINUES, HEADER_LEN, decode_header, verify_block};
+use sync::segment::{self, FRAME_HEADER_LEN, FrameRef, SEGMENT_HEADER_LEN};
+
+/// What the writer needs to continue a stream.
+#[derive(Debug)]
+pub(crate) struct StreamInit {
+    pub dir: PathBuf,
+    pub next_seq: u64,
+    /// The current epoch's last segment, reopened for appending on the first write.
+    pub tail: Option<(PathBuf, u64)>,
+}
+
+/// Everything recovery produced.
+#[derive(Debug)]
+pub(crate) struct Recovered {
+    pub state: SharedState,
+    pub catalog: Catalog,
+    pub writer_streams: Vec<StreamInit>,
+    pub report: RecoveryReport,
+}
+
+struct SegFile {
+    epoch: u64,
+    first_seq: u64,
+    name: String,
+    path: PathBuf,
+}
+
+struct Ctx<'a> {
+    storage: &'a dyn Storage,
+    qdir: PathBuf,
+    report: RecoveryReport,
+}
+
+fn io_err(op: &'static str, path: &Path) -> impl FnOnce(io::Error) -> OpenError + use<> {
+    let path = path.to_path_buf();
+    move |source| OpenError::Storage { op, path, source }
+}
+
+/// The file name of a segment.
+pub(crate) fn segment_name(epoch: u64, first_seq: u64) -> String {
+    format!("{epoch:016x}-{first_seq:020}.seg")
+}
+
+fn parse_segment_name(name: &str) -> Option<(u64, u64)> {
+    let stem = name.strip_suffix(".seg")?;
+    let (e, s) = stem.split_once('-')?;
+    if e.len() != 16 || s.len() != 20 {
+        return None;
+    }
+    Some((u64::from_str_radix(e, 16).ok()?, s.parse().ok()?))
+}
+
+pub(crate) fn recover(
+    cfg: &LogConfig,
+    storage: &dyn Storage,
+    mut catalog: Catalog,
+    cat_open: CatalogOpen,
+) -> Result<Recovered, OpenError> {
+    let streams_dir = cfg.data_dir.join("streams");
+    let mut cx = Ctx { storage, qdir: cfg.data_dir.join("quarantine"), report: RecoveryReport::default() };
+    for d in [&cfg.data_dir, &streams_dir, &cx.qdir] {
+        storage.create_dir_all(d).map_err(io_err("create_dir_all", d))?;
+    }
+    let mut files = Vec::new();
+    for name in &cfg.streams {
+        let dir = streams_dir.join(name);
+        storage.create_dir_all(&dir).map_err(io_err("create_dir_all", &dir))?;
+        files.push(list_segments(&cx, &dir)?);
+    }
+    for d in [&cfg.data_dir, &streams_dir] {
+        storage.sync_dir(d).map_err(io_err("sync_dir", d))?;
+    }
+    let seg_epochs: BTreeSet<u64> = files.iter().flatten().map(|f| f.epoch).collect();
+    let (epochs, had_history) = recover_epochs(&mut cx, cfg, &catalog, &seg_epochs)?;
+    cx.report.catalog_rebuilt = cat_open.created && (had_history || !seg_epochs.is_empty());
+    cx.report.catalog_moved_aside = cat_open.moved_aside.clone();
+    if let Some(why) = &cat_open.corrupt_reason {
+        tracing::warn!(reason = %why, moved_to = ?cat_open.moved_aside, "catalog was corrupt; rebuilding it from the segment files");
+    }
+    let mut state = SharedState { epochs: epochs.clone(), ..SharedState::default() };
+    let mut inits = Vec::new();
+    let acks = catalog.acks().unwrap_or_default();
+    for (name, segs) in cfg.streams.iter().zip(files) {
+        let dir = streams_dir.join(name);
+        let (mut idx, init) = recover_stream(&mut cx, name, &dir, segs, &epochs)?;
+        for (_, epoch, d, t) in acks.iter().filter(|a| a.0 == *name) {
+            idx.acks.insert(*epoch, (*d, *t));
+        }
+        state.disk_bytes += idx.segments.iter().map(|s| s.bytes).sum::<u64>();
+        cx.report.segments += idx.segments.len();
+        for seg in &idx.segments {
+            cx.report.blocks += seg.blocks.len();
+            cx.report.records += seg.blocks.iter().map(|b| u64::from(b.count)).sum::<u64>();
+        }
+        state.streams.insert(name.clone(), idx);
+        inits.push(init);
+    }
+    sync_catalog(&mut catalog, &state)?;
+    cx.report.epoch = *epochs.last().expect("an epoch");
+    Ok(Recovered { state, catalog, writer_streams: inits, report: cx.report })
+}
+
+/// Lists a stream directory's segments, removing leftover `.tmp` files of interrupted rewrites.
+fn list_segments(cx: &Ctx<'_>, dir: &Path) -> Result<Vec<SegFile>, OpenError> {
+    let mut out = Vec::new();
+    for name in cx.storage.list(dir).map_err(io_err("list", dir))? {
+        let path = dir.join(&name);
+        if name.ends_with(".tmp") {
+            // A rewrite that never got renamed: the original is intact.
+            cx.storage.remove(&path).map_err(io_err("remove", &path))?;
+            continue;
+        }
+        match parse_segment_name(&name) {
+            Some((epoch, first_seq)) => out.push(SegFile { epoch, first_seq, name, path }),
+            None if name == GAPS_FILE => {}
+            None => tracing::warn!(file = %path.display(), "ignoring unexpected file in stream directory"),
+        }
+    }
+    Ok(out)
+}
+
+/// Finds the epoch history: `epochs.log`, else the catalog, else the segments' epochs. Mints a
+/// new epoch for a fresh directory, or when the order of several epochs cannot be known.
+fn recover_epochs(
+    cx: &mut Ctx<'_>,
+    cfg: &LogConfig,
+    catalog: &Catalog,
+    seg_epochs: &BTreeSet<u64>,
+) -> Result<(Vec<u64>, bool), OpenError> {
+    let path = cfg.data_dir.join(EPOCHS_FILE);
+    let tmp = cfg.data_dir.join(format!("{EPOCHS_FILE}.tmp"));
+    if cx.storage.exists(&tmp) {
+        cx.storage.remove(&tmp).map_err(io_err("remove", &tmp))?;
+    }
+    let (entries, cut) = markers::read_entries(cx.storage, &path).map_err(io_err("read", &path))?;
+    if cut > 0 {
+        tracing::warn!(bytes = cut, "epochs.log had a torn tail; truncated");
+    }
+    let mut epochs: Vec<u64> = Vec::new();
+    for e in entries.iter().filter_map(|e| markers::decode_epoch(e)) {
+        if !epochs.contains(&e) {
+            epochs.push(e);
+        }
+    }
+    let mut rewrite = false;
+    if epochs.is_empty() {
+        epochs = catalog.epochs().unwrap_or_default();
+        rewrite = !epochs.is_empty();
+    }
+    let had_history = !epochs.is_empty();
+    let unknown: Vec<u64> = seg_epochs.iter().copied().filter(|e| !epochs.contains(e)).collect();
+    let ambiguous = epochs.is_empty() && unknown.len() > 1;
+    if !unknown.is_empty() {
+        // Epochs seen only in segment names are older than any recorded history.
+        tracing::warn!(?unknown, "segments of epochs missing from the epoch history");
+        epochs.splice(0..0, unknown);
+        rewrite = true;
+    }
+    if epochs.is_empty() || ambiguous {
+        // With several epochs and no record of their order, continuing any of them could reuse
+        // seqs; a fresh epoch never does.
+        epochs.push(mint(&epochs));
+        cx.report.epoch_minted = true;
+        rewrite = true;
+    }
+    if rewrite {
+        let entries: Vec<Vec<u8>> = epochs.iter().map(|e| markers::encode_epoch(*e)).collect();
+        markers::rewrite(cx.storage, &path, &entries).map_err(io_err("write", &path))?;
+    }
+    Ok((epochs, had_history))
+}
+
+/// A random non-zero epoch not used before.
+pub(crate) fn mint(used: &[u64]) -> u64 {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(entropy());
+    loop {
+        let e: u64 = rng.random();
+        if e != 0 && !used.contains(&e) {
+            return e;
+        }
+    }
+}
+
+/// 64 bits of entropy for seeding. The workspace builds `rand` without its OS generator, so read
+/// the kernel's directly; if that fails, std's per-process random hash keys mixed with the clock
+/// and pid still make two devices (or two mints) differ.
+fn entropy() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok() {
+        return u64::from_le_bytes(b);
+    }
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    h.write_u128(now.as_nanos());
+    h.write_u32(std::process::id());
+    h.finish()
+}
+
+/// Appends gap markers to a stream's `gaps.log`, opening it on first use.
+struct GapWriter<'a> {
+    storage: &'a dyn Storage,
+    path: PathBuf,
+    file: Option<MarkerFile>,
+}
+
+impl GapWriter<'_> {
+    fn write(&mut self, g: &Gap) -> Result<(), OpenError> {
+        if self.file.is_none() {
+            self.file = Some(MarkerFile::open(self.storage, &self.path).map_err(io_err("open", &self.path))?);
+        }
+        let f = self.file.as_mut().expect("opened");
+        f.append(&[markers::encode_gap(g)]).map_err(io_err("append", &self.path))
+    }
+}
+
+fn recover_stream(
+    cx: &mut Ctx<'_>,
+    stream: &str,
+    dir: &Path,
+    mut files: Vec<SegFile>,
+    epochs: &[u64],
+) -> Result<(StreamIndex, StreamInit), OpenError> {
+    let order = |e: u64| epochs.iter().position(|x| *x == e).unwrap_or(0);
+    files.sort_by_key(|f| (order(f.epoch), f.first_seq));
+    let gaps_path = dir.join(GAPS_FILE);
+    let (entries, cut) = markers::read_entries(cx.storage, &gaps_path).map_err(io_err("read", &gaps_path))?;
+    if cut > 0 {
+        tracing::warn!(stream, bytes = cut, "gaps.log had a torn tail; truncated");
+    }
+    let mut idx = StreamIndex::default();
+    for g in entries.iter().filter_map(|e| markers::decode_gap(e)) {
+        if !idx.gaps.contains(&g) {
+            idx.gaps.push(g);
+        }
+    }
+    let mut gw = GapWriter { storage: cx.storage, path: gaps_path, file: None };
+    for (i, f) in files.iter().enumerate() {
+        let next = files.get(i + 1).filter(|n| n.epoch == f.epoch);
+        let is_tail = next.is_none();
+        if let Some(seg) = recover_segment(cx, &mut gw, &mut idx, stream, f, is_tail, next.map(|n| n.first_seq))? {
+            idx.segments.push(seg);
+        }
+    }
+    for e in epochs {
+        drop_incomplete_batch(cx, &mut idx, *e)?;
+    }
+    remove_empty_segments(cx, &mut idx, dir)?;
+    idx.gaps.sort_by_key(|g| (order(g.epoch), g.first_seq));
+    for seg in idx.segments.iter() {
+        let d = idx.durable.entry(seg.epoch).or_insert(0);
+        *d = (*d).max(seg.last_seq().unwrap_or(0));
+    }
+    // What was read may still sit only in the page cache (kill -9): make it durable before any
+    // of it is shipped as durable.
+    sync_tails(cx, &idx)?;
+    let current = *epochs.last().expect("an epoch");
+    let last_block = idx.durable.get(&current).copied().unwrap_or(0);
+    let last_gap = idx.gaps.iter().filter(|g| g.epoch == current).map(|g| g.last_seq).max().unwrap_or(0);
+    idx.next_seq = last_block.max(last_gap) + 1;
+    // Reopen the tail only if new blocks continue it; after a gap marker past its end (a lost
+    // tail segment), the next block starts a new segment named after its first seq.
+    let tail = idx
+        .segments
+        .iter()
+        .rfind(|s| s.epoch == current)
+        .filter(|s| s.last_seq().is_some_and(|l| l + 1 == idx.next_seq))
+        .map(|s| (s.path.clone(), s.first_seq));
+    let init = StreamInit { dir: dir.to_path_buf(), next_seq: idx.next_seq, tail };
+    Ok((idx, init))
+}
+
+/// Scans one segment file and repairs it; returns its index, or `None` if it was removed.
+#[allow(clippy::too_many_arguments)]
+fn recover_segment(
+    cx: &mut Ctx<'_>,
+    gw: &mut GapWriter<'_>,
+    idx: &mut StreamIndex,
+    stream: &str,
+    f: &SegFile,
+    is_tail: bool,
+    next_first: Option<u64>,
+) -> Result<Option<SegIndex>, OpenError> {
+    let bytes = cx.storage.read(&f.path).map_err(io_err("read", &f.path))?;
+    if let Err(e) = segment::check_header(&bytes) {
+        return bad_header(cx, gw, idx, stream, f, &bytes, next_first, e.to_string()).map(|()| None);
+    }
+    let walk = walk_frames(&bytes, f.epoch, is_tail);
+    // Before the first block, the file name says where the segment's seqs start.
+    let prev_last = f.first_seq.saturating_sub(1);
+    let last_good_before = |start: u64, good: &[(FrameRef, BlockRef)]| {
+        good.iter().filter(|(fr, _)| fr.offset < start).map(|(_, b)| b.last_seq()).max()
+    };
+    for &(start, end) in &walk.bad {
+        let qpath = cx.qdir.join(format!("{stream}-{}-{start}.bad", f.name));
+        write_quarantine(cx.storage, &qpath, &bytes[start as usize..end as usize])?;
+        let before = last_good_before(start, &walk.good).unwrap_or(prev_last);
+        let after = walk.good.iter().find(|(fr, _)| fr.offset >= end).map(|(_, b)| b.first_seq).or(next_first);
+        let why = format!("corrupt bytes {start}..{end} of {}", f.path.display());
+        if let Some(after) = after
+            && after > before + 1
+        {
+            let g = Gap { epoch: f.epoch, first_seq: before + 1, last_seq: after - 1, reason: GapReason::Corrupt, records: after - 1 - before };
+            gw.write(&g)?;
+            if !idx.gaps.contains(&g) {
+                idx.gaps.push(g);
+            }
+        }
+        idx.quarantined_blocks += 1;
+        tracing::error!(stream, quarantine = %qpath.display(), "{why}; quarantined");
+        cx.report.quarantined.push((qpath, why));
+    }
+    if let Some(off) = walk.torn {
+        let removed = bytes.len() as u64 - off;
+        let records = torn_records(&bytes[off as usize..]);
+        cx.storage.truncate(&f.path, off).map_err(io_err("truncate", &f.path))?;
+        cx.report.truncated_bytes += removed;
+        cx.report.truncated_records += records;
+        tracing::warn!(stream, file = %f.path.display(), bytes = removed, records, "truncated torn tail");
+    }
+    let mut seg = SegIndex { epoch: f.epoch, first_seq: f.first_seq, path: f.path.clone(), bytes: 0, blocks: Vec::new() };
+    if walk.bad.is_empty() {
+        seg.bytes = walk.torn.unwrap_or(bytes.len() as u64);
+        seg.blocks = walk.good.iter().map(|(_, b)| *b).collect();
+    } else {
+        rewrite_segment(cx.storage, &f.path, &bytes, &walk.good, &mut seg)?;
+    }
+    Ok(Some(seg))
+}
+
+/// The outcome of walking a segment's frames.
+struct Walk {
+    good: Vec<(FrameRef, BlockRef)>,
+    /// Byte ranges to quarantine.
+    bad: Vec<(u64, u64)>,
+    /// Offset of a torn tail to truncate.
+    torn: Option<u64>,
+}
+
+fn walk_frames(bytes: &[u8], epoch: u64, is_tail: bool) -> Walk {
+    let limits = DecodeLimits::default();
+    let mut w = Walk { good: Vec::new(), bad: Vec::new(), torn: None };
+    let mut pos = SEGMENT_HEADER_LEN;
+    loop {
+        let scan = segment::scan_frames(bytes, pos);
+        for fr in scan.frames {
+            let block = &bytes[fr.block_offset() as usize..fr.end() as usize];
+            match verify_block(block, &limits) {
+                Ok(h) if h.epoch == epoch => w.good.push((
+                    fr,
+                    BlockRef { offset: fr.offset, len: fr.len, first_seq: h.first_seq, count: h.count, min_ts: h.min_ts, flags: h.flags },
+                )),
+                _ => w.bad.push((fr.offset, fr.end())),
+            }
+        }
+        let Some((off, _)) = scan.fault else { break };
+        match segment::resync(bytes, off as usize) {
+            Some(next) => {
+                w.bad.push((off, next as u64));
+                pos = next;
+            }
+            None if is_tail => {
+                w.torn = Some(off);
+                break;
+            }
+            None => {
+                // A sealed segment was fsynced whole before the next one was created, so a bad
+                // end here is corruption, not a torn write.
+                w.bad.push((off, bytes.len() as u64));
+                break;
+            }
+        }
+    }
+    w
+}
+
+/// Records whose block header survives in a torn tail (frame header + block header).
+fn torn_records(tail: &[u8]) -> u64 {
+    tail.get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + HEADER_LEN)
+        .and_then(|h| decode_header(h).ok())
+        .map_or(0, |h| u64::from(h.count))
+}
+
+/// A segment whose header is unreadable: a torn roll if it holds no more than a header and is
+/// the last of its epoch (removed); otherwise quarantined whole.
+#[allow(clippy::too_many_arguments)]
+fn bad_header(
+    cx: &mut Ctx<'_>,
+    gw: &mut GapWriter<'_>,
+    idx: &mut StreamIndex,
+    stream: &str,
+    f: &SegFile,
+    bytes: &[u8],
+    next_first: Option<u64>,
+    why: String,
+) -> Result<(), OpenError> {
+    let dir = crate::storage::parent_dir(&f.path);
+    if bytes.len() <= SEGMENT_HEADER_LEN && next_first.is_none() {
+        cx.storage.remove(&f.path).map_err(io_err("remove", &f.path))?;
+        cx.storage.sync_dir(&dir).map_err(io_err("sync_dir", &dir))?;
+        cx.report.truncated_bytes += bytes.len() as u64;
+        tracing::warn!(stream, file = %f.path.display(), "removed a segment whose creation was interrupted");
+        return Ok(());
+    }
+    // Whatever blocks can still be found bound the seqs it held.
+    let salvaged = max_seq_in(bytes, f.epoch).unwrap_or(0);
+    let last = next_first.map_or(salvaged, |n| (n - 1).max(salvaged));
+    if last >= f.first_seq {
+        let g = Gap { epoch: f.epoch, first_seq: f.first_seq, last_seq: last, reason: GapReason::Corrupt, records: last - f.first_seq + 1 };
+        gw.write(&g)?;
+        if !idx.gaps.contains(&g) {
+            idx.gaps.push(g);
+        }
+    }
+    let qpath = cx.qdir.join(format!("{stream}-{}", f.name));
+    cx.storage.rename(&f.path, &qpath).map_err(io_err("rename", &f.path))?;
+    cx.storage.sync_dir(&cx.qdir).map_err(io_err("sync_dir", &cx.qdir))?;
+    cx.storage.sync_dir(&dir).map_err(io_err("sync_dir", &dir))?;
+    idx.quarantined_blocks += 1;
+    let why = format!("unreadable segment header ({why})");
+    tracing::error!(stream, quarantine = %qpath.display(), "{why}; segment quarantined");
+    cx.report.quarantined.push((qpath, why));
+    Ok(())
+}
+
+fn max_seq_in(bytes: &[u8], epoch: u64) -> Option<u64> {
+    let mut pos = 0usize;
+    let mut best = None;
+    while let Some(at) = segment::resync(bytes, pos) {
+        let len = segment::check_frame(bytes, at).expect("resync returns valid frames") as usize;
+        let block = &bytes[at + FRAME_HEADER_LEN..at + FRAME_HEADER_LEN + len];
+        if let Ok(h) = decode_header(block)
+            && h.epoch == epoch
+        {
+            best = best.max(Some(h.last_seq()));
+        }
+        pos = at;
+    }
+    best
+}
+
+fn write_quarantine(storage: &dyn Storage, path: &Path, bytes: &[u8]) -> Result<(), OpenError> {
+    let mut f = storage.create(path).map_err(io_err("create", path))?;
+    f.append(bytes).map_err(io_err("append", path))?;
+    f.sync().map_err(io_err("sync", path))?;
+    let dir = crate::storage::parent_dir(path);
+    storage.sync_dir(&dir).map_err(io_err("sync_dir", &dir))
+}
+
+/// Rewrites a segment with only its good frames: tmp, fsync, rename, directory fsync.
+fn rewrite_segment(
+    storage: &dyn Storage,
+    path: &Path,
+    bytes: &[u8],
+    good: &[(FrameRef, BlockRef)],
+    seg: &mut SegIndex,
+) -> Result<(), OpenError> {
+    let mut out = segment::segment_header().to_vec();
+    seg.blocks.clear();
+    for (fr, b) in good {
+        let mut b = *b;
+        b.offset = out.len() as u64;
+        out.extend_from_slice(&bytes[fr.offset as usize..fr.end() as usize]);
+        seg.blocks.push(b);
+    }
+    let tmp = PathBuf::from(format!("{}.tmp", path.display()));
+    let mut f = storage.create(&tmp).map_err(io_err("create", &tmp))?;
+    f.append(&out).map_err(io_err("append", &tmp))?;
+    f.sync().map_err(io_err("sync", &tmp))?;
+    storage.rename(&tmp, path).map_err(io_err("rename", &tmp))?;
+    let dir = crate::storage::parent_dir(path);
+    storage.sync_dir(&dir).map_err(io_err("sync_dir", &dir))?;
+    seg.bytes = out.len() as u64;
+    Ok(())
+}
+
+/// Drops a trailing run of `FLAG_BATCH_CONTINUES` blocks of one epoch: a batch whose last block
+/// never reached the disk was never acknowledged, and must not be half-visible.
+fn drop_incomplete_batch(cx: &mut Ctx<'_>, idx: &mut StreamIndex, epoch: u64) -> Result<(), OpenError> {
+    for seg in idx.segments.iter_mut().rev().filter(|s| s.epoch == epoch) {
+        let keep = seg.blocks.iter().rposition(|b| b.flags & FLAG_BATCH_CONTINUES == 0).map_or(0, |i| i + 1);
+        if keep < seg.blocks.len() {
+            let cut = seg.blocks[keep].offset;
+            let records: u64 = seg.blocks[keep..].iter().map(|b| u64::from(b.count)).sum();
+            cx.storage.truncate(&seg.path, cut).map_err(io_err("truncate", &seg.path))?;
+            cx.report.truncated_bytes += seg.bytes - cut;
+            cx.report.truncated_records += records;
+            tracing::warn!(file = %seg.path.display(), records, "dropped an incomplete trailing batch");
+            seg.blocks.truncate(keep);
+            seg.bytes = cut;
+        }
+        if !seg.blocks.is_empty() {
+            // The newest complete block ends the search.
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Removes segments that hold no block (an interrupted roll, or emptied by truncation).
+fn remove_empty_segments(cx: &mut Ctx<'_>, idx: &mut StreamIndex, dir: &Path) -> Result<(), OpenError> {
+    let mut removed = false;
+    for seg in idx.segments.iter().filter(|s| s.blocks.is_empty()) {
+        cx.storage.remove(&seg.path).map_err(io_err("remove", &seg.path))?;
+        cx.report.truncated_bytes += seg.bytes.saturating_sub(SEGMENT_HEADER_LEN as u64);
+        removed = true;
+    }
+    idx.segments.retain(|s| !s.blocks.is_empty());
+    if removed {
+        cx.storage.sync_dir(dir).map_err(io_err("sync_dir", dir))?;
+    }
+    Ok(())
+}
+
+fn sync_tails(cx: &Ctx<'_>, idx: &StreamIndex) -> Result<(), OpenError> {
+    let mut seen = BTreeSet::new();
+    for seg in idx.segments.iter().rev() {
+        if seen.insert(seg.epoch) {
+            let mut f = cx.storage.open_append(&seg.path).map_err(io_err("open", &seg.path))?;
+            f.sync().map_err(io_err("sync", &seg.path))?;
+        }
+    }
+    Ok(())
+}
+
+fn sync_catalog(catalog: &mut Catalog, state: &SharedState) -> Result<(), OpenError> {
+    catalog.replace_epochs(&state.epochs)?;
+    let mut segs = Vec::new();
+    let mut gaps = Vec::new();
+    for (name, st) in &state.streams {
+        for s in &st.segments {
+            segs.push(SegmentRow {
+                stream: name.clone(),
+                epoch: s.epoch,
+                first_seq: s.first_seq,
+                last_seq: s.last_seq().unwrap_or(0),
+                bytes: s.bytes,
+            });
+        }
+        gaps.extend(st.gaps.iter().map(|g| gap_row(name, g)));
+    }
+    catalog.replace_segments(&segs)?;
+    catalog.replace_gaps(&gaps)?;
+    Ok(())
+}
+
+pub(crate) fn gap_row(stream: &str, g: &Gap) -> GapRow {
+    GapRow {
+        stream: stream.to_string(),
+        epoch: g.epoch,
+        first_seq: g.first_seq,
+        last_seq: g.last_seq,
+        reason: match g.reason {
+            GapReason::Dropped => "dropped".into(),
+            GapReason::Corrupt => "corrupt".into(),
+        },
+        records: g.records,
+    }
+}
+
+/// Logs the recovery report.
+pub(crate) fn log_report(r: &RecoveryReport) {
+    tracing::info!(
+        epoch = format_args!("{:016x}", r.epoch),
+        epoch_minted = r.epoch_minted,
+        segments = r.segments,
+        blocks = r.blocks,
+        records = r.records,
+        truncated_bytes = r.truncated_bytes,
+        truncated_records = r.truncated_records,
+        quarantined = r.quarantined.len(),
+        catalog_rebuilt = r.catalog_rebuilt,
+        "local log recovered"
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_names_round_trip() {
+        let n = segment_name(0xdead_beef, 42);
+        assert_eq!(n, "00000000deadbeef-00000000000000000042.seg");
+        assert_eq!(parse_segment_name(&n), Some((0xdead_beef, 42)));
+        assert_eq!(parse_segment_name("gaps.log"), None);
+    }
+}

@@ -1,0 +1,258 @@
+//! Counters the agent keeps itself, and the Prometheus text rendering of `/metrics`.
+//!
+//! Gauges (backlog, segments, seqs, disk usage) come from a fresh [`LogStatus`] snapshot on every
+//! scrape, so they can never drift from the log. Only what the log does not count (appends and
+//! records accepted per stream, refusals by reason, HTTP answers by status code) lives here, in
+//! plain atomics fixed at start-up: the set of streams does not change while the agent runs.
+//! The text is rendered by hand: a few dozen lines, and it keeps the exporter stack (and its
+//! HTTP listener and crypto defaults) out of the edge binary.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::log::{AppendError, LogStatus};
+
+/// Why an append was refused, as the `reason` label of `tributary_edge_append_errors_total`.
+const ERROR_REASONS: [&str; 6] = ["full", "poisoned", "storage", "too_large", "closed", "invalid"];
+
+/// HTTP status codes counted in `tributary_edge_http_requests_total`; anything else is `other`.
+const HTTP_CODES: [u16; 9] = [200, 400, 401, 404, 413, 415, 500, 503, 0];
+
+/// The agent's own counters.
+#[derive(Debug)]
+pub struct Metrics {
+    streams: HashMap<String, StreamCounters>,
+    http: [AtomicU64; HTTP_CODES.len()],
+}
+
+#[derive(Debug, Default)]
+struct StreamCounters {
+    appends: AtomicU64,
+    records: AtomicU64,
+    errors: [AtomicU64; ERROR_REASONS.len()],
+}
+
+impl Metrics {
+    /// Counters for the configured streams.
+    pub fn new<'a>(streams: impl IntoIterator<Item = &'a str>) -> Self {
+        Metrics {
+            streams: streams.into_iter().map(|s| (s.to_owned(), StreamCounters::default())).collect(),
+            http: Default::default(),
+        }
+    }
+
+    /// A batch of `records` was appended durably to `stream`.
+    pub fn appended(&self, stream: &str, records: u64) {
+        if let Some(c) = self.streams.get(stream) {
+            c.appends.fetch_add(1, Ordering::Relaxed);
+            c.records.fetch_add(records, Ordering::Relaxed);
+        }
+    }
+
+    /// A batch for `stream` was refused.
+    pub fn append_failed(&self, stream: &str, error: &AppendError) {
+        let reason = match error {
+            AppendError::Full { .. } => 0,
+            AppendError::Poisoned(_) => 1,
+            AppendError::Storage(_) => 2,
+            AppendError::RecordTooLarge { .. } => 3,
+            AppendError::Closed => 4,
+            AppendError::UnknownStream(_) | AppendError::EmptyBatch => 5,
+        };
+        if let Some(c) = self.streams.get(stream) {
+            c.errors[reason].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The HTTP API answered with `code`.
+    pub fn http_answered(&self, code: u16) {
+        let i = HTTP_CODES.iter().position(|c| *c == code).unwrap_or(HTTP_CODES.len() - 1);
+        self.http[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Appends and records accepted for `stream` so far.
+    pub fn appends(&self, stream: &str) -> (u64, u64) {
+        self.streams.get(stream).map_or((0, 0), |c| {
+            (c.appends.load(Ordering::Relaxed), c.records.load(Ordering::Relaxed))
+        })
+    }
+
+    /// Renders the Prometheus text exposition format (version 0.0.4).
+    pub fn render(&self, status: &LogStatus, limits: &Limits, now_ns: i64) -> String {
+        let mut out = String::with_capacity(4096);
+        let mut m = Writer { out: &mut out };
+        m.family("tributary_edge_info", "gauge", "Constant 1, labelled with the current epoch (hex).");
+        m.sample("tributary_edge_info", &[("epoch", &format!("{:016x}", status.epoch))], 1.0);
+        m.single("tributary_edge_disk_bytes", "gauge", "Bytes in segment files.", status.disk_bytes as f64);
+        m.single("tributary_edge_disk_bytes_max", "gauge", "The disk budget (storage.disk_bytes_max).", limits.disk_bytes_max as f64);
+        m.single(
+            "tributary_edge_poisoned",
+            "gauge",
+            "1 when the log refuses writes after a storage failure (restart to re-verify).",
+            if status.poisoned.is_some() { 1.0 } else { 0.0 },
+        );
+        self.render_streams(&mut m, status, now_ns);
+        self.render_counters(&mut m);
+        out
+    }
+
+    fn render_streams(&self, m: &mut Writer<'_>, status: &LogStatus, now_ns: i64) {
+        type Get = fn(&crate::log::StreamStatus, i64) -> f64;
+        let families: [(&str, &str, &str, Get); 11] = [
+            ("tributary_edge_backlog_bytes", "gauge", "Durable bytes not yet acknowledged by the hub.", |s, _| s.backlog_bytes as f64),
+            ("tributary_edge_backlog_blocks", "gauge", "Durable blocks not yet acknowledged by the hub.", |s, _| s.backlog_blocks as f64),
+            ("tributary_edge_segments", "gauge", "Segment files held.", |s, _| s.segments as f64),
+            ("tributary_edge_next_seq", "gauge", "The seq the next record will get (current epoch).", |s, _| s.next_seq as f64),
+            ("tributary_edge_durable_seq", "gauge", "The last seq fsynced locally (current epoch).", |s, _| s.durable_seq as f64),
+            ("tributary_edge_acked_seq", "gauge", "The last seq the hub acknowledged as durable (current epoch).", |s, _| s.acked_durable as f64),
+            ("tributary_edge_tiered_seq", "gauge", "The last seq the hub reported tiered (current epoch).", |s, _| s.acked_tiered as f64),
+            ("tributary_edge_oldest_unsent_age_seconds", "gauge", "Now minus the event time of the oldest unacknowledged record; 0 when none.", |s, now| oldest_unsent_age_s(s.oldest_unsent_ts, now).unwrap_or(0.0)),
+            ("tributary_edge_dropped_records_total", "counter", "Records dropped by the disk budget (drop-oldest), recorded as gap markers.", |s, _| s.dropped_records as f64),
+            ("tributary_edge_dropped_blocks_total", "counter", "Blocks dropped by the disk budget (drop-oldest).", |s, _| s.dropped_blocks as f64),
+            ("tributary_edge_quarantined_blocks_total", "counter", "Corrupt blocks moved to quarantine at recovery.", |s, _| s.quarantined_blocks as f64),
+        ];
+        for (name, kind, help, get) in families {
+            m.family(name, kind, help);
+            for s in &status.streams {
+                m.sample(name, &[("stream", &s.stream)], get(s, now_ns));
+            }
+        }
+    }
+
+    fn render_counters(&self, m: &mut Writer<'_>) {
+        let mut names: Vec<&String> = self.streams.keys().collect();
+        names.sort();
+        m.family("tributary_edge_appends_total", "counter", "Batches appended durably.");
+        for s in &names {
+            m.sample("tributary_edge_appends_total", &[("stream", s)], self.streams[*s].appends.load(Ordering::Relaxed) as f64);
+        }
+        m.family("tributary_edge_records_total", "counter", "Records appended durably.");
+        for s in &names {
+            m.sample("tributary_edge_records_total", &[("stream", s)], self.streams[*s].records.load(Ordering::Relaxed) as f64);
+        }
+        m.family("tributary_edge_append_errors_total", "counter", "Batches refused by the log, by reason.");
+        for s in &names {
+            for (i, reason) in ERROR_REASONS.iter().enumerate() {
+                let v = self.streams[*s].errors[i].load(Ordering::Relaxed) as f64;
+                m.sample("tributary_edge_append_errors_total", &[("stream", s), ("reason", reason)], v);
+            }
+        }
+        m.family("tributary_edge_http_requests_total", "counter", "HTTP API answers by status code.");
+        for (i, code) in HTTP_CODES.iter().enumerate() {
+            let label = if *code == 0 { "other".to_owned() } else { code.to_string() };
+            m.sample("tributary_edge_http_requests_total", &[("code", &label)], self.http[i].load(Ordering::Relaxed) as f64);
+        }
+    }
+}
+
+/// Configured limits shown next to the log's state.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub disk_bytes_max: u64,
+}
+
+/// Seconds between an event time and now, never negative.
+pub fn oldest_unsent_age_s(oldest_ts: Option<i64>, now_ns: i64) -> Option<f64> {
+    oldest_ts.map(|ts| (now_ns.saturating_sub(ts)).max(0) as f64 / 1e9)
+}
+
+/// Writes samples in the text format.
+struct Writer<'a> {
+    out: &'a mut String,
+}
+
+impl Writer<'_> {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let _ = writeln!(self.out, "# HELP {name} {help}");
+        let _ = writeln!(self.out, "# TYPE {name} {kind}");
+    }
+
+    fn single(&mut self, name: &str, kind: &str, help: &str, value: f64) {
+        self.family(name, kind, help);
+        self.sample(name, &[], value);
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: f64) {
+        self.out.push_str(name);
+        if !labels.is_empty() {
+            self.out.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.out.push(',');
+                }
+                let _ = write!(self.out, "{k}=\"{}\"", escape_label(v));
+            }
+            self.out.push('}');
+        }
+        let _ = writeln!(self.out, " {value}");
+    }
+}
+
+/// Label values escape backslash, double quote and newline.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::log::StreamStatus;
+
+    fn stream(name: &str) -> StreamStatus {
+        StreamStatus {
+            stream: name.into(),
+            epoch: 7,
+            next_seq: 11,
+            durable_seq: 10,
+            acked_durable: 4,
+            acked_tiered: 2,
+            backlog_bytes: 1234,
+            backlog_blocks: 3,
+            segments: 1,
+            oldest_unsent_ts: Some(1_000_000_000),
+            dropped_records: 5,
+            dropped_blocks: 1,
+            quarantined_blocks: 0,
+        }
+    }
+
+    #[test]
+    fn renders_every_family_with_help_and_type() {
+        let m = Metrics::new(["telemetry"]);
+        m.appended("telemetry", 10);
+        m.append_failed("telemetry", &AppendError::Full { retry_after: std::time::Duration::from_secs(1) });
+        m.http_answered(200);
+        m.http_answered(418);
+        let status = LogStatus { epoch: 7, streams: vec![stream("telemetry")], disk_bytes: 99, poisoned: None };
+        let text = m.render(&status, &Limits { disk_bytes_max: 1000 }, 3_500_000_000);
+        for line in [
+            "tributary_edge_backlog_bytes{stream=\"telemetry\"} 1234",
+            "tributary_edge_oldest_unsent_age_seconds{stream=\"telemetry\"} 2.5",
+            "tributary_edge_acked_seq{stream=\"telemetry\"} 4",
+            "tributary_edge_dropped_records_total{stream=\"telemetry\"} 5",
+            "tributary_edge_disk_bytes 99",
+            "tributary_edge_records_total{stream=\"telemetry\"} 10",
+            "tributary_edge_append_errors_total{stream=\"telemetry\",reason=\"full\"} 1",
+            "tributary_edge_http_requests_total{code=\"other\"} 1",
+            "tributary_edge_info{epoch=\"0000000000000007\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        // Every sample's family was announced with HELP and TYPE before it.
+        let mut announced = std::collections::HashSet::new();
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                announced.insert(rest.split(' ').next().unwrap().to_owned());
+            } else if !line.starts_with('#') {
+                let name = line.split(['{', ' ']).next().unwrap();
+                assert!(announced.contains(name), "{name} has no TYPE line");
+            }
+        }
+    }
+
+    #[test]
+    fn label_values_are_escaped() {
+        assert_eq!(escape_label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

@@ -1,0 +1,429 @@
+//! The replicator: a thin quinn driver around `sync::protocol::Sender`.
+//!
+//! One task owns the link. It connects with mutual TLS, opens the control stream, and runs the
+//! sans-IO sender: frames the sender wants written go on the control stream (`Control`) or on
+//! a fresh unidirectional stream each (`Data`), events are answered from the local log, and one
+//! timer drives keepalives and backlog reports. When the session ends for any reason it
+//! reconnects with exponential backoff and jitter, capped, reset after a session that reached
+//! the established state, and it never gives up: a stalled link is always visible in
+//! [`LinkStatus`] and on `/metrics`.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant as StdInstant};
+
+use rand::Rng;
+use sync::protocol::{
+    Backlog, ErrorCode, FrameBuffer, GapMarker, GapReason, Instant, LaneAnnounce, Sender, SenderConfig,
+    SenderEvent, TransmitKind,
+};
+use tokio::io::AsyncWriteExt;
+
+use crate::link::{self, TlsPaths};
+use crate::log::{self as locallog, LogHandle};
+
+/// How the replicator reaches its hub.
+#[derive(Debug, Clone)]
+pub struct ReplicatorConfig {
+    pub hub_addr: String,
+    pub server_name: String,
+    pub tls: TlsPaths,
+    /// First retry delay after a failed or ended session.
+    pub backoff_initial: Duration,
+    /// Longest delay between attempts.
+    pub backoff_max: Duration,
+    /// Optional cap on block bytes sent per second.
+    pub bandwidth_bytes_per_s: Option<u64>,
+    /// Per-stream priority; higher drains first. Order within a stream always wins.
+    pub priorities: Vec<(String, u8)>,
+    pub sender: SenderConfig,
+}
+
+impl ReplicatorConfig {
+    pub fn new(hub_addr: String, server_name: String, tls: TlsPaths) -> Self {
+        ReplicatorConfig {
+            hub_addr,
+            server_name,
+            tls,
+            backoff_initial: Duration::from_millis(200),
+            backoff_max: Duration::from_secs(30),
+            bandwidth_bytes_per_s: None,
+            priorities: Vec::new(),
+            sender: SenderConfig::default(),
+        }
+    }
+}
+
+/// The link's state as `/metrics`, `/v1/status` and `edge-agent status` show it.
+#[derive(Debug, Default)]
+pub struct LinkStatus {
+    state: Mutex<LinkState>,
+    pub connects: AtomicU64,
+    pub sessions_established: AtomicU64,
+    pub disconnects: AtomicU64,
+    pub blocks_sent: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    pub epochs_minted: AtomicU64,
+}
+
+/// What the link is doing right now.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct LinkState {
+    /// `not configured`, `connecting`, `up` or `down`.
+    pub state: String,
+    pub last_error: Option<String>,
+    /// Unix ms of the last state change.
+    pub since_ms: u64,
+}
+
+impl LinkStatus {
+    pub fn not_configured() -> Arc<LinkStatus> {
+        let s = Arc::new(LinkStatus::default());
+        s.set("not configured", None);
+        s
+    }
+
+    fn set(&self, state: &str, error: Option<String>) {
+        let since_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let mut s = self.state.lock().expect("link state lock");
+        s.state = state.to_owned();
+        if error.is_some() || state == "up" {
+            s.last_error = error;
+        }
+        s.since_ms = since_ms;
+    }
+
+    /// A snapshot of the state.
+    pub fn state(&self) -> LinkState {
+        self.state.lock().expect("link state lock").clone()
+    }
+}
+
+/// Exponential backoff with full jitter.
+#[derive(Debug)]
+struct Backoff {
+    initial: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Backoff {
+    fn next_delay(&mut self) -> Duration {
+        let exp = self.initial.saturating_mul(1u32 << self.attempt.min(16));
+        self.attempt = self.attempt.saturating_add(1);
+        let cap = exp.min(self.max);
+        // Full jitter spreads a fleet's reconnects after a hub restart.
+        let jitter = rand::rng().random_range(0.5..=1.0);
+        cap.mul_f64(jitter)
+    }
+
+    fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+/// Runs the replicator until the process ends. Never returns on its own.
+pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>) {
+    let mut backoff = Backoff { initial: cfg.backoff_initial, max: cfg.backoff_max, attempt: 0 };
+    let bind: SocketAddr = "0.0.0.0:0".parse().expect("literal address");
+    let endpoint = loop {
+        match link::client_endpoint(bind) {
+            Ok(e) => break e,
+            Err(e) => {
+                status.set("down", Some(format!("opening UDP socket: {e}")));
+                tokio::time::sleep(backoff.next_delay()).await;
+            }
+        }
+    };
+    let clock = StdInstant::now();
+    loop {
+        status.set("connecting", None);
+        status.connects.fetch_add(1, Ordering::Relaxed);
+        let outcome = session(&cfg, &endpoint, &log, &status, clock).await;
+        status.disconnects.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Ok(true) => backoff.reset(),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "replication session ended");
+                status.set("down", Some(e));
+            }
+        }
+        if status.state().state != "down" {
+            status.set("down", None);
+        }
+        tokio::time::sleep(backoff.next_delay()).await;
+    }
+}
+
+fn now_of(clock: StdInstant) -> Instant {
+    Instant::from_nanos(clock.elapsed().as_nanos() as u64)
+}
+
+/// Resolves the hub address; a name is looked up on every attempt so DNS changes apply.
+async fn resolve(addr: &str) -> Result<SocketAddr, String> {
+    let mut it = tokio::net::lookup_host(addr).await.map_err(|e| format!("resolving {addr}: {e}"))?;
+    it.next().ok_or_else(|| format!("resolving {addr}: no addresses"))
+}
+
+/// The lanes the log holds, as the Hello announces them.
+fn announce(log: &LogHandle) -> Vec<LaneAnnounce> {
+    let status = log.status();
+    let mut lanes = Vec::new();
+    for st in &status.streams {
+        let gaps = log.gaps(&st.stream);
+        for (epoch, first, last) in log.epochs_held(&st.stream) {
+            let current = epoch == st.epoch;
+            let backlog = if current {
+                Backlog { blocks: st.backlog_blocks, bytes: st.backlog_bytes, oldest_unsent_ts: st.oldest_unsent_ts }
+            } else {
+                Backlog::default()
+            };
+            let lane_gaps = gaps.iter().filter(|g| g.epoch == epoch).map(gap_marker).collect();
+            lanes.push(LaneAnnounce {
+                stream: st.stream.clone(),
+                epoch,
+                first_seq: first,
+                last_seq: last,
+                acked_seq: if current { st.acked_durable } else { 0 },
+                backlog,
+                gaps: lane_gaps,
+            });
+        }
+    }
+    lanes
+}
+
+fn gap_marker(g: &locallog::Gap) -> GapMarker {
+    let reason = match g.reason {
+        locallog::GapReason::Dropped => GapReason::DiskFull,
+        locallog::GapReason::Corrupt => GapReason::Corrupt,
+    };
+    GapMarker { first_seq: g.first_seq, last_seq: g.last_seq, reason, count: g.records }
+}
+
+/// One connection. Returns whether the session got established (which resets the backoff).
+async fn session(
+    cfg: &ReplicatorConfig,
+    endpoint: &quinn::Endpoint,
+    log: &LogHandle,
+    status: &LinkStatus,
+    clock: StdInstant,
+) -> Result<bool, String> {
+    let addr = resolve(&cfg.hub_addr).await?;
+    // Re-read the certificate files on every attempt: a rotated certificate applies at once.
+    let client = link::client_config(&cfg.tls).map_err(|e| e.to_string())?;
+    let connecting = endpoint
+        .connect_with(client, addr, &cfg.server_name)
+        .map_err(|e| format!("connecting to {addr}: {e}"))?;
+    let conn = connecting.await.map_err(|e| format!("connecting to {addr}: {e}"))?;
+    let (mut ctl_tx, mut ctl_rx) = conn.open_bi().await.map_err(|e| format!("opening control stream: {e}"))?;
+    let mut sender = Sender::new(cfg.sender.clone(), log.epoch(), announce(log), now_of(clock))
+        .map_err(|e| format!("local log: {e}"))?;
+    for (stream, prio) in &cfg.priorities {
+        sender.set_priority(stream, *prio);
+    }
+    let mut frames = FrameBuffer::new(cfg.sender.frame_bytes_max);
+    let mut durable = log.durable_watch();
+    let mut offered = Offered::default();
+    let mut bucket = cfg.bandwidth_bytes_per_s.map(TokenBucket::new);
+    let mut established = false;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        // Drain everything the sender has to say before waiting: answering an event can queue
+        // transmits, and a transmit can free window for more events.
+        let mut progressed = false;
+        while let Some(t) = sender.poll_transmit() {
+            progressed = true;
+            match t.kind {
+                TransmitKind::Control => ctl_tx.write_all(&t.frame).await.map_err(|e| format!("control stream: {e}"))?,
+                TransmitKind::Data => {
+                    if let Some(b) = bucket.as_mut() {
+                        b.take(t.frame.len() as u64).await;
+                    }
+                    send_data(&conn, t.frame, status).await?;
+                }
+            }
+        }
+        while let Some(ev) = sender.poll_event() {
+            progressed = true;
+            match ev {
+                SenderEvent::Established { version, epoch_max } => {
+                    tracing::info!(version, epoch_max, hub = %addr, "replication session established");
+                    established = true;
+                    status.sessions_established.fetch_add(1, Ordering::Relaxed);
+                    status.set("up", None);
+                }
+                SenderEvent::WantBlocks { stream, epoch, after_seq, bytes_max } => {
+                    let blocks = log
+                        .read_blocks(&stream, epoch, after_seq, bytes_max as usize)
+                        .map_err(|e| format!("reading local log: {e}"))?;
+                    if let Some(last) = blocks.last() {
+                        offered.note(&stream, epoch, last.header.last_seq());
+                    }
+                    let blocks = blocks.into_iter().map(|b| b.bytes).collect();
+                    sender.supply_blocks(now_of(clock), &stream, epoch, blocks).map_err(|e| e.to_string())?;
+                }
+                SenderEvent::Acked { stream, epoch, durable_seq, tiered_seq } => {
+                    log.set_acked(&stream, epoch, durable_seq, tiered_seq).map_err(|e| e.to_string())?;
+                }
+                SenderEvent::MintEpoch { epoch_min, rekey } => {
+                    let epoch = mint(log, epoch_min, &rekey).await?;
+                    status.epochs_minted.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(epoch, epoch_min, "hub is ahead of this data directory; minted a new epoch");
+                    sender.epoch_minted(now_of(clock), epoch);
+                }
+                SenderEvent::Closed(reason) => {
+                    let _ = ctl_tx.finish();
+                    conn.close(quinn::VarInt::from_u32(u32::from(reason.code.to_u16())), reason.message.as_bytes());
+                    if reason.code == ErrorCode::Shutdown || !reason.by_peer && reason.code == ErrorCode::IdleTimeout {
+                        return Ok(established);
+                    }
+                    return Err(format!("hub closed the session: {:?}: {}", reason.code, reason.message));
+                }
+            }
+        }
+        if progressed {
+            continue;
+        }
+        let deadline = sender.poll_timeout().map(|t| {
+            let now = now_of(clock);
+            tokio::time::Instant::now() + t.saturating_since(now)
+        });
+        tokio::select! {
+            read = ctl_rx.read(&mut buf) => {
+                match read.map_err(|e| format!("control stream: {e}"))? {
+                    Some(n) => {
+                        frames.push(&buf[..n]);
+                        while let Some(f) = frames.next_frame().map_err(|e| format!("hub sent a bad frame: {e}"))? {
+                            sender.handle_frame(now_of(clock), &f);
+                        }
+                    }
+                    None => return Err("hub closed the control stream".into()),
+                }
+            }
+            changed = durable.changed() => {
+                if changed.is_err() {
+                    return Err("local log closed".into());
+                }
+                offer_new_blocks(&mut sender, log, &mut offered, clock)?;
+            }
+            _ = sleep_until(deadline) => sender.handle_timeout(now_of(clock)),
+            closed = conn.closed() => return Err(format!("connection lost: {closed}")),
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Writes one Data frame on its own unidirectional stream, so blocks do not wait behind each
+/// other; the hub reorders them within its window.
+async fn send_data(conn: &quinn::Connection, frame: Vec<u8>, status: &LinkStatus) -> Result<(), String> {
+    let mut s = conn.open_uni().await.map_err(|e| format!("opening data stream: {e}"))?;
+    status.blocks_sent.fetch_add(1, Ordering::Relaxed);
+    status.bytes_sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
+    s.write_all(&frame).await.map_err(|e| format!("data stream: {e}"))?;
+    s.finish().map_err(|e| format!("data stream: {e}"))?;
+    Ok(())
+}
+
+/// The newest block the driver has handed to the sender per lane.
+#[derive(Debug, Default)]
+struct Offered {
+    last: std::collections::HashMap<(String, u64), u64>,
+}
+
+impl Offered {
+    fn note(&mut self, stream: &str, epoch: u64, last_seq: u64) {
+        let e = self.last.entry((stream.to_owned(), epoch)).or_insert(0);
+        *e = (*e).max(last_seq);
+    }
+}
+
+/// Offers blocks made durable since the last offer, so live data ships without waiting for the
+/// sender to ask again. The sender ignores blocks it is not ready for and asks later.
+fn offer_new_blocks(
+    sender: &mut Sender,
+    log: &LogHandle,
+    offered: &mut Offered,
+    clock: StdInstant,
+) -> Result<(), String> {
+    let status = log.status();
+    for st in &status.streams {
+        let key = (st.stream.clone(), st.epoch);
+        let after = offered.last.get(&key).copied().unwrap_or(st.acked_durable);
+        if st.durable_seq <= after {
+            continue;
+        }
+        let blocks = log.read_blocks(&st.stream, st.epoch, after, 4 << 20).map_err(|e| e.to_string())?;
+        for b in blocks {
+            offered.note(&st.stream, st.epoch, b.header.last_seq());
+            sender.offer_block(now_of(clock), &st.stream, b.bytes).map_err(|e| e.to_string())?;
+        }
+    }
+    Ok(())
+}
+
+/// Mints an epoch above `epoch_min` and moves the records the hub cannot take under their old
+/// seqs into it.
+async fn mint(log: &LogHandle, epoch_min: u64, rekey: &[sync::protocol::Rekey]) -> Result<u64, String> {
+    let log = log.clone();
+    let rekey = rekey.to_vec();
+    tokio::task::spawn_blocking(move || log.mint_epoch_rekey(epoch_min, &rekey).map_err(|e| e.to_string()))
+        .await
+        .map_err(|e| e.to_string())?
+}
+
+/// A token bucket for the optional bandwidth cap.
+#[derive(Debug)]
+struct TokenBucket {
+    rate: u64,
+    tokens: f64,
+    at: tokio::time::Instant,
+}
+
+impl TokenBucket {
+    fn new(rate: u64) -> Self {
+        TokenBucket { rate: rate.max(1), tokens: rate as f64, at: tokio::time::Instant::now() }
+    }
+
+    async fn take(&mut self, n: u64) {
+        let now = tokio::time::Instant::now();
+        let burst = self.rate as f64;
+        self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.rate as f64).min(burst);
+        self.at = now;
+        self.tokens -= n as f64;
+        if self.tokens < 0.0 {
+            let wait = Duration::from_secs_f64(-self.tokens / self.rate as f64);
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_to_the_cap_and_resets() {
+        let mut b = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(30), attempt: 0 };
+        let first = b.next_delay();
+        assert!(first <= Duration::from_millis(100) && first >= Duration::from_millis(50));
+        for _ in 0..40 {
+            assert!(b.next_delay() <= Duration::from_secs(30));
+        }
+        let late = b.next_delay();
+        assert!(late >= Duration::from_secs(15), "capped delay keeps at least half the cap: {late:?}");
+        b.reset();
+        assert!(b.next_delay() <= Duration::from_millis(100));
+    }
+}

@@ -1,0 +1,162 @@
+//! Fuzz target bodies, shared by the `cargo fuzz` targets in `sync/fuzz/` and by the
+//! `fuzz_corpus` test that replays their corpora on stable Rust.
+//!
+//! Each function takes arbitrary bytes, must never panic on them, and asserts the invariants
+//! that must hold whenever decoding or parsing succeeds. A panic here is a bug in the decoder
+//! (or in the invariant), which is exactly what the fuzzer is for.
+#![doc(hidden)]
+
+use crate::block::{self, BlockHeader, DecodeLimits, HEADER_LEN, VERSION_COLUMNAR, VERSION_ROWS};
+use crate::parse::{self, FIELDS_MAX, ParseOptions};
+use crate::record::{Record, Value};
+use crate::segment::{self, SEGMENT_HEADER_LEN};
+
+/// Limits small enough that a fuzzer does not spend its time allocating.
+const LIMITS: DecodeLimits = DecodeLimits { raw_bytes_max: 1 << 20, records_max: 1 << 16, body_bytes_max: 1 << 20 };
+
+/// The segment reader: scan, decode every frame, and check the scan's own bookkeeping. The
+/// input is tried as a whole file and, since few inputs carry a valid file header, also as
+/// the frames following a valid header.
+pub fn segment_scan(data: &[u8]) {
+    if let Ok(scan) = segment::scan(data) {
+        check_scan(data, &scan);
+    }
+    let mut file = segment::segment_header().to_vec();
+    file.extend_from_slice(data);
+    let scan = segment::scan(&file).expect("a valid header always scans");
+    check_scan(&file, &scan);
+}
+
+fn check_scan(file: &[u8], scan: &segment::Scan) {
+    let mut pos = SEGMENT_HEADER_LEN as u64;
+    for frame in &scan.frames {
+        assert_eq!(frame.offset, pos, "frames are contiguous");
+        pos = frame.end();
+        let bytes = frame.block(file).expect("a scanned frame lies within the file");
+        if let Ok(b) = block::decode_block(bytes, &LIMITS) {
+            check_block(&b);
+        }
+    }
+    assert_eq!(scan.valid_len, pos, "valid_len ends at the last valid frame");
+    match scan.fault {
+        None => assert_eq!(scan.valid_len as usize, file.len(), "no fault means the whole file is valid"),
+        Some((at, _)) => {
+            assert_eq!(at, scan.valid_len, "the fault is where the valid prefix ends");
+            if let Some(next) = segment::resync(file, at as usize) {
+                assert!(next > at as usize, "resync moves forward");
+                assert!(segment::check_frame(file, next).is_ok(), "resync lands on a valid frame");
+            }
+        }
+    }
+}
+
+/// The block decoder on arbitrary bytes. Few inputs pass the checksums, so see also
+/// [`block_body_decode`].
+pub fn block_decode(data: &[u8]) {
+    let _ = block::decode_header(data);
+    let _ = block::verify_block(data, &LIMITS);
+    if let Ok(b) = block::decode_block(data, &LIMITS) {
+        check_block(&b);
+    }
+}
+
+/// The body decoders, reached past the checksums: the input's first byte picks the version
+/// and the count, the rest is the raw (decompressed) body, and a valid header and zstd frame
+/// are built around it.
+pub fn block_body_decode(data: &[u8]) {
+    let Some((&selector, raw)) = data.split_first() else {
+        return;
+    };
+    let version = if selector & 0x80 == 0 { VERSION_ROWS } else { VERSION_COLUMNAR };
+    let count = u32::from(selector & 0x7f) + 1;
+    let Ok(body) = zstd::bulk::compress(raw, 1) else {
+        return;
+    };
+    let header = BlockHeader {
+        version,
+        flags: 0,
+        epoch: 1,
+        first_seq: 0,
+        count,
+        raw_len: raw.len() as u32,
+        min_ts: i64::MIN,
+        max_ts: i64::MAX,
+        body_len: body.len() as u32,
+        body_crc: crc32c::crc32c(&body),
+        raw_crc: crc32c::crc32c(raw),
+    };
+    let mut bytes = Vec::with_capacity(HEADER_LEN + body.len());
+    bytes.extend_from_slice(&block::write_header(&header));
+    bytes.extend_from_slice(&body);
+    if let Ok(b) = block::decode_block(&bytes, &LIMITS) {
+        check_block(&b);
+    }
+}
+
+/// Whatever decodes must agree with its header and survive a re-encode unchanged.
+fn check_block(b: &block::Block) {
+    let h = &b.header;
+    assert_eq!(b.records.len(), h.count as usize, "record count matches the header");
+    assert!(b.records.iter().all(|r| (h.min_ts..=h.max_ts).contains(&r.ts)), "ts within header range");
+    let opts = block::EncodeOptions { version: h.version, flags: h.flags, zstd_level: 1 };
+    let again = block::encode_block_with(&opts, h.epoch, h.first_seq, &b.records)
+        .expect("decoded records re-encode");
+    let back = block::decode_block(&again, &DecodeLimits::default()).expect("re-encoded block decodes");
+    assert_eq!(back.records, b.records, "decode(encode(records)) == records");
+}
+
+/// The NDJSON parser: errors point inside the input; successes write back and re-parse to
+/// the same records.
+pub fn ndjson_parse(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    match parse::parse_ndjson_with(text, &ParseOptions { default_ts: Some(0) }) {
+        Ok(records) => {
+            check_records(&records);
+            let written = parse::write_ndjson(&records).expect("parsed floats are finite");
+            let again = parse::parse_ndjson(&written).expect("written NDJSON parses");
+            assert_eq!(again, records, "parse(write(records)) == records");
+        }
+        Err(e) => check_error_position(text, &e),
+    }
+}
+
+/// The line-protocol parser: errors point inside the input; records are well formed.
+pub fn line_parse(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    match parse::parse_line_protocol(text, &ParseOptions { default_ts: Some(0) }) {
+        Ok(lines) => {
+            for l in &lines {
+                assert!(!l.measurement.is_empty(), "measurement is never empty");
+                assert!(!l.record.fields.is_empty(), "line protocol records have fields");
+            }
+            let records: Vec<Record> = lines.into_iter().map(|l| l.record).collect();
+            check_records(&records);
+        }
+        Err(e) => check_error_position(text, &e),
+    }
+}
+
+fn check_records(records: &[Record]) {
+    for r in records {
+        assert!(!r.key.is_empty(), "keys are never empty");
+        assert!(r.fields.len() <= FIELDS_MAX, "field limit holds");
+        for (i, (name, value)) in r.fields.iter().enumerate() {
+            assert!(!name.is_empty(), "field names are never empty");
+            assert!(r.fields[..i].iter().all(|(n, _)| n != name), "field names are unique");
+            if let Value::F64(v) = value {
+                assert!(v.is_finite(), "parsers only produce finite floats");
+            }
+        }
+    }
+}
+
+fn check_error_position(text: &str, e: &parse::ParseError) {
+    let lines = text.split('\n').count();
+    assert!(e.line >= 1 && e.line <= lines, "error line {} within 1..={lines}", e.line);
+    assert!(e.column >= 1, "columns are 1-based");
+    assert!(!e.expected.is_empty() && !e.found.is_empty(), "errors say what and where");
+}

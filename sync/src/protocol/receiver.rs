@@ -1,0 +1,971 @@
+//! The hub side of the replication protocol: a sans-IO state machine per connection.
+//!
+//! The receiver negotiates the version, asks the driver for the durable marks of the lanes the
+//! edge announces ([`ReceiverEvent::NeedMarks`] answered by [`Receiver::marks_loaded`]),
+//! verifies every block that overlaps what the hub already holds against stored range
+//! checksums, trims a block that straddles the mark, puts blocks that arrive out of order into
+//! a bounded reorder buffer, and hands the contiguous next records to the driver
+//! ([`ReceiverEvent::Commit`]). It acknowledges only after the driver reports the records
+//! durable ([`Receiver::committed`]), so an Ack always means "fsynced and in the catalog".
+//!
+//! The device id is given at construction by the driver, from the TLS client certificate; no
+//! frame can name it. Everything this machine holds is per connection and disposable: a fresh
+//! receiver built from the hub's persisted marks and checksums converges with a fresh sender.
+
+use super::checksum::{RangeChecksum, record_hash};
+use super::frame::{
+    BacklogEntry, ErrorCode, ErrorFrame, Frame, FrameError, GapMarker, Hello, LaneAnnounce, LaneWelcome,
+    Welcome, hello_versions,
+};
+use super::{CloseReason, Instant, Liveness, Timeouts, Transmit, TransmitKind, frame};
+use crate::block::{self, BlockHeader, DecodeLimits};
+use crate::record::Record;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+
+/// Limits and timers of a receiver. Every buffer has a bound.
+#[derive(Debug, Clone)]
+pub struct ReceiverConfig {
+    pub version_min: u16,
+    pub version_max: u16,
+    /// Largest frame accepted (the `len` field); checked before allocating.
+    pub frame_bytes_max: u32,
+    /// Block bytes the edge may have unacknowledged; advertised in Welcome. It bounds this
+    /// connection's reorder buffer plus blocks handed over for commit but not yet durable.
+    pub window_bytes: u64,
+    /// Blocks and gap markers the edge may have unacknowledged; advertised in Welcome.
+    pub window_items: u64,
+    /// Most `(stream, epoch)` lanes per connection.
+    pub lanes_max: usize,
+    /// Most stored range checksums kept per lane for verification.
+    pub checksum_ranges_max: usize,
+    pub timeouts: Timeouts,
+    /// Limits for decoding untrusted blocks (zstd bombs, record counts).
+    pub decode_limits: DecodeLimits,
+}
+
+impl Default for ReceiverConfig {
+    fn default() -> Self {
+        ReceiverConfig {
+            version_min: frame::PROTOCOL_VERSION,
+            version_max: frame::PROTOCOL_VERSION,
+            frame_bytes_max: frame::FRAME_BYTES_MAX_DEFAULT,
+            window_bytes: 32 << 20,
+            window_items: 4096,
+            lanes_max: 1024,
+            checksum_ranges_max: 4096,
+            timeouts: Timeouts::default(),
+            decode_limits: DecodeLimits::default(),
+        }
+    }
+}
+
+/// One lane the driver must look up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MarksQuery {
+    pub stream: String,
+    pub epoch: u64,
+    /// Return stored range checksums with `last_seq >= checksums_from` (earliest first, at
+    /// most `checksum_ranges_max`), plus always the range ending at the mark.
+    pub checksums_from: u64,
+}
+
+/// The driver's answer to one [`ReceiverEvent::NeedMarks`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Marks {
+    /// Highest epoch the hub has seen from this device (0 if none).
+    pub epoch_max: u64,
+    /// The queried lanes (a missing one counts as never seen: marks 0, no checksums), plus,
+    /// for the Hello's query, every lane the hub knows in the device's current epoch.
+    pub lanes: Vec<LaneMarks>,
+}
+
+/// What the hub has persisted for one `(device, stream, epoch)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneMarks {
+    pub stream: String,
+    pub epoch: u64,
+    /// The contiguous committed prefix: every seq up to it is durable (as data or as a gap).
+    pub durable_seq: u64,
+    pub tiered_seq: u64,
+    /// Stored checksums of committed block ranges, ascending.
+    pub ranges: Vec<RangeChecksum>,
+}
+
+/// Something to append to the hub's log, in this order, per lane.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CommitItem {
+    /// Records `skip_through + 1 ..= header.last_seq()` of `block`.
+    Block {
+        header: BlockHeader,
+        /// The block as received (verified). Records at or below `skip_through` are not to
+        /// be committed: the hub already holds them.
+        block: Vec<u8>,
+        skip_through: u64,
+        /// The decoded records being committed, already trimmed.
+        records: Vec<Record>,
+        /// To store with the range, so that later arrivals can be verified.
+        checksum: RangeChecksum,
+    },
+    /// Seqs the edge lost, already clipped to what the hub does not hold.
+    Gap(GapMarker),
+}
+
+impl CommitItem {
+    /// The highest seq this item covers; report it back through [`Receiver::committed`].
+    pub fn last_seq(&self) -> u64 {
+        match self {
+            CommitItem::Block { header, .. } => header.last_seq(),
+            CommitItem::Gap(g) => g.last_seq,
+        }
+    }
+}
+
+/// What the receiver asks of, or reports to, the driver.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ReceiverEvent {
+    /// Look these lanes up (and authorize the streams); answer with [`Receiver::marks_loaded`]
+    /// once per event, in order. To refuse a stream, call [`Receiver::close`] with
+    /// [`ErrorCode::UnauthorizedStream`] instead.
+    NeedMarks { current_epoch: u64, lanes: Vec<MarksQuery> },
+    /// The handshake completed with this version.
+    Established { version: u16, current_epoch: u64 },
+    /// Append to the log; once fsynced and in the catalog, call [`Receiver::committed`].
+    Commit { stream: String, epoch: u64, item: CommitItem },
+    /// The edge's periodic backlog report, for completeness tracking.
+    Backlog { entries: Vec<BacklogEntry>, received_at: Instant },
+    /// Same seqs, different content: raise the alarm and persist the fence. The receiver has
+    /// already queued an Error frame (`CONFLICT_FENCED`) and closed.
+    Fenced { stream: String, epoch: u64, first_seq: u64, last_seq: u64 },
+    /// The session is over; flush pending transmits and close the connection.
+    Closed(CloseReason),
+}
+
+/// Counters for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReceiverStats {
+    pub blocks_committed: u64,
+    pub gaps_committed: u64,
+    /// Blocks entirely at or below the mark, acknowledged without a commit.
+    pub replays: u64,
+    /// Stored ranges compared equal.
+    pub ranges_verified: u64,
+    /// Overlapping records that could not be compared (no stored range aligned with them).
+    pub records_unverified: u64,
+    /// The most block bytes held at once (reorder buffer plus uncommitted).
+    pub held_bytes_peak: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    AwaitHello,
+    AwaitMarks,
+    Established,
+    Closed,
+}
+
+/// A received Block or Gap, before it is committed.
+#[derive(Debug)]
+enum Item {
+    Block { header: BlockHeader, block: Vec<u8> },
+    Gap(GapMarker),
+}
+
+impl Item {
+    fn range(&self) -> (u64, u64) {
+        match self {
+            Item::Block { header, .. } => (header.first_seq, header.last_seq()),
+            Item::Gap(g) => (g.first_seq, g.last_seq),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Item::Block { block, .. } => block.len() as u64,
+            Item::Gap(_) => 0,
+        }
+    }
+}
+
+/// A partly summed stored range, carried across consecutive blocks with other boundaries.
+#[derive(Debug, Clone, Copy)]
+struct Carry {
+    range_first: u64,
+    next: u64,
+    sum: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verify {
+    Ok,
+    Fenced,
+    /// Stored checksums must be fetched from this seq on before going further.
+    Refill(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    Pending,
+    Matched(RangeChecksum),
+    Mismatch(RangeChecksum),
+    Unknown,
+}
+
+/// A lane the hub is ahead of: the edge's copy was restored or cloned. Its blocks are only
+/// compared, never committed, and the hub answers with how far they match (Verdict).
+#[derive(Debug, Clone, Copy)]
+struct Behind {
+    held_last: u64,
+    matched_through: u64,
+    done: bool,
+    verdict_sent: bool,
+}
+
+#[derive(Debug)]
+struct Lane {
+    stream: String,
+    epoch: u64,
+    loaded: bool,
+    announced: Option<LaneAnnounce>,
+    mark: u64,
+    tiered: u64,
+    /// Highest seq handed to the driver (committed or pending).
+    frontier: u64,
+    ring: VecDeque<RangeChecksum>,
+    carry: Option<Carry>,
+    reorder: BTreeMap<u64, Item>,
+    /// Commits handed out and not yet durable: (last_seq, bytes).
+    pending: VecDeque<(u64, u64)>,
+    ack_dirty: bool,
+    behind: Option<Behind>,
+    /// `checksums_from` of the last lookup: a refill must ask for later ones.
+    fetched_from: u64,
+    /// Waiting for more stored checksums; marks and frontier are already known.
+    refilling: bool,
+}
+
+impl Lane {
+    fn new(stream: String, epoch: u64, announced: Option<LaneAnnounce>) -> Self {
+        Lane {
+            stream,
+            epoch,
+            loaded: false,
+            announced,
+            mark: 0,
+            tiered: 0,
+            frontier: 0,
+            ring: VecDeque::new(),
+            carry: None,
+            reorder: BTreeMap::new(),
+            pending: VecDeque::new(),
+            ack_dirty: false,
+            behind: None,
+            fetched_from: 0,
+            refilling: false,
+        }
+    }
+
+    /// Where verification starts for this lane: the first seq the edge may not share with us.
+    fn verify_from(&self) -> u64 {
+        match &self.announced {
+            Some(a) => a.acked_seq.max(a.first_seq.saturating_sub(1)) + 1,
+            None => 1,
+        }
+    }
+
+    /// In a lane the hub is ahead of, seqs the edge itself recorded as lost need no
+    /// comparison: the match extends over them.
+    fn skip_own_gaps(&mut self) {
+        let (Some(b), Some(a)) = (self.behind.as_mut(), self.announced.as_ref()) else { return };
+        while let Some(g) = a.gaps.iter().find(|g| g.first_seq <= b.matched_through + 1 && b.matched_through < g.last_seq) {
+            b.matched_through = g.last_seq.min(b.held_last);
+            if b.matched_through == b.held_last {
+                return;
+            }
+        }
+    }
+
+    /// Feeds one overlapping record into the stored-range comparison.
+    fn check_record(&mut self, seq: u64, hash: u64) -> Check {
+        let idx = self.ring.partition_point(|r| r.last_seq < seq);
+        let Some(&r) = self.ring.get(idx).filter(|r| r.first_seq <= seq) else {
+            self.carry = None;
+            return Check::Unknown;
+        };
+        let carry = match self.carry {
+            Some(c) if c.range_first == r.first_seq && c.next == seq => {
+                Carry { next: seq + 1, sum: c.sum.wrapping_add(hash), ..c }
+            }
+            _ if seq == r.first_seq => Carry { range_first: seq, next: seq + 1, sum: hash },
+            _ => {
+                self.carry = None;
+                return Check::Unknown;
+            }
+        };
+        if carry.next <= r.last_seq {
+            self.carry = Some(carry);
+            return Check::Pending;
+        }
+        self.carry = None;
+        if carry.sum == r.checksum { Check::Matched(r) } else { Check::Mismatch(r) }
+    }
+}
+
+/// The hub side of one connection.
+#[derive(Debug)]
+pub struct Receiver {
+    device: String,
+    config: ReceiverConfig,
+    phase: Phase,
+    version: u16,
+    current_epoch: u64,
+    epoch_max: u64,
+    now: Instant,
+    live: Liveness,
+    lanes: Vec<Lane>,
+    index: HashMap<(String, u64), usize>,
+    /// Outstanding NeedMarks queries, oldest first: the lanes each covers.
+    queries: VecDeque<Vec<usize>>,
+    held_bytes: u64,
+    held_items: u64,
+    transmits: VecDeque<Transmit>,
+    events: VecDeque<ReceiverEvent>,
+    stats: ReceiverStats,
+}
+
+impl Receiver {
+    /// A receiver for a connection from `device`, the subject CN of its client certificate.
+    pub fn new(device: String, config: ReceiverConfig, now: Instant) -> Self {
+        let live = Liveness::new(config.timeouts, now);
+        Receiver {
+            device,
+            config,
+            phase: Phase::AwaitHello,
+            version: 0,
+            current_epoch: 0,
+            epoch_max: 0,
+            now,
+            live,
+            lanes: Vec::new(),
+            index: HashMap::new(),
+            queries: VecDeque::new(),
+            held_bytes: 0,
+            held_items: 0,
+            transmits: VecDeque::new(),
+            events: VecDeque::new(),
+            stats: ReceiverStats::default(),
+        }
+    }
+
+    /// The device this connection belongs to.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// The agreed version, once established.
+    pub fn version(&self) -> Option<u16> {
+        (self.version != 0).then_some(self.version)
+    }
+
+    pub fn is_established(&self) -> bool {
+        self.phase == Phase::Established
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.phase == Phase::Closed
+    }
+
+    pub fn stats(&self) -> ReceiverStats {
+        self.stats
+    }
+
+    /// Block bytes held by this connection (reorder buffer plus uncommitted).
+    pub fn held_bytes(&self) -> u64 {
+        self.held_bytes
+    }
+
+    /// Feeds one complete frame (length prefix included).
+    pub fn handle_frame(&mut self, now: Instant, bytes: &[u8]) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.now = now;
+        self.live.last_rx = now;
+        match Frame::decode(bytes, self.config.frame_bytes_max) {
+            Ok(frame) => self.on_frame(frame),
+            Err(e) => self.on_decode_error(bytes, e),
+        }
+        self.flush_acks();
+    }
+
+    fn on_decode_error(&mut self, bytes: &[u8], e: FrameError) {
+        if self.phase == Phase::AwaitHello {
+            if let Some((min, max)) = hello_versions(bytes) {
+                if !self.negotiate(min, max) {
+                    return;
+                }
+            }
+        }
+        let code = match e {
+            FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
+            _ => ErrorCode::ProtocolViolation,
+        };
+        self.close(self.now, code, &e.to_string());
+    }
+
+    fn on_frame(&mut self, frame: Frame) {
+        match (self.phase, frame) {
+            (_, Frame::Error(e)) => self.closed_by_peer(e),
+            (_, Frame::Ping) => {}
+            (Phase::AwaitHello, Frame::Hello(h)) => self.on_hello(h),
+            (Phase::Established, Frame::Block { stream, block }) => self.on_block(stream, block),
+            (Phase::Established, Frame::Gap { stream, epoch, gap }) => {
+                self.on_item(stream, epoch, Item::Gap(gap))
+            }
+            (Phase::Established, Frame::Backlog(entries)) => {
+                self.events.push_back(ReceiverEvent::Backlog { entries, received_at: self.now })
+            }
+            (phase, f) => {
+                let msg = format!("unexpected {} frame in state {phase:?}", f.name());
+                self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+            }
+        }
+    }
+
+    /// Picks the highest common version, or refuses. Returns whether one was agreed.
+    fn negotiate(&mut self, min: u16, max: u16) -> bool {
+        let v = max.min(self.config.version_max);
+        if v < min.max(self.config.version_min) || min > max {
+            let msg = format!(
+                "edge speaks versions {min}..={max}, hub speaks {}..={}",
+                self.config.version_min, self.config.version_max
+            );
+            self.close(self.now, ErrorCode::UnsupportedVersion, &msg);
+            return false;
+        }
+        self.version = v;
+        true
+    }
+
+    fn on_hello(&mut self, h: Hello) {
+        if !self.negotiate(h.version_min, h.version_max) {
+            return;
+        }
+        if h.lanes.len() > self.config.lanes_max {
+            let msg = format!("{} lanes, limit {}", h.lanes.len(), self.config.lanes_max);
+            return self.close(self.now, ErrorCode::LimitExceeded, &msg);
+        }
+        self.current_epoch = h.current_epoch;
+        let mut query = Vec::with_capacity(h.lanes.len());
+        for a in h.lanes {
+            let key = (a.stream.clone(), a.epoch);
+            if self.index.contains_key(&key) {
+                let msg = format!("lane {}/{} announced twice", a.stream, a.epoch);
+                return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+            }
+            query.push(self.add_lane(a.stream.clone(), a.epoch, Some(a)));
+        }
+        self.phase = Phase::AwaitMarks;
+        self.ask_marks(query);
+    }
+
+    fn add_lane(&mut self, stream: String, epoch: u64, announced: Option<LaneAnnounce>) -> usize {
+        let i = self.lanes.len();
+        self.index.insert((stream.clone(), epoch), i);
+        self.lanes.push(Lane::new(stream, epoch, announced));
+        i
+    }
+
+    fn ask_marks(&mut self, lanes: Vec<usize>) {
+        let queries = lanes
+            .iter()
+            .map(|&i| {
+                let l = &self.lanes[i];
+                MarksQuery { stream: l.stream.clone(), epoch: l.epoch, checksums_from: l.verify_from() }
+            })
+            .collect();
+        self.queries.push_back(lanes);
+        let ev = ReceiverEvent::NeedMarks { current_epoch: self.current_epoch, lanes: queries };
+        self.events.push_back(ev);
+    }
+
+    /// The driver's answer to the oldest unanswered [`ReceiverEvent::NeedMarks`].
+    pub fn marks_loaded(&mut self, now: Instant, marks: Marks) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.now = now;
+        let Some(asked) = self.queries.pop_front() else {
+            return self.close(now, ErrorCode::Internal, "marks loaded without a query");
+        };
+        self.epoch_max = self.epoch_max.max(marks.epoch_max);
+        let hello_answer = self.phase == Phase::AwaitMarks;
+        for m in marks.lanes {
+            let i = match self.index.get(&(m.stream.clone(), m.epoch)) {
+                Some(&i) if asked.contains(&i) => i,
+                // The hub knows a lane of the current epoch the edge did not announce.
+                None if hello_answer && m.epoch == self.current_epoch && m.durable_seq > 0 => {
+                    self.add_lane(m.stream.clone(), m.epoch, None)
+                }
+                _ => continue,
+            };
+            self.load_lane(i, m);
+        }
+        for &i in &asked {
+            self.lanes[i].loaded = true;
+            self.lanes[i].refilling = false;
+        }
+        if hello_answer {
+            self.welcome();
+        } else {
+            for i in asked {
+                self.drain_lane(i);
+            }
+        }
+        self.flush_acks();
+    }
+
+    fn load_lane(&mut self, i: usize, m: LaneMarks) {
+        let cap = self.config.checksum_ranges_max.max(1);
+        let lane = &mut self.lanes[i];
+        if lane.refilling {
+            // Only the checksums are new; marks and the frontier are this session's own.
+            lane.ring = capped_ranges(m.ranges, lane.mark, cap).into();
+            return;
+        }
+        lane.fetched_from = lane.verify_from();
+        lane.mark = m.durable_seq;
+        lane.frontier = m.durable_seq;
+        lane.tiered = m.tiered_seq;
+        lane.ring = capped_ranges(m.ranges, m.durable_seq, cap).into();
+        lane.loaded = true;
+        let held_last = lane.announced.as_ref().map_or(0, |a| a.last_seq);
+        if lane.mark > held_last && (lane.announced.is_some() || lane.epoch == self.current_epoch) {
+            let start = lane.verify_from() - 1;
+            lane.behind = Some(Behind {
+                held_last,
+                matched_through: start.min(held_last),
+                done: false,
+                verdict_sent: false,
+            });
+        }
+    }
+
+    fn welcome(&mut self) {
+        let lanes = self
+            .lanes
+            .iter()
+            .map(|l| {
+                let resume_from = match (&l.behind, l.ring.back()) {
+                    (Some(b), _) => b.matched_through + 1,
+                    (None, Some(r)) if r.last_seq == l.mark => r.first_seq,
+                    _ => l.mark + 1,
+                };
+                let w = LaneWelcome { durable_seq: l.mark, tiered_seq: l.tiered, resume_from };
+                (l.stream.clone(), l.epoch, w)
+            })
+            .collect();
+        let welcome = Welcome {
+            version: self.version,
+            window_bytes: self.config.window_bytes,
+            window_items: self.config.window_items,
+            epoch_max: self.epoch_max,
+            lanes,
+        };
+        self.push(Frame::Welcome(welcome), TransmitKind::Control);
+        self.phase = Phase::Established;
+        self.events.push_back(ReceiverEvent::Established {
+            version: self.version,
+            current_epoch: self.current_epoch,
+        });
+        for i in 0..self.lanes.len() {
+            self.maybe_verdict(i);
+        }
+    }
+
+    fn on_block(&mut self, stream: String, block: Vec<u8>) {
+        match block::verify_block(&block, &self.config.decode_limits) {
+            Ok(header) => self.on_item(stream, header.epoch, Item::Block { header, block }),
+            Err(e) => self.close(self.now, ErrorCode::BadBlock, &format!("stream {stream}: {e}")),
+        }
+    }
+
+    fn on_item(&mut self, stream: String, epoch: u64, item: Item) {
+        let i = match self.index.get(&(stream.clone(), epoch)) {
+            Some(&i) => i,
+            None => {
+                if self.lanes.len() >= self.config.lanes_max {
+                    let msg = format!("more than {} lanes", self.config.lanes_max);
+                    return self.close(self.now, ErrorCode::LimitExceeded, &msg);
+                }
+                let i = self.add_lane(stream, epoch, None);
+                self.ask_marks(vec![i]);
+                i
+            }
+        };
+        let (first, last) = item.range();
+        let (loaded, frontier) = (self.lanes[i].loaded, self.lanes[i].frontier);
+        let wait = !loaded || first > frontier + 1;
+        if (wait || last > frontier) && !self.admit(item.bytes()) {
+            return;
+        }
+        if wait {
+            return self.hold(i, item);
+        }
+        self.process(i, item);
+        self.drain_lane(i);
+    }
+
+    /// The flow-control check: what this connection holds must stay within the window it
+    /// advertised, except that a single item is always admitted (a block larger than the
+    /// window can still make progress).
+    fn admit(&mut self, bytes: u64) -> bool {
+        let over = self.held_bytes + bytes > self.config.window_bytes
+            || self.held_items + 1 > self.config.window_items;
+        if over && self.held_items > 0 {
+            let msg = format!(
+                "window exceeded: {} bytes in {} items held, {} more, window {} bytes / {} items",
+                self.held_bytes, self.held_items, bytes, self.config.window_bytes, self.config.window_items
+            );
+            self.close(self.now, ErrorCode::FlowControl, &msg);
+            return false;
+        }
+        true
+    }
+
+    fn hold(&mut self, i: usize, item: Item) {
+        let (first, _) = item.range();
+        let bytes = item.bytes();
+        let lane = &mut self.lanes[i];
+        if let Some(prev) = lane.reorder.get(&first) {
+            if same_item(prev, &item) {
+                return;
+            }
+            let msg = format!("two different items start at seq {first} of {}/{}", lane.stream, lane.epoch);
+            return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+        }
+        lane.reorder.insert(first, item);
+        self.add_held(bytes);
+    }
+
+    fn add_held(&mut self, bytes: u64) {
+        self.held_bytes += bytes;
+        self.held_items += 1;
+        self.stats.held_bytes_peak = self.stats.held_bytes_peak.max(self.held_bytes);
+    }
+
+    fn drain_lane(&mut self, i: usize) {
+        while self.phase == Phase::Established {
+            let lane = &mut self.lanes[i];
+            if !lane.loaded {
+                return;
+            }
+            let Some(entry) = lane.reorder.first_entry() else { return };
+            if *entry.key() > lane.frontier + 1 {
+                return;
+            }
+            let item = entry.remove();
+            self.held_bytes -= item.bytes();
+            self.held_items -= 1;
+            self.process(i, item);
+        }
+    }
+
+    /// Handles an item that starts at or below the frontier + 1: verify the part the hub
+    /// already holds, then commit the rest.
+    fn process(&mut self, i: usize, item: Item) {
+        match item {
+            Item::Block { header, block } => self.process_block(i, header, block),
+            Item::Gap(g) => self.process_gap(i, g),
+        }
+    }
+
+    fn process_gap(&mut self, i: usize, g: GapMarker) {
+        let lane = &mut self.lanes[i];
+        if lane.behind.is_some() {
+            let msg = format!("gap marker for {}/{}, whose history the hub is ahead of", lane.stream, lane.epoch);
+            return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+        }
+        let Some(clipped) = g.clip_from(lane.frontier + 1) else {
+            lane.ack_dirty |= g.last_seq <= lane.mark;
+            return;
+        };
+        lane.frontier = clipped.last_seq;
+        lane.carry = None;
+        lane.pending.push_back((clipped.last_seq, 0));
+        let (stream, epoch) = (lane.stream.clone(), lane.epoch);
+        self.add_held(0);
+        self.stats.gaps_committed += 1;
+        self.events.push_back(ReceiverEvent::Commit { stream, epoch, item: CommitItem::Gap(clipped) });
+    }
+
+    fn process_block(&mut self, i: usize, header: BlockHeader, block: Vec<u8>) {
+        let decoded = match block::decode_block(&block, &self.config.decode_limits) {
+            Ok(b) => b,
+            Err(e) => {
+                let msg = format!("stream {}: {e}", self.lanes[i].stream);
+                return self.close(self.now, ErrorCode::BadBlock, &msg);
+            }
+        };
+        let first = header.first_seq;
+        let hashes: Vec<u64> =
+            decoded.records.iter().enumerate().map(|(k, r)| record_hash(first + k as u64, r)).collect();
+        match self.verify_overlap(i, first, &hashes) {
+            Verify::Ok => {}
+            Verify::Fenced => return,
+            Verify::Refill(from) => return self.refill(i, from, Item::Block { header, block }),
+        }
+        let lane = &mut self.lanes[i];
+        if header.last_seq() <= lane.frontier {
+            lane.ack_dirty |= header.last_seq() <= lane.mark;
+            self.stats.replays += 1;
+            return self.maybe_verdict(i);
+        }
+        if lane.behind.is_some() {
+            let msg = format!("block past the mark of {}/{}, whose history the hub is ahead of", lane.stream, lane.epoch);
+            return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+        }
+        let skip_through = lane.frontier;
+        let skip = (skip_through + 1 - first) as usize;
+        let sum = hashes[skip..].iter().fold(0u64, |a, h| a.wrapping_add(*h));
+        let checksum = RangeChecksum { first_seq: skip_through + 1, last_seq: header.last_seq(), checksum: sum };
+        let mut records = decoded.records;
+        records.drain(..skip);
+        lane.frontier = header.last_seq();
+        lane.carry = None;
+        lane.ring.push_back(checksum);
+        if lane.ring.len() > self.config.checksum_ranges_max.max(1) {
+            lane.ring.pop_front();
+        }
+        lane.pending.push_back((header.last_seq(), block.len() as u64));
+        let (stream, epoch) = (lane.stream.clone(), lane.epoch);
+        self.add_held(block.len() as u64);
+        self.stats.blocks_committed += 1;
+        let item = CommitItem::Block { header, block, skip_through, records, checksum };
+        self.events.push_back(ReceiverEvent::Commit { stream, epoch, item });
+    }
+
+    /// Compares the records at or below the frontier with the stored ranges. Returns false
+    /// (and fences) on a conflict.
+    fn verify_overlap(&mut self, i: usize, first: u64, hashes: &[u64]) -> Verify {
+        let lane = &mut self.lanes[i];
+        for (k, &h) in hashes.iter().enumerate() {
+            let seq = first + k as u64;
+            if seq > lane.frontier {
+                break;
+            }
+            lane.skip_own_gaps();
+            let check = lane.check_record(seq, h);
+            match (check, lane.behind.as_mut()) {
+                (Check::Pending, _) => {}
+                (Check::Matched(r), Some(b)) if !b.done && r.first_seq == b.matched_through + 1 => {
+                    b.matched_through = r.last_seq;
+                    self.stats.ranges_verified += 1;
+                }
+                (Check::Matched(_), None) => self.stats.ranges_verified += 1,
+                (Check::Mismatch(r), None) => {
+                    let (stream, epoch) = (lane.stream.clone(), lane.epoch);
+                    self.fence(stream, epoch, r);
+                    return Verify::Fenced;
+                }
+                (Check::Unknown, None) => self.stats.records_unverified += 1,
+                // The loaded checksums ran out: fetch the next ones rather than give up.
+                (Check::Unknown, Some(b)) if !b.done && seq == b.matched_through + 1 && seq > lane.fetched_from => {
+                    return Verify::Refill(seq);
+                }
+                // In a lane the hub is ahead of, the first record not confirmed ends the match.
+                (_, Some(b)) => {
+                    if seq > b.matched_through {
+                        b.done = true;
+                    }
+                }
+            }
+        }
+        Verify::Ok
+    }
+
+    /// Holds `item` and asks the driver for the stored checksums from `from` on; the lane
+    /// resumes when [`Receiver::marks_loaded`] answers.
+    fn refill(&mut self, i: usize, from: u64, item: Item) {
+        let lane = &mut self.lanes[i];
+        lane.fetched_from = from;
+        lane.loaded = false;
+        lane.refilling = true;
+        let bytes = item.bytes();
+        lane.reorder.insert(item.range().0, item);
+        let query = MarksQuery { stream: lane.stream.clone(), epoch: lane.epoch, checksums_from: from };
+        self.add_held(bytes);
+        self.queries.push_back(vec![i]);
+        let ev = ReceiverEvent::NeedMarks { current_epoch: self.current_epoch, lanes: vec![query] };
+        self.events.push_back(ev);
+    }
+
+    fn maybe_verdict(&mut self, i: usize) {
+        let lane = &mut self.lanes[i];
+        lane.skip_own_gaps();
+        let Some(b) = lane.behind.as_mut() else { return };
+        if b.matched_through >= b.held_last {
+            b.done = true;
+        }
+        if !b.done || b.verdict_sent {
+            return;
+        }
+        b.verdict_sent = true;
+        let matched_through = b.matched_through;
+        let frame = Frame::Verdict { stream: lane.stream.clone(), epoch: lane.epoch, matched_through };
+        self.push(frame, TransmitKind::Control);
+    }
+
+    fn fence(&mut self, stream: String, epoch: u64, r: RangeChecksum) {
+        let msg = format!(
+            "device {} sent seqs {}..={} of {stream}/{epoch} with content different from what the hub committed",
+            self.device, r.first_seq, r.last_seq
+        );
+        self.events.push_back(ReceiverEvent::Fenced { stream, epoch, first_seq: r.first_seq, last_seq: r.last_seq });
+        self.close(self.now, ErrorCode::ConflictFenced, &msg);
+    }
+
+    /// The driver made everything up to `durable_seq` of the lane durable (log fsync and
+    /// catalog commit both done). `tiered_seq` is the lane's tier-2 mark (0 until tiering).
+    pub fn committed(&mut self, now: Instant, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.now = now;
+        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else { return };
+        let lane = &mut self.lanes[i];
+        assert!(
+            durable_seq <= lane.frontier,
+            "driver committed {stream}/{epoch} through {durable_seq}, beyond what was handed out ({})",
+            lane.frontier
+        );
+        if durable_seq > lane.mark {
+            lane.mark = durable_seq;
+            lane.ack_dirty = true;
+        }
+        while let Some(&(last, bytes)) = lane.pending.front() {
+            if last > durable_seq {
+                break;
+            }
+            lane.pending.pop_front();
+            self.held_bytes -= bytes;
+            self.held_items -= 1;
+        }
+        self.set_tiered(i, tiered_seq);
+        self.flush_acks();
+    }
+
+    /// A later tier-2 update for a lane of this connection; sends an Ack carrying it.
+    pub fn update_tiered(&mut self, now: Instant, stream: &str, epoch: u64, tiered_seq: u64) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        self.now = now;
+        if let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) {
+            self.set_tiered(i, tiered_seq);
+            self.flush_acks();
+        }
+    }
+
+    fn set_tiered(&mut self, i: usize, tiered_seq: u64) {
+        let lane = &mut self.lanes[i];
+        if tiered_seq > lane.tiered {
+            lane.tiered = tiered_seq;
+            lane.ack_dirty = true;
+        }
+    }
+
+    fn flush_acks(&mut self) {
+        if self.phase != Phase::Established {
+            return;
+        }
+        for i in 0..self.lanes.len() {
+            let lane = &mut self.lanes[i];
+            if !lane.ack_dirty {
+                continue;
+            }
+            lane.ack_dirty = false;
+            let frame = Frame::Ack {
+                stream: lane.stream.clone(),
+                epoch: lane.epoch,
+                durable_seq: lane.mark,
+                tiered_seq: lane.tiered,
+            };
+            self.push(frame, TransmitKind::Control);
+        }
+    }
+
+    /// Fires the idle timeout and keepalive.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.now = now;
+        if now >= self.live.idle_deadline() {
+            let msg = format!("nothing received for {:?}", self.config.timeouts.idle);
+            return self.close(now, ErrorCode::IdleTimeout, &msg);
+        }
+        if now >= self.live.keepalive_deadline() {
+            self.push(Frame::Ping, TransmitKind::Control);
+        }
+    }
+
+    /// When to call [`Receiver::handle_timeout`] next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        (self.phase != Phase::Closed).then(|| self.live.idle_deadline().min(self.live.keepalive_deadline()))
+    }
+
+    pub fn poll_transmit(&mut self) -> Option<Transmit> {
+        self.transmits.pop_front()
+    }
+
+    pub fn poll_event(&mut self) -> Option<ReceiverEvent> {
+        self.events.pop_front()
+    }
+
+    /// Ends the session from the hub's side (shutdown, revocation, refused stream, store
+    /// failure): queues an Error frame and a [`ReceiverEvent::Closed`].
+    pub fn close(&mut self, now: Instant, code: ErrorCode, message: &str) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.now = now;
+        self.push(Frame::Error(ErrorFrame { code, message: message.to_owned() }), TransmitKind::Control);
+        self.phase = Phase::Closed;
+        let reason = CloseReason { code, message: message.to_owned(), by_peer: false };
+        self.events.push_back(ReceiverEvent::Closed(reason));
+    }
+
+    fn closed_by_peer(&mut self, e: ErrorFrame) {
+        self.phase = Phase::Closed;
+        let reason = CloseReason { code: e.code, message: e.message, by_peer: true };
+        self.events.push_back(ReceiverEvent::Closed(reason));
+    }
+
+    fn push(&mut self, frame: Frame, kind: TransmitKind) {
+        self.live.last_tx = self.now;
+        self.transmits.push_back(Transmit { frame: frame.encode(), kind });
+    }
+}
+
+/// Stored ranges at or below the mark, ascending, at most `cap`: the earliest ones (for
+/// comparing a restored history) and always the one ending at the mark (the junction).
+fn capped_ranges(ranges: Vec<RangeChecksum>, mark: u64, cap: usize) -> Vec<RangeChecksum> {
+    let mut ranges: Vec<RangeChecksum> =
+        ranges.into_iter().filter(|r| r.first_seq <= r.last_seq && r.last_seq <= mark).collect();
+    ranges.sort_by_key(|r| r.first_seq);
+    ranges.dedup_by_key(|r| r.first_seq);
+    if ranges.len() > cap {
+        let last = ranges[ranges.len() - 1];
+        ranges.truncate(cap - 1);
+        ranges.push(last);
+    }
+    ranges
+}
+
+fn same_item(a: &Item, b: &Item) -> bool {
+    match (a, b) {
+        (Item::Block { block: x, .. }, Item::Block { block: y, .. }) => x == y,
+        (Item::Gap(x), Item::Gap(y)) => x == y,
+        _ => false,
+    }
+}
