@@ -309,6 +309,28 @@ impl Catalog {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
+    /// The tier-2 mark of one key (0 when unknown).
+    pub fn tiered_seq(&self, device: DeviceId, epoch: u64, stream: StreamId) -> Result<u64, CatalogError> {
+        let c = self.r();
+        let v: Option<i64> = c
+            .query_row(
+                "SELECT tiered_seq FROM marks WHERE device = ?1 AND epoch = ?2 AND stream = ?3",
+                params![i64::from(device), i(epoch), i64::from(stream)],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(v.map_or(0, u))
+    }
+
+    /// Moves the tier-2 mark of one key forward (the tiering issue calls this).
+    pub fn set_tiered_seq(&self, device: DeviceId, epoch: u64, stream: StreamId, tiered: u64) -> Result<(), CatalogError> {
+        self.w().execute(
+            "UPDATE marks SET tiered_seq = max(tiered_seq, ?4) WHERE device = ?1 AND epoch = ?2 AND stream = ?3",
+            params![i64::from(device), i(epoch), i64::from(stream), i(tiered)],
+        )?;
+        Ok(())
+    }
+
     /// The WAL end offset the committed marks cover.
     pub fn wal_committed_end(&self) -> Result<u64, CatalogError> {
         let c = self.r();
@@ -636,6 +658,10 @@ mod tests {
         assert_eq!(from[0].first_seq, 11);
         assert_eq!(cat.blocks_from(s, 0, 10).unwrap().len(), 2);
         assert!(cat.blocks_from(s, 20, 10).unwrap().is_empty());
+        assert_eq!(cat.tiered_seq(d, 1, s).unwrap(), 0);
+        cat.set_tiered_seq(d, 1, s, 12).unwrap();
+        cat.set_tiered_seq(d, 1, s, 3).unwrap();
+        assert_eq!(cat.tiered_seq(d, 1, s).unwrap(), 12);
         cat.set_fenced(d, Some("conflict")).unwrap();
         assert_eq!(cat.devices().unwrap()[0].fence_reason.as_deref(), Some("conflict"));
     }

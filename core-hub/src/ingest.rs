@@ -482,6 +482,19 @@ impl Hub {
             .collect()
     }
 
+    /// The tier-2 mark of `(device, stream, epoch)`: 0 until tiering reports one.
+    pub fn tiered_seq(&self, device: &str, stream: &str, epoch: u64) -> u64 {
+        let names = self.names.read().expect("names lock");
+        let (Some(&d), Some(&s)) = (names.devices.get(device), names.streams.get(stream)) else {
+            return 0;
+        };
+        drop(names);
+        self.catalog.tiered_seq(d, epoch, s).unwrap_or_else(|e| {
+            tracing::error!(error = %e, device, stream, "cannot read tiered_seq");
+            0
+        })
+    }
+
     /// The highest epoch the hub has seen from `device` (0 if none).
     pub fn epoch_max(&self, device: &str) -> u64 {
         self.marks(device).iter().map(|m| m.epoch).max().unwrap_or(0)
@@ -738,7 +751,8 @@ impl Hub {
         self.authorize(device, stream)
     }
 
-    fn authorize(&self, device: &str, stream: &str) -> Result<(), IngestError> {
+    /// Whether `device` may write `stream`: a valid, configured name on its allow-list.
+    pub fn authorize(&self, device: &str, stream: &str) -> Result<(), IngestError> {
         if !valid_stream_name(stream) {
             return Err(IngestError::BadStreamName(stream.chars().take(80).collect()));
         }

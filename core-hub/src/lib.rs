@@ -16,6 +16,7 @@ pub mod ingest;
 pub mod metrics;
 pub mod pki;
 pub mod read;
+pub mod server;
 pub mod wal;
 
 pub use config::HubConfig;

@@ -146,12 +146,29 @@ async fn serve(hub: Arc<Hub>, cfg: &HubConfig) -> Result<()> {
         .with_context(|| format!("binding the HTTP API on {}", cfg.listen.http))?;
     tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
     let router = api::router(hub.clone(), cfg.http.reader_tokens.clone());
-    let http = tokio::spawn(api::serve(listener, router, shutdown_signal()));
-
-    // The QUIC server (core-hub/src/server.rs) starts here: it takes `hub.clone()`,
-    // `cfg.listen.quic`, and `pki::server_tls_config(tls, revocations)`, and must stop when
-    // `shutdown_signal()` fires.
-
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let http = tokio::spawn(api::serve(listener, router, {
+        let mut stop = stop_rx.clone();
+        async move {
+            let _ = stop.wait_for(|s| *s).await;
+        }
+    }));
+    let quic = match cfg.tls {
+        Some(_) => {
+            let (server, task) = core_hub::server::start(cfg, hub.clone(), stop_rx.clone()).await?;
+            tracing::info!(addr = %server.local_addr, "accepting devices over QUIC");
+            Some(task)
+        }
+        None => {
+            tracing::warn!("no [tls] section: devices cannot connect; serving the HTTP API only");
+            None
+        }
+    };
+    shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    if let Some(task) = quic {
+        task.await.context("QUIC task")?;
+    }
     http.await.context("HTTP task")?.context("HTTP server")?;
     tracing::info!("shutting down");
     Ok(())

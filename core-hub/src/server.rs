@@ -20,7 +20,6 @@ use sync::protocol::{
     ReceiverEvent,
 };
 use sync::protocol::Instant;
-use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, watch};
 
 use crate::config::HubConfig;
@@ -371,6 +370,7 @@ fn load_marks(
             epoch,
             durable_seq: m.map_or(0, |m| m.durable_seq),
             tiered_seq: m.map_or(0, |m| m.tiered_seq),
+            gaps: committed_gaps(&ctx.hub, device, stream, epoch, from),
             ranges,
         })
     };
@@ -383,6 +383,21 @@ fn load_marks(
         }
     }
     Ok(out)
+}
+
+/// Gap ranges the hub committed for a lane, ending at or after `from`.
+fn committed_gaps(hub: &Hub, device: &str, stream: &str, epoch: u64, from: u64) -> Vec<(u64, u64)> {
+    let (Ok(d), Some(s)) = (hub.device_id(device), hub.lookup_stream(stream)) else {
+        return Vec::new();
+    };
+    let rows = hub.catalog().gaps_of(d).unwrap_or_else(|e| {
+        tracing::warn!(%device, error = %e, "reading committed gaps");
+        Vec::new()
+    });
+    rows.into_iter()
+        .filter(|g| g.stream == s && g.epoch == epoch && g.last_seq >= from)
+        .map(|g| (g.first_seq, g.last_seq))
+        .collect()
 }
 
 /// Submits a commit in order, then waits for durability on a separate task so the connection

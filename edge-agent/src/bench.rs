@@ -15,8 +15,8 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rand::Rng as _;
@@ -49,7 +49,11 @@ pub struct AppendOptions {
 #[derive(Debug, Error)]
 pub enum BenchError {
     #[error("{what} {path}: {source}")]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        source: io::Error,
+    },
     #[error("opening the log: {0}")]
     Open(#[from] OpenError),
     #[error("append failed: {0}")]
@@ -99,9 +103,16 @@ pub struct AppendSpec {
 
 /// Runs every configuration and prints the results.
 pub fn run_append(opts: &AppendOptions) -> Result<(), BenchError> {
-    let dir = opts.dir.clone().unwrap_or_else(|| PathBuf::from(format!(".tributary-bench-{}", std::process::id())));
+    let dir = opts
+        .dir
+        .clone()
+        .unwrap_or_else(|| PathBuf::from(format!(".tributary-bench-{}", std::process::id())));
     let created = !dir.exists();
-    std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io { what: "creating", path: dir.clone(), source })?;
+    std::fs::create_dir_all(&dir).map_err(|source| BenchError::Io {
+        what: "creating",
+        path: dir.clone(),
+        source,
+    })?;
     let result = run_all(opts, &dir);
     if created {
         let _ = std::fs::remove_dir_all(&dir);
@@ -111,18 +122,38 @@ pub fn run_append(opts: &AppendOptions) -> Result<(), BenchError> {
 
 fn run_all(opts: &AppendOptions, dir: &Path) -> Result<(), BenchError> {
     if !opts.json {
-        println!("{:<14} {:>6} {:>9} {:>6} {:>9} {:>12} {:>8} {:>7} {:>9} {:>9}", "fsync", "bytes", "producers", "batch", "records", "records/s", "MB/s", "fsyncs", "p50 us", "p99 us");
+        println!(
+            "{:<14} {:>6} {:>9} {:>6} {:>9} {:>12} {:>8} {:>7} {:>9} {:>9}",
+            "fsync",
+            "bytes",
+            "producers",
+            "batch",
+            "records",
+            "records/s",
+            "MB/s",
+            "fsyncs",
+            "p50 us",
+            "p99 us"
+        );
     }
     if opts.disk {
         let disk = measure_disk(dir)?;
         print_line(opts.json, &disk, || {
             format!(
                 "disk: sequential write {:.1} MB/s, fdatasync {:.0}/s (p50 {} us, p99 {} us) in {}",
-                disk.seq_write_mb_per_s, disk.fdatasync_per_s, disk.fdatasync_p50_us, disk.fdatasync_p99_us, disk.dir
+                disk.seq_write_mb_per_s,
+                disk.fdatasync_per_s,
+                disk.fdatasync_p50_us,
+                disk.fdatasync_p99_us,
+                disk.dir
             )
         });
     }
-    let policies = [FsyncPolicy::Always, FsyncPolicy::Interval(Duration::from_millis(10)), FsyncPolicy::Never];
+    let policies = [
+        FsyncPolicy::Always,
+        FsyncPolicy::Interval(Duration::from_millis(10)),
+        FsyncPolicy::Never,
+    ];
     for (i, spec) in specs(&policies, opts.records).into_iter().enumerate() {
         let run_dir = dir.join(format!("run-{i}"));
         let r = run_one(&spec, &run_dir);
@@ -131,7 +162,16 @@ fn run_all(opts: &AppendOptions, dir: &Path) -> Result<(), BenchError> {
         print_line(opts.json, &r, || {
             format!(
                 "{:<14} {:>6} {:>9} {:>6} {:>9} {:>12.0} {:>8.1} {:>7} {:>9} {:>9}",
-                r.fsync, r.record_bytes, r.producers, r.batch_records, r.records, r.records_per_s, r.mb_per_s, r.fsyncs, r.p50_us, r.p99_us
+                r.fsync,
+                r.record_bytes,
+                r.producers,
+                r.batch_records,
+                r.records,
+                r.records_per_s,
+                r.mb_per_s,
+                r.fsyncs,
+                r.p50_us,
+                r.p99_us
             )
         });
     }
@@ -172,7 +212,10 @@ fn print_line<T: Serialize>(json: bool, value: &T, table: impl FnOnce() -> Strin
 /// Runs one configuration in a fresh log under `dir`.
 pub fn run_one(spec: &AppendSpec, dir: &Path) -> Result<AppendResult, BenchError> {
     let counter = Arc::new(AtomicU64::new(0));
-    let storage: Arc<dyn Storage> = Arc::new(CountingStorage { inner: RealStorage, syncs: counter.clone() });
+    let storage: Arc<dyn Storage> = Arc::new(CountingStorage {
+        inner: RealStorage,
+        syncs: counter.clone(),
+    });
     let cfg = LogConfig {
         data_dir: dir.to_owned(),
         streams: vec!["bench".into()],
@@ -182,7 +225,10 @@ pub fn run_one(spec: &AppendSpec, dir: &Path) -> Result<AppendResult, BenchError
         ..LogConfig::default()
     };
     let (log, _) = Log::open(cfg, storage)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(BenchError::Runtime)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(BenchError::Runtime)?;
     let syncs_before = counter.load(Ordering::Relaxed);
     let started = Instant::now();
     let samples = runtime.block_on(produce(&log, spec))?;
@@ -211,7 +257,10 @@ pub fn run_one(spec: &AppendSpec, dir: &Path) -> Result<AppendResult, BenchError
 /// Runs the producers; returns one latency sample (µs) per append call.
 async fn produce(log: &LogHandle, spec: &AppendSpec) -> Result<Vec<u32>, BenchError> {
     let deadline = Instant::now() + spec.seconds_max;
-    let per_producer = spec.records.div_ceil(spec.producers as u64).div_ceil(spec.batch_records as u64);
+    let per_producer = spec
+        .records
+        .div_ceil(spec.producers as u64)
+        .div_ceil(spec.batch_records as u64);
     let pool = Arc::new(record_pool(spec.record_bytes, 1024));
     let mut tasks = Vec::with_capacity(spec.producers);
     for p in 0..spec.producers {
@@ -223,7 +272,9 @@ async fn produce(log: &LogHandle, spec: &AppendSpec) -> Result<Vec<u32>, BenchEr
                     break;
                 }
                 let start = (p * 7919 + i as usize * batch) % pool.len();
-                let records: Vec<Record> = (0..batch).map(|j| pool[(start + j) % pool.len()].clone()).collect();
+                let records: Vec<Record> = (0..batch)
+                    .map(|j| pool[(start + j) % pool.len()].clone())
+                    .collect();
                 let t = Instant::now();
                 log.append("bench", records).await?;
                 samples.push(t.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
@@ -233,7 +284,10 @@ async fn produce(log: &LogHandle, spec: &AppendSpec) -> Result<Vec<u32>, BenchEr
     }
     let mut all = Vec::new();
     for t in tasks {
-        all.extend(t.await.map_err(|e| BenchError::Runtime(io::Error::other(e)))??);
+        all.extend(
+            t.await
+                .map_err(|e| BenchError::Runtime(io::Error::other(e)))??,
+        );
     }
     Ok(all)
 }
@@ -247,10 +301,15 @@ pub fn record_pool(record_bytes: usize, n: usize) -> Vec<Record> {
             let mut r = Record {
                 key: format!("bench-{:04}/sensor", i % 64),
                 ts: 1_764_374_400_000_000_000 + i as i64 * 1_000_000,
-                fields: vec![("value".into(), Value::F64(rng.random::<f64>() * 100.0)), ("count".into(), Value::I64(i as i64))],
+                fields: vec![
+                    ("value".into(), Value::F64(rng.random::<f64>() * 100.0)),
+                    ("count".into(), Value::I64(i as i64)),
+                ],
             };
             let pad = record_bytes.saturating_sub(r.approx_bytes() + "payload".len() + 2);
-            let payload: String = (0..pad).map(|_| char::from(rng.sample(rand::distr::Alphanumeric))).collect();
+            let payload: String = (0..pad)
+                .map(|_| char::from(rng.sample(rand::distr::Alphanumeric)))
+                .collect();
             r.fields.push(("payload".into(), Value::Str(payload)));
             r
         })
@@ -267,12 +326,30 @@ fn percentiles(mut samples: Vec<u32>) -> (u64, u64) {
     (at(0.50), at(0.99))
 }
 
-/// Sequential write MB/s and the fdatasync rate, in `dir`.
+/// The fdatasync rate and sequential write MB/s, in `dir`. The fdatasync loop runs first, so
+/// the writeback of the large sequential file cannot slow it down.
 pub fn measure_disk(dir: &Path) -> Result<DiskResult, BenchError> {
     let io_err = |what: &'static str, path: &Path| {
         let path = path.to_owned();
         move |source| BenchError::Io { what, path, source }
     };
+    let path = dir.join("disk-sync.bin");
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io_err("creating", &path))?;
+    let block = vec![0x5Au8; 4096];
+    let (mut samples, started) = (Vec::new(), Instant::now());
+    while samples.len() < 2000 && started.elapsed() < Duration::from_secs(2) {
+        let t = Instant::now();
+        f.write_all(&block).map_err(io_err("writing", &path))?;
+        f.sync_data().map_err(io_err("fdatasync", &path))?;
+        samples.push(t.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
+    }
+    let fdatasync_per_s = samples.len() as f64 / started.elapsed().as_secs_f64();
+    drop(f);
+    let _ = std::fs::remove_file(&path);
     let path = dir.join("disk-seq.bin");
     let chunk = vec![0xA5u8; 1 << 20];
     let started = Instant::now();
@@ -285,23 +362,14 @@ pub fn measure_disk(dir: &Path) -> Result<DiskResult, BenchError> {
     drop(f);
     let _ = std::fs::remove_file(&path);
 
-    let path = dir.join("disk-sync.bin");
-    let mut f = OpenOptions::new().create(true).append(true).open(&path).map_err(io_err("creating", &path))?;
-    let block = vec![0x5Au8; 4096];
-    let (mut samples, started) = (Vec::new(), Instant::now());
-    while samples.len() < 2000 && started.elapsed() < Duration::from_secs(2) {
-        let t = Instant::now();
-        f.write_all(&block).map_err(io_err("writing", &path))?;
-        f.sync_data().map_err(io_err("fdatasync", &path))?;
-        samples.push(t.elapsed().as_micros().min(u128::from(u32::MAX)) as u32);
-    }
-    let fdatasync_per_s = samples.len() as f64 / started.elapsed().as_secs_f64();
-    drop(f);
-    let _ = std::fs::remove_file(&path);
     let (fdatasync_p50_us, fdatasync_p99_us) = percentiles(samples);
     Ok(DiskResult {
         kind: "disk",
-        dir: dir.canonicalize().unwrap_or_else(|_| dir.to_owned()).display().to_string(),
+        dir: dir
+            .canonicalize()
+            .unwrap_or_else(|_| dir.to_owned())
+            .display()
+            .to_string(),
         seq_write_mb_per_s: (seq_write_mb_per_s * 10.0).round() / 10.0,
         fdatasync_per_s: fdatasync_per_s.round(),
         fdatasync_p50_us,
@@ -338,11 +406,17 @@ impl WriteFile for CountingFile {
 impl Storage for CountingStorage {
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
         let inner = self.inner.create(path)?;
-        Ok(Box::new(CountingFile { inner, syncs: self.syncs.clone() }))
+        Ok(Box::new(CountingFile {
+            inner,
+            syncs: self.syncs.clone(),
+        }))
     }
     fn open_append(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
         let inner = self.inner.open_append(path)?;
-        Ok(Box::new(CountingFile { inner, syncs: self.syncs.clone() }))
+        Ok(Box::new(CountingFile {
+            inner,
+            syncs: self.syncs.clone(),
+        }))
     }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         self.inner.read(path)
@@ -404,6 +478,10 @@ mod tests {
     fn every_policy_size_producer_count_and_batch_is_covered() {
         let s = specs(&[FsyncPolicy::Always, FsyncPolicy::Never], 10);
         assert_eq!(s.len(), 2 * 2 * 2 * 2);
-        assert!(s.iter().any(|s| s.producers == 64 && s.batch_records == 1 && s.fsync == FsyncPolicy::Always));
+        assert!(
+            s.iter().any(|s| s.producers == 64
+                && s.batch_records == 1
+                && s.fsync == FsyncPolicy::Always)
+        );
     }
 }

@@ -46,7 +46,10 @@ pub enum ConfigError {
 
 impl ConfigError {
     fn invalid(key: impl Into<String>, message: impl Into<String>) -> Self {
-        ConfigError::Invalid { key: key.into(), message: message.into() }
+        ConfigError::Invalid {
+            key: key.into(),
+            message: message.into(),
+        }
     }
 
     /// The dotted key at fault, when the problem is with one key.
@@ -153,7 +156,10 @@ impl PayloadFormat {
         match s {
             "json" => Ok(PayloadFormat::Json),
             "line" => Ok(PayloadFormat::Line),
-            other => Err(ConfigError::invalid(key, format!("expected json | line, found {other:?}"))),
+            other => Err(ConfigError::invalid(
+                key,
+                format!("expected json | line, found {other:?}"),
+            )),
         }
     }
 }
@@ -170,11 +176,16 @@ impl EdgeConfig {
         path: &Path,
         env: Option<HashMap<String, String>>,
     ) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ConfigError::Read { path: path.to_owned(), message: e.to_string() })?;
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+            path: path.to_owned(),
+            message: e.to_string(),
+        })?;
         let base = path.parent().map(Path::to_owned).unwrap_or_default();
         Self::from_toml(&text, &base, env).map_err(|e| match e {
-            ConfigError::Read { message, .. } => ConfigError::Read { path: path.to_owned(), message },
+            ConfigError::Read { message, .. } => ConfigError::Read {
+                path: path.to_owned(),
+                message,
+            },
             other => other,
         })
     }
@@ -205,14 +216,14 @@ impl EdgeConfig {
         LogConfig {
             data_dir: self.data_dir.clone(),
             streams: self.streams.iter().map(|s| s.name.clone()).collect(),
-            fsync: s.fsync.clone(),
+            fsync: s.fsync,
             segment_bytes_max: s.segment_bytes_max,
             block_records_max: s.block_records_max,
             block_bytes_max: s.block_bytes_max,
             block_linger: s.block_linger,
             block_version: s.block_version,
             disk_bytes_max: s.disk_bytes_max,
-            on_full: s.on_full.clone(),
+            on_full: s.on_full,
             queue_batches_max: s.queue_batches_max,
             ..LogConfig::default()
         }
@@ -227,10 +238,17 @@ impl EdgeConfig {
 /// Turns the `config` crate's error into ours, keeping the key when it names one.
 fn from_config_error(e: config::ConfigError) -> ConfigError {
     match e {
-        config::ConfigError::Type { key: Some(key), unexpected, expected, .. } => {
-            ConfigError::invalid(key, format!("expected {expected}, found {unexpected}"))
-        }
-        config::ConfigError::At { error, key: Some(key), .. } => match *error {
+        config::ConfigError::Type {
+            key: Some(key),
+            unexpected,
+            expected,
+            ..
+        } => ConfigError::invalid(key, format!("expected {expected}, found {unexpected}")),
+        config::ConfigError::At {
+            error,
+            key: Some(key),
+            ..
+        } => match *error {
             config::ConfigError::Message(m) => match unknown_field(&m) {
                 Some((field, tail)) => ConfigError::invalid(format!("{key}.{field}"), tail),
                 None => ConfigError::invalid(key, m),
@@ -239,9 +257,15 @@ fn from_config_error(e: config::ConfigError) -> ConfigError {
         },
         config::ConfigError::Message(m) => match unknown_field(&m) {
             Some((field, tail)) => ConfigError::invalid(field, tail),
-            None => ConfigError::Read { path: PathBuf::new(), message: m },
+            None => ConfigError::Read {
+                path: PathBuf::new(),
+                message: m,
+            },
         },
-        other => ConfigError::Read { path: PathBuf::new(), message: other.to_string() },
+        other => ConfigError::Read {
+            path: PathBuf::new(),
+            message: other.to_string(),
+        },
     }
 }
 
@@ -396,19 +420,29 @@ impl RawHttp {
             )
         })?;
         let body_bytes_max = match self.body_bytes_max {
-            Some(s) => positive_usize("http.body_bytes_max", parse_bytes("http.body_bytes_max", &s)?)?,
+            Some(s) => positive_usize(
+                "http.body_bytes_max",
+                parse_bytes("http.body_bytes_max", &s)?,
+            )?,
             None => DEFAULT_BODY_BYTES_MAX,
         };
         // An empty token (for example an empty environment override) means "no token".
         let token = self.token.filter(|t| !t.is_empty());
-        Ok(HttpConfig { listen, body_bytes_max, token })
+        Ok(HttpConfig {
+            listen,
+            body_bytes_max,
+            token,
+        })
     }
 }
 
 impl RawStorage {
     fn into_typed(self) -> Result<StorageConfig, ConfigError> {
         let d = LogConfig::default();
-        let fsync = parse_fsync("storage.fsync", self.fsync.as_deref().unwrap_or(DEFAULT_FSYNC))?;
+        let fsync = parse_fsync(
+            "storage.fsync",
+            self.fsync.as_deref().unwrap_or(DEFAULT_FSYNC),
+        )?;
         let on_full = match self.on_full.as_deref() {
             None | Some("drop-oldest") => OnFull::DropOldest,
             Some("block") => OnFull::Block,
@@ -421,24 +455,40 @@ impl RawStorage {
         };
         Ok(StorageConfig {
             fsync,
-            disk_bytes_max: bytes_or("storage.disk_bytes_max", self.disk_bytes_max, DEFAULT_DISK_BYTES_MAX)?,
+            disk_bytes_max: bytes_or(
+                "storage.disk_bytes_max",
+                self.disk_bytes_max,
+                DEFAULT_DISK_BYTES_MAX,
+            )?,
             on_full,
             segment_bytes_max: bytes_or(
                 "storage.segment_bytes_max",
                 self.segment_bytes_max,
                 DEFAULT_SEGMENT_BYTES_MAX,
             )?,
-            block_records_max: count_or("storage.block_records_max", self.block_records_max, d.block_records_max)?,
+            block_records_max: count_or(
+                "storage.block_records_max",
+                self.block_records_max,
+                d.block_records_max,
+            )?,
             block_bytes_max: positive_usize(
                 "storage.block_bytes_max",
-                bytes_or("storage.block_bytes_max", self.block_bytes_max, d.block_bytes_max as u64)?,
+                bytes_or(
+                    "storage.block_bytes_max",
+                    self.block_bytes_max,
+                    d.block_bytes_max as u64,
+                )?,
             )?,
             block_linger: match self.block_linger {
                 Some(s) => parse_duration("storage.block_linger", &s)?,
                 None => d.block_linger,
             },
             block_version: block_version(self.block_version, d.block_version)?,
-            queue_batches_max: count_or("storage.queue_batches_max", self.queue_batches_max, d.queue_batches_max)?,
+            queue_batches_max: count_or(
+                "storage.queue_batches_max",
+                self.queue_batches_max,
+                d.queue_batches_max,
+            )?,
         })
     }
 }
@@ -476,8 +526,14 @@ impl RawSource {
                         format!("no [[streams]] entry is named {stream:?}"),
                     ));
                 }
-                let format = PayloadFormat::parse(&key("format"), self.format.as_deref().unwrap_or("json"))?;
-                Ok(Some(SourceConfig::Mqtt(MqttSourceConfig { url, topics, stream, format })))
+                let format =
+                    PayloadFormat::parse(&key("format"), self.format.as_deref().unwrap_or("json"))?;
+                Ok(Some(SourceConfig::Mqtt(MqttSourceConfig {
+                    url,
+                    topics,
+                    stream,
+                    format,
+                })))
             }
             other => Err(ConfigError::invalid(
                 key("kind"),
@@ -502,7 +558,10 @@ fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> 
         let name = required(&key, s.name)?;
         check_stream_name(&key, &name)?;
         if streams.iter().any(|prev| prev.name == name) {
-            return Err(ConfigError::invalid(key, format!("stream {name:?} is declared twice")));
+            return Err(ConfigError::invalid(
+                key,
+                format!("stream {name:?} is declared twice"),
+            ));
         }
         let priority = match s.priority {
             None => 0,
@@ -522,7 +581,9 @@ fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> 
 pub fn check_stream_name(key: &str, name: &str) -> Result<(), ConfigError> {
     let ok = !name.is_empty()
         && name.len() <= 64
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
         && !name.starts_with('.');
     if ok {
         Ok(())
@@ -566,7 +627,10 @@ fn host_of<'a>(key: &str, addr: &'a str) -> Result<&'a str, ConfigError> {
 /// `always`, `never` or `interval:<duration>` such as `interval:10ms`.
 pub fn parse_fsync(key: &str, s: &str) -> Result<FsyncPolicy, ConfigError> {
     let bad = || {
-        ConfigError::invalid(key, format!("expected always | interval:<N>ms | never, found {s:?}"))
+        ConfigError::invalid(
+            key,
+            format!("expected always | interval:<N>ms | never, found {s:?}"),
+        )
     };
     match s {
         "always" => Ok(FsyncPolicy::Always),
@@ -594,7 +658,10 @@ pub fn fsync_name(p: &FsyncPolicy) -> String {
 /// A duration with its unit, such as `2ms` or `30s`.
 pub fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {
     humantime::parse_duration(s.trim()).map_err(|_| {
-        ConfigError::invalid(key, format!("expected a duration with a unit, such as 2ms or 30s, found {s:?}"))
+        ConfigError::invalid(
+            key,
+            format!("expected a duration with a unit, such as 2ms or 30s, found {s:?}"),
+        )
     })
 }
 
@@ -637,7 +704,10 @@ fn bytes_or(key: &str, v: Option<String>, default: u64) -> Result<u64, ConfigErr
 fn positive_usize(key: &str, n: u64) -> Result<usize, ConfigError> {
     match usize::try_from(n) {
         Ok(n) if n > 0 => Ok(n),
-        _ => Err(ConfigError::invalid(key, format!("expected a size from 1 byte up, found {n}"))),
+        _ => Err(ConfigError::invalid(
+            key,
+            format!("expected a size from 1 byte up, found {n}"),
+        )),
     }
 }
 
@@ -645,7 +715,10 @@ fn count_or(key: &str, v: Option<String>, default: usize) -> Result<usize, Confi
     let Some(s) = v else { return Ok(default) };
     match s.trim().parse::<usize>() {
         Ok(n) if n > 0 => Ok(n),
-        _ => Err(ConfigError::invalid(key, format!("expected a positive integer, found {s:?}"))),
+        _ => Err(ConfigError::invalid(
+            key,
+            format!("expected a positive integer, found {s:?}"),
+        )),
     }
 }
 

@@ -16,7 +16,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
-#[command(name = "edge-agent", version, about = "Tributary's device agent: durable local log, ingest and replication")]
+#[command(
+    name = "edge-agent",
+    version,
+    about = "Tributary's device agent: durable local log, ingest and replication"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -100,7 +104,7 @@ enum BenchCommand {
         #[arg(long)]
         dir: Option<PathBuf>,
         /// Records per configuration.
-        #[arg(long, default_value_t = 200_000)]
+        #[arg(long, default_value_t = 1_000_000)]
         records: u64,
         /// Also measure the disk: sequential write MB/s and fdatasync rate.
         #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
@@ -121,11 +125,26 @@ fn main() -> ExitCode {
             token: a.token,
         }),
         Command::Status { config, url, json } => cli::status::status(config.as_deref(), url, json),
-        Command::Inspect { config, stream, from_seq } => cli::inspect::inspect(&config, &stream, from_seq),
-        Command::Bench { what: BenchCommand::Append { json, dir, records, disk } } => {
-            edge_agent::bench::run_append(&edge_agent::bench::AppendOptions { json, dir, records, disk })
-                .map_err(anyhow::Error::from)
-        }
+        Command::Inspect {
+            config,
+            stream,
+            from_seq,
+        } => cli::inspect::inspect(&config, &stream, from_seq),
+        Command::Bench {
+            what:
+                BenchCommand::Append {
+                    json,
+                    dir,
+                    records,
+                    disk,
+                },
+        } => edge_agent::bench::run_append(&edge_agent::bench::AppendOptions {
+            json,
+            dir,
+            records,
+            disk,
+        })
+        .map_err(anyhow::Error::from),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

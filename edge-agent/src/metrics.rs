@@ -14,7 +14,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use crate::log::{AppendError, LogStatus};
 
 /// Why an append was refused, as the `reason` label of `tributary_edge_append_errors_total`.
-const ERROR_REASONS: [&str; 6] = ["full", "poisoned", "storage", "too_large", "closed", "invalid"];
+const ERROR_REASONS: [&str; 6] = [
+    "full",
+    "poisoned",
+    "storage",
+    "too_large",
+    "closed",
+    "invalid",
+];
 
 /// HTTP status codes counted in `tributary_edge_http_requests_total`; anything else is `other`.
 const HTTP_CODES: [u16; 9] = [200, 400, 401, 404, 413, 415, 500, 503, 0];
@@ -37,7 +44,10 @@ impl Metrics {
     /// Counters for the configured streams.
     pub fn new<'a>(streams: impl IntoIterator<Item = &'a str>) -> Self {
         Metrics {
-            streams: streams.into_iter().map(|s| (s.to_owned(), StreamCounters::default())).collect(),
+            streams: streams
+                .into_iter()
+                .map(|s| (s.to_owned(), StreamCounters::default()))
+                .collect(),
             http: Default::default(),
         }
     }
@@ -67,14 +77,20 @@ impl Metrics {
 
     /// The HTTP API answered with `code`.
     pub fn http_answered(&self, code: u16) {
-        let i = HTTP_CODES.iter().position(|c| *c == code).unwrap_or(HTTP_CODES.len() - 1);
+        let i = HTTP_CODES
+            .iter()
+            .position(|c| *c == code)
+            .unwrap_or(HTTP_CODES.len() - 1);
         self.http[i].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Appends and records accepted for `stream` so far.
     pub fn appends(&self, stream: &str) -> (u64, u64) {
         self.streams.get(stream).map_or((0, 0), |c| {
-            (c.appends.load(Ordering::Relaxed), c.records.load(Ordering::Relaxed))
+            (
+                c.appends.load(Ordering::Relaxed),
+                c.records.load(Ordering::Relaxed),
+            )
         })
     }
 
@@ -82,10 +98,28 @@ impl Metrics {
     pub fn render(&self, status: &LogStatus, limits: &Limits, now_ns: i64) -> String {
         let mut out = String::with_capacity(4096);
         let mut m = Writer { out: &mut out };
-        m.family("tributary_edge_info", "gauge", "Constant 1, labelled with the current epoch (hex).");
-        m.sample("tributary_edge_info", &[("epoch", &format!("{:016x}", status.epoch))], 1.0);
-        m.single("tributary_edge_disk_bytes", "gauge", "Bytes in segment files.", status.disk_bytes as f64);
-        m.single("tributary_edge_disk_bytes_max", "gauge", "The disk budget (storage.disk_bytes_max).", limits.disk_bytes_max as f64);
+        m.family(
+            "tributary_edge_info",
+            "gauge",
+            "Constant 1, labelled with the current epoch (hex).",
+        );
+        m.sample(
+            "tributary_edge_info",
+            &[("epoch", &format!("{:016x}", status.epoch))],
+            1.0,
+        );
+        m.single(
+            "tributary_edge_disk_bytes",
+            "gauge",
+            "Bytes in segment files.",
+            status.disk_bytes as f64,
+        );
+        m.single(
+            "tributary_edge_disk_bytes_max",
+            "gauge",
+            "The disk budget (storage.disk_bytes_max).",
+            limits.disk_bytes_max as f64,
+        );
         m.single(
             "tributary_edge_poisoned",
             "gauge",
@@ -100,17 +134,72 @@ impl Metrics {
     fn render_streams(&self, m: &mut Writer<'_>, status: &LogStatus, now_ns: i64) {
         type Get = fn(&crate::log::StreamStatus, i64) -> f64;
         let families: [(&str, &str, &str, Get); 11] = [
-            ("tributary_edge_backlog_bytes", "gauge", "Durable bytes not yet acknowledged by the hub.", |s, _| s.backlog_bytes as f64),
-            ("tributary_edge_backlog_blocks", "gauge", "Durable blocks not yet acknowledged by the hub.", |s, _| s.backlog_blocks as f64),
-            ("tributary_edge_segments", "gauge", "Segment files held.", |s, _| s.segments as f64),
-            ("tributary_edge_next_seq", "gauge", "The seq the next record will get (current epoch).", |s, _| s.next_seq as f64),
-            ("tributary_edge_durable_seq", "gauge", "The last seq fsynced locally (current epoch).", |s, _| s.durable_seq as f64),
-            ("tributary_edge_acked_seq", "gauge", "The last seq the hub acknowledged as durable (current epoch).", |s, _| s.acked_durable as f64),
-            ("tributary_edge_tiered_seq", "gauge", "The last seq the hub reported tiered (current epoch).", |s, _| s.acked_tiered as f64),
-            ("tributary_edge_oldest_unsent_age_seconds", "gauge", "Now minus the event time of the oldest unacknowledged record; 0 when none.", |s, now| oldest_unsent_age_s(s.oldest_unsent_ts, now).unwrap_or(0.0)),
-            ("tributary_edge_dropped_records_total", "counter", "Records dropped by the disk budget (drop-oldest), recorded as gap markers.", |s, _| s.dropped_records as f64),
-            ("tributary_edge_dropped_blocks_total", "counter", "Blocks dropped by the disk budget (drop-oldest).", |s, _| s.dropped_blocks as f64),
-            ("tributary_edge_quarantined_blocks_total", "counter", "Corrupt blocks moved to quarantine at recovery.", |s, _| s.quarantined_blocks as f64),
+            (
+                "tributary_edge_backlog_bytes",
+                "gauge",
+                "Durable bytes not yet acknowledged by the hub.",
+                |s, _| s.backlog_bytes as f64,
+            ),
+            (
+                "tributary_edge_backlog_blocks",
+                "gauge",
+                "Durable blocks not yet acknowledged by the hub.",
+                |s, _| s.backlog_blocks as f64,
+            ),
+            (
+                "tributary_edge_segments",
+                "gauge",
+                "Segment files held.",
+                |s, _| s.segments as f64,
+            ),
+            (
+                "tributary_edge_next_seq",
+                "gauge",
+                "The seq the next record will get (current epoch).",
+                |s, _| s.next_seq as f64,
+            ),
+            (
+                "tributary_edge_durable_seq",
+                "gauge",
+                "The last seq fsynced locally (current epoch).",
+                |s, _| s.durable_seq as f64,
+            ),
+            (
+                "tributary_edge_acked_seq",
+                "gauge",
+                "The last seq the hub acknowledged as durable (current epoch).",
+                |s, _| s.acked_durable as f64,
+            ),
+            (
+                "tributary_edge_tiered_seq",
+                "gauge",
+                "The last seq the hub reported tiered (current epoch).",
+                |s, _| s.acked_tiered as f64,
+            ),
+            (
+                "tributary_edge_oldest_unsent_age_seconds",
+                "gauge",
+                "Now minus the event time of the oldest unacknowledged record; 0 when none.",
+                |s, now| oldest_unsent_age_s(s.oldest_unsent_ts, now).unwrap_or(0.0),
+            ),
+            (
+                "tributary_edge_dropped_records_total",
+                "counter",
+                "Records dropped by the disk budget (drop-oldest), recorded as gap markers.",
+                |s, _| s.dropped_records as f64,
+            ),
+            (
+                "tributary_edge_dropped_blocks_total",
+                "counter",
+                "Blocks dropped by the disk budget (drop-oldest).",
+                |s, _| s.dropped_blocks as f64,
+            ),
+            (
+                "tributary_edge_quarantined_blocks_total",
+                "counter",
+                "Corrupt blocks moved to quarantine at recovery.",
+                |s, _| s.quarantined_blocks as f64,
+            ),
         ];
         for (name, kind, help, get) in families {
             m.family(name, kind, help);
@@ -123,25 +212,61 @@ impl Metrics {
     fn render_counters(&self, m: &mut Writer<'_>) {
         let mut names: Vec<&String> = self.streams.keys().collect();
         names.sort();
-        m.family("tributary_edge_appends_total", "counter", "Batches appended durably.");
+        m.family(
+            "tributary_edge_appends_total",
+            "counter",
+            "Batches appended durably.",
+        );
         for s in &names {
-            m.sample("tributary_edge_appends_total", &[("stream", s)], self.streams[*s].appends.load(Ordering::Relaxed) as f64);
+            m.sample(
+                "tributary_edge_appends_total",
+                &[("stream", s)],
+                self.streams[*s].appends.load(Ordering::Relaxed) as f64,
+            );
         }
-        m.family("tributary_edge_records_total", "counter", "Records appended durably.");
+        m.family(
+            "tributary_edge_records_total",
+            "counter",
+            "Records appended durably.",
+        );
         for s in &names {
-            m.sample("tributary_edge_records_total", &[("stream", s)], self.streams[*s].records.load(Ordering::Relaxed) as f64);
+            m.sample(
+                "tributary_edge_records_total",
+                &[("stream", s)],
+                self.streams[*s].records.load(Ordering::Relaxed) as f64,
+            );
         }
-        m.family("tributary_edge_append_errors_total", "counter", "Batches refused by the log, by reason.");
+        m.family(
+            "tributary_edge_append_errors_total",
+            "counter",
+            "Batches refused by the log, by reason.",
+        );
         for s in &names {
             for (i, reason) in ERROR_REASONS.iter().enumerate() {
                 let v = self.streams[*s].errors[i].load(Ordering::Relaxed) as f64;
-                m.sample("tributary_edge_append_errors_total", &[("stream", s), ("reason", reason)], v);
+                m.sample(
+                    "tributary_edge_append_errors_total",
+                    &[("stream", s), ("reason", reason)],
+                    v,
+                );
             }
         }
-        m.family("tributary_edge_http_requests_total", "counter", "HTTP API answers by status code.");
+        m.family(
+            "tributary_edge_http_requests_total",
+            "counter",
+            "HTTP API answers by status code.",
+        );
         for (i, code) in HTTP_CODES.iter().enumerate() {
-            let label = if *code == 0 { "other".to_owned() } else { code.to_string() };
-            m.sample("tributary_edge_http_requests_total", &[("code", &label)], self.http[i].load(Ordering::Relaxed) as f64);
+            let label = if *code == 0 {
+                "other".to_owned()
+            } else {
+                code.to_string()
+            };
+            m.sample(
+                "tributary_edge_http_requests_total",
+                &[("code", &label)],
+                self.http[i].load(Ordering::Relaxed) as f64,
+            );
         }
     }
 }
@@ -191,7 +316,9 @@ impl Writer<'_> {
 
 /// Label values escape backslash, double quote and newline.
 fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 #[cfg(test)]
@@ -221,11 +348,27 @@ mod tests {
     fn renders_every_family_with_help_and_type() {
         let m = Metrics::new(["telemetry"]);
         m.appended("telemetry", 10);
-        m.append_failed("telemetry", &AppendError::Full { retry_after: std::time::Duration::from_secs(1) });
+        m.append_failed(
+            "telemetry",
+            &AppendError::Full {
+                retry_after: std::time::Duration::from_secs(1),
+            },
+        );
         m.http_answered(200);
         m.http_answered(418);
-        let status = LogStatus { epoch: 7, streams: vec![stream("telemetry")], disk_bytes: 99, poisoned: None };
-        let text = m.render(&status, &Limits { disk_bytes_max: 1000 }, 3_500_000_000);
+        let status = LogStatus {
+            epoch: 7,
+            streams: vec![stream("telemetry")],
+            disk_bytes: 99,
+            poisoned: None,
+        };
+        let text = m.render(
+            &status,
+            &Limits {
+                disk_bytes_max: 1000,
+            },
+            3_500_000_000,
+        );
         for line in [
             "tributary_edge_backlog_bytes{stream=\"telemetry\"} 1234",
             "tributary_edge_oldest_unsent_age_seconds{stream=\"telemetry\"} 2.5",
@@ -237,7 +380,10 @@ mod tests {
             "tributary_edge_http_requests_total{code=\"other\"} 1",
             "tributary_edge_info{epoch=\"0000000000000007\"} 1",
         ] {
-            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing {line:?} in\n{text}"
+            );
         }
         // Every sample's family was announced with HELP and TYPE before it.
         let mut announced = std::collections::HashSet::new();

@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant as StdInstant};
 
-use rand::Rng;
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
 use sync::protocol::{
     Backlog, ErrorCode, FrameBuffer, GapMarker, GapReason, Instant, LaneAnnounce, Sender, SenderConfig,
     SenderEvent, TransmitKind,
 };
-use tokio::io::AsyncWriteExt;
 
 use crate::link::{self, TlsPaths};
 use crate::log::{self as locallog, LogHandle};
@@ -109,6 +109,7 @@ struct Backoff {
     initial: Duration,
     max: Duration,
     attempt: u32,
+    rng: SmallRng,
 }
 
 impl Backoff {
@@ -117,7 +118,7 @@ impl Backoff {
         self.attempt = self.attempt.saturating_add(1);
         let cap = exp.min(self.max);
         // Full jitter spreads a fleet's reconnects after a hub restart.
-        let jitter = rand::rng().random_range(0.5..=1.0);
+        let jitter = self.rng.random_range(0.5..=1.0);
         cap.mul_f64(jitter)
     }
 
@@ -128,7 +129,10 @@ impl Backoff {
 
 /// Runs the replicator until the process ends. Never returns on its own.
 pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>) {
-    let mut backoff = Backoff { initial: cfg.backoff_initial, max: cfg.backoff_max, attempt: 0 };
+    // Seeded from the clock: jitter only has to differ between devices, not be secret.
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let mut backoff =
+        Backoff { initial: cfg.backoff_initial, max: cfg.backoff_max, attempt: 0, rng: SmallRng::seed_from_u64(seed) };
     let bind: SocketAddr = "0.0.0.0:0".parse().expect("literal address");
     let endpoint = loop {
         match link::client_endpoint(bind) {
@@ -415,7 +419,12 @@ mod tests {
 
     #[test]
     fn backoff_grows_to_the_cap_and_resets() {
-        let mut b = Backoff { initial: Duration::from_millis(100), max: Duration::from_secs(30), attempt: 0 };
+        let mut b = Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(30),
+            attempt: 0,
+            rng: SmallRng::seed_from_u64(7),
+        };
         let first = b.next_delay();
         assert!(first <= Duration::from_millis(100) && first >= Duration::from_millis(50));
         for _ in 0..40 {

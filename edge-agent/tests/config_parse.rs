@@ -56,8 +56,10 @@ fn parse(text: &str) -> Result<EdgeConfig, ConfigError> {
 }
 
 fn parse_env(text: &str, env: &[(&str, &str)]) -> Result<EdgeConfig, ConfigError> {
-    let env: HashMap<String, String> =
-        env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+    let env: HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     EdgeConfig::from_toml(text, Path::new("/etc/tributary"), Some(env))
 }
 
@@ -92,7 +94,10 @@ fn full_config_parses_into_types() {
     assert_eq!(c.http.listen, "127.0.0.1:7401".parse().unwrap());
     assert_eq!(c.http.body_bytes_max, 1 << 20);
     assert_eq!(c.http.token.as_deref(), Some("s3cret"));
-    assert_eq!(c.storage.fsync, FsyncPolicy::Interval(Duration::from_millis(10)));
+    assert_eq!(
+        c.storage.fsync,
+        FsyncPolicy::Interval(Duration::from_millis(10))
+    );
     assert_eq!(c.storage.disk_bytes_max, 2 << 30);
     assert!(matches!(c.storage.on_full, OnFull::DropOldest));
     assert_eq!(c.storage.segment_bytes_max, 64 << 20);
@@ -101,9 +106,17 @@ fn full_config_parses_into_types() {
     assert_eq!(c.storage.block_linger, Duration::from_millis(5));
     assert_eq!(c.storage.block_version, 2);
     assert_eq!(c.storage.queue_batches_max, 64);
-    let names: Vec<_> = c.streams.iter().map(|s| (s.name.as_str(), s.priority)).collect();
+    let names: Vec<_> = c
+        .streams
+        .iter()
+        .map(|s| (s.name.as_str(), s.priority))
+        .collect();
     assert_eq!(names, [("telemetry", 0), ("status", 10)]);
-    assert_eq!(c.sources.len(), 1, "kind = \"http\" is always on and adds no source");
+    assert_eq!(
+        c.sources.len(),
+        1,
+        "kind = \"http\" is always on and adds no source"
+    );
     let SourceConfig::Mqtt(m) = &c.sources[0];
     assert_eq!(m.url, "mqtt://127.0.0.1:1883");
     assert_eq!(m.topics, ["sensors/#"]);
@@ -119,12 +132,19 @@ fn full_config_parses_into_types() {
 #[test]
 fn minimal_config_gets_documented_defaults() {
     let c = parse(MINIMAL).unwrap();
-    assert_eq!(c.data_dir, Path::new("/etc/tributary/data"), "relative to the config's directory");
+    assert_eq!(
+        c.data_dir,
+        Path::new("/etc/tributary/data"),
+        "relative to the config's directory"
+    );
     assert!(c.hub.is_none() && c.tls.is_none() && c.sources.is_empty());
     assert_eq!(c.http.listen, "127.0.0.1:7401".parse().unwrap());
     assert_eq!(c.http.body_bytes_max, 16 << 20);
     assert_eq!(c.http.token, None);
-    assert_eq!(c.storage.fsync, FsyncPolicy::Interval(Duration::from_millis(10)));
+    assert_eq!(
+        c.storage.fsync,
+        FsyncPolicy::Interval(Duration::from_millis(10))
+    );
     assert_eq!(c.storage.disk_bytes_max, 2 << 30);
     assert!(matches!(c.storage.on_full, OnFull::DropOldest));
     assert_eq!(c.storage.segment_bytes_max, 64 << 20);
@@ -145,15 +165,24 @@ fn fsync_policies() {
     for (text, want) in [
         ("always", FsyncPolicy::Always),
         ("never", FsyncPolicy::Never),
-        ("interval:10ms", FsyncPolicy::Interval(Duration::from_millis(10))),
+        (
+            "interval:10ms",
+            FsyncPolicy::Interval(Duration::from_millis(10)),
+        ),
         ("interval:1s", FsyncPolicy::Interval(Duration::from_secs(1))),
     ] {
         let c = parse(&with("storage", &format!("fsync = \"{text}\""))).unwrap();
         assert_eq!(c.storage.fsync, want, "{text}");
     }
     let m = expect_bad(&with("storage", "fsync = \"sometimes\""), "storage.fsync");
-    assert_eq!(m, "storage.fsync: expected always | interval:<N>ms | never, found \"sometimes\"");
-    expect_bad(&with("storage", "fsync = \"interval:0ms\""), "storage.fsync");
+    assert_eq!(
+        m,
+        "storage.fsync: expected always | interval:<N>ms | never, found \"sometimes\""
+    );
+    expect_bad(
+        &with("storage", "fsync = \"interval:0ms\""),
+        "storage.fsync",
+    );
     expect_bad(&with("storage", "fsync = \"interval:10\""), "storage.fsync");
 }
 
@@ -174,11 +203,23 @@ fn byte_sizes() {
     for (text, want) in cases {
         assert_eq!(parse_bytes("k", text).unwrap(), *want, "{text}");
     }
-    for bad in ["", "MiB", "2 TiB", "-1", "1.5GiB", "99999999999999999999GiB", "2gib"] {
+    for bad in [
+        "",
+        "MiB",
+        "2 TiB",
+        "-1",
+        "1.5GiB",
+        "99999999999999999999GiB",
+        "2gib",
+    ] {
         assert!(parse_bytes("k", bad).is_err(), "{bad:?} should be rejected");
     }
     let c = parse(&with("storage", "disk_bytes_max = 1048576")).unwrap();
-    assert_eq!(c.storage.disk_bytes_max, 1 << 20, "a TOML integer is a number of bytes");
+    assert_eq!(
+        c.storage.disk_bytes_max,
+        1 << 20,
+        "a TOML integer is a number of bytes"
+    );
 }
 
 #[test]
@@ -187,7 +228,10 @@ fn every_bad_storage_key_is_named() {
         ("disk_bytes_max = \"lots\"", "storage.disk_bytes_max"),
         ("disk_bytes_max = \"0\"", "storage.disk_bytes_max"),
         ("on_full = \"panic\"", "storage.on_full"),
-        ("segment_bytes_max = \"64 parsecs\"", "storage.segment_bytes_max"),
+        (
+            "segment_bytes_max = \"64 parsecs\"",
+            "storage.segment_bytes_max",
+        ),
         ("block_records_max = 0", "storage.block_records_max"),
         ("block_records_max = \"many\"", "storage.block_records_max"),
         ("block_bytes_max = \"x\"", "storage.block_bytes_max"),
@@ -205,9 +249,15 @@ fn every_bad_storage_key_is_named() {
 #[test]
 fn every_bad_http_key_is_named() {
     let m = expect_bad(&with("http", "listen = \"localhost\""), "http.listen");
-    assert!(m.contains("127.0.0.1:7401"), "the message shows the expected shape: {m}");
+    assert!(
+        m.contains("127.0.0.1:7401"),
+        "the message shows the expected shape: {m}"
+    );
     expect_bad(&with("http", "listen = \"127.0.0.1:99999\""), "http.listen");
-    expect_bad(&with("http", "body_bytes_max = \"big\""), "http.body_bytes_max");
+    expect_bad(
+        &with("http", "body_bytes_max = \"big\""),
+        "http.body_bytes_max",
+    );
     expect_bad(&with("http", "body_bytes_max = 0"), "http.body_bytes_max");
     let c = parse(&with("http", "token = \"\"")).unwrap();
     assert_eq!(c.http.token, None, "an empty token disables authentication");
@@ -217,31 +267,65 @@ fn every_bad_http_key_is_named() {
 fn hub_and_tls_are_validated_when_present() {
     let tls = "[tls]\nca = \"a\"\ncert = \"b\"\nkey = \"c\"\n";
     let base = "data_dir = \"d\"\n[[streams]]\nname = \"t\"\n";
-    expect_bad(&format!("{base}[hub]\naddr = \"hub.example.net\"\n{tls}"), "hub.addr");
-    expect_bad(&format!("{base}[hub]\naddr = \"hub:port\"\n{tls}"), "hub.addr");
-    expect_bad(&format!("{base}[hub]\nserver_name = \"x\"\n{tls}"), "hub.addr");
-    expect_bad(&format!("{base}[hub]\naddr = \"h:1\"\nserver_name = \"\"\n{tls}"), "hub.server_name");
+    expect_bad(
+        &format!("{base}[hub]\naddr = \"hub.example.net\"\n{tls}"),
+        "hub.addr",
+    );
+    expect_bad(
+        &format!("{base}[hub]\naddr = \"hub:port\"\n{tls}"),
+        "hub.addr",
+    );
+    expect_bad(
+        &format!("{base}[hub]\nserver_name = \"x\"\n{tls}"),
+        "hub.addr",
+    );
+    expect_bad(
+        &format!("{base}[hub]\naddr = \"h:1\"\nserver_name = \"\"\n{tls}"),
+        "hub.server_name",
+    );
     let m = expect_bad(&format!("{base}[hub]\naddr = \"h:1\"\n"), "tls");
     assert!(m.contains("pki issue"), "{m}");
-    expect_bad(&format!("{base}[hub]\naddr = \"h:1\"\n[tls]\nca = \"a\"\ncert = \"b\"\n"), "tls.key");
-    expect_bad(&format!("{base}[tls]\nca = \"\"\ncert = \"b\"\nkey = \"c\"\n"), "tls.ca");
+    expect_bad(
+        &format!("{base}[hub]\naddr = \"h:1\"\n[tls]\nca = \"a\"\ncert = \"b\"\n"),
+        "tls.key",
+    );
+    expect_bad(
+        &format!("{base}[tls]\nca = \"\"\ncert = \"b\"\nkey = \"c\"\n"),
+        "tls.ca",
+    );
 
     let c = parse(&format!("{base}[hub]\naddr = \"[::1]:7400\"\n{tls}")).unwrap();
-    assert_eq!(c.hub.unwrap().server_name, "::1", "server_name defaults to the addr's host");
+    assert_eq!(
+        c.hub.unwrap().server_name,
+        "::1",
+        "server_name defaults to the addr's host"
+    );
 }
 
 #[test]
 fn bad_streams_are_named() {
     expect_bad("data_dir = \"d\"\n", "streams");
-    expect_bad("data_dir = \"d\"\n[[streams]]\npriority = 1\n", "streams[0].name");
-    expect_bad("data_dir = \"d\"\n[[streams]]\nname = \"a/b\"\n", "streams[0].name");
-    expect_bad("data_dir = \"d\"\n[[streams]]\nname = \"\"\n", "streams[0].name");
+    expect_bad(
+        "data_dir = \"d\"\n[[streams]]\npriority = 1\n",
+        "streams[0].name",
+    );
+    expect_bad(
+        "data_dir = \"d\"\n[[streams]]\nname = \"a/b\"\n",
+        "streams[0].name",
+    );
+    expect_bad(
+        "data_dir = \"d\"\n[[streams]]\nname = \"\"\n",
+        "streams[0].name",
+    );
     let m = expect_bad(
         "data_dir = \"d\"\n[[streams]]\nname = \"a\"\n[[streams]]\nname = \"a\"\n",
         "streams[1].name",
     );
     assert!(m.contains("declared twice"), "{m}");
-    expect_bad("data_dir = \"d\"\n[[streams]]\nname = \"a\"\npriority = 300\n", "streams[0].priority");
+    expect_bad(
+        "data_dir = \"d\"\n[[streams]]\nname = \"a\"\npriority = 300\n",
+        "streams[0].priority",
+    );
 }
 
 #[test]
@@ -253,13 +337,31 @@ fn bad_sources_are_named() {
     expect_bad(&format!("{base}url = \"mqtt://h:1\"\n"), "sources[0].kind");
     let ok = "url = \"mqtt://127.0.0.1:1883\"\ntopics = [\"a/#\"]\nstream = \"telemetry\"\n";
     parse(&mqtt(ok)).unwrap();
-    expect_bad(&mqtt("topics = [\"a\"]\nstream = \"telemetry\"\n"), "sources[0].url");
-    expect_bad(&mqtt("url = \"http://h:1\"\ntopics = [\"a\"]\nstream = \"telemetry\"\n"), "sources[0].url");
-    expect_bad(&mqtt("url = \"mqtt://h:1\"\ntopics = []\nstream = \"telemetry\"\n"), "sources[0].topics");
-    expect_bad(&mqtt("url = \"mqtt://h:1\"\ntopics = [\"a\"]\n"), "sources[0].stream");
-    let m = expect_bad(&mqtt("url = \"mqtt://h:1\"\ntopics = [\"a\"]\nstream = \"nope\"\n"), "sources[0].stream");
+    expect_bad(
+        &mqtt("topics = [\"a\"]\nstream = \"telemetry\"\n"),
+        "sources[0].url",
+    );
+    expect_bad(
+        &mqtt("url = \"http://h:1\"\ntopics = [\"a\"]\nstream = \"telemetry\"\n"),
+        "sources[0].url",
+    );
+    expect_bad(
+        &mqtt("url = \"mqtt://h:1\"\ntopics = []\nstream = \"telemetry\"\n"),
+        "sources[0].topics",
+    );
+    expect_bad(
+        &mqtt("url = \"mqtt://h:1\"\ntopics = [\"a\"]\n"),
+        "sources[0].stream",
+    );
+    let m = expect_bad(
+        &mqtt("url = \"mqtt://h:1\"\ntopics = [\"a\"]\nstream = \"nope\"\n"),
+        "sources[0].stream",
+    );
     assert!(m.contains("\"nope\""), "{m}");
-    expect_bad(&mqtt(&format!("{ok}format = \"xml\"\n")), "sources[0].format");
+    expect_bad(
+        &mqtt(&format!("{ok}format = \"xml\"\n")),
+        "sources[0].format",
+    );
     let c = parse(&mqtt(&format!("{ok}format = \"line\"\n"))).unwrap();
     let SourceConfig::Mqtt(m) = &c.sources[0];
     assert_eq!(m.format, PayloadFormat::Line);
@@ -302,7 +404,10 @@ fn environment_overrides_scalar_keys() {
     let c = parse_env(FULL, &env).unwrap();
     let hub = c.hub.unwrap();
     assert_eq!(hub.addr, "127.0.0.1:7400");
-    assert_eq!(hub.server_name, "hub.example.net", "keys not overridden keep the file's value");
+    assert_eq!(
+        hub.server_name, "hub.example.net",
+        "keys not overridden keep the file's value"
+    );
     assert_eq!(c.storage.fsync, FsyncPolicy::Always);
     assert_eq!(c.storage.disk_bytes_max, 64 << 20);
     assert_eq!(c.storage.block_records_max, 7);
@@ -313,7 +418,10 @@ fn environment_overrides_scalar_keys() {
 #[test]
 fn environment_can_add_a_section_and_bad_values_name_the_key() {
     let env = [("TRIBUTARY_EDGE__HTTP__TOKEN", "t0k")];
-    assert_eq!(parse_env(MINIMAL, &env).unwrap().http.token.as_deref(), Some("t0k"));
+    assert_eq!(
+        parse_env(MINIMAL, &env).unwrap().http.token.as_deref(),
+        Some("t0k")
+    );
     let e = parse_env(MINIMAL, &[("TRIBUTARY_EDGE__STORAGE__FSYNC", "sometimes")]).unwrap_err();
     assert_eq!(e.key(), Some("storage.fsync"));
     let e = parse_env(MINIMAL, &[("TRIBUTARY_EDGE__HTTP__LISTEN", "nowhere")]).unwrap_err();

@@ -4,10 +4,13 @@
 //! Each run draws a config (fsync `Always` or `Interval`, tiny segments so rolls happen, small
 //! blocks so batches split with `FLAG_BATCH_CONTINUES`) and a workload (1-3 producer threads,
 //! random batch sizes, a few hundred records), and picks the operation at which power is lost.
-//! Two crash cycles per run, so recovery of a recovered log is covered too. After every crash and
-//! reopen it checks:
+//! Two crash cycles per run, so recovery of a recovered log is covered too; a quarter of the
+//! cycles mint a new epoch first, and a fifth lose power again during recovery. After every
+//! crash and reopen it checks, in every epoch:
 //! - every acknowledged append is present, with identical content, at its acknowledged seqs;
-//! - seqs run from 1 without holes other than recorded gap markers, and nothing appears twice;
+//! - seqs run from 1 without holes other than recorded gap markers (a third of the runs have a
+//!   disk budget of a few segments, so `drop-oldest` runs), no seq is both held and in a gap,
+//!   and nothing appears twice;
 //! - every recovered record is one a producer sent, and batches are all or nothing;
 //! - the next append continues after the recovered tail and never reuses an acknowledged seq.
 //!
@@ -21,7 +24,7 @@
 mod log_util;
 
 use edge_agent::catalog::CatalogLocation;
-use edge_agent::log::{AppendAck, FsyncPolicy, Log, LogConfig, LogHandle};
+use edge_agent::log::{AppendAck, FsyncPolicy, Gap, GapReason, Log, LogConfig, LogHandle, OnFull};
 use edge_agent::storage::{CrashInfo, MemStorage, OpKind, Storage};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
@@ -146,11 +149,17 @@ fn config(rng: &mut SmallRng) -> LogConfig {
     } else {
         FsyncPolicy::Interval(Duration::from_micros(rng.random_range(100..1500)))
     };
+    let segment_bytes_max = rng.random_range(1024..4096);
+    // A third of the runs have a budget of a few segments, so drop-oldest runs (and crashes
+    // land between writing a gap marker and deleting the segment).
+    let disk_bytes_max = if rng.random_bool(0.35) { segment_bytes_max * rng.random_range(2..6) } else { 1 << 30 };
     LogConfig {
         data_dir: PathBuf::from("/data"),
         streams: vec!["s".into()],
         fsync,
-        segment_bytes_max: rng.random_range(1024..4096),
+        segment_bytes_max,
+        disk_bytes_max,
+        on_full: OnFull::DropOldest,
         block_records_max: rng.random_range(1..=24),
         block_bytes_max: rng.random_range(200..3000),
         block_linger: Duration::from_micros(rng.random_range(0..800)),
@@ -166,13 +175,19 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
     let storage: Arc<dyn Storage> = Arc::new(mem.clone());
     let cfg = config(&mut rng);
     let (h, _) = Log::open(cfg.clone(), storage.clone()).map_err(|e| format!("first open: {e}"))?;
-    let epoch = h.epoch();
+    let mut epochs = vec![h.epoch()];
     drop(h);
     let mut ledger = Ledger::default();
     for cycle in 0..CYCLES {
         let (h, _) = Log::open(cfg.clone(), storage.clone()).map_err(|e| format!("open before cycle {cycle}: {e}"))?;
         let window = rng.random_range(20..160);
         mem.set_crash_at(mem.ops() + rng.random_range(1..=window));
+        // Sometimes start a new epoch first (as after a detected restore); power may go mid-mint.
+        if rng.random_bool(0.25)
+            && let Ok(e) = h.mint_epoch()
+        {
+            epochs.push(e);
+        }
         produce(&h, &mut rng, cycle, &mut ledger);
         h.shutdown();
         drop(h);
@@ -187,13 +202,18 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
             mem.crash();
         }
         let (h, report) = Log::open(cfg.clone(), storage.clone()).map_err(|e| format!("reopen after crash: {e}"))?;
-        if h.epoch() != epoch {
-            return Err(format!("epoch changed from {epoch:x} to {:x}", h.epoch()));
+        let cur = h.epoch();
+        if epochs.contains(&cur) && Some(&cur) != epochs.last() {
+            return Err(format!("the epoch went back to {cur:x} after {epochs:x?}"));
+        }
+        if !epochs.contains(&cur) {
+            // A mint whose answer was lost to the power cut but whose record was not.
+            epochs.push(cur);
         }
         if !report.quarantined.is_empty() {
             return Err(format!("a power cut must not look like corruption: {:?}", report.quarantined));
         }
-        verify(&h, epoch, &mut ledger, cycle)?;
+        verify(&h, &epochs, &mut ledger, cycle)?;
         h.shutdown();
     }
     Ok(())
@@ -263,60 +283,113 @@ fn field_i64(r: &Record, name: &str) -> i64 {
     }
 }
 
-fn verify(h: &LogHandle, epoch: u64, ledger: &mut Ledger, cycle: u64) -> Result<(), String> {
-    let held = log_util::read_all(h, "s", epoch);
+fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Result<(), String> {
     let gaps = h.gaps("s");
-    // 1. Every acknowledged record is present, identical, at its seq.
-    for (ack, batch) in &ledger.acked {
-        for (k, r) in batch.iter().enumerate() {
-            let seq = ack.first_seq + k as u64;
-            match held.get(&seq) {
-                Some(got) if got == r => {}
-                Some(got) => return Err(format!("acked seq {seq} holds different content: {got:?} != {r:?}")),
-                None => return Err(format!("acked seq {seq} (batch {}..={}) is missing", ack.first_seq, ack.last_seq)),
-            }
-        }
+    if let Some(g) = gaps.iter().find(|g| g.reason != GapReason::Dropped || !epochs.contains(&g.epoch)) {
+        return Err(format!("unexpected gap marker {g:?}: only the budget drops data here"));
     }
-    // 2. No holes but gap markers.
-    let top = held.keys().next_back().copied().unwrap_or(0);
-    let in_gap = |s: u64| gaps.iter().any(|g| g.epoch == epoch && (g.first_seq..=g.last_seq).contains(&s));
-    if let Some(s) = (1..=top).find(|s| !held.contains_key(s) && !in_gap(*s)) {
-        return Err(format!("seq {s} is missing without a gap marker (held up to {top}, gaps {gaps:?})"));
-    }
-    // 3. Every record was sent, appears once, and batches are whole and in order.
-    let mut seen: HashMap<i64, u64> = HashMap::new();
-    let mut per_batch: BTreeMap<i64, Vec<(u64, i64)>> = BTreeMap::new();
-    for (seq, r) in &held {
-        let id = field_i64(r, "id");
-        if ledger.sent.get(&id) != Some(r) {
-            return Err(format!("seq {seq} holds a record nobody sent: {r:?}"));
-        }
-        if let Some(prev) = seen.insert(id, *seq) {
-            return Err(format!("record {id} stored twice, at seqs {prev} and {seq}"));
-        }
-        per_batch.entry(field_i64(r, "batch")).or_default().push((*seq, field_i64(r, "k")));
-    }
-    for (batch, recs) in &per_batch {
-        let n = ledger.batches[batch];
-        if recs.len() != n {
-            return Err(format!("batch {batch} is partly stored: {} of {n} records", recs.len()));
-        }
-        let base = recs[0].0 - recs[0].1 as u64;
-        if recs.iter().any(|(seq, k)| *seq != base + *k as u64) {
-            return Err(format!("batch {batch} is not stored in order at consecutive seqs"));
-        }
+    let mut seen: HashMap<i64, (u64, u64)> = HashMap::new();
+    for &epoch in epochs {
+        let gaps: Vec<Gap> = gaps.iter().filter(|g| g.epoch == epoch).copied().collect();
+        verify_epoch(h, epoch, &gaps, ledger, &mut seen)?;
     }
     // 4. The next append continues after the tail and never reuses an acknowledged seq.
+    let epoch = h.epoch();
+    let top = log_util::read_all(h, "s", epoch).keys().next_back().copied().unwrap_or(0);
     let gap_top = gaps.iter().filter(|g| g.epoch == epoch).map(|g| g.last_seq).max().unwrap_or(0);
-    let acked_top = ledger.acked.iter().map(|(a, _)| a.last_seq).max().unwrap_or(0);
+    let acked_top = ledger.acked.iter().filter(|(a, _)| a.epoch == epoch).map(|(a, _)| a.last_seq).max().unwrap_or(0);
     let probe_id = ((cycle as i64) << 40) | (0xFF << 32);
-    let probe = Record { key: "probe".into(), ts: 0, fields: vec![("id".into(), Value::I64(probe_id)), ("batch".into(), Value::I64(probe_id)), ("k".into(), Value::I64(0)), ("n".into(), Value::I64(1))] };
+    let probe = Record {
+        key: "probe".into(),
+        ts: 0,
+        fields: vec![
+            ("id".into(), Value::I64(probe_id)),
+            ("batch".into(), Value::I64(probe_id)),
+            ("k".into(), Value::I64(0)),
+            ("n".into(), Value::I64(1)),
+        ],
+    };
     let ack = h.append_blocking("s", vec![probe.clone()]).map_err(|e| format!("append after recovery: {e}"))?;
-    if ack.first_seq != top.max(gap_top) + 1 || ack.first_seq <= acked_top {
+    if ack.epoch != epoch || ack.first_seq != top.max(gap_top) + 1 || ack.first_seq <= acked_top {
         return Err(format!("append after recovery got seq {}, tail {top}, gaps to {gap_top}, acked to {acked_top}", ack.first_seq));
     }
     ledger.sent.insert(probe_id, probe.clone());
     ledger.batches.insert(probe_id, 1);
     ledger.acked.push((ack, vec![probe]));
     Ok(())
+}
+
+/// Checks 1-3 for one epoch; `seen` maps record ids to `(epoch, seq)` across epochs.
+fn verify_epoch(
+    h: &LogHandle,
+    epoch: u64,
+    gaps: &[Gap],
+    ledger: &Ledger,
+    seen: &mut HashMap<i64, (u64, u64)>,
+) -> Result<(), String> {
+    let held = log_util::read_all(h, "s", epoch);
+    let in_gap = |s: u64| gaps.iter().any(|g| (g.first_seq..=g.last_seq).contains(&s));
+    // 1. Every acknowledged record is present, identical, at its seq, unless the budget dropped
+    //    it and said so.
+    for (ack, batch) in ledger.acked.iter().filter(|(a, _)| a.epoch == epoch) {
+        for (k, r) in batch.iter().enumerate() {
+            let seq = ack.first_seq + k as u64;
+            match held.get(&seq) {
+                Some(got) if got == r => {}
+                Some(got) => return Err(format!("acked seq {seq} holds different content: {got:?} != {r:?}")),
+                None if in_gap(seq) => {}
+                None => {
+                    let ranges = ranges_of(held.keys().copied());
+                    return Err(format!(
+                        "acked seq {seq} (batch {}..={}) of epoch {epoch:x} is missing; held {ranges:?}, gaps {gaps:?}",
+                        ack.first_seq, ack.last_seq
+                    ));
+                }
+            }
+        }
+    }
+    // 2. No holes but gap markers, and no seq both held and marked as a gap.
+    let top = held.keys().next_back().copied().unwrap_or(0);
+    if let Some(s) = held.keys().find(|s| in_gap(**s)) {
+        return Err(format!("seq {s} is held and also inside a gap marker"));
+    }
+    if let Some(s) = (1..=top).find(|s| !held.contains_key(s) && !in_gap(*s)) {
+        return Err(format!("seq {s} is missing without a gap marker (held up to {top}, gaps {gaps:?})"));
+    }
+    // 3. Every record was sent, appears once, and batches are whole and in order.
+    let mut per_batch: BTreeMap<i64, Vec<(u64, i64)>> = BTreeMap::new();
+    for (seq, r) in &held {
+        let id = field_i64(r, "id");
+        if ledger.sent.get(&id) != Some(r) {
+            return Err(format!("seq {seq} holds a record nobody sent: {r:?}"));
+        }
+        if let Some(prev) = seen.insert(id, (epoch, *seq)) {
+            return Err(format!("record {id} stored twice, at {prev:?} and ({epoch}, {seq})"));
+        }
+        per_batch.entry(field_i64(r, "batch")).or_default().push((*seq, field_i64(r, "k")));
+    }
+    for (batch, recs) in &per_batch {
+        let n = ledger.batches[batch];
+        let base = recs[0].0 - recs[0].1 as u64;
+        if recs.iter().any(|(seq, k)| *seq != base + *k as u64) {
+            return Err(format!("batch {batch} is not stored in order at consecutive seqs"));
+        }
+        // Whole, or what is missing was dropped by the budget (a split batch can span segments).
+        if let Some(k) = (0..n as u64).find(|k| !held.contains_key(&(base + k)) && !in_gap(base + k)) {
+            return Err(format!("batch {batch} is partly stored: record {k} of {n} is missing without a gap"));
+        }
+    }
+    Ok(())
+}
+
+/// Compact `a..=b` runs of seqs, for failure messages.
+fn ranges_of(seqs: impl Iterator<Item = u64>) -> Vec<(u64, u64)> {
+    let mut out: Vec<(u64, u64)> = Vec::new();
+    for s in seqs {
+        match out.last_mut() {
+            Some(r) if r.1 + 1 == s => r.1 = s,
+            _ => out.push((s, s)),
+        }
+    }
+    out
 }

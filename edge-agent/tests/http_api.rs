@@ -50,13 +50,25 @@ async fn start(extra: &str, storage: Option<Arc<dyn Storage>>) -> Server {
     tokio::spawn(edge_agent::http::serve(listener, app.clone(), async {
         let _ = stopped.await;
     }));
-    let client = Client::new(&url).unwrap().with_timeout(Duration::from_secs(20));
-    Server { client, app, stop: Some(stop), _dir: dir }
+    let client = Client::new(&url)
+        .unwrap()
+        .with_timeout(Duration::from_secs(20));
+    Server {
+        client,
+        app,
+        stop: Some(stop),
+        _dir: dir,
+    }
 }
 
 fn ndjson(key: &str, n: usize, first_ts: i64) -> String {
     (0..n)
-        .map(|i| format!("{{\"key\":\"{key}\",\"ts\":{},\"fields\":{{\"v\":{i},\"ok\":true}}}}\n", first_ts + i as i64))
+        .map(|i| {
+            format!(
+                "{{\"key\":\"{key}\",\"ts\":{},\"fields\":{{\"v\":{i},\"ok\":true}}}}\n",
+                first_ts + i as i64
+            )
+        })
         .collect()
 }
 
@@ -70,17 +82,43 @@ const RECORDS: &str = "/v1/streams/telemetry/records";
 #[tokio::test]
 async fn ndjson_batch_is_acknowledged_with_its_seq_range() {
     let s = start("", None).await;
-    let r = s.client.post(RECORDS, NDJSON, ndjson("truck-1/engine", 3, 100)).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, ndjson("truck-1/engine", 3, 100))
+        .await
+        .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     let a = json(&r);
     assert_eq!(a["stream"], "telemetry");
-    assert_eq!((a["first_seq"].as_u64(), a["last_seq"].as_u64(), a["count"].as_u64()), (Some(1), Some(3), Some(3)));
+    assert_eq!(
+        (
+            a["first_seq"].as_u64(),
+            a["last_seq"].as_u64(),
+            a["count"].as_u64()
+        ),
+        (Some(1), Some(3), Some(3))
+    );
     assert_eq!(a["epoch"].as_u64(), Some(s.app.ingest.log().epoch()));
-    let r = s.client.post(RECORDS, "application/json; charset=utf-8", ndjson("k", 2, 5)).await.unwrap();
+    let r = s
+        .client
+        .post(
+            RECORDS,
+            "application/json; charset=utf-8",
+            ndjson("k", 2, 5),
+        )
+        .await
+        .unwrap();
     let a = json(&r);
-    assert_eq!((a["first_seq"].as_u64(), a["last_seq"].as_u64()), (Some(4), Some(5)));
+    assert_eq!(
+        (a["first_seq"].as_u64(), a["last_seq"].as_u64()),
+        (Some(4), Some(5))
+    );
     // The other stream numbers its own seqs.
-    let r = s.client.post("/v1/streams/status/records", NDJSON, ndjson("k", 1, 5)).await.unwrap();
+    let r = s
+        .client
+        .post("/v1/streams/status/records", NDJSON, ndjson("k", 1, 5))
+        .await
+        .unwrap();
     assert_eq!(json(&r)["first_seq"].as_u64(), Some(1));
 }
 
@@ -89,13 +127,25 @@ async fn line_protocol_batch_is_accepted_and_keyed_by_tags() {
     let s = start("", None).await;
     let body = "# a comment\ntelemetry,device=truck-7,unit=engine temp=71.5,rpm=900i 1764374400000000000\n\
                 telemetry,device=truck-7,unit=engine temp=71.6,rpm=905i\n";
-    let r = s.client.post(RECORDS, "text/plain; charset=utf-8", body.to_owned()).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, "text/plain; charset=utf-8", body.to_owned())
+        .await
+        .unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(json(&r)["count"].as_u64(), Some(2));
     let status = s.app.ingest.log().status();
-    let t = status.streams.iter().find(|t| t.stream == "telemetry").unwrap();
+    let t = status
+        .streams
+        .iter()
+        .find(|t| t.stream == "telemetry")
+        .unwrap();
     assert_eq!(t.next_seq, 3);
-    let r = s.client.post(RECORDS, "text/plain", "status,device=a x=1 1\n".to_owned()).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, "text/plain", "status,device=a x=1 1\n".to_owned())
+        .await
+        .unwrap();
     assert_eq!(r.status, 400);
     let m = json(&r)["error"].as_str().unwrap().to_owned();
     assert!(m.contains("/v1/streams/status/records"), "{m}");
@@ -104,7 +154,10 @@ async fn line_protocol_batch_is_accepted_and_keyed_by_tags() {
 #[tokio::test]
 async fn malformed_body_is_400_with_line_and_column() {
     let s = start("", None).await;
-    let body = format!("{}{{\"key\":\"a\",\"ts\":\"soon\",\"fields\":{{\"x\":1}}}}\n", ndjson("a", 2, 1));
+    let body = format!(
+        "{}{{\"key\":\"a\",\"ts\":\"soon\",\"fields\":{{\"x\":1}}}}\n",
+        ndjson("a", 2, 1)
+    );
     let r = s.client.post(RECORDS, NDJSON, body).await.unwrap();
     assert_eq!(r.status, 400, "{}", r.text());
     let e = json(&r);
@@ -113,10 +166,18 @@ async fn malformed_body_is_400_with_line_and_column() {
     assert!(e["error"].as_str().unwrap().contains("line 3"), "{e}");
     // All or nothing: the two good lines before it were not stored.
     assert_eq!(s.app.ingest.log().status().streams[0].next_seq, 1);
-    let r = s.client.post(RECORDS, "text/plain", "telemetry x=\n".to_owned()).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, "text/plain", "telemetry x=\n".to_owned())
+        .await
+        .unwrap();
     assert_eq!(r.status, 400);
     assert_eq!(json(&r)["line"].as_u64(), Some(1));
-    let r = s.client.post(RECORDS, NDJSON, vec![b'{', 0xff, b'}']).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, vec![b'{', 0xff, b'}'])
+        .await
+        .unwrap();
     assert_eq!(r.status, 400);
     assert!(json(&r)["error"].as_str().unwrap().contains("UTF-8"));
 }
@@ -124,39 +185,91 @@ async fn malformed_body_is_400_with_line_and_column() {
 #[tokio::test]
 async fn empty_unknown_stream_content_type_and_size_errors() {
     let s = start("[http]\nbody_bytes_max = \"4KiB\"\n", None).await;
-    let r = s.client.post(RECORDS, NDJSON, "\n\n".to_owned()).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, "\n\n".to_owned())
+        .await
+        .unwrap();
     assert_eq!(r.status, 400);
     assert!(json(&r)["error"].as_str().unwrap().contains("no records"));
     let r = s.client.post(RECORDS, NDJSON, Vec::new()).await.unwrap();
     assert_eq!(r.status, 400);
 
-    let r = s.client.post("/v1/streams/nope/records", NDJSON, ndjson("a", 1, 1)).await.unwrap();
+    let r = s
+        .client
+        .post("/v1/streams/nope/records", NDJSON, ndjson("a", 1, 1))
+        .await
+        .unwrap();
     assert_eq!(r.status, 404);
     assert!(json(&r)["error"].as_str().unwrap().contains("\"nope\""));
 
-    let r = s.client.post(RECORDS, "text/csv", "a,b\n".to_owned()).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, "text/csv", "a,b\n".to_owned())
+        .await
+        .unwrap();
     assert_eq!(r.status, 415);
-    assert!(json(&r)["error"].as_str().unwrap().contains("application/x-ndjson"));
-    let r = s.client.send("POST", RECORDS, None, ndjson("a", 1, 1).into()).await.unwrap();
+    assert!(
+        json(&r)["error"]
+            .as_str()
+            .unwrap()
+            .contains("application/x-ndjson")
+    );
+    let r = s
+        .client
+        .send("POST", RECORDS, None, ndjson("a", 1, 1).into())
+        .await
+        .unwrap();
     assert_eq!(r.status, 415);
 
-    let r = s.client.post(RECORDS, NDJSON, ndjson("a", 200, 1)).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, ndjson("a", 200, 1))
+        .await
+        .unwrap();
     assert_eq!(r.status, 413, "{}", r.text());
-    assert!(json(&r)["error"].as_str().unwrap().contains("http.body_bytes_max"));
-    assert_eq!(s.app.ingest.log().status().streams[0].next_seq, 1, "nothing stored");
+    assert!(
+        json(&r)["error"]
+            .as_str()
+            .unwrap()
+            .contains("http.body_bytes_max")
+    );
+    assert_eq!(
+        s.app.ingest.log().status().streams[0].next_seq,
+        1,
+        "nothing stored"
+    );
 }
 
 #[tokio::test]
 async fn token_protects_ingest_and_status_but_not_probes() {
     let s = start("[http]\ntoken = \"s3cret\"\n", None).await;
-    let r = s.client.post(RECORDS, NDJSON, ndjson("a", 1, 1)).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, ndjson("a", 1, 1))
+        .await
+        .unwrap();
     assert_eq!(r.status, 401);
     assert_eq!(r.header("www-authenticate"), Some("Bearer"));
     assert_eq!(s.client.get("/v1/status").await.unwrap().status, 401);
     let wrong = s.client.clone().with_token(Some("guess".into()));
-    assert_eq!(wrong.post(RECORDS, NDJSON, ndjson("a", 1, 1)).await.unwrap().status, 401);
+    assert_eq!(
+        wrong
+            .post(RECORDS, NDJSON, ndjson("a", 1, 1))
+            .await
+            .unwrap()
+            .status,
+        401
+    );
     let right = s.client.clone().with_token(Some("s3cret".into()));
-    assert_eq!(right.post(RECORDS, NDJSON, ndjson("a", 1, 1)).await.unwrap().status, 200);
+    assert_eq!(
+        right
+            .post(RECORDS, NDJSON, ndjson("a", 1, 1))
+            .await
+            .unwrap()
+            .status,
+        200
+    );
     assert_eq!(right.get("/v1/status").await.unwrap().status, 200);
     assert_eq!(s.client.get("/healthz").await.unwrap().status, 200);
     assert_eq!(s.client.get("/metrics").await.unwrap().status, 200);
@@ -167,8 +280,15 @@ async fn healthz_metrics_and_status_report_the_log() {
     let s = start("", None).await;
     let r = s.client.get("/healthz").await.unwrap();
     assert_eq!((r.status, r.text().trim()), (200, "ok"));
-    s.client.post(RECORDS, NDJSON, ndjson("a", 10, 1)).await.unwrap();
-    let _ = s.client.post("/v1/streams/nope/records", NDJSON, ndjson("a", 1, 1)).await.unwrap();
+    s.client
+        .post(RECORDS, NDJSON, ndjson("a", 10, 1))
+        .await
+        .unwrap();
+    let _ = s
+        .client
+        .post("/v1/streams/nope/records", NDJSON, ndjson("a", 1, 1))
+        .await
+        .unwrap();
 
     let r = s.client.get("/metrics").await.unwrap();
     assert!(r.header("content-type").unwrap().starts_with("text/plain"));
@@ -186,7 +306,10 @@ async fn healthz_metrics_and_status_report_the_log() {
         "# TYPE tributary_edge_oldest_unsent_age_seconds gauge",
         "# TYPE tributary_edge_disk_bytes gauge",
     ] {
-        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        assert!(
+            text.lines().any(|l| l == line),
+            "missing {line:?} in\n{text}"
+        );
     }
 
     let r = s.client.get("/v1/status").await.unwrap();
@@ -194,9 +317,15 @@ async fn healthz_metrics_and_status_report_the_log() {
     assert_eq!(report.link.label(), "not configured");
     assert_eq!(report.fsync, "interval:10ms");
     let t = &report.streams[0];
-    assert_eq!((t.stream.as_str(), t.next_seq, t.durable_seq, t.acked_seq), ("telemetry", 11, 10, 0));
+    assert_eq!(
+        (t.stream.as_str(), t.next_seq, t.durable_seq, t.acked_seq),
+        ("telemetry", 11, 10, 0)
+    );
     assert!(t.backlog_bytes > 0 && t.backlog_blocks > 0, "{t:?}");
-    assert!(t.oldest_unsent_age_s.unwrap() > 1e9, "event time 1 ns is decades old: {t:?}");
+    assert!(
+        t.oldest_unsent_age_s.unwrap() > 1e9,
+        "event time 1 ns is decades old: {t:?}"
+    );
 }
 
 #[tokio::test]
@@ -209,10 +338,16 @@ async fn concurrent_producers_get_disjoint_contiguous_seq_ranges() {
             let mut ranges = Vec::new();
             for b in 0..10 {
                 let n = 1 + (p + b) % 7;
-                let r = client.post(RECORDS, NDJSON, ndjson(&format!("p{p}"), n, 1)).await.unwrap();
+                let r = client
+                    .post(RECORDS, NDJSON, ndjson(&format!("p{p}"), n, 1))
+                    .await
+                    .unwrap();
                 assert_eq!(r.status, 200, "{}", r.text());
                 let a = json(&r);
-                let (first, last) = (a["first_seq"].as_u64().unwrap(), a["last_seq"].as_u64().unwrap());
+                let (first, last) = (
+                    a["first_seq"].as_u64().unwrap(),
+                    a["last_seq"].as_u64().unwrap(),
+                );
                 assert_eq!(last - first + 1, n as u64);
                 ranges.push((first, last));
             }
@@ -226,16 +361,31 @@ async fn concurrent_producers_get_disjoint_contiguous_seq_ranges() {
     ranges.sort();
     let mut next = 1;
     for (first, last) in ranges {
-        assert_eq!(first, next, "ranges must tile 1..=N without gaps or overlap");
+        assert_eq!(
+            first, next,
+            "ranges must tile 1..=N without gaps or overlap"
+        );
         next = last + 1;
     }
 }
 
 #[tokio::test]
 async fn full_disk_under_block_is_503_with_retry_after() {
-    let s = start("[storage]\non_full = \"block\"\ndisk_bytes_max = \"8KiB\"\nsegment_bytes_max = \"2KiB\"\n", None).await;
+    let s = start(
+        "[storage]\non_full = \"block\"\ndisk_bytes_max = \"8KiB\"\nsegment_bytes_max = \"2KiB\"\n",
+        None,
+    )
+    .await;
     let big = |i: usize| {
-        (0..20).map(|j| format!("{{\"key\":\"k\",\"ts\":{},\"fields\":{{\"pad\":\"{}\"}}}}\n", i * 100 + j, "x".repeat(200))).collect::<String>()
+        (0..20)
+            .map(|j| {
+                format!(
+                    "{{\"key\":\"k\",\"ts\":{},\"fields\":{{\"pad\":\"{}\"}}}}\n",
+                    i * 100 + j,
+                    "x".repeat(200)
+                )
+            })
+            .collect::<String>()
     };
     let mut acked = 0;
     let refused = loop {
@@ -247,29 +397,75 @@ async fn full_disk_under_block_is_503_with_retry_after() {
         assert!(acked < 1000, "the budget never filled");
     };
     assert_eq!(refused.status, 503, "{}", refused.text());
-    let retry: u64 = refused.header("retry-after").expect("Retry-After").parse().unwrap();
+    let retry: u64 = refused
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
     assert!(retry >= 1);
     let m = json(&refused)["error"].as_str().unwrap().to_owned();
     assert!(m.contains("disk_bytes_max") && m.contains("block"), "{m}");
     assert!(acked > 0, "some batches fit before the budget filled");
     let status = s.app.ingest.log().status();
-    assert_eq!(status.streams[0].durable_seq, acked as u64 * 20, "everything acknowledged is still held");
-    assert_eq!(s.client.get("/healthz").await.unwrap().status, 200, "full is not unhealthy");
+    assert_eq!(
+        status.streams[0].durable_seq,
+        acked as u64 * 20,
+        "everything acknowledged is still held"
+    );
+    assert_eq!(
+        s.client.get("/healthz").await.unwrap().status,
+        200,
+        "full is not unhealthy"
+    );
 }
 
 #[tokio::test]
 async fn poisoned_log_answers_503_and_healthz_reports_it() {
     let faulty = FaultyStorage::new(Arc::new(RealStorage));
-    let s = start("[storage]\nfsync = \"always\"\n", Some(Arc::new(faulty.clone()))).await;
-    assert_eq!(s.client.post(RECORDS, NDJSON, ndjson("a", 1, 1)).await.unwrap().status, 200);
-    faulty.add(Fault { sticky: true, ..Fault::on(OpKind::Sync, FaultError::Eio) });
-    let r = s.client.post(RECORDS, NDJSON, ndjson("a", 1, 2)).await.unwrap();
+    let s = start(
+        "[storage]\nfsync = \"always\"\n",
+        Some(Arc::new(faulty.clone())),
+    )
+    .await;
+    assert_eq!(
+        s.client
+            .post(RECORDS, NDJSON, ndjson("a", 1, 1))
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    faulty.add(Fault {
+        sticky: true,
+        ..Fault::on(OpKind::Sync, FaultError::Eio)
+    });
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, ndjson("a", 1, 2))
+        .await
+        .unwrap();
     assert_eq!(r.status, 503, "{}", r.text());
-    let r = s.client.post(RECORDS, NDJSON, ndjson("a", 1, 3)).await.unwrap();
+    let r = s
+        .client
+        .post(RECORDS, NDJSON, ndjson("a", 1, 3))
+        .await
+        .unwrap();
     assert_eq!(r.status, 503);
-    assert!(json(&r)["error"].as_str().unwrap().contains("restart"), "{}", r.text());
+    assert!(
+        json(&r)["error"].as_str().unwrap().contains("restart"),
+        "{}",
+        r.text()
+    );
     let h = s.client.get("/healthz").await.unwrap();
     assert_eq!(h.status, 503);
     assert!(h.text().contains("poisoned"), "{}", h.text());
-    assert!(s.client.get("/metrics").await.unwrap().text().lines().any(|l| l == "tributary_edge_poisoned 1"));
+    assert!(
+        s.client
+            .get("/metrics")
+            .await
+            .unwrap()
+            .text()
+            .lines()
+            .any(|l| l == "tributary_edge_poisoned 1")
+    );
 }

@@ -24,19 +24,45 @@ fn ingest_status_inspect_round_trip() {
 
     // 2,500 lines in batches of 1,000: three atomic, durable requests.
     let input = sample(2500);
-    let out = setup.cli(&["ingest", "--stream", "telemetry", "--config", &config], Some(input.as_bytes()));
+    let out = setup.cli(
+        &["ingest", "--stream", "telemetry", "--config", &config],
+        Some(input.as_bytes()),
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
     let said = text(&out.stderr);
-    assert!(said.contains("ingested 2500 records") && said.contains("3 batches") && said.contains("seqs 1..=2500"), "{said}");
+    assert!(
+        said.contains("ingested 2500 records")
+            && said.contains("3 batches")
+            && said.contains("seqs 1..=2500"),
+        "{said}"
+    );
 
     let lp = "telemetry,device=truck-9,unit=gps lat=52.5,lon=13.25 1764374400000000000\n";
-    let out = setup.cli(&["ingest", "-s", "telemetry", "--format", "line", "--url", &setup.url()], Some(lp.as_bytes()));
+    let out = setup.cli(
+        &[
+            "ingest",
+            "-s",
+            "telemetry",
+            "--format",
+            "line",
+            "--url",
+            &setup.url(),
+        ],
+        Some(lp.as_bytes()),
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
 
     let out = setup.cli(&["status", "--config", &config], None);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let table = text(&out.stdout);
-    for want in ["link      not configured", "fsync always", "telemetry", "2502", "OLDEST UNSENT", "0 records"] {
+    for want in [
+        "link      not configured",
+        "fsync always",
+        "telemetry",
+        "2502",
+        "OLDEST UNSENT",
+        "0 records",
+    ] {
         assert!(table.contains(want), "status lacks {want:?}:\n{table}");
     }
     let out = setup.cli(&["status", "--url", &setup.url(), "--json"], None);
@@ -45,12 +71,23 @@ fn ingest_status_inspect_round_trip() {
     assert_eq!(report["link"], "not_configured");
 
     // inspect refuses while the agent holds the data directory, and so does a second agent.
-    let out = setup.cli(&["inspect", "--config", &config, "--stream", "telemetry"], None);
+    let out = setup.cli(
+        &["inspect", "--config", &config, "--stream", "telemetry"],
+        None,
+    );
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("is using the data directory"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("is using the data directory"),
+        "{}",
+        text(&out.stderr)
+    );
     let out = setup.cli(&["run", "--config", &config], None);
     assert!(!out.status.success());
-    assert!(text(&out.stderr).contains("another edge-agent"), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("another edge-agent"),
+        "{}",
+        text(&out.stderr)
+    );
 
     agent.terminate();
     let lines = setup.inspect();
@@ -59,8 +96,24 @@ fn ingest_status_inspect_round_trip() {
     assert_eq!(seqs[&1]["key"], "truck-0000/engine");
     assert_eq!(seqs[&1]["fields"]["temp_c"].as_f64(), Some(60.5));
     assert_eq!(seqs[&2501]["key"], "truck-9/gps");
-    let out = setup.cli(&["inspect", "--config", &config, "--stream", "telemetry", "--from-seq", "2500"], None);
-    assert_eq!(text(&out.stdout).lines().count(), 2, "{}", text(&out.stderr));
+    let out = setup.cli(
+        &[
+            "inspect",
+            "--config",
+            &config,
+            "--stream",
+            "telemetry",
+            "--from-seq",
+            "2500",
+        ],
+        None,
+    );
+    assert_eq!(
+        text(&out.stdout).lines().count(),
+        2,
+        "{}",
+        text(&out.stderr)
+    );
 }
 
 #[test]
@@ -69,38 +122,74 @@ fn ingest_explains_what_to_fix() {
     let config = setup.config.to_str().unwrap().to_owned();
 
     // No agent running.
-    let out = setup.cli(&["ingest", "--stream", "telemetry", "--config", &config], Some(b"{}\n"));
+    let out = setup.cli(
+        &["ingest", "--stream", "telemetry", "--config", &config],
+        Some(b"{}\n"),
+    );
     assert!(!out.status.success());
     let e = text(&out.stderr);
-    assert!(e.contains("could not reach the agent at http://127.0.0.1:") && e.contains("is `edge-agent run` running?"), "{e}");
+    assert!(
+        e.contains("could not reach the agent at http://127.0.0.1:")
+            && e.contains("is `edge-agent run` running?"),
+        "{e}"
+    );
     let out = setup.cli(&["status", "--config", &config], None);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("is `edge-agent run` running?"));
 
     let _agent = setup.start();
-    let out = setup.cli(&["ingest", "--stream", "nope", "--config", &config], Some(sample(2).as_bytes()));
+    let out = setup.cli(
+        &["ingest", "--stream", "nope", "--config", &config],
+        Some(sample(2).as_bytes()),
+    );
     assert!(!out.status.success());
     let e = text(&out.stderr);
-    assert!(e.contains("HTTP 404") && e.contains("unknown stream \"nope\""), "{e}");
+    assert!(
+        e.contains("HTTP 404") && e.contains("unknown stream \"nope\""),
+        "{e}"
+    );
 
     // A bad line in the second batch: its stdin line number, and what was stored before it.
     let mut input = sample(5);
     input.push_str("{\"key\":\"a\",\"ts\":1,\"fields\":{\"x\":[1]}}\n");
-    let out = setup.cli(&["ingest", "--stream", "telemetry", "--config", &config, "--batch-lines", "3"], Some(input.as_bytes()));
+    let out = setup.cli(
+        &[
+            "ingest",
+            "--stream",
+            "telemetry",
+            "--config",
+            &config,
+            "--batch-lines",
+            "3",
+        ],
+        Some(input.as_bytes()),
+    );
     assert!(!out.status.success());
     let e = text(&out.stderr);
-    assert!(e.contains("stdin line 6, column") && e.contains("HTTP 400") && e.contains("the 3 records before"), "{e}");
+    assert!(
+        e.contains("stdin line 6, column")
+            && e.contains("HTTP 400")
+            && e.contains("the 3 records before"),
+        "{e}"
+    );
 }
 
 #[test]
 fn bad_config_names_the_key_and_exits_non_zero() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("edge.toml");
-    std::fs::write(&path, "data_dir = \"d\"\n[storage]\nfsync = \"sometimes\"\n[[streams]]\nname = \"t\"\n").unwrap();
+    std::fs::write(
+        &path,
+        "data_dir = \"d\"\n[storage]\nfsync = \"sometimes\"\n[[streams]]\nname = \"t\"\n",
+    )
+    .unwrap();
     let out = run_cli(&["run", "--config", path.to_str().unwrap()], None);
     assert!(!out.status.success());
     let e = text(&out.stderr);
-    assert!(e.contains("storage.fsync: expected always | interval:<N>ms | never, found \"sometimes\""), "{e}");
+    assert!(
+        e.contains("storage.fsync: expected always | interval:<N>ms | never, found \"sometimes\""),
+        "{e}"
+    );
 }
 
 #[test]
@@ -125,18 +214,40 @@ fn example_config_runs_with_environment_overrides() {
     // Wait for readiness by retrying status (it fails fast while nothing listens).
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !run_cli(&["status", "--url", &url], None).status.success() {
-        assert!(std::time::Instant::now() < deadline, "the example agent never became ready");
-        assert!(child.try_wait().unwrap().is_none(), "the example agent exited");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the example agent never became ready"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the example agent exited"
+        );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let out = run_cli(&["ingest", "--stream", "telemetry", "--url", &url], Some(&input));
+    let out = run_cli(
+        &["ingest", "--stream", "telemetry", "--url", &url],
+        Some(&input),
+    );
     assert!(out.status.success(), "{}", text(&out.stderr));
-    assert!(text(&out.stderr).contains(&format!("ingested {lines} records")), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains(&format!("ingested {lines} records")),
+        "{}",
+        text(&out.stderr)
+    );
     let out = run_cli(&["status", "--url", &url, "--json"], None);
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(report["fsync"], "always", "the environment override applied");
-    assert_eq!(report["streams"][0]["durable_seq"].as_u64(), Some(lines as u64));
+    assert_eq!(
+        report["fsync"], "always",
+        "the environment override applied"
+    );
+    assert_eq!(
+        report["streams"][0]["durable_seq"].as_u64(),
+        Some(lines as u64)
+    );
     let _ = child.kill();
     let _ = child.wait();
-    assert!(dir.path().join("data").join("LOCK").exists(), "the data_dir override applied");
+    assert!(
+        dir.path().join("data").join("LOCK").exists(),
+        "the data_dir override applied"
+    );
 }

@@ -31,15 +31,25 @@ struct Acked {
 }
 
 fn seed() -> u64 {
-    let seed = std::env::var("TRIBUTARY_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-    });
+    let seed = std::env::var("TRIBUTARY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        });
     println!("seed {seed} (replay with TRIBUTARY_SEED={seed})");
     seed
 }
 
 fn kills() -> usize {
-    if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") { 1000 } else { 100 }
+    if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") {
+        1000
+    } else {
+        100
+    }
 }
 
 /// `n` records of batch `batch`; floats are multiples of 1/4 so JSON round trips are exact.
@@ -53,13 +63,20 @@ fn batch_records(batch: u64, n: usize, pad: usize) -> Vec<(String, i64, Json)> {
                 "v": (batch as f64 + i as f64) * 0.25 + 0.5,
                 "s": "x".repeat(pad),
             });
-            (format!("dev-{}/k{}", batch % 5, i % 3), (batch * 100_000 + i as u64) as i64, fields)
+            (
+                format!("dev-{}/k{}", batch % 5, i % 3),
+                (batch * 100_000 + i as u64) as i64,
+                fields,
+            )
         })
         .collect()
 }
 
 fn to_ndjson(records: &[(String, i64, Json)]) -> String {
-    records.iter().map(|(key, ts, fields)| format!("{}\n", json!({"key": key, "ts": ts, "fields": fields}))).collect()
+    records
+        .iter()
+        .map(|(key, ts, fields)| format!("{}\n", json!({"key": key, "ts": ts, "fields": fields})))
+        .collect()
 }
 
 /// One producer: posts batches until the agent stops answering; records every acknowledgement.
@@ -76,24 +93,38 @@ async fn producer(
     while !stop.load(Ordering::Relaxed) {
         let batch = next_batch.fetch_add(1, Ordering::Relaxed);
         let records = batch_records(batch, rng.random_range(sizes.0..=sizes.1), sizes.2);
-        let Ok(r) = client.post("/v1/streams/telemetry/records", "application/x-ndjson", to_ndjson(&records)).await
+        let Ok(r) = client
+            .post(
+                "/v1/streams/telemetry/records",
+                "application/x-ndjson",
+                to_ndjson(&records),
+            )
+            .await
         else {
             return; // Killed: this batch is unacknowledged, stored whole or not at all.
         };
         assert_eq!(r.status, 200, "unexpected answer: {}", r.text());
         let a: Json = serde_json::from_slice(&r.body).unwrap();
-        let (first, last) = (a["first_seq"].as_u64().unwrap(), a["last_seq"].as_u64().unwrap());
+        let (first, last) = (
+            a["first_seq"].as_u64().unwrap(),
+            a["last_seq"].as_u64().unwrap(),
+        );
         assert_eq!(last - first + 1, records.len() as u64);
-        let acked = Acked { batch, epoch: a["epoch"].as_u64().unwrap(), first_seq: first, records };
+        let acked = Acked {
+            batch,
+            epoch: a["epoch"].as_u64().unwrap(),
+            first_seq: first,
+            records,
+        };
         ledger.lock().unwrap().push(acked);
         acks.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Runs `kills` start/write/SIGKILL cycles and checks the ledger against `inspect`.
 /// What a run of kill cycles showed.
 #[derive(Debug)]
 struct Outcome {
+    kills: usize,
     acked_batches: usize,
     stored_records: u64,
     /// Batches stored whole although the kill came before their acknowledgement.
@@ -103,19 +134,73 @@ struct Outcome {
     truncated_records: u64,
 }
 
-fn kill_cycles(storage: &str, kills: usize, producers: usize, sizes: (usize, usize, usize), seed: u64) -> Outcome {
+impl std::fmt::Display for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} kills, {} acknowledged batches, {} records stored, {} unacknowledged batches stored whole, \
+             recovery truncated {} bytes / {} records",
+            self.kills,
+            self.acked_batches,
+            self.stored_records,
+            self.stored_unacked_batches,
+            self.truncated_bytes,
+            self.truncated_records
+        )
+    }
+}
+
+/// How many start/write/SIGKILL cycles to run: at least `min`, then more until `done` says the
+/// run showed what it must (checked on the agent's log), but never more than `max`.
+struct Kills {
+    min: usize,
+    max: usize,
+    done: fn(&Setup) -> bool,
+}
+
+/// Runs start/write/SIGKILL cycles and checks the ledger against `inspect`.
+fn kill_cycles(
+    storage: &str,
+    kills: Kills,
+    producers: usize,
+    sizes: (usize, usize, usize),
+    seed: u64,
+) -> Outcome {
     let setup = Setup::new(storage);
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let mut rng = SmallRng::seed_from_u64(seed);
     let ledger = Arc::new(Mutex::new(Vec::new()));
     let next_batch = Arc::new(AtomicU64::new(1));
-    for cycle in 0..kills {
+    let mut cycle = 0;
+    while cycle < kills.min || (cycle < kills.max && !(kills.done)(&setup)) {
+        cycle += 1;
         let mut agent = setup.start();
-        let (acks, stop) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicBool::new(false)));
+        let (acks, stop) = (
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
         let tasks: Vec<_> = (0..producers)
             .map(|p| {
-                let (client, nb, l, a, s) = (setup.client(), next_batch.clone(), ledger.clone(), acks.clone(), stop.clone());
-                rt.spawn(producer(client, nb, l, a, s, sizes, seed ^ (cycle * 64 + p) as u64))
+                let (client, nb, l, a, s) = (
+                    setup.client(),
+                    next_batch.clone(),
+                    ledger.clone(),
+                    acks.clone(),
+                    stop.clone(),
+                );
+                rt.spawn(producer(
+                    client,
+                    nb,
+                    l,
+                    a,
+                    s,
+                    sizes,
+                    seed ^ (cycle * 64 + p) as u64,
+                ))
             })
             .collect();
         // Kill at a random moment: after a random number of acknowledgements, or a random
@@ -140,6 +225,7 @@ fn kill_cycles(storage: &str, kills: usize, producers: usize, sizes: (usize, usi
     drop(setup.start());
     let (stored_records, stored_batches) = check(&setup, &ledger);
     Outcome {
+        kills: cycle,
         acked_batches: ledger.len(),
         stored_records,
         stored_unacked_batches: stored_batches - ledger.len(),
@@ -154,26 +240,53 @@ fn check(setup: &Setup, ledger: &[Acked]) -> (u64, usize) {
     let lines = setup.inspect();
     let (epoch, seqs) = by_seq(&lines);
     for a in ledger {
-        assert_eq!(a.epoch, epoch, "batch {} was acknowledged in another epoch", a.batch);
+        assert_eq!(
+            a.epoch, epoch,
+            "batch {} was acknowledged in another epoch",
+            a.batch
+        );
         for (i, want) in a.records.iter().enumerate() {
             let seq = a.first_seq + i as u64;
-            let got = seqs.get(&seq).unwrap_or_else(|| panic!("acknowledged batch {} lost seq {seq}", a.batch));
-            assert_eq!(&content(got), want, "seq {seq} of acknowledged batch {}", a.batch);
+            let got = seqs
+                .get(&seq)
+                .unwrap_or_else(|| panic!("acknowledged batch {} lost seq {seq}", a.batch));
+            assert_eq!(
+                &content(got),
+                want,
+                "seq {seq} of acknowledged batch {}",
+                a.batch
+            );
         }
     }
     let mut batches: HashMap<u64, Vec<(u64, u64, u64)>> = HashMap::new();
     for l in &lines {
         let f = &l["fields"];
-        let (b, i, n) = (f["batch"].as_u64().unwrap(), f["i"].as_u64().unwrap(), f["n"].as_u64().unwrap());
-        batches.entry(b).or_default().push((l["seq"].as_u64().unwrap(), i, n));
+        let (b, i, n) = (
+            f["batch"].as_u64().unwrap(),
+            f["i"].as_u64().unwrap(),
+            f["n"].as_u64().unwrap(),
+        );
+        batches
+            .entry(b)
+            .or_default()
+            .push((l["seq"].as_u64().unwrap(), i, n));
     }
     let stored_batches = batches.len();
     for (b, mut rows) in batches {
         rows.sort();
         let n = rows[0].2;
-        assert_eq!(rows.len() as u64, n, "batch {b} is stored partly or twice: {} of {n} records", rows.len());
+        assert_eq!(
+            rows.len() as u64,
+            n,
+            "batch {b} is stored partly or twice: {} of {n} records",
+            rows.len()
+        );
         for (k, (seq, i, _)) in rows.iter().enumerate() {
-            assert_eq!((*i, *seq), (k as u64, rows[0].0 + k as u64), "batch {b} is not contiguous");
+            assert_eq!(
+                (*i, *seq),
+                (k as u64, rows[0].0 + k as u64),
+                "batch {b} is not contiguous"
+            );
         }
     }
     (lines.len() as u64, stored_batches)
@@ -183,14 +296,25 @@ fn check(setup: &Setup, ledger: &[Acked]) -> (u64, usize) {
 fn acknowledged_records_survive_kill9_under_always_and_interval() {
     let seed = seed();
     let started = Instant::now();
-    for (i, storage) in ["fsync = \"always\"\nsegment_bytes_max = \"64KiB\"", "fsync = \"interval:10ms\"\nsegment_bytes_max = \"64KiB\""]
-        .into_iter()
-        .enumerate()
+    for (i, storage) in [
+        "fsync = \"always\"\nsegment_bytes_max = \"64KiB\"",
+        "fsync = \"interval:10ms\"\nsegment_bytes_max = \"64KiB\"",
+    ]
+    .into_iter()
+    .enumerate()
     {
         let t = Instant::now();
         let o = kill_cycles(storage, kills(), 4, (1, 40, 8), seed.wrapping_add(i as u64));
-        println!("{}: {} kills in {:?}: {o:?}", storage.lines().next().unwrap(), kills(), t.elapsed());
-        assert!(o.acked_batches > kills() / 4, "too few acknowledged batches to mean anything: {o:?}");
+        println!(
+            "{}: {} kills in {:?}: {o}",
+            storage.lines().next().unwrap(),
+            kills(),
+            t.elapsed()
+        );
+        assert!(
+            o.acked_batches > kills() / 4,
+            "too few acknowledged batches to mean anything: {o}"
+        );
     }
     println!("total {:?}", started.elapsed());
 }
@@ -200,7 +324,8 @@ fn kill9_in_the_middle_of_a_large_batch_keeps_all_or_none_of_it() {
     let seed = seed().wrapping_add(99);
     let kills = if kills() > 100 { 200 } else { 30 };
     // Blocks of at most 50 records: every batch spans 10 to 60 blocks, so kills land mid-batch.
-    let storage = "fsync = \"interval:10ms\"\nblock_records_max = 50\nsegment_bytes_max = \"256KiB\"";
+    let storage =
+        "fsync = \"interval:10ms\"\nblock_records_max = 50\nsegment_bytes_max = \"256KiB\"";
     let o = kill_cycles(storage, kills, 2, (500, 3000, 40), seed);
-    println!("{kills} kills: {o:?}");
+    println!("{kills} kills: {o}");
 }

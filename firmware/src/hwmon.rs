@@ -49,11 +49,22 @@ struct ChannelKind {
     integer: bool,
 }
 
-const fn kind(prefix: &'static str, suffix: &'static str, divisor: f64, range: (f64, f64), unit: &'static str) -> ChannelKind {
+const fn kind(
+    prefix: &'static str,
+    suffix: &'static str,
+    divisor: f64,
+    range: (f64, f64),
+    unit: &'static str,
+) -> ChannelKind {
     ChannelKind {
         prefix,
         suffix,
-        scaling: Scaling { divisor, min: range.0, max: range.1, unit },
+        scaling: Scaling {
+            divisor,
+            min: range.0,
+            max: range.1,
+            unit,
+        },
         integer: false,
     }
 }
@@ -61,13 +72,20 @@ const fn kind(prefix: &'static str, suffix: &'static str, divisor: f64, range: (
 const KINDS: [ChannelKind; 5] = [
     kind("temp", "c", 1_000.0, TEMP_C_RANGE, "degC"),
     kind("in", "v", 1_000.0, VOLTAGE_V_RANGE, "V"),
-    ChannelKind { integer: true, ..kind("fan", "rpm", 1.0, FAN_RPM_RANGE, "RPM") },
+    ChannelKind {
+        integer: true,
+        ..kind("fan", "rpm", 1.0, FAN_RPM_RANGE, "RPM")
+    },
     kind("power", "w", 1_000_000.0, POWER_W_RANGE, "W"),
     kind("curr", "a", 1_000.0, CURRENT_A_RANGE, "A"),
 ];
 
-const THERMAL_SCALING: Scaling =
-    Scaling { divisor: 1_000.0, min: TEMP_C_RANGE.0, max: TEMP_C_RANGE.1, unit: "degC" };
+const THERMAL_SCALING: Scaling = Scaling {
+    divisor: 1_000.0,
+    min: TEMP_C_RANGE.0,
+    max: TEMP_C_RANGE.1,
+    unit: "degC",
+};
 
 /// Reads hwmon chips and thermal zones under one sysfs root.
 #[derive(Debug, Clone)]
@@ -79,7 +97,10 @@ pub struct HwmonSource {
 impl HwmonSource {
     /// `sysfs_root` is [`SYSFS_ROOT`] on a device; `device_id` prefixes every record key.
     pub fn new(sysfs_root: impl Into<PathBuf>, device_id: impl Into<String>) -> Self {
-        HwmonSource { sysfs_root: sysfs_root.into(), device_id: device_id.into() }
+        HwmonSource {
+            sysfs_root: sysfs_root.into(),
+            device_id: device_id.into(),
+        }
     }
 
     /// Reads every hwmon chip and thermal zone once, stamping records with `now_ns`.
@@ -106,12 +127,21 @@ impl HwmonSource {
                 (index, attrs, name)
             })
             .collect();
-        let keys = sysfs::unique_names(&named.iter().map(|(i, _, n)| (*i, n.clone())).collect::<Vec<_>>());
+        let keys = sysfs::unique_names(
+            &named
+                .iter()
+                .map(|(i, _, n)| (*i, n.clone()))
+                .collect::<Vec<_>>(),
+        );
         for ((_, attrs, _), name) in named.iter().zip(keys) {
             let fields = read_chip(attrs, &mut poll.errors);
             if !fields.is_empty() {
                 let key = format!("{}/hwmon/{name}", self.device_id);
-                poll.records.push(Record { key, ts: now_ns, fields });
+                poll.records.push(Record {
+                    key,
+                    ts: now_ns,
+                    fields,
+                });
             }
         }
         poll
@@ -120,13 +150,14 @@ impl HwmonSource {
     /// Reads every thermal zone once: one record per zone with a good `temp`.
     pub fn poll_thermal(&self, now_ns: i64) -> Poll {
         let mut poll = Poll::default();
-        let zones = match sysfs::list_indexed(&self.sysfs_root.join("class/thermal"), "thermal_zone") {
-            Ok(zones) => zones,
-            Err(e) => {
-                poll.errors.push(e);
-                return poll;
-            }
-        };
+        let zones =
+            match sysfs::list_indexed(&self.sysfs_root.join("class/thermal"), "thermal_zone") {
+                Ok(zones) => zones,
+                Err(e) => {
+                    poll.errors.push(e);
+                    return poll;
+                }
+            };
         let typed: Vec<(u32, String)> = zones
             .iter()
             .map(|(index, dir)| match sysfs::read_text(&dir.join("type")) {
@@ -179,7 +210,9 @@ fn read_chip(dir: &Path, errors: &mut Vec<SensorError>) -> Vec<(String, Value)> 
     };
     let mut fields = Vec::new();
     for file in &names {
-        let Some((kind, channel)) = parse_channel(file) else { continue };
+        let Some((kind, channel)) = parse_channel(file) else {
+            continue;
+        };
         match read_channel(dir, kind, channel, errors) {
             Ok((field, value)) => {
                 let field = sysfs::unique_field(&fields, field, channel);
@@ -199,7 +232,10 @@ fn parse_channel(file: &str) -> Option<(ChannelKind, &str)> {
     if !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    KINDS.iter().find(|k| k.prefix == prefix).map(|k| (*k, channel))
+    KINDS
+        .iter()
+        .find(|k| k.prefix == prefix)
+        .map(|k| (*k, channel))
 }
 
 /// Reads one channel's value and names its field from the label, if there is one.
@@ -210,7 +246,11 @@ fn read_channel(
     errors: &mut Vec<SensorError>,
 ) -> Result<(String, Value), SensorError> {
     let value = sysfs::read_scaled(&dir.join(format!("{channel}_input")), kind.scaling)?;
-    let value = if kind.integer { Value::I64(value as i64) } else { Value::F64(value) };
+    let value = if kind.integer {
+        Value::I64(value as i64)
+    } else {
+        Value::F64(value)
+    };
     let label_file = dir.join(format!("{channel}_label"));
     // Labels are optional, so a missing one just means the channel's own name. A label that
     // exists but cannot be read is reported, and the reading is kept under the channel name.
@@ -234,8 +274,14 @@ mod tests {
 
     #[test]
     fn channel_names_parse() {
-        assert_eq!(parse_channel("temp12_input").map(|(k, c)| (k.prefix, c)), Some(("temp", "temp12")));
-        assert_eq!(parse_channel("in0_input").map(|(k, c)| (k.prefix, c)), Some(("in", "in0")));
+        assert_eq!(
+            parse_channel("temp12_input").map(|(k, c)| (k.prefix, c)),
+            Some(("temp", "temp12"))
+        );
+        assert_eq!(
+            parse_channel("in0_input").map(|(k, c)| (k.prefix, c)),
+            Some(("in", "in0"))
+        );
         assert!(parse_channel("temp1_label").is_none());
         assert!(parse_channel("temp_input").is_none());
         assert!(parse_channel("intrusion0_input").is_none());

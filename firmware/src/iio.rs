@@ -33,19 +33,55 @@ use crate::sysfs::{self, Poll, Scaling, SensorError};
 /// Any processed value beyond this magnitude is garbage, whatever the channel type.
 pub const IIO_ABS_MAX: f64 = 1e12;
 
-/// Channel types with a known ABI unit: (type, ABI units per SI unit, field suffix, range).
-pub const IIO_UNITS: [(&str, f64, &str, (f64, f64)); 10] = [
-    ("voltage", 1_000.0, "v", VOLTAGE_V_RANGE),
-    ("current", 1_000.0, "a", CURRENT_A_RANGE),
-    ("power", 1_000.0, "w", POWER_W_RANGE),
-    ("temp", 1_000.0, "c", TEMP_C_RANGE),
-    ("humidityrelative", 1_000.0, "pct", (-10.0, 110.0)),
-    ("pressure", 1.0, "kpa", (0.0, 100_000.0)),
-    ("accel", 1.0, "m_s2", (-IIO_ABS_MAX, IIO_ABS_MAX)),
-    ("anglvel", 1.0, "rad_s", (-IIO_ABS_MAX, IIO_ABS_MAX)),
-    ("magn", 1.0, "gauss", (-IIO_ABS_MAX, IIO_ABS_MAX)),
-    ("illuminance", 1.0, "lux", (0.0, IIO_ABS_MAX)),
+/// How one IIO channel type's ABI unit becomes an SI value and a field name.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct IioUnit {
+    /// The channel type, e.g. `voltage`.
+    pub ty: &'static str,
+    /// ABI units per SI unit: 1000 for millivolts.
+    pub divisor: f64,
+    /// Appended to the field name: `voltage0_v`.
+    pub suffix: &'static str,
+    /// The SI unit's name in error messages.
+    pub unit: &'static str,
+    /// Plausible SI values; anything else is reported as out of range.
+    pub range: (f64, f64),
+}
+
+const fn unit(
+    ty: &'static str,
+    divisor: f64,
+    suffix: &'static str,
+    unit: &'static str,
+    range: (f64, f64),
+) -> IioUnit {
+    IioUnit {
+        ty,
+        divisor,
+        suffix,
+        unit,
+        range,
+    }
+}
+
+const ANY: (f64, f64) = (-IIO_ABS_MAX, IIO_ABS_MAX);
+
+/// Channel types with a known ABI unit (Documentation/ABI/testing/sysfs-bus-iio).
+pub const IIO_UNITS: [IioUnit; 10] = [
+    unit("voltage", 1_000.0, "v", "V", VOLTAGE_V_RANGE),
+    unit("current", 1_000.0, "a", "A", CURRENT_A_RANGE),
+    unit("power", 1_000.0, "w", "W", POWER_W_RANGE),
+    unit("temp", 1_000.0, "c", "degC", TEMP_C_RANGE),
+    unit("humidityrelative", 1_000.0, "pct", "%RH", (-10.0, 110.0)),
+    unit("pressure", 1.0, "kpa", "kPa", (0.0, 100_000.0)),
+    unit("accel", 1.0, "m_s2", "m/s^2", ANY),
+    unit("anglvel", 1.0, "rad_s", "rad/s", ANY),
+    unit("magn", 1.0, "gauss", "Gauss", ANY),
+    unit("illuminance", 1.0, "lux", "lux", (0.0, IIO_ABS_MAX)),
 ];
+
+/// Any other type: the ABI's unit, kept as is.
+const UNKNOWN_UNIT: IioUnit = unit("", 1.0, "", "(IIO ABI unit)", ANY);
 
 /// Reads IIO devices under one sysfs root.
 #[derive(Debug, Clone)]
@@ -61,10 +97,22 @@ enum Form {
     Input,
 }
 
+impl Form {
+    fn suffix(self) -> &'static str {
+        match self {
+            Form::Raw => "raw",
+            Form::Input => "input",
+        }
+    }
+}
+
 impl IioSource {
     /// `sysfs_root` is [`crate::hwmon::SYSFS_ROOT`] on a device; `device_id` prefixes the keys.
     pub fn new(sysfs_root: impl Into<PathBuf>, device_id: impl Into<String>) -> Self {
-        IioSource { sysfs_root: sysfs_root.into(), device_id: device_id.into() }
+        IioSource {
+            sysfs_root: sysfs_root.into(),
+            device_id: device_id.into(),
+        }
     }
 
     /// Reads every IIO device once: one record per device with at least one good channel.
@@ -92,7 +140,11 @@ impl IioSource {
             let fields = read_device(dir, &mut poll.errors);
             if !fields.is_empty() {
                 let key = format!("{}/iio/{name}", self.device_id);
-                poll.records.push(Record { key, ts: now_ns, fields });
+                poll.records.push(Record {
+                    key,
+                    ts: now_ns,
+                    fields,
+                });
             }
         }
         poll
@@ -110,7 +162,9 @@ fn read_device(dir: &Path, errors: &mut Vec<SensorError>) -> Vec<(String, Value)
     };
     let mut fields = Vec::new();
     for file in &names {
-        let Some((chan, form)) = parse_channel(file) else { continue };
+        let Some((chan, form)) = parse_channel(file) else {
+            continue;
+        };
         if form == Form::Raw && names.iter().any(|n| *n == format!("in_{chan}_input")) {
             continue;
         }
@@ -140,18 +194,20 @@ fn parse_channel(file: &str) -> Option<(&str, Form)> {
 
 /// The channel's type: its leading letters (`accel` in `accel_x`, `voltage` in `voltage0`).
 fn chan_type(chan: &str) -> &str {
-    let end = chan.find(|c: char| !c.is_ascii_alphabetic()).unwrap_or(chan.len());
+    let end = chan
+        .find(|c: char| !c.is_ascii_alphabetic())
+        .unwrap_or(chan.len());
     &chan[..end]
 }
 
 /// Reads one channel, applies offset and scale for raw values, converts to SI and checks range.
 fn read_channel(dir: &Path, chan: &str, form: Form) -> Result<(String, f64), SensorError> {
     let ty = chan_type(chan);
-    let (divisor, suffix, range) = IIO_UNITS
+    let u = IIO_UNITS
         .iter()
-        .find(|(t, ..)| *t == ty)
-        .map(|&(_, d, s, r)| (d, s, r))
-        .unwrap_or((1.0, "", (-IIO_ABS_MAX, IIO_ABS_MAX)));
+        .find(|u| u.ty == ty)
+        .copied()
+        .unwrap_or(UNKNOWN_UNIT);
     let abi_value = match form {
         Form::Input => {
             let path = dir.join(format!("in_{chan}_input"));
@@ -165,11 +221,20 @@ fn read_channel(dir: &Path, chan: &str, form: Form) -> Result<(String, f64), Sen
             (raw + offset) * scale
         }
     };
-    let unit = if suffix.is_empty() { "(IIO ABI unit)" } else { suffix };
-    let scaling = Scaling { divisor, min: range.0, max: range.1, unit };
-    let path = dir.join(format!("in_{chan}_{}", if form == Form::Raw { "raw" } else { "input" }));
-    let value = sysfs::check_range(&path, abi_value / divisor, scaling)?;
-    let field = if suffix.is_empty() { sysfs::sanitize(chan) } else { format!("{}_{suffix}", sysfs::sanitize(chan)) };
+    let value_file = dir.join(format!("in_{chan}_{}", form.suffix()));
+    let scaling = Scaling {
+        divisor: u.divisor,
+        min: u.range.0,
+        max: u.range.1,
+        unit: u.unit,
+    };
+    let value = sysfs::check_range(&value_file, abi_value / u.divisor, scaling)?;
+    let name = sysfs::sanitize(chan);
+    let field = if u.suffix.is_empty() {
+        name
+    } else {
+        format!("{name}_{}", u.suffix)
+    };
     Ok((field, value))
 }
 
@@ -190,8 +255,14 @@ mod tests {
 
     #[test]
     fn channel_names_parse() {
-        assert_eq!(parse_channel("in_voltage0_raw"), Some(("voltage0", Form::Raw)));
-        assert_eq!(parse_channel("in_accel_x_raw"), Some(("accel_x", Form::Raw)));
+        assert_eq!(
+            parse_channel("in_voltage0_raw"),
+            Some(("voltage0", Form::Raw))
+        );
+        assert_eq!(
+            parse_channel("in_accel_x_raw"),
+            Some(("accel_x", Form::Raw))
+        );
         assert_eq!(parse_channel("in_temp_input"), Some(("temp", Form::Input)));
         assert_eq!(parse_channel("in_voltage_scale"), None);
         assert_eq!(parse_channel("in_voltage0_raw_available"), None);

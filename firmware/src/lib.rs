@@ -16,7 +16,7 @@
 pub mod hwmon;
 pub mod iio;
 pub mod nmea;
-// pub mod sim;
+pub mod sim;
 mod sysfs;
 
 pub use sysfs::{Poll, SensorError};

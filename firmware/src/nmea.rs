@@ -67,11 +67,17 @@ pub struct NmeaStats {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum NmeaLineError {
     /// The sentence's checksum does not match its content.
-    #[error("NMEA line {line}: checksum mismatch: computed {computed:02X}, sentence says {found:02X}")]
+    #[error(
+        "NMEA line {line}: checksum mismatch: computed {computed:02X}, sentence says {found:02X}"
+    )]
     Checksum { line: u64, computed: u8, found: u8 },
     /// The line is not an NMEA sentence, or a GGA/RMC sentence has malformed fields.
     #[error("NMEA line {line}: {reason}: {text:?}")]
-    Garbage { line: u64, reason: String, text: String },
+    Garbage {
+        line: u64,
+        reason: String,
+        text: String,
+    },
 }
 
 /// Opening the NMEA input failed.
@@ -117,7 +123,11 @@ struct Epoch {
 impl NmeaParser {
     /// Records are keyed `{device_id}/gps`.
     pub fn new(device_id: &str) -> Self {
-        NmeaParser { key: format!("{device_id}/gps"), pending: None, stats: NmeaStats::default() }
+        NmeaParser {
+            key: format!("{device_id}/gps"),
+            pending: None,
+            stats: NmeaStats::default(),
+        }
     }
 
     /// Feeds one line (a trailing `\r\n` is fine). `recv_ns` is when it was received; it
@@ -187,7 +197,12 @@ impl NmeaParser {
             p.time != time || (is_gga && p.gga.is_some()) || (!is_gga && p.rmc.is_some())
         });
         let mut emitted = if closes { self.flush() } else { None };
-        let epoch = self.pending.get_or_insert(Epoch { time, recv_ns, gga: None, rmc: None });
+        let epoch = self.pending.get_or_insert(Epoch {
+            time,
+            recv_ns,
+            gga: None,
+            rmc: None,
+        });
         match sentence {
             ParseResult::GGA(g) => epoch.gga = Some(g),
             ParseResult::RMC(r) => epoch.rmc = Some(r),
@@ -217,8 +232,12 @@ fn check_frame(line: &str, line_no: u64) -> Result<Option<Known>, NmeaLineError>
         reason: reason.to_owned(),
         text: line.chars().take(QUOTE_CHARS_MAX).collect(),
     };
-    let body = line.strip_prefix('$').ok_or_else(|| garbage("does not start with '$'"))?;
-    let (content, hex) = body.rsplit_once('*').ok_or_else(|| garbage("no '*' checksum"))?;
+    let body = line
+        .strip_prefix('$')
+        .ok_or_else(|| garbage("does not start with '$'"))?;
+    let (content, hex) = body
+        .rsplit_once('*')
+        .ok_or_else(|| garbage("no '*' checksum"))?;
     let found = (hex.len() == 2)
         .then(|| u8::from_str_radix(hex, 16).ok())
         .flatten()
@@ -228,7 +247,11 @@ fn check_frame(line: &str, line_no: u64) -> Result<Option<Known>, NmeaLineError>
     }
     let computed = content.bytes().fold(0u8, |c, b| c ^ b);
     if computed != found {
-        return Err(NmeaLineError::Checksum { line: line_no, computed, found });
+        return Err(NmeaLineError::Checksum {
+            line: line_no,
+            computed,
+            found,
+        });
     }
     let address = content.split(',').next().unwrap_or_default();
     Ok(match address.get(2..).filter(|_| address.len() == 5) {
@@ -263,13 +286,37 @@ impl Epoch {
         };
         let (gga, rmc) = (self.gga.as_ref(), self.rmc.as_ref());
         let f = |v: Option<f64>, decimals: i32| v.map(|v| Value::F64(round(v, decimals)));
-        put("lat", f(gga.and_then(|g| g.latitude).or(rmc.and_then(|r| r.lat)), 7));
-        put("lon", f(gga.and_then(|g| g.longitude).or(rmc.and_then(|r| r.lon)), 7));
+        put(
+            "lat",
+            f(gga.and_then(|g| g.latitude).or(rmc.and_then(|r| r.lat)), 7),
+        );
+        put(
+            "lon",
+            f(gga.and_then(|g| g.longitude).or(rmc.and_then(|r| r.lon)), 7),
+        );
         put("alt_m", f(gga.and_then(|g| g.altitude).map(f64::from), 2));
-        put("speed_kmh", f(rmc.and_then(|r| r.speed_over_ground).map(|kn| f64::from(kn) * 1.852), 2));
-        put("course_deg", f(rmc.and_then(|r| r.true_course).map(f64::from), 2));
-        put("fix_quality", gga.and_then(|g| g.fix_type).map(|t| Value::I64(fix_quality(t))));
-        put("satellites", gga.and_then(|g| g.fix_satellites).map(|n| Value::I64(i64::from(n))));
+        put(
+            "speed_kmh",
+            f(
+                rmc.and_then(|r| r.speed_over_ground)
+                    .map(|kn| f64::from(kn) * 1.852),
+                2,
+            ),
+        );
+        put(
+            "course_deg",
+            f(rmc.and_then(|r| r.true_course).map(f64::from), 2),
+        );
+        put(
+            "fix_quality",
+            gga.and_then(|g| g.fix_type)
+                .map(|t| Value::I64(fix_quality(t))),
+        );
+        put(
+            "satellites",
+            gga.and_then(|g| g.fix_satellites)
+                .map(|n| Value::I64(i64::from(n))),
+        );
         put("hdop", f(gga.and_then(|g| g.hdop).map(f64::from), 2));
         let valid = match (gga.and_then(|g| g.fix_type), rmc) {
             (Some(t), _) => Some(t.is_valid()),
@@ -277,7 +324,11 @@ impl Epoch {
             (None, None) => None,
         };
         put("fix_valid", valid.map(Value::Bool));
-        Record { key: key.to_owned(), ts, fields }
+        Record {
+            key: key.to_owned(),
+            ts,
+            fields,
+        }
     }
 }
 
@@ -319,7 +370,10 @@ pub struct NmeaReader<R> {
 impl NmeaReader<BufReader<File>> {
     /// Opens a file or a serial device (already configured for its line speed).
     pub fn open(path: &Path, device_id: &str) -> Result<Self, NmeaOpenError> {
-        let file = File::open(path).map_err(|source| NmeaOpenError { path: path.to_owned(), source })?;
+        let file = File::open(path).map_err(|source| NmeaOpenError {
+            path: path.to_owned(),
+            source,
+        })?;
         Ok(NmeaReader::new(BufReader::new(file), device_id))
     }
 }
@@ -327,7 +381,11 @@ impl NmeaReader<BufReader<File>> {
 impl<R: BufRead> NmeaReader<R> {
     /// Reads from any buffered reader (tests use a byte slice).
     pub fn new(reader: R, device_id: &str) -> Self {
-        NmeaReader { reader, parser: NmeaParser::new(device_id), line: Vec::with_capacity(LINE_BYTES_MAX) }
+        NmeaReader {
+            reader,
+            parser: NmeaParser::new(device_id),
+            line: Vec::with_capacity(LINE_BYTES_MAX),
+        }
     }
 
     /// Reads up to `lines_max` lines, blocking until they arrive on a serial device, and
@@ -407,10 +465,26 @@ mod tests {
         let gga = "$GPGGA,123519,4807.038,N,01131.000,E,1,08,0.9,545.4,M,46.9,M,,*47";
         assert!(matches!(check_frame(gga, 1), Ok(Some(Known::Gga))));
         let bad = "$GPGGA,123519,4807.038,N,01131.000,E,1,08,0.9,545.4,M,46.9,M,,*48";
-        assert!(matches!(check_frame(bad, 1), Err(NmeaLineError::Checksum { computed: 0x47, found: 0x48, .. })));
-        assert!(matches!(check_frame("hello", 1), Err(NmeaLineError::Garbage { .. })));
-        assert!(matches!(check_frame("$GPGGA,1,2", 1), Err(NmeaLineError::Garbage { .. })));
-        assert!(matches!(check_frame("$GPGGA,1*zz", 1), Err(NmeaLineError::Garbage { .. })));
+        assert!(matches!(
+            check_frame(bad, 1),
+            Err(NmeaLineError::Checksum {
+                computed: 0x47,
+                found: 0x48,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_frame("hello", 1),
+            Err(NmeaLineError::Garbage { .. })
+        ));
+        assert!(matches!(
+            check_frame("$GPGGA,1,2", 1),
+            Err(NmeaLineError::Garbage { .. })
+        ));
+        assert!(matches!(
+            check_frame("$GPGGA,1*zz", 1),
+            Err(NmeaLineError::Garbage { .. })
+        ));
     }
 
     #[test]

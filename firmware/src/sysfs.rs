@@ -53,7 +53,13 @@ pub enum SensorError {
     NotNumeric { path: PathBuf, value: String },
     /// The number, converted to `unit`, cannot come from a working sensor.
     #[error("{}: {value} {unit} is outside the plausible range {min} to {max} {unit}", path.display())]
-    OutOfRange { path: PathBuf, value: f64, min: f64, max: f64, unit: &'static str },
+    OutOfRange {
+        path: PathBuf,
+        value: f64,
+        min: f64,
+        max: f64,
+        unit: &'static str,
+    },
 }
 
 impl SensorError {
@@ -80,14 +86,19 @@ pub(crate) struct Scaling {
 
 /// Reads a trimmed text attribute; whitespace only is [`SensorError::Empty`].
 pub(crate) fn read_text(path: &Path) -> Result<String, SensorError> {
-    let read_err = |source| SensorError::Read { path: path.to_owned(), source };
+    let read_err = |source| SensorError::Read {
+        path: path.to_owned(),
+        source,
+    };
     let mut bytes = Vec::new();
     fs::File::open(path)
         .and_then(|f| f.take(ATTRIBUTE_BYTES_MAX).read_to_end(&mut bytes))
         .map_err(read_err)?;
     let text = String::from_utf8_lossy(&bytes).trim().to_owned();
     if text.is_empty() {
-        return Err(SensorError::Empty { path: path.to_owned() });
+        return Err(SensorError::Empty {
+            path: path.to_owned(),
+        });
     }
     Ok(text)
 }
@@ -117,7 +128,9 @@ pub(crate) fn parse_int(path: &Path, text: &str) -> Result<f64, SensorError> {
 /// Parses a finite decimal number such as `0.000805664` or `-273.15` (IIO scale and offset).
 pub(crate) fn parse_decimal(path: &Path, text: &str) -> Result<f64, SensorError> {
     // `f64::from_str` also takes `inf` and `NaN`, which no sensor attribute means.
-    let plain = text.bytes().all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'+' | b'e' | b'E'));
+    let plain = text
+        .bytes()
+        .all(|b| b.is_ascii_digit() || matches!(b, b'.' | b'-' | b'+' | b'e' | b'E'));
     match text.parse::<f64>() {
         Ok(v) if plain && v.is_finite() => Ok(v),
         _ => Err(not_numeric(path, text)),
@@ -139,17 +152,26 @@ pub(crate) fn check_range(path: &Path, value: f64, scaling: Scaling) -> Result<f
 
 fn not_numeric(path: &Path, text: &str) -> SensorError {
     let value: String = text.chars().take(QUOTE_CHARS_MAX).collect();
-    SensorError::NotNumeric { path: path.to_owned(), value }
+    SensorError::NotNumeric {
+        path: path.to_owned(),
+        value,
+    }
 }
 
 /// The entries of `dir` named `{prefix}{N}`, sorted by N. Other entries are ignored.
 pub(crate) fn list_indexed(dir: &Path, prefix: &str) -> Result<Vec<(u32, PathBuf)>, SensorError> {
-    let read_err = |source| SensorError::Read { path: dir.to_owned(), source };
+    let read_err = |source| SensorError::Read {
+        path: dir.to_owned(),
+        source,
+    };
     let mut found = Vec::new();
     for entry in fs::read_dir(dir).map_err(read_err)? {
         let entry = entry.map_err(read_err)?;
         let name = entry.file_name();
-        let index = name.to_str().and_then(|n| n.strip_prefix(prefix)).and_then(|n| n.parse().ok());
+        let index = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(prefix))
+            .and_then(|n| n.parse().ok());
         if let Some(index) = index {
             found.push((index, entry.path()));
         }
@@ -160,7 +182,10 @@ pub(crate) fn list_indexed(dir: &Path, prefix: &str) -> Result<Vec<(u32, PathBuf
 
 /// The file names in `dir`, sorted, so records list their fields in a stable order.
 pub(crate) fn file_names(dir: &Path) -> Result<Vec<String>, SensorError> {
-    let read_err = |source| SensorError::Read { path: dir.to_owned(), source };
+    let read_err = |source| SensorError::Read {
+        path: dir.to_owned(),
+        source,
+    };
     let mut names = Vec::new();
     for entry in fs::read_dir(dir).map_err(read_err)? {
         if let Some(name) = entry.map_err(read_err)?.file_name().to_str() {
@@ -183,7 +208,11 @@ pub(crate) fn sanitize(name: &str) -> String {
         }
     }
     let out = out.trim_matches('_');
-    if out.is_empty() { "unnamed".to_owned() } else { out.to_owned() }
+    if out.is_empty() {
+        "unnamed".to_owned()
+    } else {
+        out.to_owned()
+    }
 }
 
 /// Makes names unique by suffixing the sysfs index to every name that occurs more than once:
@@ -193,13 +222,21 @@ pub(crate) fn unique_names(items: &[(u32, String)]) -> Vec<String> {
         .iter()
         .map(|(index, name)| {
             let shared = items.iter().filter(|(_, n)| n == name).count() > 1;
-            if shared { format!("{name}-{index}") } else { name.clone() }
+            if shared {
+                format!("{name}-{index}")
+            } else {
+                name.clone()
+            }
         })
         .collect()
 }
 
 /// Makes `field` unique among `taken` by suffixing the channel name (and then a counter).
-pub(crate) fn unique_field(taken: &[(String, sync::Value)], field: String, channel: &str) -> String {
+pub(crate) fn unique_field(
+    taken: &[(String, sync::Value)],
+    field: String,
+    channel: &str,
+) -> String {
     let free = |f: &str| !taken.iter().any(|(n, _)| n == f);
     if free(&field) {
         return field;
@@ -208,7 +245,10 @@ pub(crate) fn unique_field(taken: &[(String, sync::Value)], field: String, chann
     if free(&with_channel) {
         return with_channel;
     }
-    (2..).map(|i| format!("{with_channel}_{i}")).find(|f| free(f)).unwrap_or(with_channel)
+    (2..)
+        .map(|i| format!("{with_channel}_{i}"))
+        .find(|f| free(f))
+        .unwrap_or(with_channel)
 }
 
 #[cfg(test)]
@@ -227,8 +267,14 @@ mod tests {
     fn parse_int_tells_garbage_from_overflow() {
         let p = Path::new("f");
         assert_eq!(parse_int(p, "-42").unwrap(), -42.0);
-        assert!(matches!(parse_int(p, "4.2"), Err(SensorError::NotNumeric { .. })));
-        assert!(matches!(parse_int(p, "-"), Err(SensorError::NotNumeric { .. })));
+        assert!(matches!(
+            parse_int(p, "4.2"),
+            Err(SensorError::NotNumeric { .. })
+        ));
+        assert!(matches!(
+            parse_int(p, "-"),
+            Err(SensorError::NotNumeric { .. })
+        ));
         assert!(parse_int(p, "99999999999999999999999").unwrap() > 9e22);
     }
 
@@ -237,14 +283,27 @@ mod tests {
         let p = Path::new("f");
         assert_eq!(parse_decimal(p, "0.5").unwrap(), 0.5);
         assert_eq!(parse_decimal(p, "1e-3").unwrap(), 0.001);
-        assert!(matches!(parse_decimal(p, "inf"), Err(SensorError::NotNumeric { .. })));
-        assert!(matches!(parse_decimal(p, "NaN"), Err(SensorError::NotNumeric { .. })));
-        assert!(matches!(parse_decimal(p, "1e999"), Err(SensorError::NotNumeric { .. })));
+        assert!(matches!(
+            parse_decimal(p, "inf"),
+            Err(SensorError::NotNumeric { .. })
+        ));
+        assert!(matches!(
+            parse_decimal(p, "NaN"),
+            Err(SensorError::NotNumeric { .. })
+        ));
+        assert!(matches!(
+            parse_decimal(p, "1e999"),
+            Err(SensorError::NotNumeric { .. })
+        ));
     }
 
     #[test]
     fn unique_names_only_suffix_duplicates() {
-        let items = vec![(1, "nvme".to_owned()), (2, "coretemp".to_owned()), (3, "nvme".to_owned())];
+        let items = vec![
+            (1, "nvme".to_owned()),
+            (2, "coretemp".to_owned()),
+            (3, "nvme".to_owned()),
+        ];
         assert_eq!(unique_names(&items), ["nvme-1", "coretemp", "nvme-3"]);
     }
 }

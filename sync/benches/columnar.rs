@@ -74,7 +74,10 @@ const HEAP_KEPT: &str = "glibc.malloc.trim_threshold=268435456";
 
 /// Re-runs the speed section in a child process whose allocator keeps its heap, to separate
 /// the codec's cost from the page faults of glibc's default trimming.
-fn speed_with_heap_kept(path: &std::path::Path, summary: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+fn speed_with_heap_kept(
+    path: &std::path::Path,
+    summary: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     println!("\n== speed again with GLIBC_TUNABLES={HEAP_KEPT}");
     let out = Command::new(std::env::current_exe()?)
         .arg(path)
@@ -127,9 +130,15 @@ fn per_record(bytes: usize, records: usize) -> f64 {
 }
 
 /// Sealed v2 and v1 blocks against zstd -3 of the same JSON lines, block by block.
-fn sizes(records: &[Record], lines: &[&str], summary: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+fn sizes(
+    records: &[Record],
+    lines: &[&str],
+    summary: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     let (mut v2, mut v1, mut json, mut json_raw) = (0usize, 0usize, 0usize, 0usize);
-    for (i, (recs, text)) in records.chunks(OFFLINE_BLOCK_RECORDS).zip(lines.chunks(OFFLINE_BLOCK_RECORDS)).enumerate() {
+    for (i, (recs, text)) in
+        records.chunks(OFFLINE_BLOCK_RECORDS).zip(lines.chunks(OFFLINE_BLOCK_RECORDS)).enumerate()
+    {
         let first_seq = (i * OFFLINE_BLOCK_RECORDS) as u64;
         v2 += block::encode_block(VERSION_COLUMNAR, 1, first_seq, recs)?.len();
         v1 += block::encode_block(VERSION_ROWS, 1, first_seq, recs)?.len();
@@ -179,10 +188,26 @@ fn alternatives(records: &[Record], summary: &mut serde_json::Map<String, serde_
     let n = records.len();
     let variants = [
         ("chosen: auto floats, per-key prediction", Tuning::default(), "v2_auto"),
-        ("floats forced to scaled decimals", Tuning { floats: FloatChoice::Scaled, ..Tuning::default() }, "v2_scaled"),
-        ("floats forced to Gorilla XOR (per key)", Tuning { floats: FloatChoice::Gorilla, ..Tuning::default() }, "v2_gorilla"),
-        ("floats forced to raw bits", Tuning { floats: FloatChoice::Raw, ..Tuning::default() }, "v2_raw_floats"),
-        ("whole-column prediction only (plain columnar delta)", Tuning { per_key: false, ..Tuning::default() }, "v2_no_per_key"),
+        (
+            "floats forced to scaled decimals",
+            Tuning { floats: FloatChoice::Scaled, ..Tuning::default() },
+            "v2_scaled",
+        ),
+        (
+            "floats forced to Gorilla XOR (per key)",
+            Tuning { floats: FloatChoice::Gorilla, ..Tuning::default() },
+            "v2_gorilla",
+        ),
+        (
+            "floats forced to raw bits",
+            Tuning { floats: FloatChoice::Raw, ..Tuning::default() },
+            "v2_raw_floats",
+        ),
+        (
+            "whole-column prediction only (plain columnar delta)",
+            Tuning { per_key: false, ..Tuning::default() },
+            "v2_no_per_key",
+        ),
         (
             "Gorilla XOR, whole-column prediction only",
             Tuning { floats: FloatChoice::Gorilla, per_key: false },
@@ -225,8 +250,14 @@ fn dictionary(records: &[Record], summary: &mut serde_json::Map<String, serde_js
             per_record(plain_total, count),
             per_record(dict_total, count)
         );
-        summary.insert(format!("dict_{block_records}_plain_bytes_per_record"), per_record(plain_total, count).into());
-        summary.insert(format!("dict_{block_records}_dict_bytes_per_record"), per_record(dict_total, count).into());
+        summary.insert(
+            format!("dict_{block_records}_plain_bytes_per_record"),
+            per_record(plain_total, count).into(),
+        );
+        summary.insert(
+            format!("dict_{block_records}_dict_bytes_per_record"),
+            per_record(dict_total, count).into(),
+        );
     }
     Ok(())
 }
@@ -237,7 +268,12 @@ fn breakdown(records: &[Record]) -> Result<()> {
     println!("\n== first block by section (raw and zstd -3 alone), bytes/record");
     for s in columnar::sections(recs, &Tuning::default())? {
         let z = zstd::bulk::compress(&s.bytes, ZSTD_LEVEL)?.len();
-        println!("{:32} raw {:8.3}   zstd {:8.3}", s.name, per_record(s.bytes.len(), recs.len()), per_record(z, recs.len()));
+        println!(
+            "{:32} raw {:8.3}   zstd {:8.3}",
+            s.name,
+            per_record(s.bytes.len(), recs.len()),
+            per_record(z, recs.len())
+        );
     }
     Ok(())
 }
@@ -333,8 +369,42 @@ fn speed(records: &[Record], summary: &mut serde_json::Map<String, serde_json::V
             summary.insert(format!("{name}_{what}_records_per_cpu_s"), cpu.round().into());
             summary.insert(format!("{name}_{what}_records_per_wall_s"), wall.round().into());
         }
+        if version == VERSION_COLUMNAR {
+            let reuse = speed_reusing(n, &blocks, &limits)?;
+            println!(
+                "v2 decode reusing the previous block's records and buffers {:>9.0} ({:>9.0})",
+                reuse.0, reuse.1
+            );
+            summary.insert("v2_decode_reusing_records_per_cpu_s".into(), reuse.0.round().into());
+            summary.insert("v2_decode_reusing_records_per_wall_s".into(), reuse.1.round().into());
+        }
     }
     Ok(())
+}
+
+/// Decoding block after block into the same records (`columnar::decode_into`) and the same
+/// raw buffer: `decode_block`'s steps (verify header and body checksum, decompress within the
+/// header's size, check the raw checksum, decode), as a `decode_block_into` would run them.
+fn speed_reusing(n: usize, blocks: &[Vec<u8>], limits: &DecodeLimits) -> Result<(f64, f64)> {
+    let mut dz = zstd::bulk::Decompressor::new()?;
+    let (mut raw, mut out) = (Vec::new(), Vec::new());
+    best_rate(n, || {
+        let ((), spent) = timed(|| {
+            for b in blocks {
+                let h = block::verify_block(b, limits)?;
+                raw.clear();
+                raw.reserve(h.raw_len as usize);
+                let got = dz.decompress_to_buffer(&b[HEADER_LEN..], &mut raw)?;
+                if got != h.raw_len as usize || crc32c::crc32c(&raw) != h.raw_crc {
+                    bail!("raw body does not match its header");
+                }
+                columnar::decode_into(&raw, h.count, &mut out)?;
+                std::hint::black_box(&out);
+            }
+            Ok(())
+        })?;
+        Ok(spent)
+    })
 }
 
 fn profile_decode(records: &[Record]) -> Result<()> {
@@ -349,7 +419,10 @@ fn profile_decode(records: &[Record]) -> Result<()> {
             n += std::hint::black_box(columnar::decode(b, *count)?).len();
         }
     }
-    println!("columnar::decode alone, decode+drop: {:.0} records/s", n as f64 / start.elapsed().as_secs_f64());
+    println!(
+        "columnar::decode alone, decode+drop: {:.0} records/s",
+        n as f64 / start.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 

@@ -57,15 +57,31 @@ fn value() -> impl Strategy<Value = Value> {
 }
 
 fn record() -> impl Strategy<Value = Record> {
-    let name = prop_oneof![proptest::sample::select(vec!["t", "v", "x", "note", "on"]).prop_map(String::from), "\\PC{0,6}"];
-    let key = prop_oneof![proptest::sample::select(vec!["a", "b", "truck-0001/engine", ""]).prop_map(String::from), "\\PC{0,12}"];
-    let ts = prop_oneof![any::<i64>(), (0i64..100_000).prop_map(|x| 1_764_374_400_000_000_000 + x * 1_000_000)];
-    (key, ts, proptest::collection::vec((name, value()), 0..8))
-        .prop_map(|(key, ts, fields)| Record { key, ts, fields })
+    let name = prop_oneof![
+        proptest::sample::select(vec!["t", "v", "x", "note", "on"]).prop_map(String::from),
+        "\\PC{0,6}"
+    ];
+    let key = prop_oneof![
+        proptest::sample::select(vec!["a", "b", "truck-0001/engine", ""]).prop_map(String::from),
+        "\\PC{0,12}"
+    ];
+    let ts =
+        prop_oneof![any::<i64>(), (0i64..100_000).prop_map(|x| 1_764_374_400_000_000_000 + x * 1_000_000)];
+    (key, ts, proptest::collection::vec((name, value()), 0..8)).prop_map(|(key, ts, fields)| Record {
+        key,
+        ts,
+        fields,
+    })
+}
+
+/// 256 cases per property in CI; `TRIBUTARY_SOAK=1` runs 20,000.
+fn config() -> ProptestConfig {
+    let soak = std::env::var("TRIBUTARY_SOAK").as_deref() == Ok("1");
+    ProptestConfig { cases: if soak { 20_000 } else { 256 }, ..ProptestConfig::default() }
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+    #![proptest_config(config())]
 
     #[test]
     fn any_records_round_trip_through_a_v2_block(records in proptest::collection::vec(record(), 1..120)) {
@@ -92,6 +108,19 @@ proptest! {
         }
         prop_assert_eq!(through_block(&records), records.clone());
         check_every_tuning(&records);
+    }
+
+    /// Decoding over the records of another block reuses their buffers and must give exactly
+    /// what decoding afresh gives, whatever the old records' shapes and types were.
+    #[test]
+    fn decode_into_over_other_records_equals_decode(
+        old in proptest::collection::vec(record(), 0..40),
+        new in proptest::collection::vec(record(), 0..40),
+    ) {
+        let body = columnar::encode(&new).unwrap();
+        let mut out = old;
+        columnar::decode_into(&body, new.len() as u32, &mut out).unwrap();
+        prop_assert_eq!(out, new);
     }
 
     #[test]
@@ -168,10 +197,7 @@ fn damaged_v2_block_is_a_block_error() {
     let mut bytes = block::encode_block(VERSION_COLUMNAR, 1, 0, &records).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
-    assert!(matches!(
-        block::decode_block(&bytes, &DecodeLimits::default()),
-        Err(BlockError::BodyChecksum)
-    ));
+    assert!(matches!(block::decode_block(&bytes, &DecodeLimits::default()), Err(BlockError::BodyChecksum)));
 }
 
 #[test]
@@ -202,7 +228,9 @@ fn many_keys_times_many_columns_stay_within_the_state_budget() {
             Record {
                 key: format!("k{k}"),
                 ts: k * 1_000_000_007 + i / 2500,
-                fields: (0..12).map(|c| (format!("f{c}"), Value::I64(k * 1_000_003 * (c + 1) + i / 2500))).collect(),
+                fields: (0..12)
+                    .map(|c| (format!("f{c}"), Value::I64(k * 1_000_003 * (c + 1) + i / 2500)))
+                    .collect(),
             }
         })
         .collect();

@@ -2,8 +2,17 @@
 //! a real MQTT broker, network namespaces with iptables faults, and a userspace UDP impairment
 //! proxy (`tc netem` is not available on the CI machines).
 //!
-//! Every wait in here has a deadline, and every fault helper can report how many faults it
-//! actually applied, so a fault test can prove its faults happened.
+//! - [`procs`]: start, `kill9`, `terminate` and restart binaries found by [`procs::bin_path`];
+//!   [`procs::wait_until`] is the one deadline-bounded wait.
+//! - [`http`]: a tiny blocking HTTP/1.1 client for `/healthz`, `/metrics` and NDJSON.
+//! - [`ports`]: free loopback ports, never handed out twice in one process.
+//! - [`ledger`]: what producers were acknowledged, checked against what the hub holds.
+//! - [`mosquitto`]: a real broker on a free port.
+//! - [`netns`]: two namespaces joined by veth, with counted iptables DROP rules.
+//! - [`netem`]: delay, jitter, loss, reordering, duplication and a rate cap for UDP (QUIC).
+//!
+//! Every wait in here has a deadline, and every fault helper reports how many faults it actually
+//! applied, so a fault test can prove its faults happened.
 
 pub mod http;
 pub mod ledger;

@@ -237,17 +237,24 @@ impl Proc {
         self.child.id()
     }
 
+    fn pid_t(&self) -> Result<libc::pid_t> {
+        libc::pid_t::try_from(self.pid()).context("pid out of range")
+    }
+
     /// How many times the process was started, restarts included.
     pub fn spawns(&self) -> u32 {
         self.spawns
     }
 
     /// SIGKILL, then reap. Returns the exit status (or the earlier one if it had already exited).
+    ///
+    /// The signal goes to the process's whole group (it leads its own), so anything it started
+    /// dies with it and no orphan outlives the test.
     pub fn kill9(&mut self) -> Result<ExitStatus> {
         if let Some(status) = self.try_status()? {
             return Ok(status);
         }
-        send_signal(self.pid(), libc::SIGKILL)
+        send_signal(-self.pid_t()?, libc::SIGKILL)
             .with_context(|| format!("SIGKILL {}", self.name()))?;
         let status = self.child.wait()?;
         self.exited = Some(status);
@@ -260,7 +267,7 @@ impl Proc {
         if let Some(status) = self.try_status()? {
             return Ok(status);
         }
-        send_signal(self.pid(), libc::SIGTERM)
+        send_signal(self.pid_t()?, libc::SIGTERM)
             .with_context(|| format!("SIGTERM {}", self.name()))?;
         match self.wait_exit(timeout) {
             Ok(status) => Ok(status),
@@ -383,12 +390,12 @@ fn read_lossy(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// Sends `signal` to `pid`.
+/// Sends `signal` to `pid`, or to the process group `-pid` when negative.
 #[allow(unsafe_code)]
-fn send_signal(pid: u32, signal: libc::c_int) -> io::Result<()> {
-    let pid = libc::pid_t::try_from(pid).map_err(|_| io::Error::other("pid out of range"))?;
+fn send_signal(pid: libc::pid_t, signal: libc::c_int) -> io::Result<()> {
     // SAFETY: kill(2) only takes integers and touches none of our memory. The callers signal only
-    // children that have not been reaped yet, so the pid cannot belong to another process.
+    // children that have not been reaped yet (or the group such a child leads), so the id cannot
+    // have been recycled for another process.
     let rc = unsafe { libc::kill(pid, signal) };
     if rc == 0 {
         Ok(())

@@ -83,13 +83,29 @@ fn terminate_sends_sigterm_and_waits() -> Result<()> {
 }
 
 #[test]
-fn drop_kills_the_process() -> Result<()> {
-    let proc = Proc::spawn(ProcSpec::new("sleep").arg("30"))?;
+fn drop_kills_the_process_and_its_children() -> Result<()> {
+    let spec = ProcSpec::new("/bin/sh").args(["-c", "sleep 30 & echo $!; wait"]);
+    let proc = Proc::spawn(spec)?;
     let pid = proc.pid();
+    let child: u32 = wait_for(WAIT, "the child's pid", || {
+        proc.stdout().trim().parse().ok()
+    })?;
     drop(proc);
-    let alive = std::path::Path::new(&format!("/proc/{pid}")).exists();
-    assert!(!alive, "pid {pid} survived the drop of its Proc");
+    assert!(!alive(pid), "pid {pid} survived the drop of its Proc");
+    // The orphaned child is reaped by init at its own pace; it must be dead, not necessarily gone.
+    wait_until(WAIT, "the child to die with its group", || !alive(child))?;
     Ok(())
+}
+
+/// Whether `pid` exists and is not a zombie.
+fn alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the parenthesised command name.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => false,
+    }
 }
 
 #[test]

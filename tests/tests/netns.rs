@@ -107,7 +107,9 @@ fn namespaces_link_partition_loss_and_cleanup() -> Result<()> {
     // Read the echoes of the packets that got through, so later round trips see only their own.
     let mut buf = [0u8; 16];
     for _ in 0..200 - lost {
-        socket.recv_from(&mut buf).context("an echo of a packet that passed the loss rule")?;
+        socket
+            .recv_from(&mut buf)
+            .context("an echo of a packet that passed the loss rule")?;
     }
     pair.remove_drop(&loss)?;
 

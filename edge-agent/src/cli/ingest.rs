@@ -41,7 +41,11 @@ struct Progress {
 pub fn ingest(args: Args) -> anyhow::Result<()> {
     let client = super::agent_client(args.config.as_deref(), args.url.clone(), args.token.clone())?;
     let runtime = super::runtime()?;
-    let content_type = if args.line_protocol { "text/plain; charset=utf-8" } else { "application/x-ndjson" };
+    let content_type = if args.line_protocol {
+        "text/plain; charset=utf-8"
+    } else {
+        "application/x-ndjson"
+    };
     let path = format!("/v1/streams/{}/records", args.stream);
     let mut progress = Progress::default();
     let stdin = std::io::stdin().lock();
@@ -55,17 +59,36 @@ pub fn ingest(args: Args) -> anyhow::Result<()> {
         lines_in_batch += 1;
         if lines_in_batch >= args.batch_lines {
             let body = std::mem::take(&mut batch);
-            runtime.block_on(send(&client, &path, content_type, body, batch_first_line, &mut progress))?;
+            runtime.block_on(send(
+                &client,
+                &path,
+                content_type,
+                body,
+                batch_first_line,
+                &mut progress,
+            ))?;
             (lines_in_batch, batch_first_line) = (0, line_no + 1);
         }
     }
     if !batch.trim().is_empty() {
-        runtime.block_on(send(&client, &path, content_type, batch, batch_first_line, &mut progress))?;
+        runtime.block_on(send(
+            &client,
+            &path,
+            content_type,
+            batch,
+            batch_first_line,
+            &mut progress,
+        ))?;
     }
     match progress.first_seq {
         Some(first) => eprintln!(
-            "ingested {} records into stream {:?} in {} batches (epoch {:016x}, seqs {first}..={})",
-            progress.records, args.stream, progress.batches, progress.epoch, progress.last_seq
+            "ingested {} records into stream {:?} in {} batch{} (epoch {:016x}, seqs {first}..={})",
+            progress.records,
+            args.stream,
+            progress.batches,
+            if progress.batches == 1 { "" } else { "es" },
+            progress.epoch,
+            progress.last_seq
         ),
         None => eprintln!("stdin held no records: nothing sent"),
     }
@@ -86,9 +109,16 @@ async fn send(
     }
     let mut retries = 0;
     let response = loop {
-        let r = client.post(path, content_type, body.clone()).await.map_err(|e| {
-            if e.is_unreachable() { super::unreachable(client, &e) } else { anyhow::Error::new(e) }
-        })?;
+        let r = client
+            .post(path, content_type, body.clone())
+            .await
+            .map_err(|e| {
+                if e.is_unreachable() {
+                    super::unreachable(client, &e)
+                } else {
+                    anyhow::Error::new(e)
+                }
+            })?;
         match retry_after(&r) {
             Some(wait) if retries < FULL_RETRIES_MAX => {
                 retries += 1;
@@ -100,8 +130,12 @@ async fn send(
     if response.status != 200 {
         return Err(refusal(&response, first_line, progress));
     }
-    let ack: serde_json::Value = serde_json::from_slice(&response.body)
-        .with_context(|| format!("the agent answered 200 with an unreadable body: {}", response.text()))?;
+    let ack: serde_json::Value = serde_json::from_slice(&response.body).with_context(|| {
+        format!(
+            "the agent answered 200 with an unreadable body: {}",
+            response.text()
+        )
+    })?;
     let field = |k: &str| ack.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
     progress.records += field("count");
     progress.batches += 1;
@@ -123,23 +157,40 @@ fn retry_after(r: &Response) -> Option<Duration> {
 /// The error for a refused batch: the agent's reason, mapped to stdin's line numbers.
 fn refusal(r: &Response, first_line: usize, progress: &Progress) -> anyhow::Error {
     let body: Option<serde_json::Value> = serde_json::from_slice(&r.body).ok();
-    let text = |k: &str| body.as_ref().and_then(|b| b.get(k)).and_then(|v| v.as_str()).map(str::to_owned);
+    let text = |k: &str| {
+        body.as_ref()
+            .and_then(|b| b.get(k))
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+    };
     // A parse error's own message counts lines within the batch; rebuild it from its parts.
     let message = match (text("expected"), text("found")) {
         (Some(expected), Some(found)) => format!("expected {expected}, found {found}"),
         _ => text("error").unwrap_or_else(|| r.text().trim().to_owned()),
     };
-    let line = body.as_ref().and_then(|b| b.get("line")).and_then(serde_json::Value::as_u64);
-    let column = body.as_ref().and_then(|b| b.get("column")).and_then(serde_json::Value::as_u64);
+    let line = body
+        .as_ref()
+        .and_then(|b| b.get("line"))
+        .and_then(serde_json::Value::as_u64);
+    let column = body
+        .as_ref()
+        .and_then(|b| b.get("column"))
+        .and_then(serde_json::Value::as_u64);
     let place = match (line, column) {
         (Some(l), Some(c)) => format!(" at stdin line {}, column {c}", first_line as u64 + l - 1),
         (Some(l), None) => format!(" at stdin line {}", first_line as u64 + l - 1),
         _ => format!(" (batch starting at stdin line {first_line})"),
     };
     let stored = if progress.records > 0 {
-        format!("; the {} records before this batch are stored", progress.records)
+        format!(
+            "; the {} records before this batch are stored",
+            progress.records
+        )
     } else {
         String::new()
     };
-    anyhow::anyhow!("the agent refused the batch{place} (HTTP {}): {message}{stored}", r.status)
+    anyhow::anyhow!(
+        "the agent refused the batch{place} (HTTP {}): {message}{stored}",
+        r.status
+    )
 }

@@ -24,7 +24,10 @@ pub fn inspect(config_path: &Path, stream: &str, from_seq: Option<u64>) -> anyho
     let cfg = super::load_config(config_path)?;
     if cfg.stream(stream).is_none() {
         let names: Vec<&str> = cfg.streams.iter().map(|s| s.name.as_str()).collect();
-        anyhow::bail!("unknown stream {stream:?}: the config declares {}", names.join(", "));
+        anyhow::bail!(
+            "unknown stream {stream:?}: the config declares {}",
+            names.join(", ")
+        );
     }
     let _lock = DataDirLock::acquire(&cfg.data_dir)?;
     let (log, _report) = Log::open(cfg.log_config(), Arc::new(RealStorage))
@@ -43,12 +46,19 @@ fn print_stream(log: &LogHandle, stream: &str, from_seq: Option<u64>) -> anyhow:
             GapReason::Dropped => "dropped by the disk budget",
             GapReason::Corrupt => "quarantined as corrupt",
         };
-        eprintln!("gap: epoch {:016x} seqs {}..={} ({} records) {why}", gap.epoch, gap.first_seq, gap.last_seq, gap.records);
+        eprintln!(
+            "gap: epoch {:016x} seqs {}..={} ({} records) {why}",
+            gap.epoch, gap.first_seq, gap.last_seq, gap.records
+        );
     }
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let epochs: Vec<(u64, u64)> = match from_seq {
         Some(seq) => vec![(log.epoch(), seq)],
-        None => log.epochs_held(stream).into_iter().map(|(epoch, first, _)| (epoch, first)).collect(),
+        None => log
+            .epochs_held(stream)
+            .into_iter()
+            .map(|(epoch, first, _)| (epoch, first))
+            .collect(),
     };
     for (epoch, first) in epochs {
         print_epoch(log, stream, epoch, first, &mut out)?;
@@ -58,16 +68,26 @@ fn print_stream(log: &LogHandle, stream: &str, from_seq: Option<u64>) -> anyhow:
 }
 
 /// Prints the records of one epoch with seq >= `from`.
-fn print_epoch(log: &LogHandle, stream: &str, epoch: u64, from: u64, out: &mut impl std::io::Write) -> anyhow::Result<()> {
+fn print_epoch(
+    log: &LogHandle,
+    stream: &str,
+    epoch: u64,
+    from: u64,
+    out: &mut impl std::io::Write,
+) -> anyhow::Result<()> {
     let mut after = from.saturating_sub(1);
     let mut line = String::new();
     loop {
         let blocks = log.read_blocks(stream, epoch, after, READ_BYTES_MAX)?;
-        let Some(last) = blocks.last() else { return Ok(()) };
+        let Some(last) = blocks.last() else {
+            return Ok(());
+        };
         after = last.header.last_seq();
         for stored in blocks {
-            let block = decode_block(&stored.bytes, &DecodeLimits::default())
-                .with_context(|| format!("decoding the block at seq {}", stored.header.first_seq))?;
+            let block =
+                decode_block(&stored.bytes, &DecodeLimits::default()).with_context(|| {
+                    format!("decoding the block at seq {}", stored.header.first_seq)
+                })?;
             for (i, record) in block.records.iter().enumerate() {
                 let seq = block.header.first_seq + i as u64;
                 if seq < from {
@@ -87,5 +107,6 @@ fn print_epoch(log: &LogHandle, stream: &str, epoch: u64, from: u64, out: &mut i
 }
 
 fn is_broken_pipe(e: &anyhow::Error) -> bool {
-    e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    e.downcast_ref::<std::io::Error>()
+        .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
 }

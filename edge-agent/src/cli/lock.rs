@@ -33,7 +33,11 @@ impl DataDirLock {
                 let mut holder = String::new();
                 let _ = file.read_to_string(&mut holder);
                 let holder = holder.trim();
-                let who = if holder.is_empty() { String::new() } else { format!(" (pid {holder})") };
+                let who = if holder.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (pid {holder})")
+                };
                 anyhow::bail!(
                     "another edge-agent{who} is using the data directory {}: stop it first \
                      (use `edge-agent status` to look at a running agent)",

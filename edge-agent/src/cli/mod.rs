@@ -23,12 +23,19 @@ pub fn load_config(path: &Path) -> anyhow::Result<EdgeConfig> {
 
 /// A client for the running agent: from `--url`, else from the config's `http.listen` and
 /// `http.token`, else the default address.
-pub fn agent_client(config: Option<&Path>, url: Option<String>, token: Option<String>) -> anyhow::Result<Client> {
+pub fn agent_client(
+    config: Option<&Path>,
+    url: Option<String>,
+    token: Option<String>,
+) -> anyhow::Result<Client> {
     let (url, config_token) = match (url, config) {
         (Some(url), _) => (url, None),
         (None, Some(path)) => {
             let cfg = load_config(path)?;
-            (format!("http://{}", loopback_for(cfg.http.listen)), cfg.http.token)
+            (
+                format!("http://{}", loopback_for(cfg.http.listen)),
+                cfg.http.token,
+            )
         }
         (None, None) => (DEFAULT_URL.to_owned(), None),
     };
@@ -51,10 +58,16 @@ fn loopback_for(listen: std::net::SocketAddr) -> std::net::SocketAddr {
 
 /// The message for an agent that does not answer.
 pub fn unreachable(client: &Client, e: &dyn std::fmt::Display) -> anyhow::Error {
-    anyhow::anyhow!("could not reach the agent at {}: is `edge-agent run` running? ({e})", client.url())
+    anyhow::anyhow!(
+        "could not reach the agent at {}: is `edge-agent run` running? ({e})",
+        client.url()
+    )
 }
 
 /// A current-thread runtime for the client commands.
 pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the async runtime")
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }

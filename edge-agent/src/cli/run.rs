@@ -18,20 +18,9 @@ pub fn run(config_path: &Path) -> anyhow::Result<()> {
     let cfg = super::load_config(config_path)?;
     init_tracing();
     let _lock = DataDirLock::acquire(&cfg.data_dir)?;
-    let (log, report) = Log::open(cfg.log_config(), Arc::new(RealStorage))
+    // Recovery logs what it found and did ("local log recovered ...").
+    let (log, _report) = Log::open(cfg.log_config(), Arc::new(RealStorage))
         .with_context(|| format!("opening the local log in {}", cfg.data_dir.display()))?;
-    info!(
-        epoch = format!("{:016x}", report.epoch),
-        epoch_minted = report.epoch_minted,
-        segments = report.segments,
-        blocks = report.blocks,
-        records = report.records,
-        truncated_bytes = report.truncated_bytes,
-        truncated_records = report.truncated_records,
-        quarantined = report.quarantined.len(),
-        catalog_rebuilt = report.catalog_rebuilt,
-        "local log recovered"
-    );
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("edge-agent")
@@ -46,9 +35,14 @@ pub fn run(config_path: &Path) -> anyhow::Result<()> {
 }
 
 async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::bind(cfg.http.listen).await.with_context(|| {
-        format!("could not listen on {} (http.listen): is another process using it?", cfg.http.listen)
-    })?;
+    let listener = tokio::net::TcpListener::bind(cfg.http.listen)
+        .await
+        .with_context(|| {
+            format!(
+                "could not listen on {} (http.listen): is another process using it?",
+                cfg.http.listen
+            )
+        })?;
     let addr = listener.local_addr()?;
     let app = AppState::new(cfg, log);
     info!(
@@ -57,7 +51,9 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
         streams = cfg.streams.len(),
         "edge-agent ready"
     );
-    http::serve(listener, app, shutdown_signal()).await.context("serving the HTTP API")
+    http::serve(listener, app, shutdown_signal())
+        .await
+        .context("serving the HTTP API")
 }
 
 /// Resolves on SIGTERM or ctrl-c (SIGINT).
@@ -83,5 +79,10 @@ async fn shutdown_signal() {
 fn init_tracing() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(std::io::stderr)
+        .try_init();
 }

@@ -11,11 +11,20 @@ use edge_agent::http::StatusReport;
 pub fn status(config: Option<&Path>, url: Option<String>, json: bool) -> anyhow::Result<()> {
     let client = super::agent_client(config, url, None)?;
     let runtime = super::runtime()?;
-    let response = runtime
-        .block_on(client.get("/v1/status"))
-        .map_err(|e| if e.is_unreachable() { super::unreachable(&client, &e) } else { e.into() })?;
+    let response = runtime.block_on(client.get("/v1/status")).map_err(|e| {
+        if e.is_unreachable() {
+            super::unreachable(&client, &e)
+        } else {
+            e.into()
+        }
+    })?;
     if response.status != 200 {
-        anyhow::bail!("the agent at {} answered HTTP {}: {}", client.url(), response.status, response.text().trim());
+        anyhow::bail!(
+            "the agent at {} answered HTTP {}: {}",
+            client.url(),
+            response.status,
+            response.text().trim()
+        );
     }
     let report: StatusReport = serde_json::from_slice(&response.body)
         .with_context(|| format!("the agent at {} sent an unreadable status", client.url()))?;
@@ -33,19 +42,44 @@ pub fn render(r: &StatusReport, url: &str) -> String {
     let _ = writeln!(out, "agent     {url}");
     let _ = writeln!(out, "epoch     {:016x}", r.epoch);
     let _ = writeln!(out, "link      {}", r.link.label());
-    let _ = writeln!(out, "storage   fsync {}, on_full {}, disk {} of {}", r.fsync, r.on_full, bytes(r.disk_bytes), bytes(r.disk_bytes_max));
+    let _ = writeln!(
+        out,
+        "storage   fsync {}, on_full {}, disk {} of {}",
+        r.fsync,
+        r.on_full,
+        bytes(r.disk_bytes),
+        bytes(r.disk_bytes_max)
+    );
     if let Some(why) = &r.poisoned {
-        let _ = writeln!(out, "POISONED  {why} (restart the agent to re-verify the log)");
+        let _ = writeln!(
+            out,
+            "POISONED  {why} (restart the agent to re-verify the log)"
+        );
     }
     let _ = writeln!(out);
-    let header = ["STREAM", "NEXT SEQ", "DURABLE", "ACKED", "BACKLOG", "BLOCKS", "SEGMENTS", "OLDEST UNSENT", "DROPPED", "QUARANTINED"];
+    let header = [
+        "STREAM",
+        "NEXT SEQ",
+        "DURABLE",
+        "ACKED",
+        "BACKLOG",
+        "BLOCKS",
+        "SEGMENTS",
+        "OLDEST UNSENT",
+        "DROPPED",
+        "QUARANTINED",
+    ];
     let mut rows: Vec<Vec<String>> = vec![header.iter().map(|h| h.to_string()).collect()];
     for s in &r.streams {
         rows.push(vec![
             s.stream.clone(),
             s.next_seq.to_string(),
             s.durable_seq.to_string(),
-            if s.acked_seq == 0 { "-".into() } else { s.acked_seq.to_string() },
+            if s.acked_seq == 0 {
+                "-".into()
+            } else {
+                s.acked_seq.to_string()
+            },
             bytes(s.backlog_bytes),
             s.backlog_blocks.to_string(),
             s.segments.to_string(),
@@ -54,9 +88,15 @@ pub fn render(r: &StatusReport, url: &str) -> String {
             format!("{} blocks", s.quarantined_blocks),
         ]);
     }
-    let widths: Vec<usize> = (0..header.len()).map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..header.len())
+        .map(|c| rows.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
     for row in rows {
-        let cells: Vec<String> = row.iter().zip(&widths).map(|(cell, w)| format!("{cell:<w$}")).collect();
+        let cells: Vec<String> = row
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
         let _ = writeln!(out, "{}", cells.join("  ").trim_end());
     }
     out

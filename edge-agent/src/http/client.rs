@@ -22,7 +22,10 @@ pub enum ClientError {
     BadUrl(String),
     /// Nothing accepted the connection: the agent is not running or listens elsewhere.
     #[error("could not connect to {addr}: {source}")]
-    Connect { addr: String, source: std::io::Error },
+    Connect {
+        addr: String,
+        source: std::io::Error,
+    },
     #[error("request to {addr} failed: {message}")]
     Request { addr: String, message: String },
     #[error("no answer from {addr} within {timeout:?}")]
@@ -79,7 +82,11 @@ impl Client {
         if !valid || authority.contains('/') {
             return Err(ClientError::BadUrl(url.to_owned()));
         }
-        Ok(Client { authority: authority.to_owned(), token: None, timeout: Duration::from_secs(60) })
+        Ok(Client {
+            authority: authority.to_owned(),
+            token: None,
+            timeout: Duration::from_secs(60),
+        })
     }
 
     /// Sends `Authorization: Bearer <token>` with every request.
@@ -109,7 +116,8 @@ impl Client {
         content_type: &str,
         body: impl Into<Bytes>,
     ) -> Result<Response, ClientError> {
-        self.send("POST", path, Some(content_type), body.into()).await
+        self.send("POST", path, Some(content_type), body.into())
+            .await
     }
 
     /// Sends one request on a fresh connection and reads the whole answer.
@@ -123,7 +131,10 @@ impl Client {
         let timeout = self.timeout;
         tokio::time::timeout(timeout, self.send_inner(method, path, content_type, body))
             .await
-            .map_err(|_| ClientError::Timeout { addr: self.authority.clone(), timeout })?
+            .map_err(|_| ClientError::Timeout {
+                addr: self.authority.clone(),
+                timeout,
+            })?
     }
 
     async fn send_inner(
@@ -138,15 +149,23 @@ impl Client {
             addr: addr.clone(),
             message: e.to_string(),
         };
-        let stream = TcpStream::connect(addr.as_str())
-            .await
-            .map_err(|source| ClientError::Connect { addr: addr.clone(), source })?;
+        let stream =
+            TcpStream::connect(addr.as_str())
+                .await
+                .map_err(|source| ClientError::Connect {
+                    addr: addr.clone(),
+                    source,
+                })?;
         stream.set_nodelay(true).map_err(|e| failed(&e))?;
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.map_err(|e| failed(&e))?;
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(|e| failed(&e))?;
         // The connection future drives the socket; it ends when the request is done.
         tokio::spawn(connection);
-        let mut request = Request::builder().method(method).uri(path).header(HOST, addr.as_str());
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(HOST, addr.as_str());
         if let Some(ct) = content_type {
             request = request.header(CONTENT_TYPE, ct);
         }
@@ -157,8 +176,17 @@ impl Client {
         let response = sender.send_request(request).await.map_err(|e| failed(&e))?;
         let status = response.status().as_u16();
         let headers = response.headers().clone();
-        let body = response.into_body().collect().await.map_err(|e| failed(&e))?.to_bytes();
-        Ok(Response { status, headers, body })
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| failed(&e))?
+            .to_bytes();
+        Ok(Response {
+            status,
+            headers,
+            body,
+        })
     }
 }
 
@@ -168,10 +196,25 @@ mod tests {
 
     #[test]
     fn urls() {
-        assert_eq!(Client::new("http://127.0.0.1:7401").unwrap().url(), "http://127.0.0.1:7401");
-        assert_eq!(Client::new("http://localhost:7401/").unwrap().url(), "http://localhost:7401");
-        assert_eq!(Client::new("127.0.0.1:1").unwrap().url(), "http://127.0.0.1:1");
-        for bad in ["https://h:1", "http://h", "http://:1", "http://h:1/x", "h:port"] {
+        assert_eq!(
+            Client::new("http://127.0.0.1:7401").unwrap().url(),
+            "http://127.0.0.1:7401"
+        );
+        assert_eq!(
+            Client::new("http://localhost:7401/").unwrap().url(),
+            "http://localhost:7401"
+        );
+        assert_eq!(
+            Client::new("127.0.0.1:1").unwrap().url(),
+            "http://127.0.0.1:1"
+        );
+        for bad in [
+            "https://h:1",
+            "http://h",
+            "http://:1",
+            "http://h:1/x",
+            "h:port",
+        ] {
             assert!(Client::new(bad).is_err(), "{bad}");
         }
     }

@@ -33,7 +33,11 @@ impl Ingest {
     }
 
     /// Appends `records` to `stream` as one atomic batch; resolves once they are durable.
-    pub async fn ingest(&self, stream: &str, records: Vec<Record>) -> Result<AppendAck, AppendError> {
+    pub async fn ingest(
+        &self,
+        stream: &str,
+        records: Vec<Record>,
+    ) -> Result<AppendAck, AppendError> {
         let count = records.len() as u64;
         let result = self.log.append(stream, records).await;
         match &result {
@@ -68,9 +72,16 @@ pub const ACCEPTED_CONTENT_TYPES: &str =
 impl BodyFormat {
     /// Maps a `Content-Type` header (parameters such as `charset` ignored).
     pub fn from_content_type(value: &str) -> Option<Self> {
-        let media = value.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+        let media = value
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
         match media.as_str() {
-            "application/x-ndjson" | "application/json" | "application/jsonl"
+            "application/x-ndjson"
+            | "application/json"
+            | "application/jsonl"
             | "application/ndjson" => Some(BodyFormat::Ndjson),
             "text/plain" => Some(BodyFormat::LineProtocol),
             _ => None,
@@ -82,10 +93,16 @@ impl BodyFormat {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum BodyError {
     /// Not UTF-8: names the line holding the first bad byte.
-    NotUtf8 { line: usize },
+    NotUtf8 {
+        line: usize,
+    },
     Parse(ParseError),
     /// A line-protocol record written to another measurement than the URL's stream.
-    WrongMeasurement { line: usize, measurement: String, stream: String },
+    WrongMeasurement {
+        line: usize,
+        measurement: String,
+        stream: String,
+    },
     /// Only blank or comment lines.
     Empty,
 }
@@ -95,7 +112,11 @@ impl std::fmt::Display for BodyError {
         match self {
             BodyError::NotUtf8 { line } => write!(f, "line {line}: the body is not valid UTF-8"),
             BodyError::Parse(e) => write!(f, "{e}"),
-            BodyError::WrongMeasurement { line, measurement, stream } => write!(
+            BodyError::WrongMeasurement {
+                line,
+                measurement,
+                stream,
+            } => write!(
                 f,
                 "line {line}: measurement {measurement:?} does not match the stream {stream:?} \
                  in the URL: post it to /v1/streams/{measurement}/records"
@@ -109,7 +130,9 @@ impl BodyError {
     /// The 1-based line and column the error points at, when it points at one.
     pub fn position(&self) -> Option<(usize, usize)> {
         match self {
-            BodyError::NotUtf8 { line } | BodyError::WrongMeasurement { line, .. } => Some((*line, 1)),
+            BodyError::NotUtf8 { line } | BodyError::WrongMeasurement { line, .. } => {
+                Some((*line, 1))
+            }
             BodyError::Parse(e) => Some((e.line, e.column)),
             BodyError::Empty => None,
         }
@@ -124,9 +147,14 @@ pub fn parse_body(
     default_ts: i64,
 ) -> Result<Vec<Record>, BodyError> {
     let text = std::str::from_utf8(body).map_err(|e| BodyError::NotUtf8 {
-        line: 1 + body[..e.valid_up_to()].iter().filter(|b| **b == b'\n').count(),
+        line: 1 + body[..e.valid_up_to()]
+            .iter()
+            .filter(|b| **b == b'\n')
+            .count(),
     })?;
-    let opts = ParseOptions { default_ts: Some(default_ts) };
+    let opts = ParseOptions {
+        default_ts: Some(default_ts),
+    };
     let records = match format {
         BodyFormat::Ndjson => parse_ndjson_with(text, &opts).map_err(BodyError::Parse)?,
         BodyFormat::LineProtocol => {
@@ -150,17 +178,22 @@ pub fn parse_body(
 
 /// The 1-based number of the first line written to `measurement`, for error messages.
 fn measurement_line(text: &str, measurement: &str) -> Option<usize> {
-    text.lines().position(|line| {
-        let line = line.trim_start();
-        !line.starts_with('#')
-            && line.strip_prefix(measurement).is_some_and(|rest| rest.starts_with([',', ' ']))
-    })
-    .map(|i| i + 1)
+    text.lines()
+        .position(|line| {
+            let line = line.trim_start();
+            !line.starts_with('#')
+                && line
+                    .strip_prefix(measurement)
+                    .is_some_and(|rest| rest.starts_with([',', ' ']))
+        })
+        .map(|i| i + 1)
 }
 
 /// Now, in nanoseconds since the Unix epoch: the timestamp of records sent without one.
 pub fn now_ns() -> i64 {
-    let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    let d = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default();
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
@@ -188,8 +221,14 @@ mod tests {
         let ok = br#"{"key":"a","ts":1,"fields":{"x":1}}"#;
         assert_eq!(parse_body(BodyFormat::Ndjson, "s", ok, 0).unwrap().len(), 1);
         let no_ts = br#"{"key":"a","fields":{"x":1}}"#;
-        assert_eq!(parse_body(BodyFormat::Ndjson, "s", no_ts, 42).unwrap()[0].ts, 42);
-        assert_eq!(parse_body(BodyFormat::Ndjson, "s", b"\n\n", 0), Err(BodyError::Empty));
+        assert_eq!(
+            parse_body(BodyFormat::Ndjson, "s", no_ts, 42).unwrap()[0].ts,
+            42
+        );
+        assert_eq!(
+            parse_body(BodyFormat::Ndjson, "s", b"\n\n", 0),
+            Err(BodyError::Empty)
+        );
         let bad = parse_body(BodyFormat::Ndjson, "s", b"{\"key\":\"a\"}\n{", 0).unwrap_err();
         assert!(bad.position().is_some());
         let not_utf8 = parse_body(BodyFormat::Ndjson, "s", b"{}\n\xff", 0).unwrap_err();

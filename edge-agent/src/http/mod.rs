@@ -57,12 +57,18 @@ impl AppState {
     /// State for an agent configured by `cfg`, appending to `log`.
     pub fn new(cfg: &EdgeConfig, log: LogHandle) -> Arc<Self> {
         let metrics = Arc::new(Metrics::new(cfg.streams.iter().map(|s| s.name.as_str())));
-        let link = if cfg.hub.is_some() { LinkState::Down } else { LinkState::NotConfigured };
+        let link = if cfg.hub.is_some() {
+            LinkState::Down
+        } else {
+            LinkState::NotConfigured
+        };
         Arc::new(AppState {
             ingest: Ingest::new(log, metrics),
             token: cfg.http.token.clone(),
             body_bytes_max: cfg.http.body_bytes_max,
-            limits: Limits { disk_bytes_max: cfg.storage.disk_bytes_max },
+            limits: Limits {
+                disk_bytes_max: cfg.storage.disk_bytes_max,
+            },
             fsync: fsync_name(&cfg.storage.fsync),
             on_full: on_full_name(cfg.storage.on_full).to_owned(),
             link: RwLock::new(link),
@@ -83,7 +89,9 @@ impl AppState {
     }
 
     fn authorized(&self, headers: &HeaderMap) -> bool {
-        let Some(token) = &self.token else { return true };
+        let Some(token) = &self.token else {
+            return true;
+        };
         let given = headers
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
@@ -119,12 +127,16 @@ pub async fn serve(
     app: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(app)).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router(app))
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 async fn count_answers(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
     let response = next.run(request).await;
-    app.ingest.metrics().http_answered(response.status().as_u16());
+    app.ingest
+        .metrics()
+        .http_answered(response.status().as_u16());
     response
 }
 
@@ -140,21 +152,33 @@ async fn post_records(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     if !app.authorized(&headers) {
-        let mut r = error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (http.token)");
-        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        let mut r = error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (http.token)",
+        );
+        r.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return r;
     }
     if !app.ingest.log().config().streams.contains(&stream) {
         return error(
             StatusCode::NOT_FOUND,
-            format!("unknown stream {stream:?}: declare it as a [[streams]] entry in the agent's config"),
+            format!(
+                "unknown stream {stream:?}: declare it as a [[streams]] entry in the agent's config"
+            ),
         );
     }
-    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let content_type = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     let Some(format) = BodyFormat::from_content_type(content_type) else {
         return error(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            format!("content type {content_type:?} is not accepted: use {}", ingest::ACCEPTED_CONTENT_TYPES),
+            format!(
+                "content type {content_type:?} is not accepted: use {}",
+                ingest::ACCEPTED_CONTENT_TYPES
+            ),
         );
     };
     let body = match body {
@@ -162,7 +186,10 @@ async fn post_records(
         Err(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
             return error(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the body is over {} bytes (http.body_bytes_max): send smaller batches", app.body_bytes_max),
+                format!(
+                    "the body is over {} bytes (http.body_bytes_max): send smaller batches",
+                    app.body_bytes_max
+                ),
             );
         }
         Err(e) => return error(e.status(), e.body_text()),
@@ -209,14 +236,22 @@ fn append_error(e: &AppendError) -> Response {
                 "the disk budget (storage.disk_bytes_max) is full and storage.on_full = \"block\": \
                  retry after the hub has taken the backlog, or raise the budget",
             );
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(retry_after_secs(*retry_after)));
+            r.headers_mut().insert(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after_secs(*retry_after)),
+            );
             r
         }
         AppendError::Poisoned(_) | AppendError::Storage(_) => error(
             StatusCode::SERVICE_UNAVAILABLE,
-            format!("{e}; check the disk, then restart the agent (it re-verifies the log at start-up)"),
+            format!(
+                "{e}; check the disk, then restart the agent (it re-verifies the log at start-up)"
+            ),
         ),
-        AppendError::Closed => error(StatusCode::SERVICE_UNAVAILABLE, "the agent is shutting down"),
+        AppendError::Closed => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the agent is shutting down",
+        ),
     }
 }
 
@@ -227,7 +262,10 @@ fn retry_after_secs(d: Duration) -> u64 {
 
 async fn get_status(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if !app.authorized(&headers) {
-        return error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token (http.token)");
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token (http.token)",
+        );
     }
     axum::Json(app.status_report()).into_response()
 }
@@ -246,7 +284,14 @@ async fn get_healthz(State(app): State<Arc<AppState>>) -> Response {
 async fn get_metrics(State(app): State<Arc<AppState>>) -> Response {
     let status = app.ingest.log().status();
     let text = app.ingest.metrics().render(&status, &app.limits, now_ns());
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
 }
 
 /// Compares secrets without an early exit, so timing does not reveal a matching prefix.

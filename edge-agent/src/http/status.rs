@@ -72,7 +72,14 @@ pub struct StreamReport {
 
 impl StatusReport {
     /// Builds the report from a log snapshot.
-    pub fn new(status: &LogStatus, link: LinkState, fsync: &str, on_full: &str, disk_bytes_max: u64, now_ns: i64) -> Self {
+    pub fn new(
+        status: &LogStatus,
+        link: LinkState,
+        fsync: &str,
+        on_full: &str,
+        disk_bytes_max: u64,
+        now_ns: i64,
+    ) -> Self {
         let streams = status
             .streams
             .iter()

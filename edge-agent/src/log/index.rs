@@ -141,12 +141,6 @@ pub(crate) struct SharedState {
     pub acks_dirty: bool,
 }
 
-impl SharedState {
-    pub(crate) fn epoch_order(&self, epoch: u64) -> usize {
-        self.epochs.iter().position(|e| *e == epoch).unwrap_or(0)
-    }
-}
-
 /// The state shared between handles and the writer.
 #[derive(Debug)]
 pub(crate) struct Shared {

@@ -46,11 +46,17 @@
 //! - **Catalog** (`crate::catalog`): SQLite at `data_dir/catalog.db` (WAL). It holds epochs,
 //!   segments, acknowledgements and gap markers, and is rebuilt from the files above if missing
 //!   or corrupt; only acknowledgements are lost then (the hub repeats them).
-//! - **Disk budget** (`disk_bytes_max`, over segment bytes). [`OnFull::DropOldest`] deletes the
-//!   oldest whole segments that are locally durable, never an active one, after writing and
-//!   fsyncing their exact seq ranges as `Dropped` gap markers; usage stays within the budget
-//!   plus the active segment (per stream). [`OnFull::Block`] answers [`AppendError::Full`] at
-//!   once when a batch would not fit; nothing stored is touched.
+//! - **Disk budget** (`disk_bytes_max`, over segment bytes). [`OnFull::DropOldest`] deletes
+//!   whole segments, each time a stream's oldest (write order, so a stream only ever loses a
+//!   prefix; among streams the one with the oldest event time), never an active one and never
+//!   one holding blocks not yet durable, after writing and fsyncing their exact seq ranges as
+//!   `Dropped` gap markers. If power is lost between the marker and the delete, recovery
+//!   finishes the delete. Usage stays within the budget plus the active segment (one per
+//!   stream, and a segment's worth while a single oversized batch is being written).
+//!   [`OnFull::Block`] answers [`AppendError::Full`] at once when a batch would not fit (a
+//!   conservative check on uncompressed sizes); nothing stored is touched.
+//! - **Counters** in [`LogStatus`] (`dropped_*`, `quarantined_blocks`) count since open, like
+//!   Prometheus counters; the gap markers themselves are permanent.
 //! - **Retention.** A segment is deleted once the hub's `tiered_seq` covers its every block
 //!   ([`LogHandle::set_acked`]); `durable_seq` alone frees nothing.
 

@@ -261,6 +261,7 @@ fn recover_stream(
             idx.segments.push(seg);
         }
     }
+    finish_interrupted_drops(cx, &mut idx, dir)?;
     for e in epochs {
         drop_incomplete_batch(cx, &mut idx, *e)?;
     }
@@ -496,6 +497,14 @@ fn rewrite_segment(
 /// Drops a trailing run of `FLAG_BATCH_CONTINUES` blocks of one epoch: a batch whose last block
 /// never reached the disk was never acknowledged, and must not be half-visible.
 fn drop_incomplete_batch(cx: &mut Ctx<'_>, idx: &mut StreamIndex, epoch: u64) -> Result<(), OpenError> {
+    let last = idx.segments.iter().rev().filter(|s| s.epoch == epoch).find_map(SegIndex::last_seq);
+    // A batch that continues into a gap marker (its later blocks were dropped by the budget or
+    // quarantined) was complete; it is not the torn end of the log.
+    if let Some(last) = last
+        && idx.gaps.iter().any(|g| g.epoch == epoch && g.first_seq <= last + 1 && last < g.last_seq)
+    {
+        return Ok(());
+    }
     for seg in idx.segments.iter_mut().rev().filter(|s| s.epoch == epoch) {
         let keep = seg.blocks.iter().rposition(|b| b.flags & FLAG_BATCH_CONTINUES == 0).map_or(0, |i| i + 1);
         if keep < seg.blocks.len() {
@@ -512,6 +521,32 @@ fn drop_incomplete_batch(cx: &mut Ctx<'_>, idx: &mut StreamIndex, epoch: u64) ->
             // The newest complete block ends the search.
             return Ok(());
         }
+    }
+    Ok(())
+}
+
+/// Deletes segments whose every block lies in a `Dropped` gap marker: the budget wrote the
+/// marker (fsynced) and lost power before the delete became durable. Finishing the drop keeps
+/// the marker and the data from both claiming the same seqs.
+fn finish_interrupted_drops(cx: &mut Ctx<'_>, idx: &mut StreamIndex, dir: &Path) -> Result<(), OpenError> {
+    let dropped = |epoch: u64, b: &BlockRef| {
+        idx.gaps.iter().any(|g| {
+            g.reason == GapReason::Dropped && g.epoch == epoch && g.first_seq <= b.first_seq && b.last_seq() <= g.last_seq
+        })
+    };
+    let doomed: Vec<PathBuf> = idx
+        .segments
+        .iter()
+        .filter(|s| !s.blocks.is_empty() && s.blocks.iter().all(|b| dropped(s.epoch, b)))
+        .map(|s| s.path.clone())
+        .collect();
+    for p in &doomed {
+        cx.storage.remove(p).map_err(io_err("remove", p))?;
+        tracing::warn!(file = %p.display(), "finished dropping a segment already recorded as a gap");
+    }
+    if !doomed.is_empty() {
+        cx.storage.sync_dir(dir).map_err(io_err("sync_dir", dir))?;
+        idx.segments.retain(|s| !doomed.contains(&s.path));
     }
     Ok(())
 }

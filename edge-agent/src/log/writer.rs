@@ -509,23 +509,26 @@ impl Writer {
         Ok(())
     }
 
-    /// The oldest segment (by event time, then epoch order and seq) that is neither active nor
+    /// The segment to drop: each stream's oldest (in write order: epoch, then seq), and among
+    /// streams the one with the oldest event time. Only the oldest segment of a stream is ever a
+    /// candidate, so a stream loses a prefix, never a middle; and it must be neither active nor
     /// holding blocks that are not durable yet (their producers still wait for an answer).
     fn oldest_droppable(&self) -> Option<(usize, SegIndex)> {
         let s = self.shared.lock();
-        let mut best: Option<((i64, usize, u64), usize, &SegIndex)> = None;
+        let mut best: Option<(i64, usize, &SegIndex)> = None;
         for (j, st) in self.streams.iter().enumerate() {
             let active = st.active.as_ref().map(|a| &a.path);
-            let idx = s.streams.get(&st.name)?;
-            for seg in &idx.segments {
-                let durable = idx.durable.get(&seg.epoch).copied().unwrap_or(0);
-                if Some(&seg.path) == active || seg.last_seq().is_some_and(|l| l > durable) {
-                    continue;
-                }
-                let key = (seg.blocks.first().map_or(i64::MIN, |b| b.min_ts), s.epoch_order(seg.epoch), seg.first_seq);
-                if best.as_ref().is_none_or(|(k, _, _)| key < *k) {
-                    best = Some((key, j, seg));
-                }
+            let Some(seg) = s.streams.get(&st.name).and_then(|idx| idx.segments.first().map(|g| (idx, g))) else {
+                continue;
+            };
+            let (idx, seg) = seg;
+            let durable = idx.durable.get(&seg.epoch).copied().unwrap_or(0);
+            if Some(&seg.path) == active || seg.last_seq().is_some_and(|l| l > durable) {
+                continue;
+            }
+            let ts = seg.blocks.first().map_or(i64::MIN, |b| b.min_ts);
+            if best.as_ref().is_none_or(|(t, _, _)| ts < *t) {
+                best = Some((ts, j, seg));
             }
         }
         best.map(|(_, j, seg)| (j, seg.clone()))

@@ -79,7 +79,8 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn create_dir_all(&self, dir: &Path) -> io::Result<()>;
     /// Makes the directory's entries durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
-    /// Bytes available to this process on the file system holding `dir`, when known.
+    /// Bytes free on the file system holding `dir`, when the implementation knows. Advisory
+    /// only: the log enforces `disk_bytes_max` from its own accounting.
     fn available_bytes(&self, _dir: &Path) -> Option<u64> {
         None
     }

@@ -19,7 +19,11 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_edge-agent");
 /// A free loopback port. The agent binds it a moment later; SO_REUSEADDR makes the reuse across
 /// restarts safe.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 /// A data directory, a config file and a port for one agent.
@@ -48,7 +52,9 @@ impl Setup {
     }
 
     pub fn client(&self) -> Client {
-        Client::new(&self.url()).unwrap().with_timeout(Duration::from_secs(30))
+        Client::new(&self.url())
+            .unwrap()
+            .with_timeout(Duration::from_secs(30))
     }
 
     pub fn data_dir(&self) -> PathBuf {
@@ -58,7 +64,11 @@ impl Setup {
     /// Starts the agent and waits until `/healthz` answers `ok`.
     pub fn start(&self) -> Agent {
         let log = self.dir.path().join("agent.log");
-        let stderr = std::fs::OpenOptions::new().create(true).append(true).open(&log).unwrap();
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
         let child = Command::new(BIN)
             .args(["run", "--config"])
             .arg(&self.config)
@@ -81,18 +91,38 @@ impl Setup {
         log.lines()
             .filter(|l| l.contains("local log recovered"))
             .filter_map(|l| l.split(&needle).nth(1))
-            .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
+            .filter_map(|rest| {
+                rest.split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse::<u64>()
+                    .ok()
+            })
             .sum()
     }
 
     /// Runs `edge-agent inspect` and parses its NDJSON.
     pub fn inspect(&self) -> Vec<Json> {
-        let out = self.cli(&["inspect", "--stream", "telemetry", "--config", self.config.to_str().unwrap()], None);
-        assert!(out.status.success(), "inspect failed: {}", String::from_utf8_lossy(&out.stderr));
+        let out = self.cli(
+            &[
+                "inspect",
+                "--stream",
+                "telemetry",
+                "--config",
+                self.config.to_str().unwrap(),
+            ],
+            None,
+        );
+        assert!(
+            out.status.success(),
+            "inspect failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout)
             .unwrap()
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad inspect line {l:?}: {e}")))
+            .map(|l| {
+                serde_json::from_str(l).unwrap_or_else(|e| panic!("bad inspect line {l:?}: {e}"))
+            })
             .collect()
     }
 
@@ -107,7 +137,11 @@ pub fn run_cli(args: &[&str], stdin: Option<&[u8]>) -> Output {
     use std::io::Write as _;
     let mut child = Command::new(BIN)
         .args(args)
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -132,17 +166,32 @@ pub struct Agent {
 impl Agent {
     fn wait_ready(&mut self, client: &Client, timeout: Duration) {
         let deadline = Instant::now() + timeout;
-        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
         let mut delay = Duration::from_millis(2);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                panic!("the agent exited during start-up ({status}):\n{}", self.log_text());
+                panic!(
+                    "the agent exited during start-up ({status}):\n{}",
+                    self.log_text()
+                );
             }
-            let probe = rt.block_on(client.clone().with_timeout(Duration::from_secs(2)).get("/healthz"));
+            let probe = rt.block_on(
+                client
+                    .clone()
+                    .with_timeout(Duration::from_secs(2))
+                    .get("/healthz"),
+            );
             if probe.is_ok_and(|r| r.status == 200) {
                 return;
             }
-            assert!(Instant::now() < deadline, "the agent was not ready in {timeout:?}:\n{}", self.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "the agent was not ready in {timeout:?}:\n{}",
+                self.log_text()
+            );
             // Polling the condition itself; the pause only spaces the probes.
             std::thread::sleep(delay);
             delay = (delay * 2).min(Duration::from_millis(50));
@@ -157,15 +206,26 @@ impl Agent {
 
     /// SIGTERM, then wait for a clean exit.
     pub fn terminate(&mut self) {
-        let status = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().unwrap();
+        let status = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status()
+            .unwrap();
         assert!(status.success());
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "the agent exited with {status} on SIGTERM:\n{}", self.log_text());
+                assert!(
+                    status.success(),
+                    "the agent exited with {status} on SIGTERM:\n{}",
+                    self.log_text()
+                );
                 return;
             }
-            assert!(Instant::now() < deadline, "the agent ignored SIGTERM:\n{}", self.log_text());
+            assert!(
+                Instant::now() < deadline,
+                "the agent ignored SIGTERM:\n{}",
+                self.log_text()
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -186,7 +246,11 @@ impl Drop for Agent {
 
 /// A record as `inspect` prints it, reduced to what a producer controls.
 pub fn content(line: &Json) -> (String, i64, Json) {
-    (line["key"].as_str().unwrap().to_owned(), line["ts"].as_i64().unwrap(), line["fields"].clone())
+    (
+        line["key"].as_str().unwrap().to_owned(),
+        line["ts"].as_i64().unwrap(),
+        line["fields"].clone(),
+    )
 }
 
 /// Checks that `lines` hold seqs 1..=N exactly once each, in one epoch, and returns them by seq.
@@ -200,7 +264,10 @@ pub fn by_seq(lines: &[Json]) -> (u64, HashMap<u64, &Json>) {
     }
     let n = seqs.len() as u64;
     for s in 1..=n {
-        assert!(seqs.contains_key(&s), "seq {s} is missing: seqs must be 1..={n} without gaps");
+        assert!(
+            seqs.contains_key(&s),
+            "seq {s} is missing: seqs must be 1..={n} without gaps"
+        );
     }
     (epoch, seqs)
 }
@@ -211,7 +278,11 @@ pub fn dir_bytes(dir: &Path) -> u64 {
     for e in std::fs::read_dir(dir).unwrap() {
         let e = e.unwrap();
         let m = e.metadata().unwrap();
-        total += if m.is_dir() { dir_bytes(&e.path()) } else { m.len() };
+        total += if m.is_dir() {
+            dir_bytes(&e.path())
+        } else {
+            m.len()
+        };
     }
     total
 }

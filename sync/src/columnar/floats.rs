@@ -22,10 +22,8 @@ const MODE_GORILLA: u8 = 2;
 
 /// Largest decimal scale tried. Every power of ten up to 10^22 is exact in f64.
 pub(super) const SCALE_MAX: u8 = 18;
-const POW10: [f64; SCALE_MAX as usize + 1] = [
-    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
-    1e17, 1e18,
-];
+const POW10: [f64; SCALE_MAX as usize + 1] =
+    [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18];
 /// Integers up to 2^53 convert to f64 exactly, so decoding is one exact conversion and one
 /// correctly rounded division.
 const EXACT_INT_MAX: f64 = 9_007_199_254_740_992.0;
@@ -338,7 +336,9 @@ impl<'a> ScaledDecoder<'a> {
             u64::MAX
         } else {
             let gap = self.exc.uvar()?;
-            ord.checked_add(1).and_then(|o| o.checked_add(gap)).ok_or_else(|| self.exc.err("exception gap overflows"))?
+            ord.checked_add(1)
+                .and_then(|o| o.checked_add(gap))
+                .ok_or_else(|| self.exc.err("exception gap overflows"))?
         };
         Ok(v)
     }

@@ -131,7 +131,11 @@ pub fn fuzz_decode(data: &[u8]) {
     let back = decode(&again, count).expect("a fresh encoding always decodes");
     assert_eq!(back, records, "decode(encode(decode(x))) differs from decode(x)");
     // Decoding over other records must give the same result as decoding afresh.
-    let mut reused = vec![Record { key: "old".into(), ts: 0, fields: vec![("x".into(), crate::Value::Str("y".into()))] }; 3];
+    let mut reused =
+        vec![
+            Record { key: "old".into(), ts: 0, fields: vec![("x".into(), crate::Value::Str("y".into()))] };
+            3
+        ];
     decode_into(&again, count, &mut reused).expect("a fresh encoding always decodes");
     assert_eq!(reused, records, "decode_into over old records differs from decode");
 }

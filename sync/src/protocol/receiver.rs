@@ -89,6 +89,10 @@ pub struct LaneMarks {
     pub tiered_seq: u64,
     /// Stored checksums of committed block ranges, ascending.
     pub ranges: Vec<RangeChecksum>,
+    /// Committed gap ranges (`first_seq..=last_seq`, as committed after clipping) in the same
+    /// window as `ranges`: seqs the hub holds as lost, which records can neither confirm nor
+    /// contradict.
+    pub gaps: Vec<(u64, u64)>,
 }
 
 /// Something to append to the hub's log, in this order, per lane.
@@ -205,9 +209,19 @@ enum Verify {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Check {
     Pending,
-    Matched(RangeChecksum),
-    Mismatch(RangeChecksum),
+    Matched(Stored),
+    Mismatch(Stored),
+    /// The hub holds these seqs as a gap.
+    Lost(Stored),
     Unknown,
+}
+
+/// A committed range as the receiver remembers it: records with their checksum, or a gap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stored {
+    first_seq: u64,
+    last_seq: u64,
+    checksum: Option<u64>,
 }
 
 /// A lane the hub is ahead of: the edge's copy was restored or cloned. Its blocks are only
@@ -215,6 +229,9 @@ enum Check {
 #[derive(Debug, Clone, Copy)]
 struct Behind {
     held_last: u64,
+    /// The last seq the edge holds as data (`held_last` minus trailing gap markers): once an
+    /// item reaching it is compared, the Verdict is final.
+    data_last: u64,
     matched_through: u64,
     done: bool,
     verdict_sent: bool,
@@ -230,7 +247,7 @@ struct Lane {
     tiered: u64,
     /// Highest seq handed to the driver (committed or pending).
     frontier: u64,
-    ring: VecDeque<RangeChecksum>,
+    ring: VecDeque<Stored>,
     carry: Option<Carry>,
     reorder: BTreeMap<u64, Item>,
     /// Commits handed out and not yet durable: (last_seq, bytes).
@@ -272,6 +289,13 @@ impl Lane {
         }
     }
 
+    fn remember(&mut self, stored: Stored, cap: usize) {
+        self.ring.push_back(stored);
+        if self.ring.len() > cap.max(1) {
+            self.ring.pop_front();
+        }
+    }
+
     /// In a lane the hub is ahead of, seqs the edge itself recorded as lost need no
     /// comparison: the match extends over them.
     fn skip_own_gaps(&mut self) {
@@ -291,6 +315,10 @@ impl Lane {
             self.carry = None;
             return Check::Unknown;
         };
+        let Some(checksum) = r.checksum else {
+            self.carry = None;
+            return Check::Lost(r);
+        };
         let carry = match self.carry {
             Some(c) if c.range_first == r.first_seq && c.next == seq => {
                 Carry { next: seq + 1, sum: c.sum.wrapping_add(hash), ..c }
@@ -306,7 +334,7 @@ impl Lane {
             return Check::Pending;
         }
         self.carry = None;
-        if carry.sum == r.checksum { Check::Matched(r) } else { Check::Mismatch(r) }
+        if carry.sum == checksum { Check::Matched(r) } else { Check::Mismatch(r) }
     }
 }
 
@@ -529,20 +557,26 @@ impl Receiver {
         let lane = &mut self.lanes[i];
         if lane.refilling {
             // Only the checksums are new; marks and the frontier are this session's own.
-            lane.ring = capped_ranges(m.ranges, lane.mark, cap).into();
+            lane.ring = capped_ranges(m.ranges, m.gaps, lane.mark, cap).into();
             return;
         }
         lane.fetched_from = lane.verify_from();
         lane.mark = m.durable_seq;
         lane.frontier = m.durable_seq;
         lane.tiered = m.tiered_seq;
-        lane.ring = capped_ranges(m.ranges, m.durable_seq, cap).into();
+        lane.ring = capped_ranges(m.ranges, m.gaps, m.durable_seq, cap).into();
         lane.loaded = true;
         let held_last = lane.announced.as_ref().map_or(0, |a| a.last_seq);
         if lane.mark > held_last && (lane.announced.is_some() || lane.epoch == self.current_epoch) {
             let start = lane.verify_from() - 1;
+            let mut data_last = held_last;
+            let gaps = lane.announced.as_ref().map_or(&[][..], |a| &a.gaps[..]);
+            while let Some(g) = gaps.iter().find(|g| g.first_seq <= data_last && data_last <= g.last_seq) {
+                data_last = g.first_seq - 1;
+            }
             lane.behind = Some(Behind {
                 held_last,
+                data_last,
                 matched_through: start.min(held_last),
                 done: false,
                 verdict_sent: false,
@@ -557,7 +591,7 @@ impl Receiver {
             .map(|l| {
                 let resume_from = match (&l.behind, l.ring.back()) {
                     (Some(b), _) => b.matched_through + 1,
-                    (None, Some(r)) if r.last_seq == l.mark => r.first_seq,
+                    (None, Some(r)) if r.last_seq == l.mark && r.checksum.is_some() => r.first_seq,
                     _ => l.mark + 1,
                 };
                 let w = LaneWelcome { durable_seq: l.mark, tiered_seq: l.tiered, resume_from };
@@ -691,6 +725,8 @@ impl Receiver {
         };
         lane.frontier = clipped.last_seq;
         lane.carry = None;
+        let stored = Stored { first_seq: clipped.first_seq, last_seq: clipped.last_seq, checksum: None };
+        lane.remember(stored, self.config.checksum_ranges_max);
         lane.pending.push_back((clipped.last_seq, 0));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(0);
@@ -718,6 +754,10 @@ impl Receiver {
         if header.last_seq() <= lane.frontier {
             lane.ack_dirty |= header.last_seq() <= lane.mark;
             self.stats.replays += 1;
+            if let Some(b) = lane.behind.as_mut() {
+                // Everything the edge holds has been compared.
+                b.done |= header.last_seq() >= b.data_last;
+            }
             return self.maybe_verdict(i);
         }
         if lane.behind.is_some() {
@@ -732,10 +772,7 @@ impl Receiver {
         records.drain(..skip);
         lane.frontier = header.last_seq();
         lane.carry = None;
-        lane.ring.push_back(checksum);
-        if lane.ring.len() > self.config.checksum_ranges_max.max(1) {
-            lane.ring.pop_front();
-        }
+        lane.remember(Stored { first_seq: checksum.first_seq, last_seq: checksum.last_seq, checksum: Some(sum) }, self.config.checksum_ranges_max);
         lane.pending.push_back((header.last_seq(), block.len() as u64));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(block.len() as u64);
@@ -755,6 +792,7 @@ impl Receiver {
             }
             lane.skip_own_gaps();
             let check = lane.check_record(seq, h);
+            if lane.behind.is_some() && std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG {}/{} seq {seq} {check:?} {:?} fetched {} ring {:?}", lane.stream, lane.epoch, lane.behind, lane.fetched_from, lane.ring.iter().map(|r| (r.first_seq, r.last_seq)).collect::<Vec<_>>()); }
             match (check, lane.behind.as_mut()) {
                 (Check::Pending, _) => {}
                 (Check::Matched(r), Some(b)) if !b.done && r.first_seq == b.matched_through + 1 => {
@@ -767,7 +805,11 @@ impl Receiver {
                     self.fence(stream, epoch, r);
                     return Verify::Fenced;
                 }
-                (Check::Unknown, None) => self.stats.records_unverified += 1,
+                (Check::Unknown | Check::Lost(_), None) => self.stats.records_unverified += 1,
+                // Seqs the hub holds as lost neither confirm nor contradict the edge's copy.
+                (Check::Lost(r), Some(b)) if !b.done && seq == b.matched_through + 1 => {
+                    b.matched_through = r.last_seq;
+                }
                 // The loaded checksums ran out: fetch the next ones rather than give up.
                 (Check::Unknown, Some(b)) if !b.done && seq == b.matched_through + 1 && seq > lane.fetched_from => {
                     return Verify::Refill(seq);
@@ -815,7 +857,7 @@ impl Receiver {
         self.push(frame, TransmitKind::Control);
     }
 
-    fn fence(&mut self, stream: String, epoch: u64, r: RangeChecksum) {
+    fn fence(&mut self, stream: String, epoch: u64, r: Stored) {
         let msg = format!(
             "device {} sent seqs {}..={} of {stream}/{epoch} with content different from what the hub committed",
             self.device, r.first_seq, r.last_seq
@@ -949,9 +991,11 @@ impl Receiver {
 
 /// Stored ranges at or below the mark, ascending, at most `cap`: the earliest ones (for
 /// comparing a restored history) and always the one ending at the mark (the junction).
-fn capped_ranges(ranges: Vec<RangeChecksum>, mark: u64, cap: usize) -> Vec<RangeChecksum> {
-    let mut ranges: Vec<RangeChecksum> =
-        ranges.into_iter().filter(|r| r.first_seq <= r.last_seq && r.last_seq <= mark).collect();
+fn capped_ranges(ranges: Vec<RangeChecksum>, gaps: Vec<(u64, u64)>, mark: u64, cap: usize) -> Vec<Stored> {
+    let sums = ranges.into_iter().map(|r| Stored { first_seq: r.first_seq, last_seq: r.last_seq, checksum: Some(r.checksum) });
+    let lost = gaps.into_iter().map(|(first_seq, last_seq)| Stored { first_seq, last_seq, checksum: None });
+    let mut ranges: Vec<Stored> =
+        sums.chain(lost).filter(|r| r.first_seq <= r.last_seq && r.last_seq <= mark).collect();
     ranges.sort_by_key(|r| r.first_seq);
     ranges.dedup_by_key(|r| r.first_seq);
     if ranges.len() > cap {
