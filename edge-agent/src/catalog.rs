@@ -137,7 +137,8 @@ impl Catalog {
                 }
             }
         }
-        let cat = Catalog::open_checked(path).map_err(|what| CatalogError::Invalid { path: path.display().to_string(), what })?;
+        let cat = Catalog::open_checked(path)
+            .map_err(|what| CatalogError::Invalid { path: path.display().to_string(), what })?;
         Ok((cat, info))
     }
 
@@ -264,7 +265,8 @@ impl Catalog {
 
     /// Every stored acknowledgement: `(stream, epoch, durable_seq, tiered_seq)`.
     pub fn acks(&self) -> Result<Vec<(String, u64, u64, u64)>, CatalogError> {
-        let mut st = self.conn.prepare("SELECT stream, epoch, durable_seq, tiered_seq FROM acks").map_err(|e| self.err(e))?;
+        let mut st =
+            self.conn.prepare("SELECT stream, epoch, durable_seq, tiered_seq FROM acks").map_err(|e| self.err(e))?;
         let rows = st
             .query_map([], |r| {
                 Ok((r.get::<_, String>(0)?, from_sql(r.get(1)?), from_sql(r.get(2)?), from_sql(r.get(3)?)))

@@ -36,12 +36,21 @@ pub const DEFAULT_SEGMENT_BYTES_MAX: u64 = 64 << 20;
 /// A configuration problem, naming the key at fault.
 #[derive(Debug, Error)]
 pub enum ConfigError {
-    /// The file could not be read or is not valid TOML.
-    #[error("{path}: {message}")]
+    /// The file could not be read or is not valid TOML. `path` is empty for in-memory text.
+    #[error("{}: {message}", shown_path(path))]
     Read { path: PathBuf, message: String },
     /// A key holds a value the agent cannot use.
     #[error("{key}: {message}")]
     Invalid { key: String, message: String },
+}
+
+/// A path for messages; in-memory text has none.
+fn shown_path(path: &Path) -> String {
+    if path.as_os_str().is_empty() {
+        "config".to_owned()
+    } else {
+        path.display().to_string()
+    }
 }
 
 impl ConfigError {

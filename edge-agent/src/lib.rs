@@ -8,3 +8,4 @@ pub mod http;
 pub mod metrics;
 pub mod bench;
 pub mod link;
+pub mod replicator;

@@ -83,7 +83,7 @@ struct IngestArgs {
     #[arg(long, default_value_t = 1000)]
     batch_lines: usize,
     /// Bearer token, when the agent requires one and --config does not give it.
-    #[arg(long, env = "TRIBUTARY_EDGE_TOKEN", hide_env_values = true)]
+    #[arg(long)]
     token: Option<String>,
 }
 

@@ -56,9 +56,11 @@ impl ReplicatorConfig {
 }
 
 /// The link's state as `/metrics`, `/v1/status` and `edge-agent status` show it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LinkStatus {
     state: Mutex<LinkState>,
+    /// True while a session is established; the HTTP status follows it.
+    up_tx: tokio::sync::watch::Sender<bool>,
     pub connects: AtomicU64,
     pub sessions_established: AtomicU64,
     pub disconnects: AtomicU64,
@@ -77,11 +79,31 @@ pub struct LinkState {
     pub since_ms: u64,
 }
 
+impl Default for LinkStatus {
+    fn default() -> Self {
+        LinkStatus {
+            state: Mutex::new(LinkState::default()),
+            up_tx: tokio::sync::watch::channel(false).0,
+            connects: AtomicU64::new(0),
+            sessions_established: AtomicU64::new(0),
+            disconnects: AtomicU64::new(0),
+            blocks_sent: AtomicU64::new(0),
+            bytes_sent: AtomicU64::new(0),
+            epochs_minted: AtomicU64::new(0),
+        }
+    }
+}
+
 impl LinkStatus {
     pub fn not_configured() -> Arc<LinkStatus> {
         let s = Arc::new(LinkStatus::default());
         s.set("not configured", None);
         s
+    }
+
+    /// Follows whether a session is established.
+    pub fn subscribe_up(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.up_tx.subscribe()
     }
 
     fn set(&self, state: &str, error: Option<String>) {
@@ -95,6 +117,8 @@ impl LinkStatus {
             s.last_error = error;
         }
         s.since_ms = since_ms;
+        drop(s);
+        self.up_tx.send_replace(state == "up");
     }
 
     /// A snapshot of the state.

@@ -103,7 +103,8 @@ fn shard(k: u64) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => panic!("crash_sim failed with seed {seed}: {e}"),
             Err(p) => {
-                let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                let msg =
+                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
                 panic!("crash_sim panicked with seed {seed}: {}", msg.unwrap_or_default());
             }
         }
@@ -311,7 +312,10 @@ fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Res
     };
     let ack = h.append_blocking("s", vec![probe.clone()]).map_err(|e| format!("append after recovery: {e}"))?;
     if ack.epoch != epoch || ack.first_seq != top.max(gap_top) + 1 || ack.first_seq <= acked_top {
-        return Err(format!("append after recovery got seq {}, tail {top}, gaps to {gap_top}, acked to {acked_top}", ack.first_seq));
+        return Err(format!(
+            "append after recovery got seq {}, tail {top}, gaps to {gap_top}, acked to {acked_top}",
+            ack.first_seq
+        ));
     }
     ledger.sent.insert(probe_id, probe.clone());
     ledger.batches.insert(probe_id, 1);

@@ -39,7 +39,8 @@ fn concurrent_producers_get_contiguous_seqs_per_stream() {
                 for i in 0..40u64 {
                     let stream = if (t + i) % 3 == 0 { "b" } else { "a" };
                     let n = 1 + (t * 7 + i) % 13;
-                    let ack = h.append_blocking(stream, (0..n).map(|k| rec(t * 10_000 + i * 100 + k, 8)).collect()).unwrap();
+                    let ack =
+                        h.append_blocking(stream, (0..n).map(|k| rec(t * 10_000 + i * 100 + k, 8)).collect()).unwrap();
                     assert_eq!(ack.last_seq - ack.first_seq + 1, n);
                     acks.lock().unwrap().push(ack);
                 }
@@ -70,8 +71,10 @@ fn oversized_batch_is_split_with_continuation_flags() {
     let ack = h.append_blocking("s", (1..36).map(|i| rec(i, 5)).collect()).unwrap();
     assert_eq!((ack.first_seq, ack.last_seq), (2, 36));
     let blocks = h.read_blocks("s", epoch, 1, usize::MAX).unwrap();
-    let shape: Vec<(u64, u32, bool)> =
-        blocks.iter().map(|b| (b.header.first_seq, b.header.count, b.header.flags & FLAG_BATCH_CONTINUES != 0)).collect();
+    let shape: Vec<(u64, u32, bool)> = blocks
+        .iter()
+        .map(|b| (b.header.first_seq, b.header.count, b.header.flags & FLAG_BATCH_CONTINUES != 0))
+        .collect();
     assert_eq!(shape, vec![(2, 10, true), (12, 10, true), (22, 10, true), (32, 5, false)]);
     // A batch that fits the block limits is never split.
     h.append_blocking("s", (0..10).map(|i| rec(100 + i, 5)).collect()).unwrap();
@@ -167,4 +170,82 @@ fn bad_config_is_refused_with_a_clear_error() {
         assert!(matches!(err, OpenError::Config(_)));
         assert!(err.to_string().contains(needle), "{err}");
     }
+}
+
+#[test]
+fn rekey_moves_records_into_a_higher_epoch() {
+    let mem = MemStorage::with_seed(6);
+    let storage: Arc<dyn Storage> = Arc::new(mem);
+    let cfg = mem_cfg(&["s", "t"]);
+    let (h, _) = Log::open(cfg.clone(), storage.clone()).unwrap();
+    let e1 = h.epoch();
+    assert!(e1 < 1 << 62);
+    for b in 0..4u64 {
+        h.append_blocking("s", (0..5).map(|i| rec(b * 5 + i, 20)).collect()).unwrap();
+    }
+    h.append_blocking("t", vec![rec(500, 5)]).unwrap();
+    let old = read_all(&h, "s", e1);
+    let epoch_min = e1 + 1000;
+    let rekey = vec![sync::protocol::Rekey { stream: "s".into(), epoch: e1, from_seq: 15 }];
+    let e2 = h.mint_epoch_rekey(epoch_min, &rekey).unwrap();
+    assert!(e2 >= epoch_min);
+    let moved = read_all(&h, "s", e2);
+    assert_eq!(moved.keys().copied().collect::<Vec<_>>(), (1..=6).collect::<Vec<_>>());
+    assert_eq!(moved.values().collect::<Vec<_>>(), old.range(15..).map(|(_, r)| r).collect::<Vec<_>>());
+    assert_eq!(h.append_blocking("s", vec![rec(99, 1)]).unwrap().first_seq, 7, "new data follows the moved records");
+    assert_eq!(h.append_blocking("t", vec![rec(98, 1)]).unwrap().first_seq, 1);
+    assert_eq!(h.epochs_held("s"), vec![(e1, 1, 14), (e2, 1, 7)]);
+    assert!(matches!(
+        h.mint_epoch_rekey(0, &[sync::protocol::Rekey { stream: "x".into(), epoch: e1, from_seq: 1 }]),
+        Err(edge_agent::log::MintError::UnknownStream(_))
+    ));
+    drop(h);
+    // The moved copy and the epoch order survive a reopen.
+    let (h, _) = Log::open(cfg, storage).unwrap();
+    assert_eq!(h.epoch(), e2);
+    assert_eq!(read_all(&h, "s", e2).len(), 7);
+    assert_eq!(h.epochs_held("s"), vec![(e1, 1, 14), (e2, 1, 7)], "the move mark is durable");
+    assert!(h.gaps("s").is_empty(), "a move is not a gap");
+    let e3 = h.mint_epoch().unwrap();
+    assert!(e3 > e2, "epochs sort in minting order");
+}
+
+#[test]
+fn rekey_is_all_or_nothing_across_a_crash_at_every_step() {
+    let cfg = LogConfig { fsync: FsyncPolicy::Always, ..mem_cfg(&["s"]) };
+    let mut completed = 0;
+    for k in 1..=40u64 {
+        let mem = MemStorage::with_seed(k);
+        let storage: Arc<dyn Storage> = Arc::new(mem.clone());
+        let (h, _) = Log::open(cfg.clone(), storage.clone()).unwrap();
+        let e1 = h.epoch();
+        for b in 0..6u64 {
+            h.append_blocking("s", (0..5).map(|i| rec(b * 5 + i, 20)).collect()).unwrap();
+        }
+        let old = read_all(&h, "s", e1);
+        mem.set_crash_at(mem.ops() + k);
+        let rekey = [sync::protocol::Rekey { stream: "s".into(), epoch: e1, from_seq: 5 }];
+        let res = h.mint_epoch_rekey(0, &rekey);
+        drop(h);
+        let crashed = mem.crash().is_some();
+        let (h, _) = Log::open(cfg.clone(), storage).unwrap();
+        assert_eq!(read_all(&h, "s", e1), old, "k={k}: the old epoch keeps its records");
+        let held = h.epochs_held("s");
+        let e2 = h.epoch();
+        let copy = if e2 == e1 { Default::default() } else { read_all(&h, "s", e2) };
+        let want: Vec<_> = old.range(5..).map(|(_, r)| r.clone()).collect();
+        assert!(copy.is_empty() || copy.values().cloned().collect::<Vec<_>>() == want, "k={k}: partial copy");
+        if held.first() == Some(&(e1, 1, 4)) {
+            assert!(!copy.is_empty(), "k={k}: records marked as moved but not copied");
+        }
+        if res.is_ok() {
+            // Acknowledged: the copy and the mark are durable.
+            assert_eq!((copy.len(), held[0]), (want.len(), (e1, 1, 4)), "k={k}");
+            completed += 1;
+        }
+        if !crashed {
+            break;
+        }
+    }
+    assert!(completed > 0, "the crash points never got past the rekey");
 }

@@ -155,7 +155,10 @@ fn corrupt_sealed_block_is_quarantined_and_reported() {
     let gaps = h.gaps("s");
     assert_eq!(gaps.len(), 1);
     let g = gaps[0];
-    assert_eq!((g.reason, g.epoch, g.first_seq, g.last_seq), (GapReason::Corrupt, epoch, header.first_seq, header.last_seq()));
+    assert_eq!(
+        (g.reason, g.epoch, g.first_seq, g.last_seq),
+        (GapReason::Corrupt, epoch, header.first_seq, header.last_seq())
+    );
     assert_eq!(g.records, u64::from(header.count));
     assert_eq!(h.status().streams[0].quarantined_blocks, 1);
     let held = read_all(&h, "s", epoch);
@@ -241,7 +244,10 @@ fn torn_tail_is_truncated_and_reported() {
 #[test]
 fn storage_trait_is_object_safe_and_shared() {
     // The log takes `Arc<dyn Storage>`; every implementation must fit.
-    let stores: Vec<Arc<dyn Storage>> =
-        vec![Arc::new(RealStorage), Arc::new(edge_agent::storage::MemStorage::default()), Arc::new(FaultyStorage::new(Arc::new(RealStorage)))];
+    let stores: Vec<Arc<dyn Storage>> = vec![
+        Arc::new(RealStorage),
+        Arc::new(edge_agent::storage::MemStorage::default()),
+        Arc::new(FaultyStorage::new(Arc::new(RealStorage))),
+    ];
     assert_eq!(stores.len(), 3);
 }

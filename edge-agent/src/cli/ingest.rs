@@ -3,6 +3,9 @@
 //! durable append. On the first refusal it stops and exits non-zero with the agent's reason,
 //! the stdin line it points at, and how many records were stored before it.
 //!
+//! Batches are cut at line boundaries, so a line-protocol string field holding a raw newline
+//! must not straddle a `--batch-lines` boundary.
+//!
 //! A 503 with `Retry-After` (disk budget full under `on_full = "block"`) is retried a few times
 //! before giving up, so a short full period does not abort a long pipe.
 

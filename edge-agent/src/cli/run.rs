@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use anyhow::Context as _;
 use edge_agent::config::{EdgeConfig, fsync_name};
+use edge_agent::http::status::LinkState;
 use edge_agent::http::{self, AppState};
+use edge_agent::link::TlsPaths;
+use edge_agent::replicator::{self, LinkStatus, ReplicatorConfig};
 use edge_agent::log::{Log, LogHandle};
 use edge_agent::storage::RealStorage;
 use tracing::info;
@@ -44,7 +47,23 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
             )
         })?;
     let addr = listener.local_addr()?;
-    let app = AppState::new(cfg, log);
+    let app = AppState::new(cfg, log.clone());
+    if let (Some(hub), Some(tls)) = (&cfg.hub, &cfg.tls) {
+        let paths = TlsPaths { ca: tls.ca.clone(), cert: tls.cert.clone(), key: tls.key.clone() };
+        let mut rcfg = ReplicatorConfig::new(hub.addr.clone(), hub.server_name.clone(), paths);
+        rcfg.priorities = cfg.streams.iter().map(|s| (s.name.clone(), s.priority)).collect();
+        let status = Arc::new(LinkStatus::default());
+        let mut up = status.subscribe_up();
+        let app_link = app.clone();
+        tokio::spawn(async move {
+            while up.changed().await.is_ok() {
+                let state = if *up.borrow() { LinkState::Up } else { LinkState::Down };
+                *app_link.link.write().unwrap_or_else(|e| e.into_inner()) = state;
+            }
+        });
+        info!(hub = %hub.addr, "replicating to the hub");
+        tokio::spawn(replicator::run(rcfg, log, status));
+    }
     info!(
         http = %format!("http://{addr}"),
         fsync = fsync_name(&cfg.storage.fsync),

@@ -125,6 +125,8 @@ pub(crate) struct StreamIndex {
     /// `(durable_seq, tiered_seq)` acknowledged by the hub, per epoch.
     pub acks: HashMap<u64, (u64, u64)>,
     pub gaps: Vec<Gap>,
+    /// Per old epoch, the first seq whose records were moved to a newer epoch (rekey).
+    pub moved: HashMap<u64, u64>,
     pub dropped_records: u64,
     pub dropped_blocks: u64,
     pub quarantined_blocks: u64,
@@ -216,7 +218,8 @@ impl Shared {
         let Some(st) = s.streams.get(stream) else { return Vec::new() };
         let mut out: Vec<(u64, u64, u64)> = Vec::new();
         for e in &s.epochs {
-            let durable = st.durable.get(e).copied().unwrap_or(0);
+            let moved = st.moved.get(e).map_or(u64::MAX, |m| m - 1);
+            let durable = st.durable.get(e).copied().unwrap_or(0).min(moved);
             let mut blocks = st.segments.iter().filter(|g| g.epoch == *e).flat_map(|g| g.blocks.iter());
             let Some(first) = blocks.next() else { continue };
             if first.first_seq > durable {
@@ -250,7 +253,8 @@ impl Shared {
                 Ok(blocks) => return Ok(blocks),
                 Err(ReadError::Io { path, error }) => {
                     attempts += 1;
-                    let still_there = self.lock().streams.get(stream).is_some_and(|st| st.segments.iter().any(|g| g.path == path));
+                    let still_there =
+                        self.lock().streams.get(stream).is_some_and(|st| st.segments.iter().any(|g| g.path == path));
                     if still_there || attempts >= 3 {
                         return Err(ReadError::Io { path, error });
                     }
@@ -260,7 +264,13 @@ impl Shared {
         }
     }
 
-    fn plan_read(&self, stream: &str, epoch: u64, after_seq: u64, bytes_max: usize) -> Result<Vec<(PathBuf, Vec<BlockRef>)>, ReadError> {
+    fn plan_read(
+        &self,
+        stream: &str,
+        epoch: u64,
+        after_seq: u64,
+        bytes_max: usize,
+    ) -> Result<Vec<(PathBuf, Vec<BlockRef>)>, ReadError> {
         let s = self.lock();
         let st = s.streams.get(stream).ok_or_else(|| ReadError::UnknownStream(stream.to_string()))?;
         let durable = st.durable.get(&epoch).copied().unwrap_or(0);
@@ -320,7 +330,8 @@ fn stream_status(name: &str, epoch: u64, st: &StreamIndex) -> StreamStatus {
     for seg in &st.segments {
         let durable = st.durable.get(&seg.epoch).copied().unwrap_or(0);
         let acked = st.acks.get(&seg.epoch).map_or(0, |a| a.0);
-        for b in seg.blocks.iter().filter(|b| b.last_seq() > acked && b.last_seq() <= durable) {
+        let moved = st.moved.get(&seg.epoch).copied().unwrap_or(u64::MAX);
+        for b in seg.blocks.iter().filter(|b| b.last_seq() > acked && b.last_seq() <= durable && b.first_seq < moved) {
             backlog_bytes += b.frame_bytes();
             backlog_blocks += 1;
             oldest = Some(oldest.map_or(b.min_ts, |o| o.min(b.min_ts)));

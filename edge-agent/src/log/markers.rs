@@ -1,4 +1,5 @@
-//! Small append-only marker files: `epochs.log` (the epoch history) and `gaps.log` per stream.
+//! Small append-only marker files: `epochs.log` (the epoch history) and `gaps.log` per stream
+//! (gap markers, and the marks of records moved to a newer epoch by a rekey).
 //!
 //! They use the segment container and framing from `sync::segment` (a 16-byte header, then
 //! `len | crc32c | payload` frames), so a torn tail is detected and truncated exactly like a
@@ -10,7 +11,7 @@ use super::index::{Gap, GapReason};
 use crate::storage::{Storage, WriteFile};
 use std::io;
 use std::path::{Path, PathBuf};
-use sync::segment::{FRAME_HEADER_LEN, frame_header, scan_frames, segment_header, SEGMENT_HEADER_LEN};
+use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, frame_header, scan_frames, segment_header};
 
 pub(crate) const EPOCHS_FILE: &str = "epochs.log";
 pub(crate) const GAPS_FILE: &str = "gaps.log";
@@ -33,11 +34,7 @@ pub(crate) fn read_entries(storage: &dyn Storage, path: &Path) -> io::Result<(Ve
         return Ok((Vec::new(), lost));
     }
     let scan = scan_frames(&bytes, SEGMENT_HEADER_LEN);
-    let entries = scan
-        .frames
-        .iter()
-        .map(|f| bytes[f.block_offset() as usize..f.end() as usize].to_vec())
-        .collect();
+    let entries = scan.frames.iter().map(|f| bytes[f.block_offset() as usize..f.end() as usize].to_vec()).collect();
     let cut = bytes.len() as u64 - scan.valid_len;
     if cut > 0 {
         storage.truncate(path, scan.valid_len)?;
@@ -99,6 +96,27 @@ pub(crate) fn encode_epoch(epoch: u64) -> Vec<u8> {
 
 pub(crate) fn decode_epoch(e: &[u8]) -> Option<u64> {
     Some(u64::from_le_bytes(e.try_into().ok()?))
+}
+
+const MOVE_PAYLOAD_LEN: usize = 8 + 8 + 1;
+const MOVE_TAG: u8 = 0xFF;
+
+/// A rekey mark in `gaps.log`: the records of `epoch` from `from_seq` on were copied into a
+/// newer epoch. A different payload length from a gap, so older readers skip it.
+pub(crate) fn encode_move(epoch: u64, from_seq: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(MOVE_PAYLOAD_LEN);
+    out.extend_from_slice(&epoch.to_le_bytes());
+    out.extend_from_slice(&from_seq.to_le_bytes());
+    out.push(MOVE_TAG);
+    out
+}
+
+pub(crate) fn decode_move(e: &[u8]) -> Option<(u64, u64)> {
+    if e.len() != MOVE_PAYLOAD_LEN || e[16] != MOVE_TAG {
+        return None;
+    }
+    let u = |at: usize| u64::from_le_bytes(e[at..at + 8].try_into().expect("8 bytes"));
+    Some((u(0), u(8)))
 }
 
 pub(crate) fn encode_gap(g: &Gap) -> Vec<u8> {

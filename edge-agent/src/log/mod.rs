@@ -37,10 +37,12 @@
 //!   fsync dir). A segment whose header is unreadable is moved to quarantine whole. A trailing run
 //!   of `FLAG_BATCH_CONTINUES` blocks (an incomplete batch) is dropped. Recovered tails are
 //!   fsynced before anything is published as durable. The agent always starts.
-//! - **Epochs.** A random u64 minted when the data directory is first used, kept in
-//!   `data_dir/epochs.log` (CRC-framed entries, fsynced; the last is current) and mirrored in
-//!   the catalog. [`LogHandle::mint_epoch`] starts a new one; seqs restart at 1 in it, and older
-//!   epochs stay readable.
+//! - **Epochs.** A random u64 (below 2^62) minted when the data directory is first used; every
+//!   later epoch is random but above all earlier ones (and above the hub's `epoch_min` when it
+//!   asks for one), so epochs sort in minting order. Kept in `data_dir/epochs.log` (CRC-framed
+//!   entries, fsynced; the last is current) and mirrored in the catalog.
+//!   [`LogHandle::mint_epoch`] / [`LogHandle::mint_epoch_rekey`] start a new one; seqs restart
+//!   at 1 in it, and older epochs stay readable.
 //! - **Gap markers** are kept in `streams/{stream}/gaps.log` (CRC-framed, fsynced before the
 //!   data they describe is deleted) and mirrored in the catalog, so they survive catalog loss.
 //! - **Catalog** (`crate::catalog`): SQLite at `data_dir/catalog.db` (WAL). It holds epochs,
@@ -58,7 +60,13 @@
 //! - **Counters** in [`LogStatus`] (`dropped_*`, `quarantined_blocks`) count since open, like
 //!   Prometheus counters; the gap markers themselves are permanent.
 //! - **Retention.** A segment is deleted once the hub's `tiered_seq` covers its every block
-//!   ([`LogHandle::set_acked`]); `durable_seq` alone frees nothing.
+//!   ([`LogHandle::set_acked`]); `durable_seq` alone frees nothing. Records moved to a newer
+//!   epoch by [`LogHandle::mint_epoch_rekey`] count as covered once their copy is durable; the
+//!   move is recorded in `gaps.log` (after the copy, so a mark never hides uncopied records).
+//! - **Not here:** exclusive use of the data directory is the binary's job (`cli::lock`); two
+//!   writers on one directory would corrupt it. The catalog goes through the real file system,
+//!   not through [`Storage`]; nothing correctness-critical lives only there.
+//! - **Tests:** `tests/crash_sim.rs` (seeded power loss on `MemStorage`), `tests/log_*.rs`.
 
 mod index;
 mod markers;
@@ -201,6 +209,12 @@ pub enum MintError {
     Poisoned(String),
     #[error("storing the new epoch failed: {0}")]
     Storage(String),
+    #[error("no epoch at or above {0} is left")]
+    EpochSpace(u64),
+    #[error("unknown stream {0:?}")]
+    UnknownStream(String),
+    #[error("moving records into the new epoch failed: {0}")]
+    Rekey(String),
     #[error("the local log is shut down")]
     Closed,
 }
@@ -260,8 +274,11 @@ impl Log {
             CatalogLocation::Memory => None,
         };
         if catalog_path.is_some() && cfg.catalog == CatalogLocation::InDataDir {
-            std::fs::create_dir_all(&cfg.data_dir)
-                .map_err(|source| OpenError::Storage { op: "create_dir_all", path: cfg.data_dir.clone(), source })?;
+            std::fs::create_dir_all(&cfg.data_dir).map_err(|source| OpenError::Storage {
+                op: "create_dir_all",
+                path: cfg.data_dir.clone(),
+                source,
+            })?;
         }
         let (catalog, cat_open) = Catalog::open(catalog_path.as_deref())?;
         let rec = recovery::recover(&cfg, storage.as_ref(), catalog, cat_open)?;
@@ -269,8 +286,7 @@ impl Log {
         recovery::log_report(&report);
         let (tx, rx) = mpsc::sync_channel(cfg.queue_batches_max);
         let shared = Arc::new(Shared::new(storage.clone(), rec.state));
-        let stream_ids: HashMap<String, usize> =
-            cfg.streams.iter().enumerate().map(|(i, s)| (s.clone(), i)).collect();
+        let stream_ids: HashMap<String, usize> = cfg.streams.iter().enumerate().map(|(i, s)| (s.clone(), i)).collect();
         let w = writer::Writer::new(cfg.clone(), shared.clone(), rec.catalog, rec.writer_streams);
         let thread = std::thread::Builder::new()
             .name("tributary-log-writer".into())
@@ -333,10 +349,19 @@ pub const RECORD_BYTES_MAX: usize = 16 << 20;
 
 /// Messages to the writer thread.
 pub(crate) enum Msg {
-    Append { stream: usize, records: Vec<Record>, reply: oneshot::Sender<Result<AppendAck, AppendError>> },
+    Append {
+        stream: usize,
+        records: Vec<Record>,
+        reply: oneshot::Sender<Result<AppendAck, AppendError>>,
+    },
     /// Acks changed: persist them and run retention.
     Wake,
-    Mint(mpsc::Sender<Result<u64, MintError>>),
+    /// Mint an epoch `>= epoch_min`, then move `(stream index, old epoch, from_seq)` records.
+    Mint {
+        epoch_min: u64,
+        rekey: Vec<(usize, u64, u64)>,
+        reply: mpsc::Sender<Result<u64, MintError>>,
+    },
     Shutdown(mpsc::Sender<()>),
 }
 
@@ -354,7 +379,7 @@ impl std::fmt::Debug for Msg {
         match self {
             Msg::Append { stream, records, .. } => write!(f, "Append(stream {stream}, {} records)", records.len()),
             Msg::Wake => f.write_str("Wake"),
-            Msg::Mint(_) => f.write_str("Mint"),
+            Msg::Mint { epoch_min, rekey, .. } => write!(f, "Mint(>= {epoch_min}, {} rekeys)", rekey.len()),
             Msg::Shutdown(_) => f.write_str("Shutdown"),
         }
     }
@@ -487,12 +512,32 @@ impl LogHandle {
         self.inner.shared.epochs_held(stream)
     }
 
-    /// Starts a new random epoch for new appends (after a restore or clone is detected). Pending
-    /// data of the old epoch is flushed and fsynced first; the new epoch is persisted before it
-    /// is used. Blocks the calling thread briefly.
+    /// Starts a new epoch for new appends: random, and above every epoch used before, so epochs
+    /// also sort in minting order. Pending data of the old epoch is flushed and fsynced first;
+    /// the new epoch is persisted before it is used; seqs start at 1 in it. Blocks the calling
+    /// thread briefly (call it from `spawn_blocking` in async code).
     pub fn mint_epoch(&self) -> Result<u64, MintError> {
-        let (tx, rx) = mpsc::channel();
-        self.inner.tx.send(Msg::Mint(tx)).map_err(|_| MintError::Closed)?;
+        self.mint_with(0, Vec::new())
+    }
+
+    /// As [`LogHandle::mint_epoch`], with the new epoch `>= epoch_min` (the hub's view), and
+    /// first moving every held record of each `rekey` lane with `seq >= from_seq` into the new
+    /// epoch, in order, before any new data (the hub holds other data under those seqs). The
+    /// copies of one stream are written as one batch (all or nothing across a crash) and fsynced
+    /// before this returns; the moved records then no longer count as backlog of their old lane,
+    /// are not announced by [`LogHandle::epochs_held`], and retention may delete them.
+    pub fn mint_epoch_rekey(&self, epoch_min: u64, rekey: &[sync::protocol::Rekey]) -> Result<u64, MintError> {
+        let mut moves = Vec::with_capacity(rekey.len());
+        for r in rekey {
+            let id = *self.inner.stream_ids.get(&r.stream).ok_or_else(|| MintError::UnknownStream(r.stream.clone()))?;
+            moves.push((id, r.epoch, r.from_seq.max(1)));
+        }
+        self.mint_with(epoch_min, moves)
+    }
+
+    fn mint_with(&self, epoch_min: u64, rekey: Vec<(usize, u64, u64)>) -> Result<u64, MintError> {
+        let (reply, rx) = mpsc::channel();
+        self.inner.tx.send(Msg::Mint { epoch_min, rekey, reply }).map_err(|_| MintError::Closed)?;
         rx.recv().map_err(|_| MintError::Closed)?
     }
 

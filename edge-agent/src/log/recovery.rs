@@ -176,7 +176,8 @@ fn recover_epochs(
     if epochs.is_empty() || ambiguous {
         // With several epochs and no record of their order, continuing any of them could reuse
         // seqs; a fresh epoch never does.
-        epochs.push(mint(&epochs));
+        let e = mint(&epochs, 0).ok_or_else(|| OpenError::Config("no epoch left above the existing ones".into()))?;
+        epochs.push(e);
         cx.report.epoch_minted = true;
         rewrite = true;
     }
@@ -187,16 +188,19 @@ fn recover_epochs(
     Ok((epochs, had_history))
 }
 
-/// A random non-zero epoch not used before.
-pub(crate) fn mint(used: &[u64]) -> u64 {
+/// A random epoch `>= min` and above every used one. The first epoch of a data directory is
+/// drawn below 2^62 and later ones within 2^32 above the floor, so the space never runs out in
+/// practice; `None` if it did.
+pub(crate) fn mint(used: &[u64], min: u64) -> Option<u64> {
     use rand::{Rng, SeedableRng};
     let mut rng = rand::rngs::StdRng::seed_from_u64(entropy());
-    loop {
-        let e: u64 = rng.random();
-        if e != 0 && !used.contains(&e) {
-            return e;
-        }
-    }
+    let floor = match used.iter().max() {
+        Some(m) => m.checked_add(1)?.max(min),
+        None => min.max(1),
+    };
+    let span: u64 = if used.is_empty() && min == 0 { 1 << 62 } else { 1 << 32 };
+    let room = u64::MAX - floor;
+    Some(floor + rng.random_range(0..=room.min(span - 1)))
 }
 
 /// 64 bits of entropy for seeding. The workspace builds `rand` without its OS generator, so read
@@ -252,6 +256,10 @@ fn recover_stream(
         if !idx.gaps.contains(&g) {
             idx.gaps.push(g);
         }
+    }
+    for (epoch, from_seq) in entries.iter().filter_map(|e| markers::decode_move(e)) {
+        let m = idx.moved.entry(epoch).or_insert(from_seq);
+        *m = (*m).min(from_seq);
     }
     let mut gw = GapWriter { storage: cx.storage, path: gaps_path, file: None };
     for (i, f) in files.iter().enumerate() {
@@ -320,7 +328,13 @@ fn recover_segment(
         if let Some(after) = after
             && after > before + 1
         {
-            let g = Gap { epoch: f.epoch, first_seq: before + 1, last_seq: after - 1, reason: GapReason::Corrupt, records: after - 1 - before };
+            let g = Gap {
+                epoch: f.epoch,
+                first_seq: before + 1,
+                last_seq: after - 1,
+                reason: GapReason::Corrupt,
+                records: after - 1 - before,
+            };
             gw.write(&g)?;
             if !idx.gaps.contains(&g) {
                 idx.gaps.push(g);
@@ -338,7 +352,8 @@ fn recover_segment(
         cx.report.truncated_records += records;
         tracing::warn!(stream, file = %f.path.display(), bytes = removed, records, "truncated torn tail");
     }
-    let mut seg = SegIndex { epoch: f.epoch, first_seq: f.first_seq, path: f.path.clone(), bytes: 0, blocks: Vec::new() };
+    let mut seg =
+        SegIndex { epoch: f.epoch, first_seq: f.first_seq, path: f.path.clone(), bytes: 0, blocks: Vec::new() };
     if walk.bad.is_empty() {
         seg.bytes = walk.torn.unwrap_or(bytes.len() as u64);
         seg.blocks = walk.good.iter().map(|(_, b)| *b).collect();
@@ -368,7 +383,14 @@ fn walk_frames(bytes: &[u8], epoch: u64, is_tail: bool) -> Walk {
             match verify_block(block, &limits) {
                 Ok(h) if h.epoch == epoch => w.good.push((
                     fr,
-                    BlockRef { offset: fr.offset, len: fr.len, first_seq: h.first_seq, count: h.count, min_ts: h.min_ts, flags: h.flags },
+                    BlockRef {
+                        offset: fr.offset,
+                        len: fr.len,
+                        first_seq: h.first_seq,
+                        count: h.count,
+                        min_ts: h.min_ts,
+                        flags: h.flags,
+                    },
                 )),
                 _ => w.bad.push((fr.offset, fr.end())),
             }
@@ -426,7 +448,13 @@ fn bad_header(
     let salvaged = max_seq_in(bytes, f.epoch).unwrap_or(0);
     let last = next_first.map_or(salvaged, |n| (n - 1).max(salvaged));
     if last >= f.first_seq {
-        let g = Gap { epoch: f.epoch, first_seq: f.first_seq, last_seq: last, reason: GapReason::Corrupt, records: last - f.first_seq + 1 };
+        let g = Gap {
+            epoch: f.epoch,
+            first_seq: f.first_seq,
+            last_seq: last,
+            reason: GapReason::Corrupt,
+            records: last - f.first_seq + 1,
+        };
         gw.write(&g)?;
         if !idx.gaps.contains(&g) {
             idx.gaps.push(g);
@@ -531,7 +559,10 @@ fn drop_incomplete_batch(cx: &mut Ctx<'_>, idx: &mut StreamIndex, epoch: u64) ->
 fn finish_interrupted_drops(cx: &mut Ctx<'_>, idx: &mut StreamIndex, dir: &Path) -> Result<(), OpenError> {
     let dropped = |epoch: u64, b: &BlockRef| {
         idx.gaps.iter().any(|g| {
-            g.reason == GapReason::Dropped && g.epoch == epoch && g.first_seq <= b.first_seq && b.last_seq() <= g.last_seq
+            g.reason == GapReason::Dropped
+                && g.epoch == epoch
+                && g.first_seq <= b.first_seq
+                && b.last_seq() <= g.last_seq
         })
     };
     let doomed: Vec<PathBuf> = idx

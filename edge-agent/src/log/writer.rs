@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 use sync::Record;
-use sync::block::{EncodeOptions, FLAG_BATCH_CONTINUES, decode_header, encode_block_with};
+use sync::block::{DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUES, decode_block, decode_header, encode_block_with};
 use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, frame_header, segment_header};
 use tokio::sync::oneshot;
 
@@ -85,7 +85,7 @@ pub(crate) struct Writer {
 
 /// What a drain pass ended on.
 enum Control {
-    Mint(mpsc::Sender<Result<u64, MintError>>),
+    Mint { epoch_min: u64, rekey: Vec<(usize, u64, u64)>, reply: mpsc::Sender<Result<u64, MintError>> },
     Shutdown(mpsc::Sender<()>),
     Disconnected,
 }
@@ -119,7 +119,19 @@ impl Writer {
         let storage = shared.storage.clone();
         // An fsync long ago: the first append under `Interval` is synced at once.
         let last_fsync = Instant::now().checked_sub(Duration::from_secs(3600)).unwrap_or_else(Instant::now);
-        Writer { cfg, shared, storage, catalog, epoch, streams, waiters: Vec::new(), last_fsync, unsynced: false, disk_bytes, budget_warned: false }
+        Writer {
+            cfg,
+            shared,
+            storage,
+            catalog,
+            epoch,
+            streams,
+            waiters: Vec::new(),
+            last_fsync,
+            unsynced: false,
+            disk_bytes,
+            budget_warned: false,
+        }
     }
 
     /// The thread body.
@@ -132,8 +144,8 @@ impl Writer {
             self.tick(control.is_some());
             match control {
                 None => {}
-                Some(Control::Mint(reply)) => {
-                    let _ = reply.send(self.mint());
+                Some(Control::Mint { epoch_min, rekey, reply }) => {
+                    let _ = reply.send(self.mint(epoch_min, &rekey));
                 }
                 Some(Control::Shutdown(reply)) => {
                     self.close();
@@ -164,7 +176,7 @@ impl Writer {
             match msg {
                 Msg::Append { stream, records, reply } => self.on_append(stream, records, reply),
                 Msg::Wake => {}
-                Msg::Mint(r) => return Some(Control::Mint(r)),
+                Msg::Mint { epoch_min, rekey, reply } => return Some(Control::Mint { epoch_min, rekey, reply }),
                 Msg::Shutdown(r) => return Some(Control::Shutdown(r)),
             }
             msg = match rx.try_recv() {
@@ -177,7 +189,7 @@ impl Writer {
         match msg {
             Msg::Append { stream, records, reply } => self.on_append(stream, records, reply),
             Msg::Wake => {}
-            Msg::Mint(r) => return Some(Control::Mint(r)),
+            Msg::Mint { epoch_min, rekey, reply } => return Some(Control::Mint { epoch_min, rekey, reply }),
             Msg::Shutdown(r) => return Some(Control::Shutdown(r)),
         }
         None
@@ -301,7 +313,8 @@ impl Writer {
     /// Encodes one block and frames it into the stream's write buffer.
     fn seal(&mut self, i: usize, records: &[Record], first_seq: u64, flags: u8) -> Result<(), String> {
         let opts = EncodeOptions { version: self.cfg.block_version, flags, zstd_level: self.cfg.zstd_level };
-        let block = encode_block_with(&opts, self.epoch, first_seq, records).map_err(|e| format!("sealing a block failed: {e}"))?;
+        let block = encode_block_with(&opts, self.epoch, first_seq, records)
+            .map_err(|e| format!("sealing a block failed: {e}"))?;
         // Check what we are about to write, as the reader will check it after reading.
         let h = decode_header(&block).map_err(|e| format!("sealed block does not verify: {e}"))?;
         assert!(h.first_seq == first_seq && h.count as usize == records.len(), "sealed header disagrees");
@@ -422,7 +435,14 @@ impl Writer {
         let idx = s.streams.get_mut(&st.name).expect("configured stream");
         let seg = idx.segments.iter_mut().rfind(|g| g.path == *path).expect("active segment is indexed");
         for b in blocks {
-            let r = BlockRef { offset, len: b.len, first_seq: b.first_seq, count: b.count, min_ts: b.min_ts, flags: b.flags };
+            let r = BlockRef {
+                offset,
+                len: b.len,
+                first_seq: b.first_seq,
+                count: b.count,
+                min_ts: b.min_ts,
+                flags: b.flags,
+            };
             if let Some(prev) = seg.blocks.last() {
                 assert_eq!(prev.last_seq() + 1, r.first_seq, "seqs within a segment are contiguous");
             }
@@ -477,7 +497,13 @@ impl Writer {
         if let Some(mut old) = self.streams[i].active.take() {
             old.file.sync()?;
             let (last, bytes) = self.segment_stats(i, &old.path);
-            let row = SegmentRow { stream: self.streams[i].name.clone(), epoch: self.epoch, first_seq: old.first_seq, last_seq: last, bytes };
+            let row = SegmentRow {
+                stream: self.streams[i].name.clone(),
+                epoch: self.epoch,
+                first_seq: old.first_seq,
+                last_seq: last,
+                bytes,
+            };
             if let Err(e) = self.catalog.upsert_segment(&row) {
                 tracing::warn!(error = %e, "catalog: recording a sealed segment failed (it is rebuilt at open)");
             }
@@ -498,7 +524,11 @@ impl Writer {
         while self.disk_bytes + need > self.cfg.disk_bytes_max {
             let Some((j, seg)) = self.oldest_droppable() else {
                 if !self.budget_warned {
-                    tracing::warn!(disk_bytes = self.disk_bytes, budget = self.cfg.disk_bytes_max, "disk budget exceeded but nothing can be dropped yet (only active or not yet durable segments)");
+                    tracing::warn!(
+                        disk_bytes = self.disk_bytes,
+                        budget = self.cfg.disk_bytes_max,
+                        "disk budget exceeded but nothing can be dropped yet (only active or not yet durable segments)"
+                    );
                     self.budget_warned = true;
                 }
                 return Ok(());
@@ -567,12 +597,17 @@ impl Writer {
     }
 
     fn append_gaps(&mut self, j: usize, gaps: &[Gap]) -> io::Result<()> {
+        let entries: Vec<Vec<u8>> = gaps.iter().map(markers::encode_gap).collect();
+        self.append_markers(j, &entries)
+    }
+
+    /// Appends entries to the stream's `gaps.log` and fsyncs them.
+    fn append_markers(&mut self, j: usize, entries: &[Vec<u8>]) -> io::Result<()> {
         let st = &mut self.streams[j];
         if st.gaps.is_none() {
             st.gaps = Some(MarkerFile::open(self.storage.as_ref(), &st.dir.join(GAPS_FILE))?);
         }
-        let entries: Vec<Vec<u8>> = gaps.iter().map(markers::encode_gap).collect();
-        st.gaps.as_mut().expect("opened").append(&entries)
+        st.gaps.as_mut().expect("opened").append(entries)
     }
 
     fn fsync_all(&mut self) -> io::Result<()> {
@@ -661,8 +696,10 @@ impl Writer {
                     .iter()
                     .filter(|g| Some(&g.path) != active)
                     .filter(|g| {
+                        // Freed once tiered, or once moved into a newer epoch (rekey).
                         let tiered = idx.acks.get(&g.epoch).map_or(0, |a| a.1);
-                        g.last_seq().is_some_and(|l| l <= tiered)
+                        let moved = idx.moved.get(&g.epoch).copied().unwrap_or(u64::MAX);
+                        !g.blocks.is_empty() && g.blocks.iter().all(|b| b.last_seq() <= tiered || b.first_seq >= moved)
                     })
                     .cloned()
                     .collect()
@@ -693,8 +730,99 @@ impl Writer {
         Ok(())
     }
 
-    /// Starts a new epoch. Everything staged was flushed and fsynced by the forced tick before.
-    fn mint(&mut self) -> Result<u64, MintError> {
+    /// Starts a new epoch and moves the `rekey` records into it. Everything staged was flushed
+    /// by the forced tick before.
+    fn mint(&mut self, epoch_min: u64, rekey: &[(usize, u64, u64)]) -> Result<u64, MintError> {
+        let epoch = self.start_epoch(epoch_min)?;
+        if rekey.is_empty() {
+            return Ok(epoch);
+        }
+        for &(i, old, from_seq) in rekey {
+            if let Err(why) = self.rekey(i, old, from_seq) {
+                self.poison(why.clone());
+                return Err(MintError::Rekey(why));
+            }
+        }
+        self.tick(true);
+        if self.unsynced && self.fsync_all().is_err() {
+            self.poison("fsync after moving records into the new epoch failed".into());
+        }
+        if let Some(why) = self.shared.poisoned() {
+            return Err(MintError::Rekey(why));
+        }
+        self.complete();
+        // Only now that the copies are durable: a mark without its copy would hide records.
+        // (A crash between the two leaves the old records announced; the hub asks again.)
+        for &(i, old, from_seq) in rekey {
+            if let Err(e) = self.append_markers(i, &[markers::encode_move(old, from_seq)]) {
+                let why = format!("recording moved records failed: {e}");
+                self.poison(why.clone());
+                return Err(MintError::Rekey(why));
+            }
+        }
+        {
+            let mut s = self.shared.lock();
+            for &(i, old, from_seq) in rekey {
+                let idx = s.streams.get_mut(&self.streams[i].name).expect("configured stream");
+                let m = idx.moved.entry(old).or_insert(from_seq);
+                *m = (*m).min(from_seq);
+            }
+            s.acks_dirty = true;
+        }
+        self.apply_acks();
+        Ok(epoch)
+    }
+
+    /// Copies the held records of `(stream i, old)` with `seq >= from_seq` into the current
+    /// epoch as one batch: every block but the last carries `FLAG_BATCH_CONTINUES`, so a crash
+    /// part-way leaves nothing of the copy after recovery.
+    fn rekey(&mut self, i: usize, old: u64, from_seq: u64) -> Result<(), String> {
+        let name = self.streams[i].name.clone();
+        let limits = DecodeLimits::default();
+        let (rec_max, bytes_max) = (self.cfg.block_records_max, self.cfg.block_bytes_max);
+        let mut after = from_seq - 1;
+        let mut held_back: Option<Vec<Record>> = None;
+        let mut moved = 0u64;
+        loop {
+            let blocks = self.shared.read_blocks(&name, old, after, 4 << 20).map_err(|e| e.to_string())?;
+            if blocks.is_empty() {
+                break;
+            }
+            for b in blocks {
+                let block =
+                    decode_block(&b.bytes, &limits).map_err(|e| format!("reading {name} epoch {old:x}: {e}"))?;
+                after = block.header.last_seq();
+                let skip = from_seq.saturating_sub(block.header.first_seq) as usize;
+                let records: Vec<Record> = block.records.into_iter().skip(skip).collect();
+                let mut at = 0;
+                for len in split_batch(&records, rec_max, bytes_max) {
+                    let chunk = records[at..at + len].to_vec();
+                    at += len;
+                    moved += len as u64;
+                    if let Some(prev) = held_back.replace(chunk) {
+                        self.seal_next(i, &prev, FLAG_BATCH_CONTINUES)?;
+                    }
+                }
+            }
+            if self.streams[i].sealed_buf.len() > 8 << 20 {
+                self.write_stream(i).map_err(|e| format!("writing moved records failed: {e}"))?;
+            }
+        }
+        if let Some(last) = held_back {
+            self.seal_next(i, &last, 0)?;
+        }
+        tracing::warn!(stream = %name, old_epoch = format_args!("{old:016x}"), from_seq, records = moved, "moved records into the new epoch");
+        Ok(())
+    }
+
+    fn seal_next(&mut self, i: usize, records: &[Record], flags: u8) -> Result<(), String> {
+        let first = self.streams[i].next_seq;
+        self.streams[i].next_seq += records.len() as u64;
+        self.seal(i, records, first, flags)
+    }
+
+    /// Persists a new epoch and switches every stream to it.
+    fn start_epoch(&mut self, epoch_min: u64) -> Result<u64, MintError> {
         if let Some(why) = self.shared.poisoned() {
             return Err(MintError::Poisoned(why));
         }
@@ -706,9 +834,10 @@ impl Writer {
             return Err(MintError::Storage(why));
         }
         let epochs = self.shared.lock().epochs.clone();
-        let epoch = recovery::mint(&epochs);
+        let epoch = recovery::mint(&epochs, epoch_min).ok_or(MintError::EpochSpace(epoch_min))?;
         let path = self.cfg.data_dir.join(EPOCHS_FILE);
-        let res = MarkerFile::open(self.storage.as_ref(), &path).and_then(|mut f| f.append(&[markers::encode_epoch(epoch)]));
+        let res =
+            MarkerFile::open(self.storage.as_ref(), &path).and_then(|mut f| f.append(&[markers::encode_epoch(epoch)]));
         if let Err(e) = res {
             let why = format!("writing {} failed: {e}", path.display());
             self.poison(why.clone());
@@ -817,7 +946,13 @@ mod tests {
     #[test]
     fn runs_follow_contiguity() {
         let b = |first_seq, count| BlockRef { offset: 0, len: 1, first_seq, count, min_ts: 0, flags: 0 };
-        let seg = SegIndex { epoch: 7, first_seq: 1, path: PathBuf::new(), bytes: 0, blocks: vec![b(1, 3), b(4, 2), b(10, 1)] };
+        let seg = SegIndex {
+            epoch: 7,
+            first_seq: 1,
+            path: PathBuf::new(),
+            bytes: 0,
+            blocks: vec![b(1, 3), b(4, 2), b(10, 1)],
+        };
         let runs = contiguous_runs(&seg);
         assert_eq!(runs.len(), 2);
         assert_eq!((runs[0].first_seq, runs[0].last_seq, runs[0].records), (1, 5, 5));

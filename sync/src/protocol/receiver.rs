@@ -233,6 +233,9 @@ struct Behind {
     /// item reaching it is compared, the Verdict is final.
     data_last: u64,
     matched_through: u64,
+    /// The seq after the last block compared in order; a block starting later is a late
+    /// duplicate, not part of the comparison.
+    next: u64,
     done: bool,
     verdict_sent: bool,
 }
@@ -258,6 +261,9 @@ struct Lane {
     fetched_from: u64,
     /// Waiting for more stored checksums; marks and frontier are already known.
     refilling: bool,
+    /// The block ending at the mark is still to be compared: blocks past the mark wait, so
+    /// that a diverged history is fenced before any of it is committed.
+    junction: bool,
 }
 
 impl Lane {
@@ -278,6 +284,7 @@ impl Lane {
             behind: None,
             fetched_from: 0,
             refilling: false,
+            junction: false,
         }
     }
 
@@ -578,6 +585,7 @@ impl Receiver {
                 held_last,
                 data_last,
                 matched_through: start.min(held_last),
+                next: start.min(held_last) + 1,
                 done: false,
                 verdict_sent: false,
             });
@@ -587,13 +595,14 @@ impl Receiver {
     fn welcome(&mut self) {
         let lanes = self
             .lanes
-            .iter()
+            .iter_mut()
             .map(|l| {
                 let resume_from = match (&l.behind, l.ring.back()) {
                     (Some(b), _) => b.matched_through + 1,
                     (None, Some(r)) if r.last_seq == l.mark && r.checksum.is_some() => r.first_seq,
                     _ => l.mark + 1,
                 };
+                l.junction = l.behind.is_none() && resume_from <= l.mark;
                 let w = LaneWelcome { durable_seq: l.mark, tiered_seq: l.tiered, resume_from };
                 (l.stream.clone(), l.epoch, w)
             })
@@ -637,8 +646,10 @@ impl Receiver {
             }
         };
         let (first, last) = item.range();
-        let (loaded, frontier) = (self.lanes[i].loaded, self.lanes[i].frontier);
-        let wait = !loaded || first > frontier + 1;
+        let lane = &self.lanes[i];
+        let (loaded, frontier) = (lane.loaded, lane.frontier);
+        let wait = !loaded || first > frontier + 1 || (lane.junction && first > lane.mark);
+        if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG on_item {}/{} {first}..={last} loaded {loaded} frontier {frontier} mark {} junction {} behind {:?}", lane.stream, lane.epoch, lane.mark, lane.junction, lane.behind); }
         if (wait || last > frontier) && !self.admit(item.bytes()) {
             return;
         }
@@ -693,8 +704,9 @@ impl Receiver {
             if !lane.loaded {
                 return;
             }
+            let (frontier, mark, junction) = (lane.frontier, lane.mark, lane.junction);
             let Some(entry) = lane.reorder.first_entry() else { return };
-            if *entry.key() > lane.frontier + 1 {
+            if *entry.key() > frontier + 1 || (junction && *entry.key() > mark) {
                 return;
             }
             let item = entry.remove();
@@ -707,24 +719,38 @@ impl Receiver {
     /// Handles an item that starts at or below the frontier + 1: verify the part the hub
     /// already holds, then commit the rest.
     fn process(&mut self, i: usize, item: Item) {
+        let (_, last) = item.range();
+        let reaches_mark = last >= self.lanes[i].mark;
         match item {
             Item::Block { header, block } => self.process_block(i, header, block),
             Item::Gap(g) => self.process_gap(i, g),
+        }
+        if reaches_mark && self.lanes[i].junction && self.phase == Phase::Established {
+            self.lanes[i].junction = false;
+            self.lanes[i].ack_dirty = true;
+            self.drain_lane(i);
         }
     }
 
     fn process_gap(&mut self, i: usize, g: GapMarker) {
         let lane = &mut self.lanes[i];
-        if lane.behind.is_some() {
-            let msg = format!("gap marker for {}/{}, whose history the hub is ahead of", lane.stream, lane.epoch);
-            return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+        if let Some(b) = lane.behind.as_mut() {
+            // The edge holds nothing there, so nothing there needs comparing.
+            if !b.done && g.first_seq <= b.matched_through + 1 {
+                b.matched_through = b.matched_through.max(g.last_seq.min(b.held_last));
+            }
+            if g.first_seq <= b.next {
+                b.next = b.next.max(g.last_seq + 1);
+            }
+            b.done |= g.last_seq >= b.data_last;
+            lane.ack_dirty = true;
+            return self.maybe_verdict(i);
         }
         let Some(clipped) = g.clip_from(lane.frontier + 1) else {
             lane.ack_dirty |= g.last_seq <= lane.mark;
             return;
         };
         lane.frontier = clipped.last_seq;
-        lane.carry = None;
         let stored = Stored { first_seq: clipped.first_seq, last_seq: clipped.last_seq, checksum: None };
         lane.remember(stored, self.config.checksum_ranges_max);
         lane.pending.push_back((clipped.last_seq, 0));
@@ -743,6 +769,17 @@ impl Receiver {
             }
         };
         let first = header.first_seq;
+        if self.lanes[i].behind.is_some_and(|b| first > b.next) {
+            // Not the next block of the comparison (a late duplicate): it proves nothing.
+            let lane = &mut self.lanes[i];
+            if header.last_seq() > lane.frontier {
+                let msg = format!("block past the mark of {}/{}, whose history the hub is ahead of", lane.stream, lane.epoch);
+                return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+            }
+            lane.ack_dirty = true;
+            self.stats.replays += 1;
+            return;
+        }
         let hashes: Vec<u64> =
             decoded.records.iter().enumerate().map(|(k, r)| record_hash(first + k as u64, r)).collect();
         match self.verify_overlap(i, first, &hashes) {
@@ -755,6 +792,7 @@ impl Receiver {
             lane.ack_dirty |= header.last_seq() <= lane.mark;
             self.stats.replays += 1;
             if let Some(b) = lane.behind.as_mut() {
+                b.next = b.next.max(header.last_seq() + 1);
                 // Everything the edge holds has been compared.
                 b.done |= header.last_seq() >= b.data_last;
             }
@@ -771,7 +809,6 @@ impl Receiver {
         let mut records = decoded.records;
         records.drain(..skip);
         lane.frontier = header.last_seq();
-        lane.carry = None;
         lane.remember(Stored { first_seq: checksum.first_seq, last_seq: checksum.last_seq, checksum: Some(sum) }, self.config.checksum_ranges_max);
         lane.pending.push_back((header.last_seq(), block.len() as u64));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
@@ -785,6 +822,21 @@ impl Receiver {
     /// (and fences) on a conflict.
     fn verify_overlap(&mut self, i: usize, first: u64, hashes: &[u64]) -> Verify {
         let lane = &mut self.lanes[i];
+        // A block that does not continue a partly compared range (a late duplicate) is
+        // compared on its own, so it cannot break the comparison in progress.
+        let saved = match lane.carry {
+            Some(c) if c.next != first => lane.carry.take(),
+            _ => None,
+        };
+        let verdict = self.verify_records(i, first, hashes);
+        if saved.is_some() {
+            self.lanes[i].carry = saved;
+        }
+        verdict
+    }
+
+    fn verify_records(&mut self, i: usize, first: u64, hashes: &[u64]) -> Verify {
+        let lane = &mut self.lanes[i];
         for (k, &h) in hashes.iter().enumerate() {
             let seq = first + k as u64;
             if seq > lane.frontier {
@@ -792,7 +844,7 @@ impl Receiver {
             }
             lane.skip_own_gaps();
             let check = lane.check_record(seq, h);
-            if lane.behind.is_some() && std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG {}/{} seq {seq} {check:?} {:?} fetched {} ring {:?}", lane.stream, lane.epoch, lane.behind, lane.fetched_from, lane.ring.iter().map(|r| (r.first_seq, r.last_seq)).collect::<Vec<_>>()); }
+            if lane.behind.is_some() && std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG {}/{} seq {seq} {check:?} {:?}", lane.stream, lane.epoch, lane.behind); }
             match (check, lane.behind.as_mut()) {
                 (Check::Pending, _) => {}
                 (Check::Matched(r), Some(b)) if !b.done && r.first_seq == b.matched_through + 1 => {
@@ -922,7 +974,9 @@ impl Receiver {
         }
         for i in 0..self.lanes.len() {
             let lane = &mut self.lanes[i];
-            if !lane.ack_dirty {
+            // An Ack vouches for the edge's copy up to the mark, which the junction check has
+            // not confirmed yet.
+            if !lane.ack_dirty || lane.junction {
                 continue;
             }
             lane.ack_dirty = false;

@@ -184,6 +184,16 @@ impl Lane {
         }
     }
 
+    /// Seqs at or below this are not reported as lost: the hub holds them. In a lane the hub
+    /// is ahead of, the edge's own losses are reported too, so the hub can skip them when
+    /// comparing.
+    fn floor(&self) -> u64 {
+        match self.mode {
+            Mode::Behind { verdict: None, .. } => 0,
+            _ => self.hub_mark,
+        }
+    }
+
     /// True when nothing of this lane can block a later epoch of the same stream.
     fn settled(&self, current_epoch: u64) -> bool {
         match self.mode {
@@ -215,7 +225,14 @@ impl Lane {
     /// Queues gap frames for `from..=to`, a range the log has no blocks for: explicit markers
     /// where the edge recorded them, `Missing` elsewhere. Seqs the hub holds are skipped.
     fn fill_hole(&mut self, from: u64, to: u64) {
-        let mut at = from.max(self.hub_mark + 1);
+        if from <= self.floor() {
+            // Below the hub's mark the hub holds the data: say only that the edge does not,
+            // so that the hub stops waiting for the block ending at its mark.
+            let last_seq = to.min(self.floor());
+            let count = last_seq - from + 1;
+            self.push_gap(GapMarker { first_seq: from, last_seq, reason: GapReason::Missing, count });
+        }
+        let mut at = from.max(self.floor() + 1);
         while at <= to {
             let covering = self.gaps.iter().find(|g| g.first_seq <= at && at <= g.last_seq).copied();
             let g = match covering {
@@ -242,14 +259,17 @@ impl Lane {
     fn queue_covering_gaps(&mut self) {
         loop {
             let at = self.cursor;
+            if at > self.limit() {
+                return;
+            }
             let Some(g) = self.gaps.iter().find(|g| g.first_seq <= at && at <= g.last_seq).copied() else {
                 return;
             };
-            match g.clip_from(at.max(self.hub_mark + 1)) {
-                Some(clipped) => self.push_gap(clipped),
-                // The hub holds everything this marker covers.
-                None => self.cursor = g.last_seq + 1,
-            }
+            // Below the hub's mark this only tells the hub that the edge does not hold the
+            // seqs (so it stops waiting for the block ending at its mark); above, it is loss.
+            let last_seq = if at <= self.floor() { g.last_seq.min(self.floor()) } else { g.last_seq.min(self.limit()) };
+            let count = g.count.min(last_seq - at + 1);
+            self.push_gap(GapMarker { first_seq: at, last_seq, count, ..g });
         }
     }
 }
@@ -444,17 +464,9 @@ impl Sender {
             lane.mode = Mode::Behind { limit: lane.announced_last, verdict: None };
             return;
         }
+        // The Welcome's marks are not reported as acknowledged: only an Ack, which the hub
+        // sends once it has compared the block ending at its mark, vouches for this edge's copy.
         lane.mode = Mode::Normal;
-        if lw.durable_seq > lane.durable || lw.tiered_seq > lane.tiered {
-            lane.durable = lane.durable.max(lw.durable_seq);
-            lane.tiered = lane.tiered.max(lw.tiered_seq);
-            self.events.push_back(SenderEvent::Acked {
-                stream: lane.stream.clone(),
-                epoch: lane.epoch,
-                durable_seq: lane.durable,
-                tiered_seq: lane.tiered,
-            });
-        }
     }
 
     fn on_ack(&mut self, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) {
@@ -620,6 +632,13 @@ impl Sender {
         lane.want_outstanding = false;
         if blocks.is_empty() {
             lane.exhausted_at = Some(lane.held_last);
+            // Comparing a lane the hub is ahead of must finish: what the log cannot supply,
+            // the edge does not hold.
+            if let Mode::Behind { limit, verdict: None } = lane.mode {
+                if lane.cursor <= limit {
+                    lane.fill_hole(lane.cursor, limit);
+                }
+            }
         }
         let mut result = Ok(());
         for b in blocks {
@@ -660,7 +679,7 @@ impl Sender {
         }
         for i in 0..self.lanes.len() {
             let lane = &mut self.lanes[i];
-            if lane.mode == Mode::Normal {
+            if matches!(lane.mode, Mode::Normal | Mode::Behind { verdict: None, .. }) {
                 lane.queue_covering_gaps();
             }
             let room = self.config.queue_bytes_max.saturating_sub(lane.queue_bytes);
