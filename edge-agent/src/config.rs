@@ -141,13 +141,40 @@ pub enum SourceConfig {
     Mqtt(MqttSourceConfig),
 }
 
-/// A `kind = "mqtt"` source: subscriptions on a local broker.
+/// A `kind = "mqtt"` source: subscriptions on a local broker. See `sources::mqtt` for how
+/// messages become records.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MqttSourceConfig {
     pub url: String,
     pub topics: Vec<String>,
     pub stream: String,
     pub format: PayloadFormat,
+    /// `topic_template`: such as `sensors/{device}/{sensor}`; the key is the captured parts
+    /// joined by `/`. `None`: the key is the whole topic (JSON) or the line's tags (line).
+    pub topic_template: Option<String>,
+    /// `ts_field`: the JSON field holding the event time; `None`: the receive time.
+    pub ts_field: Option<String>,
+    /// `ts_unit`: how `ts_field` is written; default `ms`.
+    pub ts_unit: TsUnit,
+    /// `client_id`: the MQTT client id; default derived from the data directory (stable across
+    /// restarts, which the persistent session needs).
+    pub client_id: Option<String>,
+    /// `qos`: 1 (default) or 2.
+    pub qos: u8,
+    /// `dedupe_window`: how many recent message digests are kept to recognise redeliveries;
+    /// default 65536 (every MQTT packet id). Must be at least the broker's inflight window.
+    pub dedupe_window: usize,
+}
+
+/// The unit of a JSON timestamp field.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TsUnit {
+    S,
+    Ms,
+    Us,
+    Ns,
+    /// A string such as `2026-11-29T17:00:00.123Z`.
+    Rfc3339,
 }
 
 /// How a payload or request body encodes records.
@@ -358,6 +385,12 @@ struct RawSource {
     topics: Option<Vec<String>>,
     stream: Option<String>,
     format: Option<String>,
+    topic_template: Option<String>,
+    ts_field: Option<String>,
+    ts_unit: Option<String>,
+    client_id: Option<String>,
+    qos: Option<String>,
+    dedupe_window: Option<String>,
 }
 
 impl RawConfig {
@@ -537,11 +570,45 @@ impl RawSource {
                 }
                 let format =
                     PayloadFormat::parse(&key("format"), self.format.as_deref().unwrap_or("json"))?;
+                if let Some(t) = &self.topic_template {
+                    check_topic_template(&key("topic_template"), t)?;
+                }
+                let ts_unit = match self.ts_unit.as_deref().unwrap_or("ms") {
+                    "s" => TsUnit::S,
+                    "ms" => TsUnit::Ms,
+                    "us" => TsUnit::Us,
+                    "ns" => TsUnit::Ns,
+                    "rfc3339" => TsUnit::Rfc3339,
+                    other => {
+                        return Err(ConfigError::invalid(
+                            key("ts_unit"),
+                            format!("expected s | ms | us | ns | rfc3339, found {other:?}"),
+                        ));
+                    }
+                };
+                let qos = match self.qos.as_deref().map(str::trim) {
+                    None | Some("1") => 1,
+                    Some("2") => 2,
+                    Some(other) => {
+                        return Err(ConfigError::invalid(
+                            key("qos"),
+                            format!("expected 1 | 2, found {other:?}"),
+                        ));
+                    }
+                };
+                let dedupe_window =
+                    count_or(&key("dedupe_window"), self.dedupe_window, 65_536)?;
                 Ok(Some(SourceConfig::Mqtt(MqttSourceConfig {
                     url,
                     topics,
                     stream,
                     format,
+                    topic_template: self.topic_template.filter(|t| !t.is_empty()),
+                    ts_field: self.ts_field.filter(|t| !t.is_empty()),
+                    ts_unit,
+                    client_id: self.client_id.filter(|t| !t.is_empty()),
+                    qos,
+                    dedupe_window,
                 })))
             }
             other => Err(ConfigError::invalid(
@@ -552,6 +619,23 @@ impl RawSource {
             )),
         }
     }
+}
+
+/// A topic template is `/`-separated levels, each literal or one `{name}` capture.
+fn check_topic_template(key: &str, t: &str) -> Result<(), ConfigError> {
+    for level in t.split('/') {
+        let capture = level.starts_with('{') && level.ends_with('}') && level.len() > 2;
+        if level.contains(['{', '}', '+', '#']) && !capture {
+            return Err(ConfigError::invalid(
+                key,
+                format!(
+                    "level {level:?}: expected a literal or one {{name}} capture per level, \
+                     such as \"sensors/{{device}}/{{sensor}}\""
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> {

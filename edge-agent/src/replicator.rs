@@ -37,6 +37,11 @@ pub struct ReplicatorConfig {
     pub bandwidth_bytes_per_s: Option<u64>,
     /// Per-stream priority; higher drains first. Order within a stream always wins.
     pub priorities: Vec<(String, u8)>,
+    /// While catching up, consecutive small blocks are re-sealed into blocks of up to this many
+    /// records before they ship (0 ships blocks as stored). See [`reblock`].
+    pub reblock_records_max: usize,
+    /// Body version of re-sealed blocks; version 2 (columnar) is what makes backlog cheap.
+    pub reblock_version: u8,
     pub sender: SenderConfig,
 }
 
@@ -50,6 +55,8 @@ impl ReplicatorConfig {
             backoff_max: Duration::from_secs(30),
             bandwidth_bytes_per_s: None,
             priorities: Vec::new(),
+            reblock_records_max: sync::columnar::OFFLINE_BLOCK_RECORDS,
+            reblock_version: sync::block::VERSION_COLUMNAR,
             sender: SenderConfig::default(),
         }
     }
@@ -293,7 +300,8 @@ async fn session(
                     if let Some(last) = blocks.last() {
                         offered.note(&stream, epoch, last.header.last_seq());
                     }
-                    let blocks = blocks.into_iter().map(|b| b.bytes).collect();
+                    let blocks = reblock(blocks, cfg.reblock_records_max, cfg.reblock_version)
+                        .map_err(|e| format!("re-sealing backlog blocks: {e}"))?;
                     sender.supply_blocks(now_of(clock), &stream, epoch, blocks).map_err(|e| e.to_string())?;
                 }
                 SenderEvent::Acked { stream, epoch, durable_seq, tiered_seq } => {
@@ -362,6 +370,63 @@ async fn send_data(conn: &quinn::Connection, frame: Vec<u8>, status: &LinkStatus
     s.write_all(&frame).await.map_err(|e| format!("data stream: {e}"))?;
     s.finish().map_err(|e| format!("data stream: {e}"))?;
     Ok(())
+}
+
+/// Re-seals a run of stored blocks into fewer, larger blocks for shipping.
+///
+/// Live data ships as the small blocks the log sealed for low latency. A backlog (after an
+/// outage, or a slow link) is read back in runs, and a run of small blocks compresses far
+/// better as one large columnar block: this is how block size adapts to the link without
+/// rewriting anything on disk. The seq range and the records are exactly those of the stored
+/// blocks; the hub's content checksums are per record, so they match whatever the boundaries.
+/// A block already large enough, or alone in its run, ships as stored.
+pub fn reblock(
+    blocks: Vec<locallog::StoredBlock>,
+    records_max: usize,
+    version: u8,
+) -> Result<Vec<Vec<u8>>, String> {
+    if records_max == 0 || blocks.len() < 2 {
+        return Ok(blocks.into_iter().map(|b| b.bytes).collect());
+    }
+    let mut out = Vec::new();
+    let mut run: Vec<locallog::StoredBlock> = Vec::new();
+    let mut run_records = 0usize;
+    for b in blocks {
+        let n = b.header.count as usize;
+        let contiguous = run.last().is_none_or(|p| p.header.last_seq() + 1 == b.header.first_seq);
+        if !run.is_empty() && (run_records + n > records_max || !contiguous) {
+            out.push(seal_run(std::mem::take(&mut run), version)?);
+            run_records = 0;
+        }
+        run_records += n;
+        run.push(b);
+    }
+    if !run.is_empty() {
+        out.push(seal_run(run, version)?);
+    }
+    Ok(out)
+}
+
+fn seal_run(run: Vec<locallog::StoredBlock>, version: u8) -> Result<Vec<u8>, String> {
+    if run.len() == 1 {
+        return Ok(run.into_iter().next().expect("one block").bytes);
+    }
+    let limits = sync::block::DecodeLimits::default();
+    let first = run[0].header;
+    let last_flags = run.last().expect("non-empty run").header.flags;
+    let mut records = Vec::with_capacity(run.iter().map(|b| b.header.count as usize).sum());
+    for b in &run {
+        let block = sync::block::decode_block(&b.bytes, &limits).map_err(|e| e.to_string())?;
+        records.extend(block.records);
+    }
+    let opts = sync::block::EncodeOptions {
+        version,
+        // Only a batch's continuation at the very end of the run carries over; inside the run
+        // the batch is whole.
+        flags: last_flags & sync::block::FLAG_BATCH_CONTINUES,
+        zstd_level: sync::block::DEFAULT_ZSTD_LEVEL,
+    };
+    sync::block::encode_block_with(&opts, first.epoch, first.first_seq, &records).map_err(|e| e.to_string())
 }
 
 /// The newest block the driver has handed to the sender per lane.
@@ -440,6 +505,55 @@ impl TokenBucket {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sync::{Record, Value};
+
+    fn stored(epoch: u64, first_seq: u64, n: usize) -> locallog::StoredBlock {
+        let records: Vec<Record> = (0..n)
+            .map(|i| Record {
+                key: format!("k{}", i % 3),
+                ts: 1_000 + (first_seq as i64 + i as i64) * 10,
+                fields: vec![("v".into(), Value::F64(first_seq as f64 + i as f64 / 100.0))],
+            })
+            .collect();
+        let bytes = sync::block::encode_block(sync::block::VERSION_ROWS, epoch, first_seq, &records).unwrap();
+        let header = sync::block::decode_header(&bytes).unwrap();
+        locallog::StoredBlock { header, bytes }
+    }
+
+    fn records_of(blocks: &[Vec<u8>]) -> Vec<(u64, Record)> {
+        let limits = sync::block::DecodeLimits::default();
+        let mut out = Vec::new();
+        for b in blocks {
+            let d = sync::block::decode_block(b, &limits).unwrap();
+            for (i, r) in d.records.into_iter().enumerate() {
+                out.push((d.header.first_seq + i as u64, r));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn reblock_merges_runs_and_keeps_every_record() {
+        let input: Vec<_> = (0..10).map(|i| stored(9, 1 + i * 50, 50)).collect();
+        let expected = records_of(&input.iter().map(|b| b.bytes.clone()).collect::<Vec<_>>());
+        let out = reblock(input, 200, sync::block::VERSION_COLUMNAR).unwrap();
+        assert_eq!(out.len(), 3, "500 records in runs of at most 200");
+        let headers: Vec<_> = out.iter().map(|b| sync::block::decode_header(b).unwrap()).collect();
+        assert_eq!(headers.iter().map(|h| h.count).collect::<Vec<_>>(), vec![200, 200, 100]);
+        assert!(headers.iter().all(|h| h.epoch == 9 && h.version == sync::block::VERSION_COLUMNAR));
+        assert_eq!(records_of(&out), expected);
+    }
+
+    #[test]
+    fn reblock_leaves_single_blocks_and_gaps_alone() {
+        let one = stored(1, 1, 10);
+        let bytes = one.bytes.clone();
+        assert_eq!(reblock(vec![one], 1000, 2).unwrap(), vec![bytes]);
+        // A seq gap between blocks (a dropped range) splits the run.
+        let out = reblock(vec![stored(1, 1, 10), stored(1, 11, 10), stored(1, 40, 10)], 1000, 2).unwrap();
+        assert_eq!(out.len(), 2);
+        assert_eq!(records_of(&out).len(), 30);
+    }
 
     #[test]
     fn backoff_grows_to_the_cap_and_resets() {

@@ -424,7 +424,7 @@ impl World {
         let edge = &self.edges[w];
         let mut sender = Sender::new(self.scfg.clone(), edge.current_epoch, edge.announce(), self.now).expect("sender");
         for (k, s) in STREAMS.iter().enumerate() {
-            sender.set_priority(s, (k as u8 * 7 + self.seed as u8) % 3);
+            sender.set_priority(s, ((k as u64 * 7 + self.seed) % 3) as u8);
         }
         let receiver = Receiver::new("device-1".into(), self.rcfg.clone(), self.now);
         self.stats.sessions += 1;

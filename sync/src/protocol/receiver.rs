@@ -844,7 +844,7 @@ impl Receiver {
             }
             lane.skip_own_gaps();
             let check = lane.check_record(seq, h);
-            if lane.behind.is_some() && std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG {}/{} seq {seq} {check:?} {:?}", lane.stream, lane.epoch, lane.behind); }
+            if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG {}/{} seq {seq} {check:?}", lane.stream, lane.epoch); }
             match (check, lane.behind.as_mut()) {
                 (Check::Pending, _) => {}
                 (Check::Matched(r), Some(b)) if !b.done && r.first_seq == b.matched_through + 1 => {

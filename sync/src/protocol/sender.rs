@@ -144,7 +144,8 @@ struct Lane {
     queue: VecDeque<Out>,
     queue_bytes: u64,
     /// Sent, not yet acknowledged: (last_seq, bytes).
-    inflight: VecDeque<(u64, u64)>,
+    /// Sent, not yet acknowledged: (last_seq, bytes, counted in the window).
+    inflight: VecDeque<(u64, u64, bool)>,
     want_outstanding: bool,
     /// `held_last` when the log last answered "nothing": no new want until it grows.
     exhausted_at: Option<u64>,
@@ -182,6 +183,13 @@ impl Lane {
             Mode::Behind { verdict: Some(_), .. } | Mode::Pending => 0,
             Mode::Normal => self.held_last,
         }
+    }
+
+    /// Blocks at or below the hub's mark in a normal lane are only the hub's junction check:
+    /// the hub holds nothing for them and acknowledges them only once the check is done, so
+    /// they must not take window space the rest of the check needs.
+    fn counts_in_window(&self, last_seq: u64) -> bool {
+        !(self.mode == Mode::Normal && last_seq <= self.hub_mark)
     }
 
     /// Seqs at or below this are not reported as lost: the hub holds them. In a lane the hub
@@ -472,13 +480,15 @@ impl Sender {
     fn on_ack(&mut self, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) {
         let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else { return };
         let lane = &mut self.lanes[i];
-        while let Some(&(last, bytes)) = lane.inflight.front() {
+        while let Some(&(last, bytes, counted)) = lane.inflight.front() {
             if last > durable_seq {
                 break;
             }
             lane.inflight.pop_front();
-            self.inflight_bytes -= bytes;
-            self.inflight_items -= 1;
+            if counted {
+                self.inflight_bytes -= bytes;
+                self.inflight_items -= 1;
+            }
         }
         lane.hub_mark = lane.hub_mark.max(durable_seq);
         lane.hub_tiered = lane.hub_tiered.max(tiered_seq);
@@ -716,9 +726,12 @@ impl Sender {
         let lane = &mut self.lanes[i];
         let out = lane.queue.pop_front().expect("picked lane has queued frames");
         lane.queue_bytes -= out.bytes;
-        lane.inflight.push_back((out.last_seq, out.bytes));
-        self.inflight_bytes += out.bytes;
-        self.inflight_items += 1;
+        let counted = lane.counts_in_window(out.last_seq);
+        lane.inflight.push_back((out.last_seq, out.bytes, counted));
+        if counted {
+            self.inflight_bytes += out.bytes;
+            self.inflight_items += 1;
+        }
         self.live.last_tx = self.now;
         self.rr = i + 1;
         self.pump();
@@ -734,7 +747,8 @@ impl Sender {
             let i = (self.rr + k) % n;
             let lane = &self.lanes[i];
             let Some(head) = lane.queue.front() else { continue };
-            if !self.window_allows(head.bytes) || !self.epoch_order_allows(i) {
+            let fits = !lane.counts_in_window(head.last_seq) || self.window_allows(head.bytes);
+            if !fits || !self.epoch_order_allows(i) {
                 continue;
             }
             let prio = self.priorities.get(&lane.stream).copied().unwrap_or(0);

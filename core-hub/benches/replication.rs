@@ -1,0 +1,2 @@
+//! Replication benchmarks (placeholder while building).
+fn main() {}
