@@ -7,11 +7,13 @@
 //! - [`ingest`]: [`ingest::Hub`], the API the QUIC driver calls for every block.
 //! - [`read`], [`api`], [`metrics`], [`client`]: the reader API, HTTP, `/metrics`, and the
 //!   CLI's HTTP client.
+//! - [`demo`]: `core-hub demo`, a hub and simulated edges with flaky links, verified end to end.
 
 pub mod api;
 pub mod catalog;
 pub mod client;
 pub mod config;
+pub mod demo;
 pub mod ingest;
 pub mod metrics;
 pub mod pki;

@@ -1,4 +1,4 @@
-//! The `core-hub` binary: `run`, `pki init|issue|revoke`, `read` and `devices`.
+//! The `core-hub` binary: `run`, `pki init|issue|revoke`, `read`, `devices` and `demo`.
 //!
 //! `run` opens the hub (catalog + tier-1 WAL), serves the HTTP API, and waits for Ctrl-C or
 //! SIGTERM. The QUIC server is started in [`serve`], at the marked place, once
@@ -52,6 +52,8 @@ enum Cmd {
         #[command(flatten)]
         target: Target,
     },
+    /// Run a hub and simulated edges with flaky links, then verify the merged stream.
+    Demo(core_hub::demo::DemoArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -123,6 +125,7 @@ fn main() -> Result<()> {
             runtime()?.block_on(read(&stream, &from, limit, &target))
         }
         Cmd::Devices { target } => runtime()?.block_on(devices(&target)),
+        Cmd::Demo(args) => core_hub::demo::run(&args),
     }
 }
 

@@ -9,3 +9,4 @@ pub mod metrics;
 pub mod bench;
 pub mod link;
 pub mod replicator;
+pub mod sources;

@@ -58,6 +58,11 @@ enum Command {
         #[arg(long)]
         from_seq: Option<u64>,
     },
+    /// Check the config, certificates, clock, disk, broker and hub; says what to fix.
+    Doctor {
+        #[arg(long, short)]
+        config: PathBuf,
+    },
     /// Benchmarks for qualifying a device's storage.
     Bench {
         #[command(subcommand)]
@@ -113,6 +118,8 @@ enum BenchCommand {
 }
 
 fn main() -> ExitCode {
+    // One crypto provider for the whole process: ring (see docs/operations.md).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Run { config } => cli::run::run(&config),
@@ -130,6 +137,7 @@ fn main() -> ExitCode {
             stream,
             from_seq,
         } => cli::inspect::inspect(&config, &stream, from_seq),
+        Command::Doctor { config } => cli::doctor::doctor(&config),
         Command::Bench {
             what:
                 BenchCommand::Append {

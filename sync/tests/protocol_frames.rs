@@ -43,7 +43,10 @@ fn lane() -> LaneAnnounce {
 fn samples() -> Vec<(&'static str, Frame)> {
     let block = block::encode_block(VERSION_ROWS, 7, 101, &records()).unwrap();
     vec![
-        ("hello", Frame::Hello(Hello { version_min: 1, version_max: 1, current_epoch: 7, lanes: vec![lane()] })),
+        (
+            "hello",
+            Frame::Hello(Hello { version_min: 1, version_max: 1, current_epoch: 7, lanes: vec![lane()] }),
+        ),
         (
             "welcome",
             Frame::Welcome(Welcome {
@@ -51,7 +54,11 @@ fn samples() -> Vec<(&'static str, Frame)> {
                 window_bytes: 32 << 20,
                 window_items: 4096,
                 epoch_max: 7,
-                lanes: vec![("telemetry".into(), 7, LaneWelcome { durable_seq: 100, tiered_seq: 90, resume_from: 95 })],
+                lanes: vec![(
+                    "telemetry".into(),
+                    7,
+                    LaneWelcome { durable_seq: 100, tiered_seq: 90, resume_from: 95 },
+                )],
             }),
         ),
         ("block", Frame::Block { stream: "telemetry".into(), block }),
@@ -183,9 +190,15 @@ fn version_1_fixtures_still_decode() {
             // zstd output may change between library versions; the records may not.
             (Frame::Block { stream: a, block: x }, Frame::Block { stream: b, block: y }) => {
                 assert_eq!(a, b);
-                let (x, y) = (block::decode_block(x, &Default::default()).unwrap(), block::decode_block(y, &Default::default()).unwrap());
+                let (x, y) = (
+                    block::decode_block(x, &Default::default()).unwrap(),
+                    block::decode_block(y, &Default::default()).unwrap(),
+                );
                 assert_eq!(x.records, y.records);
-                assert_eq!((x.header.epoch, x.header.first_seq, x.header.count), (y.header.epoch, y.header.first_seq, y.header.count));
+                assert_eq!(
+                    (x.header.epoch, x.header.first_seq, x.header.count),
+                    (y.header.epoch, y.header.first_seq, y.header.count)
+                );
             }
             _ => assert_eq!(got, expected, "{name}"),
         }
@@ -203,7 +216,9 @@ fn unsupported_version_is_refused_with_its_code() {
     let Frame::Error(e) = Frame::decode(&t.frame, MAX).unwrap() else { panic!("not an Error frame") };
     assert_eq!(e.code, ErrorCode::UnsupportedVersion);
     assert!(rx.is_closed());
-    assert!(matches!(rx.poll_event(), Some(ReceiverEvent::Closed(r)) if r.code == ErrorCode::UnsupportedVersion));
+    assert!(
+        matches!(rx.poll_event(), Some(ReceiverEvent::Closed(r)) if r.code == ErrorCode::UnsupportedVersion)
+    );
 }
 
 #[test]

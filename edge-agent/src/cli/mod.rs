@@ -1,6 +1,7 @@
 //! The binary's subcommands. Each is a plain function returning `anyhow::Result`; `main` prints
 //! the error chain as one line and exits non-zero.
 
+pub mod doctor;
 pub mod ingest;
 pub mod inspect;
 pub mod lock;

@@ -48,6 +48,8 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
         })?;
     let addr = listener.local_addr()?;
     let app = AppState::new(cfg, log.clone());
+    // MQTT and other sources: `/healthz` stays 503 until their subscriptions are granted.
+    edge_agent::sources::spawn_all(cfg, app.ingest.clone(), app.sources.clone())?;
     if let (Some(hub), Some(tls)) = (&cfg.hub, &cfg.tls) {
         let paths = TlsPaths { ca: tls.ca.clone(), cert: tls.cert.clone(), key: tls.key.clone() };
         let mut rcfg = ReplicatorConfig::new(hub.addr.clone(), hub.server_name.clone(), paths);

@@ -8,7 +8,8 @@
 //!   404 unknown stream, 413 body over `http.body_bytes_max`, 415 content type, 503 (with
 //!   `Retry-After` when the disk budget is full under `on_full = "block"`) when the log cannot
 //!   take the batch now.
-//! - `GET /healthz`: `ok`, or 503 with the reason (the log is poisoned).
+//! - `GET /healthz`: `ok`, or 503 with the reason (the log is poisoned, or an MQTT source's
+//!   subscriptions are not all granted yet).
 //! - `GET /metrics`: Prometheus text.
 //! - `GET /v1/status`: [`StatusReport`] as JSON.
 //!
@@ -51,6 +52,8 @@ pub struct AppState {
     on_full: String,
     /// Set by the replicator; `NotConfigured` without a `[hub]`.
     pub link: RwLock<LinkState>,
+    /// Readiness and counters of the configured sources (MQTT).
+    pub sources: Arc<crate::sources::SourcesState>,
 }
 
 impl AppState {
@@ -72,6 +75,7 @@ impl AppState {
             fsync: fsync_name(&cfg.storage.fsync),
             on_full: on_full_name(cfg.storage.on_full).to_owned(),
             link: RwLock::new(link),
+            sources: Arc::new(crate::sources::SourcesState::new(cfg)),
         })
     }
 
@@ -272,6 +276,14 @@ async fn get_status(State(app): State<Arc<AppState>>, headers: HeaderMap) -> Res
 
 async fn get_healthz(State(app): State<Arc<AppState>>) -> Response {
     match app.ingest.log().status().poisoned {
+        None if !app.sources.ready() => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "not ready: {}\n",
+                app.sources.not_ready_reason().unwrap_or_default()
+            ),
+        )
+            .into_response(),
         None => (StatusCode::OK, "ok\n").into_response(),
         Some(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
@@ -283,7 +295,8 @@ async fn get_healthz(State(app): State<Arc<AppState>>) -> Response {
 
 async fn get_metrics(State(app): State<Arc<AppState>>) -> Response {
     let status = app.ingest.log().status();
-    let text = app.ingest.metrics().render(&status, &app.limits, now_ns());
+    let mut text = app.ingest.metrics().render(&status, &app.limits, now_ns());
+    text.push_str(&app.sources.render());
     (
         [(
             header::CONTENT_TYPE,

@@ -259,14 +259,30 @@ pub enum Frame {
     Hello(Hello),
     Welcome(Welcome),
     /// A sealed block (see [`crate::block`]); its header carries the epoch and the seqs.
-    Block { stream: String, block: Vec<u8> },
-    Gap { stream: String, epoch: u64, gap: GapMarker },
-    Ack { stream: String, epoch: u64, durable_seq: u64, tiered_seq: u64 },
+    Block {
+        stream: String,
+        block: Vec<u8>,
+    },
+    Gap {
+        stream: String,
+        epoch: u64,
+        gap: GapMarker,
+    },
+    Ack {
+        stream: String,
+        epoch: u64,
+        durable_seq: u64,
+        tiered_seq: u64,
+    },
     Backlog(Vec<BacklogEntry>),
     Ping,
     /// For a lane whose history the hub is ahead of: the edge's records up to
     /// `matched_through` are identical to the hub's; later ones are not confirmed.
-    Verdict { stream: String, epoch: u64, matched_through: u64 },
+    Verdict {
+        stream: String,
+        epoch: u64,
+        matched_through: u64,
+    },
     Error(ErrorFrame),
 }
 
@@ -365,7 +381,11 @@ impl Frame {
             return Err(FrameError::Truncated { got: bytes.len(), need });
         }
         if bytes.len() > need {
-            return Err(FrameError::Malformed { frame: "frame", offset: need, what: "bytes after the frame" });
+            return Err(FrameError::Malformed {
+                frame: "frame",
+                offset: need,
+                what: "bytes after the frame",
+            });
         }
         decode_body(bytes[LEN_PREFIX], &bytes[LEN_PREFIX + 1..])
     }

@@ -252,7 +252,9 @@ struct Lane {
     frontier: u64,
     ring: VecDeque<Stored>,
     carry: Option<Carry>,
-    reorder: BTreeMap<u64, Item>,
+    /// Items waiting, by first seq, and whether each is parked (see [`Receiver::park`]).
+    /// Keyed by (first seq, arrival number): parked duplicates may share a first seq.
+    reorder: BTreeMap<(u64, u64), (Item, bool)>,
     /// Commits handed out and not yet durable: (last_seq, bytes).
     pending: VecDeque<(u64, u64)>,
     ack_dirty: bool,
@@ -307,7 +309,9 @@ impl Lane {
     /// comparison: the match extends over them.
     fn skip_own_gaps(&mut self) {
         let (Some(b), Some(a)) = (self.behind.as_mut(), self.announced.as_ref()) else { return };
-        while let Some(g) = a.gaps.iter().find(|g| g.first_seq <= b.matched_through + 1 && b.matched_through < g.last_seq) {
+        while let Some(g) =
+            a.gaps.iter().find(|g| g.first_seq <= b.matched_through + 1 && b.matched_through < g.last_seq)
+        {
             b.matched_through = g.last_seq.min(b.held_last);
             if b.matched_through == b.held_last {
                 return;
@@ -362,6 +366,10 @@ pub struct Receiver {
     queries: VecDeque<Vec<usize>>,
     held_bytes: u64,
     held_items: u64,
+    parked_bytes: u64,
+    parked_items: u64,
+    /// Numbers held items in arrival order.
+    arrivals: u64,
     transmits: VecDeque<Transmit>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
@@ -385,6 +393,9 @@ impl Receiver {
             queries: VecDeque::new(),
             held_bytes: 0,
             held_items: 0,
+            parked_bytes: 0,
+            parked_items: 0,
+            arrivals: 0,
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: ReceiverStats::default(),
@@ -433,12 +444,12 @@ impl Receiver {
     }
 
     fn on_decode_error(&mut self, bytes: &[u8], e: FrameError) {
-        if self.phase == Phase::AwaitHello {
-            if let Some((min, max)) = hello_versions(bytes) {
-                if !self.negotiate(min, max) {
-                    return;
-                }
-            }
+        // A Hello from a newer version may not decode here, but its version range does.
+        let versions = (self.phase == Phase::AwaitHello).then(|| hello_versions(bytes)).flatten();
+        if let Some((min, max)) = versions
+            && !self.negotiate(min, max)
+        {
+            return;
         }
         let code = match e {
             FrameError::TooLarge { .. } => ErrorCode::FrameTooLarge,
@@ -649,12 +660,19 @@ impl Receiver {
         let lane = &self.lanes[i];
         let (loaded, frontier) = (lane.loaded, lane.frontier);
         let wait = !loaded || first > frontier + 1 || (lane.junction && first > lane.mark);
-        if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG on_item {}/{} {first}..={last} loaded {loaded} frontier {frontier} mark {} junction {} behind {:?}", lane.stream, lane.epoch, lane.mark, lane.junction, lane.behind); }
+        // Blocks the hub already holds that arrive while more checksums are being fetched.
+        let parked = lane.refilling && last <= lane.mark;
+        if parked {
+            if self.park_allows(item.bytes()) {
+                self.hold(i, item, true);
+            }
+            return;
+        }
         if (wait || last > frontier) && !self.admit(item.bytes()) {
             return;
         }
         if wait {
-            return self.hold(i, item);
+            return self.hold(i, item, false);
         }
         self.process(i, item);
         self.drain_lane(i);
@@ -677,19 +695,40 @@ impl Receiver {
         true
     }
 
-    fn hold(&mut self, i: usize, item: Item) {
+    fn hold(&mut self, i: usize, item: Item, parked: bool) {
         let (first, _) = item.range();
         let bytes = item.bytes();
+        self.arrivals += 1;
         let lane = &mut self.lanes[i];
-        if let Some(prev) = lane.reorder.get(&first) {
+        let mut same_start = lane.reorder.range((first, 0)..=(first, u64::MAX)).map(|(_, v)| v);
+        if let Some((prev, _)) = same_start.find(|(_, p)| !p && !parked) {
             if same_item(prev, &item) {
                 return;
             }
             let msg = format!("two different items start at seq {first} of {}/{}", lane.stream, lane.epoch);
             return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
         }
-        lane.reorder.insert(first, item);
-        self.add_held(bytes);
+        lane.reorder.insert((first, self.arrivals), (item, parked));
+        if parked {
+            self.parked_bytes += bytes;
+            self.parked_items += 1;
+        } else {
+            self.add_held(bytes);
+        }
+    }
+
+    /// Parked blocks are ones the hub already holds, waiting while a lane fetches more stored
+    /// checksums. The edge may count them as acknowledged already (an Ack covers everything up
+    /// to the mark), so they sit outside the window, under their own bound: acks for the lane
+    /// stop while it waits, so at most two windows' worth can be in flight.
+    fn park_allows(&mut self, bytes: u64) -> bool {
+        let over = self.parked_bytes + bytes > 2 * self.config.window_bytes
+            || self.parked_items + 1 > 2 * self.config.window_items + 1;
+        if over {
+            let msg = format!("{} blocks parked during a checksum lookup", self.parked_items + 1);
+            self.close(self.now, ErrorCode::FlowControl, &msg);
+        }
+        !over
     }
 
     fn add_held(&mut self, bytes: u64) {
@@ -706,12 +745,18 @@ impl Receiver {
             }
             let (frontier, mark, junction) = (lane.frontier, lane.mark, lane.junction);
             let Some(entry) = lane.reorder.first_entry() else { return };
-            if *entry.key() > frontier + 1 || (junction && *entry.key() > mark) {
+            let first = entry.key().0;
+            if first > frontier + 1 || (junction && first > mark) {
                 return;
             }
-            let item = entry.remove();
-            self.held_bytes -= item.bytes();
-            self.held_items -= 1;
+            let (item, parked) = entry.remove();
+            if parked {
+                self.parked_bytes -= item.bytes();
+                self.parked_items -= 1;
+            } else {
+                self.held_bytes -= item.bytes();
+                self.held_items -= 1;
+            }
             self.process(i, item);
         }
     }
@@ -773,7 +818,10 @@ impl Receiver {
             // Not the next block of the comparison (a late duplicate): it proves nothing.
             let lane = &mut self.lanes[i];
             if header.last_seq() > lane.frontier {
-                let msg = format!("block past the mark of {}/{}, whose history the hub is ahead of", lane.stream, lane.epoch);
+                let msg = format!(
+                    "block past the mark of {}/{}, whose history the hub is ahead of",
+                    lane.stream, lane.epoch
+                );
                 return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
             }
             lane.ack_dirty = true;
@@ -799,17 +847,24 @@ impl Receiver {
             return self.maybe_verdict(i);
         }
         if lane.behind.is_some() {
-            let msg = format!("block past the mark of {}/{}, whose history the hub is ahead of", lane.stream, lane.epoch);
+            let msg = format!(
+                "block past the mark of {}/{}, whose history the hub is ahead of",
+                lane.stream, lane.epoch
+            );
             return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
         }
         let skip_through = lane.frontier;
         let skip = (skip_through + 1 - first) as usize;
         let sum = hashes[skip..].iter().fold(0u64, |a, h| a.wrapping_add(*h));
-        let checksum = RangeChecksum { first_seq: skip_through + 1, last_seq: header.last_seq(), checksum: sum };
+        let checksum =
+            RangeChecksum { first_seq: skip_through + 1, last_seq: header.last_seq(), checksum: sum };
         let mut records = decoded.records;
         records.drain(..skip);
         lane.frontier = header.last_seq();
-        lane.remember(Stored { first_seq: checksum.first_seq, last_seq: checksum.last_seq, checksum: Some(sum) }, self.config.checksum_ranges_max);
+        lane.remember(
+            Stored { first_seq: checksum.first_seq, last_seq: checksum.last_seq, checksum: Some(sum) },
+            self.config.checksum_ranges_max,
+        );
         lane.pending.push_back((header.last_seq(), block.len() as u64));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(block.len() as u64);
@@ -844,7 +899,6 @@ impl Receiver {
             }
             lane.skip_own_gaps();
             let check = lane.check_record(seq, h);
-            if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() { eprintln!("DEBUG {}/{} seq {seq} {check:?}", lane.stream, lane.epoch); }
             match (check, lane.behind.as_mut()) {
                 (Check::Pending, _) => {}
                 (Check::Matched(r), Some(b)) if !b.done && r.first_seq == b.matched_through + 1 => {
@@ -863,7 +917,9 @@ impl Receiver {
                     b.matched_through = r.last_seq;
                 }
                 // The loaded checksums ran out: fetch the next ones rather than give up.
-                (Check::Unknown, Some(b)) if !b.done && seq == b.matched_through + 1 && seq > lane.fetched_from => {
+                (Check::Unknown, Some(b))
+                    if !b.done && seq == b.matched_through + 1 && seq > lane.fetched_from =>
+                {
                     return Verify::Refill(seq);
                 }
                 // In a lane the hub is ahead of, the first record not confirmed ends the match.
@@ -880,14 +936,16 @@ impl Receiver {
     /// Holds `item` and asks the driver for the stored checksums from `from` on; the lane
     /// resumes when [`Receiver::marks_loaded`] answers.
     fn refill(&mut self, i: usize, from: u64, item: Item) {
+        self.arrivals += 1;
+        let bytes = item.bytes();
         let lane = &mut self.lanes[i];
         lane.fetched_from = from;
         lane.loaded = false;
         lane.refilling = true;
-        let bytes = item.bytes();
-        lane.reorder.insert(item.range().0, item);
+        lane.reorder.insert((item.range().0, self.arrivals), (item, true));
         let query = MarksQuery { stream: lane.stream.clone(), epoch: lane.epoch, checksums_from: from };
-        self.add_held(bytes);
+        self.parked_bytes += bytes;
+        self.parked_items += 1;
         self.queries.push_back(vec![i]);
         let ev = ReceiverEvent::NeedMarks { current_epoch: self.current_epoch, lanes: vec![query] };
         self.events.push_back(ev);
@@ -914,7 +972,12 @@ impl Receiver {
             "device {} sent seqs {}..={} of {stream}/{epoch} with content different from what the hub committed",
             self.device, r.first_seq, r.last_seq
         );
-        self.events.push_back(ReceiverEvent::Fenced { stream, epoch, first_seq: r.first_seq, last_seq: r.last_seq });
+        self.events.push_back(ReceiverEvent::Fenced {
+            stream,
+            epoch,
+            first_seq: r.first_seq,
+            last_seq: r.last_seq,
+        });
         self.close(self.now, ErrorCode::ConflictFenced, &msg);
     }
 
@@ -976,7 +1039,7 @@ impl Receiver {
             let lane = &mut self.lanes[i];
             // An Ack vouches for the edge's copy up to the mark, which the junction check has
             // not confirmed yet.
-            if !lane.ack_dirty || lane.junction {
+            if !lane.ack_dirty || lane.junction || !lane.loaded {
                 continue;
             }
             lane.ack_dirty = false;
@@ -1046,7 +1109,11 @@ impl Receiver {
 /// Stored ranges at or below the mark, ascending, at most `cap`: the earliest ones (for
 /// comparing a restored history) and always the one ending at the mark (the junction).
 fn capped_ranges(ranges: Vec<RangeChecksum>, gaps: Vec<(u64, u64)>, mark: u64, cap: usize) -> Vec<Stored> {
-    let sums = ranges.into_iter().map(|r| Stored { first_seq: r.first_seq, last_seq: r.last_seq, checksum: Some(r.checksum) });
+    let sums = ranges.into_iter().map(|r| Stored {
+        first_seq: r.first_seq,
+        last_seq: r.last_seq,
+        checksum: Some(r.checksum),
+    });
     let lost = gaps.into_iter().map(|(first_seq, last_seq)| Stored { first_seq, last_seq, checksum: None });
     let mut ranges: Vec<Stored> =
         sums.chain(lost).filter(|r| r.first_seq <= r.last_seq && r.last_seq <= mark).collect();

@@ -275,7 +275,8 @@ impl Lane {
             };
             // Below the hub's mark this only tells the hub that the edge does not hold the
             // seqs (so it stops waiting for the block ending at its mark); above, it is loss.
-            let last_seq = if at <= self.floor() { g.last_seq.min(self.floor()) } else { g.last_seq.min(self.limit()) };
+            let last_seq =
+                if at <= self.floor() { g.last_seq.min(self.floor()) } else { g.last_seq.min(self.limit()) };
             let count = g.count.min(last_seq - at + 1);
             self.push_gap(GapMarker { first_seq: at, last_seq, count, ..g });
         }
@@ -432,7 +433,10 @@ impl Sender {
 
     fn on_welcome(&mut self, w: Welcome) {
         if w.version < self.config.version_min || w.version > self.config.version_max {
-            let msg = format!("hub chose version {}, edge speaks {}..={}", w.version, self.config.version_min, self.config.version_max);
+            let msg = format!(
+                "hub chose version {}, edge speaks {}..={}",
+                w.version, self.config.version_min, self.config.version_max
+            );
             return self.close(self.now, ErrorCode::UnsupportedVersion, &msg);
         }
         self.version = w.version;
@@ -605,7 +609,13 @@ impl Sender {
     }
 
     /// Records a gap marker written while connected (for example a disk-budget drop).
-    pub fn offer_gap(&mut self, now: Instant, stream: &str, epoch: u64, gap: GapMarker) -> Result<(), OfferError> {
+    pub fn offer_gap(
+        &mut self,
+        now: Instant,
+        stream: &str,
+        epoch: u64,
+        gap: GapMarker,
+    ) -> Result<(), OfferError> {
         self.now = now;
         if !frame::valid_stream_name(stream) {
             return Err(OfferError::InvalidStream(stream.to_owned()));
@@ -644,10 +654,10 @@ impl Sender {
             lane.exhausted_at = Some(lane.held_last);
             // Comparing a lane the hub is ahead of must finish: what the log cannot supply,
             // the edge does not hold.
-            if let Mode::Behind { limit, verdict: None } = lane.mode {
-                if lane.cursor <= limit {
-                    lane.fill_hole(lane.cursor, limit);
-                }
+            if let Mode::Behind { limit, verdict: None } = lane.mode
+                && lane.cursor <= limit
+            {
+                lane.fill_hole(lane.cursor, limit);
             }
         }
         let mut result = Ok(());

@@ -1,0 +1,151 @@
+//! Record sources besides the HTTP API: today the MQTT subscriber ([`mqtt`]).
+//!
+//! Every source hands whole batches to [`crate::http::Ingest::ingest`], the agent's one front
+//! door, so counting, durability and (later) filters apply the same way to every source. This
+//! module also holds what sources share with the HTTP API: readiness for `/healthz` and the
+//! source counters for `/metrics`.
+
+pub mod mqtt;
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use thiserror::Error;
+
+use crate::config::{EdgeConfig, SourceConfig};
+use crate::http::Ingest;
+
+/// Readiness and counters of every configured source. Shared with the HTTP API.
+#[derive(Debug, Default)]
+pub struct SourcesState {
+    /// One flag per MQTT source, in config order: every subscription granted on the current
+    /// connection.
+    mqtt_ready: Vec<AtomicBool>,
+    mqtt_stats: Vec<Arc<mqtt::MqttStats>>,
+}
+
+impl SourcesState {
+    /// State for the sources `cfg` declares, none of them ready yet.
+    pub fn new(cfg: &EdgeConfig) -> Self {
+        let n = cfg
+            .sources
+            .iter()
+            .filter(|s| matches!(s, SourceConfig::Mqtt(_)))
+            .count();
+        SourcesState {
+            mqtt_ready: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            mqtt_stats: (0..n).map(|_| Arc::new(mqtt::MqttStats::default())).collect(),
+        }
+    }
+
+    /// True once every source is ready (trivially true without sources).
+    pub fn ready(&self) -> bool {
+        self.mqtt_ready.iter().all(|r| r.load(Ordering::Acquire))
+    }
+
+    /// Why the sources are not ready, for `/healthz`.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        let waiting: Vec<String> = self
+            .mqtt_ready
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| !r.load(Ordering::Acquire))
+            .map(|(i, _)| format!("sources[{i}] (mqtt)"))
+            .collect();
+        if waiting.is_empty() {
+            None
+        } else {
+            Some(format!(
+                "waiting for the broker to grant every subscription of {}",
+                waiting.join(", ")
+            ))
+        }
+    }
+
+    pub(crate) fn set_mqtt_ready(&self, index: usize, ready: bool) {
+        if let Some(r) = self.mqtt_ready.get(index) {
+            r.store(ready, Ordering::Release);
+        }
+    }
+
+    /// The counters of the `index`-th MQTT source.
+    pub fn mqtt_stats(&self, index: usize) -> Option<&Arc<mqtt::MqttStats>> {
+        self.mqtt_stats.get(index)
+    }
+
+    /// Prometheus text for the source counters (empty without sources).
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if self.mqtt_stats.is_empty() {
+            return out;
+        }
+        let counters: [(&str, &str, fn(&mqtt::MqttStats) -> u64); 7] = [
+            ("received", "MQTT PUBLISH packets received", |s| {
+                s.received.load(Ordering::Relaxed)
+            }),
+            ("dup_received", "received with DUP set (redeliveries)", |s| {
+                s.dup_received.load(Ordering::Relaxed)
+            }),
+            (
+                "duplicates_dropped",
+                "redeliveries recognised as already stored and not appended again",
+                |s| s.duplicates_dropped.load(Ordering::Relaxed),
+            ),
+            ("records", "records appended", |s| {
+                s.records.load(Ordering::Relaxed)
+            }),
+            ("bad_payloads", "payloads that did not parse (acked, not stored)", |s| {
+                s.bad_payloads.load(Ordering::Relaxed)
+            }),
+            ("topic_mismatches", "topics that did not match topic_template", |s| {
+                s.topic_mismatches.load(Ordering::Relaxed)
+            }),
+            ("bad_timestamps", "ts_field missing or unreadable: receive time used", |s| {
+                s.bad_timestamps.load(Ordering::Relaxed)
+            }),
+        ];
+        for (name, help, get) in counters {
+            let _ = writeln!(out, "# HELP tributary_edge_mqtt_{name}_total {help}");
+            let _ = writeln!(out, "# TYPE tributary_edge_mqtt_{name}_total counter");
+            for (i, s) in self.mqtt_stats.iter().enumerate() {
+                let _ = writeln!(out, "tributary_edge_mqtt_{name}_total{{source=\"{i}\"}} {}", get(s));
+            }
+        }
+        out
+    }
+}
+
+/// Why the sources could not start.
+#[derive(Debug, Error)]
+pub enum StartError {
+    #[error("sources[{index}].url: {message}")]
+    BadUrl { index: usize, message: String },
+}
+
+/// Starts every configured source on the current tokio runtime. They run until the process
+/// ends, reconnecting on their own.
+pub fn spawn_all(
+    cfg: &EdgeConfig,
+    ingest: Ingest,
+    state: Arc<SourcesState>,
+) -> Result<(), StartError> {
+    let mut mqtt_index = 0;
+    for (index, source) in cfg.sources.iter().enumerate() {
+        match source {
+            SourceConfig::Mqtt(m) => {
+                let source = mqtt::MqttSource::new(
+                    m.clone(),
+                    &cfg.data_dir,
+                    mqtt_index,
+                    ingest.clone(),
+                    state.clone(),
+                )
+                .map_err(|message| StartError::BadUrl { index, message })?;
+                tokio::spawn(source.run());
+                mqtt_index += 1;
+            }
+        }
+    }
+    Ok(())
+}

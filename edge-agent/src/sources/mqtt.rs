@@ -1,0 +1,872 @@
+//! The MQTT source: subscribes on a local broker with a persistent session and QoS 1 (or 2),
+//! turns each PUBLISH into records, appends them durably, and only then acknowledges.
+//!
+//! # Flow and backpressure
+//!
+//! One task drives the rumqttc event loop and pushes each PUBLISH, tagged with the client of
+//! the connection it came on, into a bounded channel. One writer task takes whatever is queued
+//! (up to [`BATCH_MESSAGES_MAX`]), appends it as one atomic batch through
+//! [`Ingest::ingest`](crate::http::Ingest::ingest), waits for durability, and then sends the
+//! PUBACKs in the order the messages arrived (MQTT 3.1.1 §4.6 requires acks in receive order).
+//! When storage is slow, the channel fills, the event loop task stops reading the socket, and the
+//! broker stops sending once its inflight window (`max_inflight_messages`) is full of unacked
+//! messages: memory stays bounded and nothing is lost, because the broker holds the rest.
+//!
+//! Acks are manual (`set_manual_acks(true)`): a PUBACK never goes out for a message that is not
+//! durable. Each connection gets its own client and event loop; when a connection ends both are
+//! dropped, so an ack the writer sends for a message of an old connection goes into a closed
+//! channel and is never sent on a new connection, where its packet id could name another message.
+//!
+//! # Mapping
+//!
+//! - key: with `topic_template` (such as `sensors/{device}/{sensor}`), the captured levels
+//!   joined by `/` (`dev7/temp`); a topic that does not match is counted in
+//!   `tributary_edge_mqtt_topic_mismatches_total` and keyed by the whole topic. Without a template:
+//!   the topic (JSON) or the line's tags (line protocol).
+//! - `_topic`: a string field holding the original topic, so the hub can republish on it.
+//! - JSON payloads must be one object. Nested objects flatten into `parent.child` names; arrays
+//!   are kept as their JSON text; `null` is skipped; fields come in name order; integers stay `i64`, other numbers `f64`.
+//!   `ts_field` (a flattened name) gives the event time in `ts_unit`; it is removed from the
+//!   fields. Missing or unreadable timestamps are counted and get the receive time.
+//! - Line protocol payloads may hold several lines; the measurement name is ignored (the
+//!   source's `stream` decides).
+//! - A payload that does not parse is counted in `tributary_edge_mqtt_bad_payloads_total`,
+//!   logged, and acked without storing anything: redelivering it would never succeed.
+//!
+//! # Duplicates after a crash
+//!
+//! If the agent dies after a batch became durable but before its PUBACKs left, the broker
+//! redelivers those messages with DUP set (same packet id, topic and payload) when the
+//! persistent session resumes. The agent recognises them with a 64-bit FNV-1a digest of
+//! (topic, payload, packet id), which it stores **inside the first record of each message** as
+//! the `i64` field `_mqtt_digest`. Storing it in the record makes it durable atomically with the
+//! data: there is no side file to keep in step, and no window where the data is durable but the
+//! digest is not. At start-up the writer reads the digests of the stream's last `dedupe_window`
+//! records back from the log; at run time it adds each appended digest. A message with DUP set
+//! whose digest is in that set is acked and not stored again
+//! (`tributary_edge_mqtt_duplicates_dropped_total`); a DUP message whose digest is not there was
+//! never stored (the crash came before the append) and is stored normally.
+//!
+//! Limits:
+//! - Only messages with DUP set are checked; a broker that redelivers without DUP would
+//!   produce duplicates (mosquitto sets DUP on redelivery).
+//! - The window counts records of the stream, not messages: if more than `dedupe_window`
+//!   records (default 65,536, every packet id) were appended to the stream after the message, a
+//!   redelivery of it is stored again. The broker's inflight window must stay well below it.
+//! - Two different messages with the same topic, payload and packet id, the second one
+//!   redelivered with DUP, would be taken for one: the second is dropped. That needs the broker
+//!   to reuse the packet id for an identical payload within the window and then to redeliver it.
+//! - If retention deletes the segments holding the window before a restart, those digests are
+//!   gone; that only matters if the broker still has the messages inflight, which it cannot have
+//!   for longer than the agent was down plus one inflight window.
+//! - Each message costs one extra `i64` field in the log.
+
+use std::collections::{HashSet, VecDeque};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter};
+use sync::block::{DecodeLimits, decode_block};
+use sync::parse::{ParseOptions, parse_line_protocol};
+use sync::{Record, Value};
+use tokio::sync::mpsc;
+use tracing::{debug, error, info, warn};
+
+use super::SourcesState;
+use crate::config::{MqttSourceConfig, PayloadFormat, TsUnit};
+use crate::http::{Ingest, now_ns};
+use crate::log::AppendError;
+
+/// The field holding the original topic.
+pub const TOPIC_FIELD: &str = "_topic";
+/// The field holding a message's digest (see the module docs).
+pub const DIGEST_FIELD: &str = "_mqtt_digest";
+/// Most messages appended as one batch.
+pub const BATCH_MESSAGES_MAX: usize = 1024;
+/// Messages queued between the event loop task and the writer.
+const CHANNEL_MESSAGES: usize = 2048;
+/// rumqttc's request channel; acks go through it. It must hold every possible outstanding
+/// ack (at most one per packet id) so the writer never waits on it while the event loop task
+/// waits on the writer.
+const REQUEST_CHANNEL: usize = 65_536;
+/// Largest incoming packet accepted.
+const PACKET_BYTES_MAX: usize = 1 << 20;
+
+/// Counters of one MQTT source, shown on `/metrics`.
+#[derive(Debug, Default)]
+pub struct MqttStats {
+    pub received: AtomicU64,
+    pub dup_received: AtomicU64,
+    pub duplicates_dropped: AtomicU64,
+    pub records: AtomicU64,
+    pub bad_payloads: AtomicU64,
+    pub topic_mismatches: AtomicU64,
+    pub bad_timestamps: AtomicU64,
+}
+
+/// One configured MQTT subscription set and where its records go.
+pub struct MqttSource {
+    cfg: MqttSourceConfig,
+    index: usize,
+    host: String,
+    port: u16,
+    client_id: String,
+    ingest: Ingest,
+    state: Arc<SourcesState>,
+    stats: Arc<MqttStats>,
+}
+
+/// A received message and the client of the connection it came on (to ack it there).
+struct Incoming {
+    publish: Publish,
+    client: AsyncClient,
+    received_ns: i64,
+}
+
+impl MqttSource {
+    /// Checks the URL and derives the client id. `index` counts MQTT sources only.
+    pub fn new(
+        cfg: MqttSourceConfig,
+        data_dir: &Path,
+        index: usize,
+        ingest: Ingest,
+        state: Arc<SourcesState>,
+    ) -> Result<Self, String> {
+        let (host, port) = parse_url(&cfg.url)?;
+        let client_id = cfg
+            .client_id
+            .clone()
+            .unwrap_or_else(|| default_client_id(data_dir, index));
+        let stats = state
+            .mqtt_stats(index)
+            .cloned()
+            .unwrap_or_else(|| Arc::new(MqttStats::default()));
+        Ok(MqttSource {
+            cfg,
+            index,
+            host,
+            port,
+            client_id,
+            ingest,
+            state,
+            stats,
+        })
+    }
+
+    /// The client id used with the broker.
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
+    /// Runs until the log closes: reconnects on its own, with a capped backoff.
+    pub async fn run(self) {
+        let (tx, rx) = mpsc::channel(CHANNEL_MESSAGES);
+        let writer = Writer {
+            mapper: Mapper::new(&self.cfg, self.stats.clone()),
+            stream: self.cfg.stream.clone(),
+            ingest: self.ingest.clone(),
+            stats: self.stats.clone(),
+            seen: Dedupe::load(&self.ingest, &self.cfg.stream, self.cfg.dedupe_window),
+        };
+        let writer = tokio::spawn(writer.run(rx));
+        let qos = if self.cfg.qos == 2 {
+            QoS::ExactlyOnce
+        } else {
+            QoS::AtLeastOnce
+        };
+        let filters: Vec<SubscribeFilter> = self
+            .cfg
+            .topics
+            .iter()
+            .map(|t| SubscribeFilter::new(t.clone(), qos))
+            .collect();
+        info!(
+            source = self.index,
+            broker = %format!("{}:{}", self.host, self.port),
+            client_id = %self.client_id,
+            "mqtt source starting"
+        );
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let mut opts = MqttOptions::new(self.client_id.clone(), self.host.clone(), self.port);
+            opts.set_clean_session(false)
+                .set_manual_acks(true)
+                .set_keep_alive(Duration::from_secs(30))
+                .set_max_packet_size(PACKET_BYTES_MAX, PACKET_BYTES_MAX);
+            let (client, eventloop) = AsyncClient::new(opts, REQUEST_CHANNEL);
+            let outcome = self.connection(client, eventloop, &filters, &tx).await;
+            self.state.set_mqtt_ready(self.index, false);
+            match outcome {
+                Connection::WriterGone => {
+                    let _ = writer.await;
+                    return;
+                }
+                Connection::Lost { was_up, why } => {
+                    if was_up {
+                        backoff = Duration::from_millis(100);
+                    }
+                    warn!(source = self.index, error = %why, retry_in = ?backoff, "mqtt connection lost");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    }
+
+    /// Drives one connection until it fails.
+    async fn connection(
+        &self,
+        client: AsyncClient,
+        mut eventloop: EventLoop,
+        filters: &[SubscribeFilter],
+        tx: &mpsc::Sender<Incoming>,
+    ) -> Connection {
+        let mut was_up = false;
+        loop {
+            let event = match eventloop.poll().await {
+                Ok(e) => e,
+                Err(e) => {
+                    return Connection::Lost {
+                        was_up,
+                        why: e.to_string(),
+                    };
+                }
+            };
+            match event {
+                Event::Incoming(Packet::ConnAck(ack)) => {
+                    was_up = true;
+                    info!(source = self.index, session_present = ack.session_present, "mqtt connected");
+                    // Subscribing again on a resumed session is harmless and keeps the filters
+                    // in step with the config.
+                    if let Err(e) = client.subscribe_many(filters.to_vec()).await {
+                        return Connection::Lost {
+                            was_up,
+                            why: e.to_string(),
+                        };
+                    }
+                }
+                Event::Incoming(Packet::SubAck(ack)) => {
+                    let refused: Vec<&str> = ack
+                        .return_codes
+                        .iter()
+                        .zip(filters)
+                        .filter(|(c, _)| matches!(c, rumqttc::SubscribeReasonCode::Failure))
+                        .map(|(_, f)| f.path.as_str())
+                        .collect();
+                    if refused.is_empty() {
+                        info!(source = self.index, topics = ?self.cfg.topics, "mqtt subscriptions granted");
+                        self.state.set_mqtt_ready(self.index, true);
+                    } else {
+                        error!(source = self.index, refused = ?refused, "the broker refused subscriptions: check its ACLs");
+                    }
+                }
+                Event::Incoming(Packet::Publish(publish)) => {
+                    self.stats.received.fetch_add(1, Ordering::Relaxed);
+                    if publish.dup {
+                        self.stats.dup_received.fetch_add(1, Ordering::Relaxed);
+                    }
+                    let msg = Incoming {
+                        publish,
+                        client: client.clone(),
+                        received_ns: now_ns(),
+                    };
+                    // Waiting here is the backpressure: the socket is not read meanwhile.
+                    if tx.send(msg).await.is_err() {
+                        return Connection::WriterGone;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+enum Connection {
+    WriterGone,
+    Lost { was_up: bool, why: String },
+}
+
+/// Appends batches and acks them in order.
+struct Writer {
+    mapper: Mapper,
+    stream: String,
+    ingest: Ingest,
+    stats: Arc<MqttStats>,
+    seen: Dedupe,
+}
+
+impl Writer {
+    async fn run(mut self, mut rx: mpsc::Receiver<Incoming>) {
+        let mut batch: Vec<Incoming> = Vec::with_capacity(BATCH_MESSAGES_MAX);
+        while rx.recv_many(&mut batch, BATCH_MESSAGES_MAX).await > 0 {
+            if !self.write(&batch).await {
+                return;
+            }
+            // Acks in receive order, only now that the batch is durable. An ack for a message of
+            // a connection that has ended fails here, harmlessly, and is never sent.
+            for m in batch.drain(..) {
+                if m.publish.qos != QoS::AtMostOnce {
+                    let _ = m.client.ack(&m.publish).await;
+                }
+            }
+        }
+    }
+
+    /// Maps and appends one batch; false when the log has closed.
+    async fn write(&mut self, batch: &[Incoming]) -> bool {
+        let mut records = Vec::with_capacity(batch.len());
+        let mut digests = Vec::with_capacity(batch.len());
+        let mut dropped = 0u64;
+        for m in batch {
+            let digest = digest(&m.publish);
+            if m.publish.dup && (self.seen.contains(digest) || digests.contains(&digest)) {
+                dropped += 1;
+                continue;
+            }
+            let before = records.len();
+            self.mapper.map(&m.publish, m.received_ns, digest, &mut records);
+            if records.len() > before {
+                digests.push(digest);
+            }
+        }
+        let dup = batch.iter().filter(|m| m.publish.dup).count();
+        if dup > 0 {
+            self.stats
+                .duplicates_dropped
+                .fetch_add(dropped, Ordering::Relaxed);
+            // One line per batch with redeliveries: they happen after reconnects only.
+            info!(stream = %self.stream, dup, dropped, "mqtt: redeliveries received; those already stored are not stored again");
+        }
+        if records.is_empty() {
+            return true;
+        }
+        let count = records.len() as u64;
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match self.ingest.ingest(&self.stream, records.clone()).await {
+                Ok(_) => break,
+                Err(AppendError::Closed) => return false,
+                Err(e @ AppendError::RecordTooLarge { .. }) => {
+                    // One message is too large: store the others one by one, count the rest.
+                    warn!(stream = %self.stream, error = %e, "mqtt: a batch holds an oversize record; storing message by message");
+                    return self.write_each(records).await;
+                }
+                Err(e) => {
+                    // Full under `block`, or a storage failure: hold the batch (and so the
+                    // broker's inflight window) and retry; nothing is acked meanwhile.
+                    debug!(stream = %self.stream, error = %e, "mqtt: append failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        self.stats.records.fetch_add(count, Ordering::Relaxed);
+        for d in digests {
+            self.seen.insert(d);
+        }
+        true
+    }
+
+    /// The fallback for a batch the log refused as a whole: each message's records alone.
+    async fn write_each(&mut self, records: Vec<Record>) -> bool {
+        let mut groups: Vec<Vec<Record>> = Vec::new();
+        for r in records {
+            let starts = r.fields.iter().any(|(n, _)| n == DIGEST_FIELD);
+            match groups.last_mut() {
+                Some(g) if !starts => g.push(r),
+                _ => groups.push(vec![r]),
+            }
+        }
+        for g in groups {
+            let digest = g[0].fields.iter().find_map(|(n, v)| match (n.as_str(), v) {
+                (DIGEST_FIELD, Value::I64(d)) => Some(*d as u64),
+                _ => None,
+            });
+            let n = g.len() as u64;
+            match self.ingest.ingest(&self.stream, g).await {
+                Ok(_) => {
+                    self.stats.records.fetch_add(n, Ordering::Relaxed);
+                    if let Some(d) = digest {
+                        self.seen.insert(d);
+                    }
+                }
+                Err(AppendError::Closed) => return false,
+                Err(e) => {
+                    self.stats.bad_payloads.fetch_add(1, Ordering::Relaxed);
+                    warn!(stream = %self.stream, error = %e, "mqtt: message refused by the log; acked without storing");
+                }
+            }
+        }
+        true
+    }
+}
+
+/// The digests of recently stored messages, oldest first.
+struct Dedupe {
+    set: HashSet<u64>,
+    order: VecDeque<u64>,
+    cap: usize,
+}
+
+impl Dedupe {
+    fn new(cap: usize) -> Self {
+        Dedupe {
+            set: HashSet::new(),
+            order: VecDeque::new(),
+            cap,
+        }
+    }
+
+    /// Reads the digests of the stream's last `cap` records back from the log.
+    fn load(ingest: &Ingest, stream: &str, cap: usize) -> Self {
+        let mut found: Vec<u64> = Vec::new();
+        let log = ingest.log();
+        let mut held = log.epochs_held(stream);
+        held.reverse();
+        let mut remaining = cap as u64;
+        let mut per_epoch: Vec<Vec<u64>> = Vec::new();
+        for (epoch, first, last) in held {
+            if remaining == 0 {
+                break;
+            }
+            let from = first.max(last.saturating_sub(remaining - 1));
+            remaining -= (last + 1).saturating_sub(from).min(remaining);
+            let mut digests = Vec::new();
+            let mut after = from.saturating_sub(1);
+            loop {
+                let blocks = match log.read_blocks(stream, epoch, after, 4 << 20) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        warn!(stream, error = %e, "mqtt: could not read recent records for duplicate detection");
+                        break;
+                    }
+                };
+                let Some(last_block) = blocks.last() else { break };
+                let next_after = last_block.header.last_seq();
+                if next_after <= after {
+                    break;
+                }
+                after = next_after;
+                for b in blocks {
+                    let Ok(block) = decode_block(&b.bytes, &DecodeLimits::default()) else {
+                        continue;
+                    };
+                    for r in &block.records {
+                        if let Some(d) = r.fields.iter().find_map(|(n, v)| match (n.as_str(), v) {
+                            (DIGEST_FIELD, Value::I64(d)) => Some(*d as u64),
+                            _ => None,
+                        }) {
+                            digests.push(d);
+                        }
+                    }
+                }
+            }
+            per_epoch.push(digests);
+        }
+        for digests in per_epoch.into_iter().rev() {
+            found.extend(digests);
+        }
+        let mut dedupe = Dedupe::new(cap);
+        for d in found {
+            dedupe.insert(d);
+        }
+        info!(stream, digests = dedupe.order.len(), "mqtt: recent message digests loaded for duplicate detection");
+        dedupe
+    }
+
+    fn contains(&self, d: u64) -> bool {
+        self.set.contains(&d)
+    }
+
+    fn insert(&mut self, d: u64) {
+        if self.set.insert(d) {
+            self.order.push_back(d);
+        }
+        while self.order.len() > self.cap {
+            if let Some(old) = self.order.pop_front() {
+                self.set.remove(&old);
+            }
+        }
+    }
+}
+
+/// FNV-1a 64 of (topic, payload, packet id): stable across builds and restarts, unlike std's
+/// hasher, because it is stored in the log.
+pub fn digest(p: &Publish) -> u64 {
+    let mut h = Fnv::new();
+    h.write(p.topic.as_bytes());
+    h.write(&[0xff]);
+    h.write(&p.payload);
+    h.write(&p.pkid.to_be_bytes());
+    h.0
+}
+
+struct Fnv(u64);
+
+impl Fnv {
+    fn new() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+/// The default client id: derived from the data directory, so it is the same across restarts
+/// (the broker keeps the session under it) and differs between agents on one broker.
+pub fn default_client_id(data_dir: &Path, index: usize) -> String {
+    let dir = std::fs::canonicalize(data_dir).unwrap_or_else(|_| data_dir.to_owned());
+    let mut h = Fnv::new();
+    h.write(dir.as_os_str().as_encoded_bytes());
+    format!("trb-{:016x}-{index}", h.0)
+}
+
+/// `mqtt://host[:port]` into host and port (default 1883).
+fn parse_url(url: &str) -> Result<(String, u16), String> {
+    if url.starts_with("mqtts://") {
+        return Err("mqtts:// (TLS to the broker) is not supported yet: use mqtt:// to a local broker".into());
+    }
+    let rest = url
+        .strip_prefix("mqtt://")
+        .ok_or_else(|| format!("expected mqtt://host:port, found {url:?}"))?;
+    let rest = rest.trim_end_matches('/');
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((h, p)) => (
+            h,
+            p.parse::<u16>()
+                .map_err(|_| format!("bad port in {url:?}"))?,
+        ),
+        None => (rest, 1883),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(format!("no host in {url:?}"));
+    }
+    Ok((host.to_owned(), port))
+}
+
+/// Turns messages into records, per the source's config.
+pub struct Mapper {
+    format: PayloadFormat,
+    template: Option<Vec<TemplateLevel>>,
+    ts_field: Option<String>,
+    ts_unit: TsUnit,
+    stats: Arc<MqttStats>,
+}
+
+enum TemplateLevel {
+    Literal(String),
+    Capture,
+}
+
+impl Mapper {
+    pub fn new(cfg: &MqttSourceConfig, stats: Arc<MqttStats>) -> Self {
+        let template = cfg.topic_template.as_ref().map(|t| {
+            t.split('/')
+                .map(|l| {
+                    if l.starts_with('{') && l.ends_with('}') {
+                        TemplateLevel::Capture
+                    } else {
+                        TemplateLevel::Literal(l.to_owned())
+                    }
+                })
+                .collect()
+        });
+        Mapper {
+            format: cfg.format,
+            template,
+            ts_field: cfg.ts_field.clone(),
+            ts_unit: cfg.ts_unit,
+            stats,
+        }
+    }
+
+    /// The key from the template, or `None` without one or on a mismatch (counted).
+    fn template_key(&self, topic: &str) -> Option<String> {
+        let levels = self.template.as_ref()?;
+        let mut key = String::new();
+        let mut parts = topic.split('/');
+        for level in levels {
+            let Some(part) = parts.next() else {
+                self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
+                return None;
+            };
+            match level {
+                TemplateLevel::Literal(l) if l != part => {
+                    self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
+                    return None;
+                }
+                TemplateLevel::Literal(_) => {}
+                TemplateLevel::Capture => {
+                    if !key.is_empty() {
+                        key.push('/');
+                    }
+                    key.push_str(part);
+                }
+            }
+        }
+        if parts.next().is_some() {
+            self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Some(key)
+    }
+
+    /// Appends the records of one message to `out`; a bad payload adds none (counted, logged).
+    pub fn map(&self, p: &Publish, received_ns: i64, digest: u64, out: &mut Vec<Record>) {
+        let key = self.template_key(&p.topic);
+        let start = out.len();
+        let ok = match self.format {
+            PayloadFormat::Json => self.map_json(p, key, received_ns, out),
+            PayloadFormat::Line => self.map_line(p, key, received_ns, out),
+        };
+        if let Err(why) = ok {
+            out.truncate(start);
+            self.stats.bad_payloads.fetch_add(1, Ordering::Relaxed);
+            warn!(topic = %p.topic, error = %why, "mqtt: payload not stored");
+            return;
+        }
+        for r in &mut out[start..] {
+            set_field(&mut r.fields, TOPIC_FIELD, Value::Str(p.topic.clone()));
+        }
+        if let Some(first) = out.get_mut(start) {
+            set_field(&mut first.fields, DIGEST_FIELD, Value::I64(digest as i64));
+        }
+    }
+
+    fn map_json(
+        &self,
+        p: &Publish,
+        key: Option<String>,
+        received_ns: i64,
+        out: &mut Vec<Record>,
+    ) -> Result<(), String> {
+        let value: serde_json::Value =
+            serde_json::from_slice(&p.payload).map_err(|e| format!("not JSON: {e}"))?;
+        let serde_json::Value::Object(map) = value else {
+            return Err("expected a JSON object".into());
+        };
+        let mut fields = Vec::with_capacity(map.len() + 2);
+        flatten("", &map, &mut fields);
+        let mut ts = received_ns;
+        if let Some(name) = &self.ts_field {
+            match fields.iter().position(|(n, _)| n == name) {
+                Some(i) => {
+                    let (_, v) = fields.remove(i);
+                    match to_ns(&v, self.ts_unit) {
+                        Some(t) => ts = t,
+                        None => {
+                            self.stats.bad_timestamps.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                None => {
+                    self.stats.bad_timestamps.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        out.push(Record {
+            key: key.unwrap_or_else(|| p.topic.clone()),
+            ts,
+            fields,
+        });
+        Ok(())
+    }
+
+    fn map_line(
+        &self,
+        p: &Publish,
+        key: Option<String>,
+        received_ns: i64,
+        out: &mut Vec<Record>,
+    ) -> Result<(), String> {
+        let text = std::str::from_utf8(&p.payload).map_err(|_| "not UTF-8".to_owned())?;
+        let opts = ParseOptions {
+            default_ts: Some(received_ns),
+        };
+        let lines = parse_line_protocol(text, &opts).map_err(|e| e.to_string())?;
+        if lines.is_empty() {
+            return Err("no lines".into());
+        }
+        for l in lines {
+            let mut r = l.record;
+            if let Some(k) = &key {
+                r.key = k.clone();
+            }
+            out.push(r);
+        }
+        Ok(())
+    }
+}
+
+/// Sets a field, replacing one of the same name (names are unique within a record).
+fn set_field(fields: &mut Vec<(String, Value)>, name: &str, value: Value) {
+    match fields.iter_mut().find(|(n, _)| n == name) {
+        Some(f) => f.1 = value,
+        None => fields.push((name.to_owned(), value)),
+    }
+}
+
+/// Flattens a JSON object into `a.b` names; the first of two colliding names wins.
+fn flatten(
+    prefix: &str,
+    map: &serde_json::Map<String, serde_json::Value>,
+    out: &mut Vec<(String, Value)>,
+) {
+    for (k, v) in map {
+        let name = if prefix.is_empty() {
+            k.clone()
+        } else {
+            format!("{prefix}.{k}")
+        };
+        let value = match v {
+            serde_json::Value::Object(inner) => {
+                flatten(&name, inner, out);
+                continue;
+            }
+            serde_json::Value::Null => continue,
+            serde_json::Value::Bool(b) => Value::Bool(*b),
+            serde_json::Value::Number(n) => match n.as_i64() {
+                Some(i) => Value::I64(i),
+                None => Value::F64(n.as_f64().unwrap_or(f64::NAN)),
+            },
+            serde_json::Value::String(s) => Value::Str(s.clone()),
+            serde_json::Value::Array(_) => Value::Str(v.to_string()),
+        };
+        if !out.iter().any(|(n, _)| *n == name) {
+            out.push((name, value));
+        }
+    }
+}
+
+/// A timestamp value in `unit` as nanoseconds since the epoch; `None` when it cannot be one.
+pub fn to_ns(v: &Value, unit: TsUnit) -> Option<i64> {
+    let scale: i64 = match unit {
+        TsUnit::S => 1_000_000_000,
+        TsUnit::Ms => 1_000_000,
+        TsUnit::Us => 1_000,
+        TsUnit::Ns => 1,
+        TsUnit::Rfc3339 => {
+            let Value::Str(s) = v else { return None };
+            let t = humantime::parse_rfc3339_weak(s).ok()?;
+            let d = t.duration_since(std::time::UNIX_EPOCH).ok()?;
+            return i64::try_from(d.as_nanos()).ok();
+        }
+    };
+    match v {
+        Value::I64(i) => i.checked_mul(scale),
+        Value::F64(f) if f.is_finite() => {
+            let ns = f * scale as f64;
+            (ns.abs() < 9.2e18).then_some(ns as i64)
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(format: PayloadFormat) -> MqttSourceConfig {
+        MqttSourceConfig {
+            url: "mqtt://127.0.0.1:1883".into(),
+            topics: vec!["sensors/#".into()],
+            stream: "telemetry".into(),
+            format,
+            topic_template: Some("sensors/{device}/{sensor}".into()),
+            ts_field: Some("ts".into()),
+            ts_unit: TsUnit::Ms,
+            client_id: None,
+            qos: 1,
+            dedupe_window: 16,
+        }
+    }
+
+    fn publish(topic: &str, payload: &str) -> Publish {
+        Publish::new(topic, QoS::AtLeastOnce, payload.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn json_mapping() {
+        let m = Mapper::new(&cfg(PayloadFormat::Json), Arc::default());
+        let mut out = Vec::new();
+        let p = publish("sensors/dev7/temp", r#"{"ts":1500,"v":1.5,"n":{"a":2,"b":{"c":true}},"z":null,"arr":[1,2]}"#);
+        m.map(&p, 42, 9, &mut out);
+        let r = &out[0];
+        assert_eq!(r.key, "dev7/temp");
+        assert_eq!(r.ts, 1_500_000_000);
+        let names: Vec<&str> = r.fields.iter().map(|(n, _)| n.as_str()).collect();
+        // serde_json's map keeps keys sorted, so fields come in name order.
+        assert_eq!(names, ["arr", "n.a", "n.b.c", "v", TOPIC_FIELD, DIGEST_FIELD]);
+        assert_eq!(r.fields[4].1, Value::Str("sensors/dev7/temp".into()));
+        // A topic off the template keeps the whole topic as the key; a missing ts gets the
+        // receive time; both are counted.
+        m.map(&publish("other/x", r#"{"v":1}"#), 42, 9, &mut out);
+        assert_eq!(out[1].key, "other/x");
+        assert_eq!(out[1].ts, 42);
+        assert_eq!(m.stats.topic_mismatches.load(Ordering::Relaxed), 1);
+        assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 1);
+        for bad in ["[1]", "{", "\u{1}"] {
+            m.map(&publish("sensors/a/b", bad), 0, 0, &mut out);
+        }
+        assert_eq!(out.len(), 2);
+        assert_eq!(m.stats.bad_payloads.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn line_mapping() {
+        let m = Mapper::new(&cfg(PayloadFormat::Line), Arc::default());
+        let mut out = Vec::new();
+        m.map(&publish("sensors/d/s", "m,dev=x v=1 5\nm,dev=y v=2 6\n"), 0, 3, &mut out);
+        assert_eq!(out.len(), 2);
+        assert_eq!(out[0].key, "d/s");
+        assert_eq!(out[1].ts, 6);
+        assert!(out[0].fields.iter().any(|(n, _)| n == DIGEST_FIELD));
+        assert!(!out[1].fields.iter().any(|(n, _)| n == DIGEST_FIELD));
+    }
+
+    #[test]
+    fn timestamps() {
+        assert_eq!(to_ns(&Value::I64(2), TsUnit::S), Some(2_000_000_000));
+        assert_eq!(to_ns(&Value::F64(1.5), TsUnit::S), Some(1_500_000_000));
+        assert_eq!(to_ns(&Value::I64(7), TsUnit::Us), Some(7_000));
+        assert_eq!(to_ns(&Value::I64(i64::MAX), TsUnit::S), None);
+        assert_eq!(to_ns(&Value::Str("x".into()), TsUnit::Ms), None);
+        assert_eq!(
+            to_ns(&Value::Str("1970-01-01T00:00:01.5Z".into()), TsUnit::Rfc3339),
+            Some(1_500_000_000)
+        );
+        assert_eq!(to_ns(&Value::F64(f64::NAN), TsUnit::Ns), None);
+    }
+
+    #[test]
+    fn urls_and_ids() {
+        assert_eq!(parse_url("mqtt://127.0.0.1:1884").unwrap(), ("127.0.0.1".into(), 1884));
+        assert_eq!(parse_url("mqtt://broker").unwrap(), ("broker".into(), 1883));
+        assert!(parse_url("mqtts://x:1").is_err());
+        assert!(parse_url("mqtt://x:y").is_err());
+        let a = default_client_id(Path::new("/nonexistent/a"), 0);
+        assert_eq!(a, default_client_id(Path::new("/nonexistent/a"), 0));
+        assert_ne!(a, default_client_id(Path::new("/nonexistent/b"), 0));
+        assert!(a.len() <= 23, "{a}");
+    }
+
+    #[test]
+    fn dedupe_window_forgets_oldest() {
+        let mut d = Dedupe::new(2);
+        d.insert(1);
+        d.insert(2);
+        d.insert(3);
+        assert!(!d.contains(1));
+        assert!(d.contains(2) && d.contains(3));
+        let a = digest(&publish("t", "p"));
+        let mut b = publish("t", "p");
+        b.pkid = 9;
+        assert_ne!(a, digest(&b));
+    }
+}

@@ -1,0 +1,172 @@
+//! `edge-agent doctor` against real failure cases: a certificate from another CA, a clock at
+//! 1970, an unreachable broker and a full disk. Each case must be named in the output with
+//! its fix, and the command must exit non-zero; a healthy configuration must pass.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use tributary_tests::ports;
+use tributary_tests::procs::bin_path;
+
+fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(bin_path(bin));
+    cmd.args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().unwrap_or_else(|e| panic!("running {bin}: {e}"))
+}
+
+/// A fleet CA with one device certificate, written by the real `core-hub pki` commands.
+fn pki(dir: &Path, device: &str) -> PathBuf {
+    let pki = dir.join("pki");
+    let out = dir.join(device);
+    let init = run("core-hub", &["pki", "init", "--dir", pki.to_str().unwrap()], &[]);
+    assert!(init.status.success(), "pki init: {}", String::from_utf8_lossy(&init.stderr));
+    let issue = run(
+        "core-hub",
+        &["pki", "issue", "--dir", pki.to_str().unwrap(), "--device", device, "--out", out.to_str().unwrap()],
+        &[],
+    );
+    assert!(issue.status.success(), "pki issue: {}", String::from_utf8_lossy(&issue.stderr));
+    out
+}
+
+fn write_config(dir: &Path, data_dir: &Path, ca: &Path, device: &Path, extra: &str) -> PathBuf {
+    let path = dir.join("edge.toml");
+    let text = format!(
+        "data_dir = {data:?}\n\
+         [tls]\nca = {ca:?}\ncert = {cert:?}\nkey = {key:?}\n\
+         [hub]\naddr = \"127.0.0.1:{hub}\"\nserver_name = \"localhost\"\n\
+         [http]\nlisten = \"127.0.0.1:{http}\"\n\
+         [[streams]]\nname = \"telemetry\"\n{extra}",
+        data = data_dir.display().to_string(),
+        ca = ca.display().to_string(),
+        cert = device.join("device.pem").display().to_string(),
+        key = device.join("device.key").display().to_string(),
+        hub = ports::udp(),
+        http = ports::tcp(),
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn doctor(config: &Path, env: &[(&str, &str)]) -> (bool, String) {
+    let out = run("edge-agent", &["doctor", "--config", config.to_str().unwrap()], env);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// The line of `check`, and the fix line right after it.
+fn finding(text: &str, check: &str) -> String {
+    let lines: Vec<&str> = text.lines().collect();
+    let i = lines
+        .iter()
+        .position(|l| l.split_whitespace().nth(1) == Some(check))
+        .unwrap_or_else(|| panic!("no `{check}` line in:\n{text}"));
+    format!("{}\n{}", lines[i], lines.get(i + 1).copied().unwrap_or(""))
+}
+
+#[test]
+fn certificate_from_another_ca_is_named_with_its_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let fleet_a = pki(&dir.path().join("a"), "dev-1");
+    let fleet_b = pki(&dir.path().join("b"), "dev-1");
+    let cfg = write_config(dir.path(), &dir.path().join("data"), &fleet_a.join("ca.pem"), &fleet_b, "");
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(!ok, "doctor must fail:\n{text}");
+    let line = finding(&text, "certificate");
+    assert!(line.starts_with("FAIL"), "{line}");
+    assert!(line.contains("not accepted") && line.contains("fix:") && line.contains("pki issue"), "{line}");
+    // The hub is not running either; that is reported separately and does not hide the cause.
+    assert!(finding(&text, "hub").starts_with("FAIL"));
+}
+
+#[test]
+fn clock_at_1970_is_named_and_certificates_still_verify() {
+    let dir = tempfile::tempdir().unwrap();
+    let device = pki(dir.path(), "dev-1");
+    let cfg = write_config(dir.path(), &dir.path().join("data"), &device.join("ca.pem"), &device, "");
+    let (ok, text) = doctor(&cfg, &[("TRIBUTARY_DOCTOR_NOW_UNIX", "0")]);
+    assert!(!ok, "{text}");
+    let clock = finding(&text, "clock");
+    assert!(clock.starts_with("FAIL") && clock.contains("before this binary was built") && clock.contains("NTP"), "{clock}");
+    // Validity is checked at max(now, build time): a board at 1970 still has a valid certificate.
+    assert!(finding(&text, "certificate").starts_with("ok"), "{text}");
+}
+
+#[test]
+fn unreachable_broker_is_named_with_its_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let device = pki(dir.path(), "dev-1");
+    let closed = ports::tcp();
+    let source = format!(
+        "[[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{closed}\"\ntopics = [\"sensors/#\"]\nstream = \"telemetry\"\n"
+    );
+    let cfg = write_config(dir.path(), &dir.path().join("data"), &device.join("ca.pem"), &device, &source);
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(!ok, "{text}");
+    let broker = finding(&text, "broker");
+    assert!(broker.starts_with("FAIL") && broker.contains(&closed.to_string()) && broker.contains("fix:"), "{broker}");
+}
+
+/// A tmpfs of 64 KiB, filled to the last byte, unmounted on drop.
+struct FullDisk {
+    mount: PathBuf,
+}
+
+impl FullDisk {
+    fn new(at: PathBuf) -> FullDisk {
+        std::fs::create_dir_all(&at).unwrap();
+        let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&at).status().unwrap();
+        assert!(st.success(), "mounting a tmpfs needs root (CI runs as root)");
+        let disk = FullDisk { mount: at };
+        // Fill it: dd stops with ENOSPC, which is the point.
+        let _ = Command::new("dd")
+            .arg("if=/dev/zero")
+            .arg(format!("of={}", disk.mount.join("fill").display()))
+            .args(["bs=4k", "count=1000"])
+            .output();
+        disk
+    }
+}
+
+impl Drop for FullDisk {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mount).status();
+    }
+}
+
+#[test]
+fn full_disk_is_named_with_its_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let device = pki(dir.path(), "dev-1");
+    let disk = FullDisk::new(dir.path().join("tiny"));
+    let data = disk.mount.join("data");
+    let _ = std::fs::create_dir(&data);
+    let cfg = write_config(dir.path(), &data, &device.join("ca.pem"), &device, "");
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(!ok, "{text}");
+    let line = finding(&text, "disk");
+    assert!(line.starts_with("FAIL"), "{line}");
+    assert!(line.contains("fix:"), "{line}");
+}
+
+#[test]
+fn healthy_agent_without_hub_passes() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("edge.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "data_dir = {:?}\n[http]\nlisten = \"127.0.0.1:{}\"\n[storage]\ndisk_bytes_max = \"1MiB\"\n[[streams]]\nname = \"telemetry\"\n",
+            dir.path().join("data").display().to_string(),
+            ports::tcp()
+        ),
+    )
+    .unwrap();
+    std::fs::create_dir_all(dir.path().join("data")).unwrap();
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(ok, "{text}");
+    assert!(text.contains("all checks passed"), "{text}");
+}

@@ -1,0 +1,175 @@
+//! Replication through network faults, with the real hub and agent binaries.
+//!
+//! - A 60 s partition: the hub runs in its own network namespace, the agent in the peer one,
+//!   and iptables DROP rules on both sides cut the link. The agent keeps taking data meanwhile;
+//!   after healing it reconnects by itself and its lag (durable but unacknowledged records)
+//!   returns to zero within [`RECOVERY_BOUND`]: the reconnect backoff cap (30 s by default) plus
+//!   15 s for the handshake and the drain. The rules' counters prove packets were dropped.
+//! - Loss only in the hub-to-edge direction: acks and handshakes get lost, the agent resends,
+//!   and the hub still holds every record exactly once.
+//!
+//! The partition test takes about 80 s on purpose (the issue asks for 60 s of partition).
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, ensure};
+use serde_json::json;
+use tributary_tests::cluster::{self, AgentSpec, HubSpec, Pki};
+use tributary_tests::ledger::{Ledger, PostOutcome, Producer, SentRecord};
+use tributary_tests::netem::{Impairment, ProxyConfig, UdpImpairProxy};
+use tributary_tests::netns::{DropSpec, L4, NetnsPair, Partition, Side};
+use tributary_tests::procs::wait_until;
+
+const STREAM: &str = "telemetry";
+const WAIT: Duration = Duration::from_secs(60);
+const PARTITION: Duration = Duration::from_secs(60);
+/// The agent's default reconnect backoff cap (30 s) plus 15 s to reconnect and drain.
+const RECOVERY_BOUND: Duration = Duration::from_secs(45);
+
+fn records(tag: &str, from: u64, n: u64, pad: usize) -> Vec<SentRecord> {
+    (from..from + n)
+        .map(|i| {
+            // Pseudo-random padding that compresses poorly, so the drain moves real bytes.
+            let mut x = i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03;
+            let pad: String = (0..pad)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    char::from(b'a' + (x % 26) as u8)
+                })
+                .collect();
+            SentRecord::new(format!("k{}", i % 7), 5_000 + i as i64, json!({ "tag": tag, "i": i, "pad": pad }))
+        })
+        .collect()
+}
+
+fn ingest_all(producer: &Producer, ledger: &mut Ledger, batch: &[SentRecord]) -> Result<()> {
+    for chunk in batch.chunks(500) {
+        match producer.post(ledger, STREAM, chunk, None)? {
+            PostOutcome::Acked(_) => {}
+            other => anyhow::bail!("ingest not acknowledged: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
+    let pair = NetnsPair::create()?;
+    let root = tempfile::Builder::new().prefix("trb-part-").tempdir()?;
+    let pki = Pki::init(root.path().join("pki"))?;
+    let hub_ip = pair.addr(Side::A);
+    let agent_ip = pair.addr(Side::B);
+    let mut hub_spec = HubSpec::new(root.path());
+    hub_spec.quic = SocketAddr::from((hub_ip, 7400));
+    hub_spec.http = SocketAddr::from((hub_ip, 7480));
+    hub_spec.netns = Some(pair.name(Side::A).to_string());
+    let mut hub = hub_spec.spawn(&pki)?;
+    let cert = pki.issue("dev-1", None)?;
+    let mut spec = AgentSpec::new(root.path(), "dev-1", cert, Some(hub_spec.quic));
+    spec.http = SocketAddr::from((agent_ip, 7401));
+    spec.netns = Some(pair.name(Side::B).to_string());
+    let mut agent = spec.spawn()?;
+
+    // HTTP to each process from inside its namespace.
+    let agent_status = || pair.in_ns(Side::B, || cluster::status(spec.http)).and_then(|r| r);
+    wait_until(cluster::START_TIMEOUT, "the hub and the agent to start, and the link to come up", || {
+        hub.is_running() && agent_status().is_ok_and(|s| cluster::link(&s) == "up")
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+
+    let producer = Producer::new("dev-1", spec.http);
+    let mut ledger = Ledger::new();
+    let before = records("before", 0, 5_000, 16);
+    pair.in_ns(Side::B, || ingest_all(&producer, &mut ledger, &before))??;
+    wait_until(WAIT, "the first batch to replicate", || {
+        agent_status().is_ok_and(|s| cluster::caught_up(&s))
+    })?;
+
+    // DROP every QUIC datagram to the hub (in its namespace) and from it (in the agent's).
+    // Only UDP is cut: the test's own HTTP to each process stays inside one namespace, and a
+    // blanket INPUT rule would drop that too.
+    let quic_port = hub_spec.quic.port();
+    let to_hub = DropSpec { protocol: Some(L4::Udp), dport: Some(quic_port), ..DropSpec::default() };
+    let from_hub = DropSpec { protocol: Some(L4::Udp), sport: Some(quic_port), ..DropSpec::default() };
+    let partition = Partition { rules: [pair.add_drop(Side::A, to_hub)?, pair.add_drop(Side::B, from_hub)?] };
+    let cut_at = Instant::now();
+    let mut next = 5_000;
+    let mut saw_down = false;
+    // The agent keeps ingesting for the whole partition; the loop is the partition's length.
+    while cut_at.elapsed() < PARTITION {
+        let batch = records("during", next, 200, 16);
+        next += 200;
+        pair.in_ns(Side::B, || ingest_all(&producer, &mut ledger, &batch))??;
+        let status = agent_status()?;
+        saw_down |= cluster::link(&status) != "up";
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let lag_at_heal = cluster::unacked(&agent_status()?);
+    let dropped = pair.heal(&partition)?;
+    let healed_at = Instant::now();
+    ensure!(dropped > 0, "the partition dropped no packets");
+    assert!(saw_down, "the link never showed as down during a 60 s partition");
+    assert!(lag_at_heal > 0, "no lag built up during the partition");
+
+    let recovered = wait_until(RECOVERY_BOUND, "the lag to return to zero after healing", || {
+        agent_status().is_ok_and(|s| cluster::link(&s) == "up" && cluster::caught_up(&s))
+    });
+    let recovery = healed_at.elapsed();
+    recovered.with_context(|| format!("{}\n{}", agent.log_tail(30), hub.log_tail(20)))?;
+
+    let observed = pair.in_ns(Side::A, || cluster::read_stream(hub_spec.http, STREAM))??;
+    let report = ledger.check(observed);
+    assert!(report.is_ok(), "{}", report.summary());
+    println!(
+        "partition: {dropped} packets dropped in {PARTITION:?}; lag at heal {lag_at_heal} records; \
+         lag back to zero {recovery:.1?} after healing (bound {RECOVERY_BOUND:?}); {} records acked",
+        ledger.acked_len()
+    );
+    hub.kill9()?;
+    agent.kill9()?;
+    Ok(())
+}
+
+#[test]
+fn loss_only_from_hub_to_edge_duplicates_nothing() -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-ackloss-").tempdir()?;
+    let pki = Pki::init(root.path().join("pki"))?;
+    let hub_spec = HubSpec::new(root.path());
+    let _hub = hub_spec.start(&pki)?;
+    let mut cfg = ProxyConfig::new(hub_spec.quic);
+    cfg.seed = 7;
+    cfg.upstream_to_client = Impairment {
+        loss: 0.2,
+        delay: Duration::from_millis(5),
+        ..Impairment::none()
+    };
+    let proxy = UdpImpairProxy::start(cfg)?;
+    let cert = pki.issue("dev-1", None)?;
+    let spec = AgentSpec::new(root.path(), "dev-1", cert, Some(proxy.local_addr()));
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-1", spec.http);
+    let mut ledger = Ledger::new();
+    for round in 0..20 {
+        ingest_all(&producer, &mut ledger, &records("r", round * 1_000, 1_000, 16))?;
+    }
+    cluster::wait_caught_up(spec.http, Duration::from_secs(120)).with_context(|| agent.log_tail(20))?;
+    let observed = cluster::read_stream(hub_spec.http, STREAM)?;
+    let report = ledger.check(observed.iter().cloned());
+    assert!(report.is_ok(), "{}", report.summary());
+    assert_eq!(observed.len(), 20_000);
+    let stats = proxy.stats();
+    assert!(stats.upstream_to_client.dropped_loss > 0, "nothing was lost hub-to-edge: {stats:?}");
+    assert_eq!(stats.client_to_upstream.dropped(), 0, "edge-to-hub must be clean: {stats:?}");
+    let duplicates = cluster::fetch_metric(hub_spec.http, "tributary_hub_duplicate_blocks_total")?;
+    println!(
+        "hub-to-edge loss: {} datagrams lost hub-to-edge, {duplicates} duplicate blocks answered \
+         idempotently, {} records once each",
+        stats.upstream_to_client.dropped_loss,
+        observed.len()
+    );
+    agent.kill9()?;
+    Ok(())
+}

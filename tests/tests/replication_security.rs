@@ -1,0 +1,409 @@
+//! The hub's security boundary, against the real binaries.
+//!
+//! - A certificate from another CA is rejected: the agent never gets a session and the hub
+//!   never records the device.
+//! - A revoked device is disconnected while connected, and rejected when it reconnects.
+//! - A device cannot write a stream outside its allow-list (`[devices.<id>] streams`).
+//! - A replayed old block (sent again by a hand-made client holding the device's certificate)
+//!   gets an idempotent ack and nothing is stored twice.
+//! - A zstd bomb and an oversized frame from a hand-made client close only that connection:
+//!   a real agent replicating at the same time carries on, and the hub's memory stays bounded.
+//!
+//! (A conflicting block fencing the device is in `replication_restore.rs`, with a cloned
+//! data directory.)
+//!
+//! The hand-made client uses the agent's own TLS setup (`edge_agent::link`) and the protocol's
+//! frame codec (`sync::protocol`), then misbehaves on purpose.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail, ensure};
+use serde_json::{Value, json};
+use sync::block::{self, BlockHeader};
+use sync::protocol::frame::Hello;
+use sync::protocol::{Backlog, Frame, FrameBuffer, LaneAnnounce, PROTOCOL_VERSION};
+use tributary_tests::cluster::{self, AgentSpec, DeviceCert, HubSpec, Pki};
+use tributary_tests::http;
+use tributary_tests::ledger::{Ledger, PostOutcome, Producer, SentRecord};
+use tributary_tests::procs::{Proc, wait_until};
+
+const STREAM: &str = "telemetry";
+const WAIT: Duration = Duration::from_secs(60);
+
+fn batch(tag: &str, from: u64, n: u64) -> Vec<SentRecord> {
+    (from..from + n)
+        .map(|i| SentRecord::new(format!("k{}", i % 3), 9_000 + i as i64, json!({ "tag": tag, "i": i })))
+        .collect()
+}
+
+fn ingest(producer: &Producer, ledger: &mut Ledger, stream: &str, records: &[SentRecord]) -> Result<()> {
+    for chunk in records.chunks(250) {
+        match producer.post(ledger, stream, chunk, None)? {
+            PostOutcome::Acked(_) => {}
+            other => bail!("ingest into {stream} not acknowledged: {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+fn devices(hub: SocketAddr) -> Result<Vec<Value>> {
+    let list = http::get(hub, "/v1/devices")?.json()?;
+    Ok(list.as_array().cloned().unwrap_or_default())
+}
+
+fn hub_log(hub: &Proc) -> String {
+    format!("{}{}", hub.stdout(), hub.stderr())
+}
+
+/// A hub with a fresh PKI under `root`.
+fn hub(root: &Path, extra_toml: &str) -> Result<(Pki, HubSpec, Proc)> {
+    let pki = Pki::init(root.join("pki"))?;
+    let mut spec = HubSpec::new(root);
+    spec.extra_toml = extra_toml.to_string();
+    let proc = spec.start(&pki)?;
+    Ok((pki, spec, proc))
+}
+
+#[test]
+fn a_certificate_from_another_ca_is_rejected() -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-sec-ca-").tempdir()?;
+    let (_pki, hub_spec, hub) = hub(root.path(), "")?;
+    let rogue_pki = Pki::init(root.path().join("rogue-pki"))?;
+    let rogue = rogue_pki.issue("dev-rogue", Some(&root.path().join("rogue-cert")))?;
+    // The rogue device trusts the real hub (it has the right CA file) but its own certificate
+    // is signed by another CA, so only the hub's client-certificate check stands in the way.
+    std::fs::copy(root.path().join("pki/ca.pem"), rogue.dir.join("ca.pem"))?;
+    let spec = AgentSpec::new(root.path(), "rogue", rogue, Some(hub_spec.quic));
+    let mut agent = spec.start()?;
+    ingest(&Producer::new("dev-rogue", spec.http), &mut Ledger::new(), STREAM, &batch("r", 0, 500))?;
+
+    // Several connection attempts must have been made and refused; the link is never up.
+    let started = Instant::now();
+    let mut ever_up = false;
+    wait_until(WAIT, "the hub to refuse three handshakes", || {
+        ever_up |= cluster::status(spec.http).is_ok_and(|s| cluster::link(&s) == "up");
+        hub_log(&hub).matches("handshake").count() >= 3 && started.elapsed() > Duration::from_secs(2)
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    assert!(!ever_up, "a device with a foreign certificate got a session");
+    let status = cluster::status(spec.http)?;
+    assert_ne!(cluster::link(&status), "up");
+    assert_eq!(cluster::stream_u64(&status, STREAM, "acked_seq"), 0);
+    let known = devices(hub_spec.http)?;
+    assert!(known.iter().all(|d| d["id"] != "dev-rogue"), "the hub recorded the rogue device: {known:?}");
+    assert!(cluster::read_stream(hub_spec.http, STREAM)?.is_empty());
+    agent.kill9()?;
+    Ok(())
+}
+
+#[test]
+fn a_revoked_device_is_disconnected_and_then_rejected() -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-sec-rev-").tempdir()?;
+    let (pki, hub_spec, hub) = hub(root.path(), "")?;
+    let cert = pki.issue("dev-1", None)?;
+    let spec = AgentSpec::new(root.path(), "dev-1", cert, Some(hub_spec.quic));
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-1", spec.http);
+    let mut ledger = Ledger::new();
+    ingest(&producer, &mut ledger, STREAM, &batch("before", 0, 1_000))?;
+    cluster::wait_caught_up(spec.http, WAIT)?;
+    let before = cluster::read_stream(hub_spec.http, STREAM)?.len();
+    assert_eq!(before, 1_000);
+
+    pki.revoke("dev-1")?;
+    wait_until(WAIT, "the connected device to be disconnected", || {
+        cluster::status(spec.http).is_ok_and(|s| cluster::link(&s) != "up")
+    })
+    .with_context(|| hub.log_tail(20))?;
+    assert!(hub_log(&hub).contains("revoked"), "no revocation in the hub log\n{}", hub.log_tail(20));
+
+    // Reconnects are refused: data taken after the revocation never reaches the hub.
+    ingest(&producer, &mut ledger, STREAM, &batch("after", 1_000, 500))?;
+    let refusals_at_revoke = hub_log(&hub).matches("device connection ended").count();
+    let mut ever_up = false;
+    wait_until(WAIT, "two reconnect attempts to be refused", || {
+        ever_up |= cluster::status(spec.http).is_ok_and(|s| cluster::link(&s) == "up");
+        hub_log(&hub).matches("device connection ended").count() >= refusals_at_revoke + 2
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    assert!(!ever_up, "the revoked device got a session again");
+    assert_eq!(cluster::read_stream(hub_spec.http, STREAM)?.len(), before);
+    agent.kill9()?;
+    Ok(())
+}
+
+#[test]
+fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-sec-acl-").tempdir()?;
+    let (pki, hub_spec, hub) = hub(root.path(), "[devices.dev-1]\nstreams = [\"other\"]\n")?;
+    let cert = pki.issue("dev-1", None)?;
+    let mut spec = AgentSpec::new(root.path(), "dev-1", cert, Some(hub_spec.quic));
+    spec.streams = vec![STREAM.into(), "other".into()];
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-1", spec.http);
+    let mut ledger = Ledger::new();
+    ingest(&producer, &mut ledger, STREAM, &batch("forbidden", 0, 300))?;
+    ingest(&producer, &mut ledger, "other", &batch("allowed", 0, 300))?;
+
+    wait_until(WAIT, "the hub to reject the forbidden stream", || {
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_rejected_blocks_total").unwrap_or(0.0) >= 1.0
+            || hub_log(&hub).contains("UnauthorizedStream")
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    let status = cluster::status(spec.http)?;
+    assert_eq!(cluster::stream_u64(&status, STREAM, "acked_seq"), 0, "the forbidden stream was acknowledged");
+    assert!(cluster::read_stream(hub_spec.http, STREAM)?.is_empty(), "the forbidden stream reached the hub");
+    agent.kill9()?;
+    Ok(())
+}
+
+// ---- the hand-made client ----
+
+/// A session opened with `cert`, announcing one lane; returns after the hub's Welcome.
+struct RawSession {
+    _endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    _control: quinn::SendStream,
+    answers: quinn::RecvStream,
+    frames: FrameBuffer,
+}
+
+impl RawSession {
+    async fn open(hub: SocketAddr, cert: &DeviceCert, lane: LaneAnnounce) -> Result<RawSession> {
+        let tls = edge_agent::link::TlsPaths {
+            ca: cert.dir.join("ca.pem"),
+            cert: cert.dir.join("device.pem"),
+            key: cert.dir.join("device.key"),
+        };
+        let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
+        endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
+        let conn = endpoint.connect(hub, "localhost")?.await.context("QUIC handshake")?;
+        let (mut control, answers) = conn.open_bi().await?;
+        let hello = Frame::Hello(Hello {
+            version_min: PROTOCOL_VERSION,
+            version_max: PROTOCOL_VERSION,
+            current_epoch: lane.epoch,
+            lanes: vec![lane],
+        });
+        control.write_all(&hello.encode()).await?;
+        let mut session = RawSession {
+            _endpoint: endpoint,
+            conn,
+            _control: control,
+            answers,
+            frames: FrameBuffer::new(64 << 20),
+        };
+        match session.next_frame().await? {
+            Frame::Welcome(_) => Ok(session),
+            other => bail!("expected a Welcome, got {other:?}"),
+        }
+    }
+
+    async fn next_frame(&mut self) -> Result<Frame> {
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            if let Some(bytes) = self.frames.next_frame()? {
+                return Ok(Frame::decode(&bytes, 64 << 20)?);
+            }
+            let n = self.answers.read(&mut buf).await?.context("the hub closed the control stream")?;
+            self.frames.push(&buf[..n]);
+        }
+    }
+
+    /// Sends one frame on its own unidirectional stream, as the agent sends blocks.
+    async fn send_data(&self, frame: &[u8]) -> Result<()> {
+        let mut stream = self.conn.open_uni().await?;
+        stream.write_all(frame).await?;
+        stream.finish()?;
+        Ok(())
+    }
+
+    /// Waits for the hub to close the connection; returns the close reason.
+    async fn closed(&self, within: Duration) -> Result<quinn::ConnectionError> {
+        tokio::time::timeout(within, self.conn.closed())
+            .await
+            .context("the hub did not close the connection")
+    }
+}
+
+fn lane(epoch: u64, first_seq: u64, last_seq: u64) -> LaneAnnounce {
+    LaneAnnounce {
+        stream: STREAM.into(),
+        epoch,
+        first_seq,
+        last_seq,
+        acked_seq: 0,
+        backlog: Backlog { blocks: 1, bytes: 1, oldest_unsent_ts: Some(1) },
+        gaps: Vec::new(),
+    }
+}
+
+fn block_frame(block: Vec<u8>) -> Vec<u8> {
+    Frame::Block { stream: STREAM.into(), block }.encode()
+}
+
+/// The first sealed block in the agent's segment files for `stream`.
+fn first_block_on_disk(data_dir: &Path, stream: &str) -> Result<Vec<u8>> {
+    let dir = data_dir.join("streams").join(stream);
+    let mut segments: Vec<_> = std::fs::read_dir(&dir)
+        .with_context(|| format!("listing {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "seg"))
+        .collect();
+    segments.sort();
+    for path in segments {
+        let bytes = std::fs::read(&path)?;
+        let mut at = 0;
+        while let Some(pos) = bytes[at..].windows(4).position(|w| w == block::BLOCK_MAGIC) {
+            let start = at + pos;
+            if let Ok(header) = block::decode_header(&bytes[start..]) {
+                let end = start + header.encoded_len();
+                if end <= bytes.len() {
+                    return Ok(bytes[start..end].to_vec());
+                }
+            }
+            at = start + 1;
+        }
+    }
+    bail!("no block found under {}", dir.display())
+}
+
+/// VmRSS of a process in bytes.
+fn rss(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS")?;
+    let kb: u64 = line.split_whitespace().nth(1).context("VmRSS value")?.parse()?;
+    Ok(kb * 1024)
+}
+
+#[test]
+fn a_replayed_old_block_gets_an_idempotent_ack() -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-sec-replay-").tempdir()?;
+    let (pki, hub_spec, _hub) = hub(root.path(), "")?;
+    let cert = pki.issue("dev-1", None)?;
+    let spec = AgentSpec::new(root.path(), "dev-1", cert.clone(), Some(hub_spec.quic));
+    let mut agent = spec.start()?;
+    let mut ledger = Ledger::new();
+    ingest(&Producer::new("dev-1", spec.http), &mut ledger, STREAM, &batch("once", 0, 2_000))?;
+    cluster::wait_caught_up(spec.http, WAIT)?;
+    agent.terminate(Duration::from_secs(20))?;
+    let stored = cluster::read_stream(hub_spec.http, STREAM)?;
+    let old = first_block_on_disk(&spec.data_dir, STREAM)?;
+    let header = block::decode_header(&old)?;
+    let duplicates_before = cluster::fetch_metric(hub_spec.http, "tributary_hub_duplicate_blocks_total")?;
+
+    let runtime = tokio::runtime::Runtime::new()?;
+    let ack = runtime.block_on(async {
+        let mut session = RawSession::open(hub_spec.quic, &cert, lane(header.epoch, 1, 2_000)).await?;
+        session.send_data(&block_frame(old.clone())).await?;
+        loop {
+            match tokio::time::timeout(WAIT, session.next_frame()).await?? {
+                Frame::Ack { stream, epoch, durable_seq, .. } if stream == STREAM => {
+                    return Ok::<_, anyhow::Error>((epoch, durable_seq));
+                }
+                Frame::Error(e) => bail!("the replay was answered with an error: {e:?}"),
+                _ => {}
+            }
+        }
+    })?;
+    assert_eq!(ack.0, header.epoch);
+    assert!(ack.1 >= header.last_seq(), "ack {} does not cover the replayed block ending at {}", ack.1, header.last_seq());
+    let after = cluster::read_stream(hub_spec.http, STREAM)?;
+    assert_eq!(after, stored, "the replay changed what the hub holds");
+    let report = ledger.check(after);
+    assert!(report.is_ok(), "{}", report.summary());
+    let duplicates = cluster::fetch_metric(hub_spec.http, "tributary_hub_duplicate_blocks_total")?;
+    println!("replay: block {}..={} acked at {}; duplicate blocks {duplicates_before} -> {duplicates}", header.first_seq, header.last_seq(), ack.1);
+    Ok(())
+}
+
+/// Runs `attack` from a hand-made client while a real agent replicates; asserts the attack's
+/// connection is closed, the agent keeps its session and catches up, and the hub's RSS stays
+/// under `rss_max`.
+fn only_the_bad_connection_closes(
+    name: &str,
+    attack: impl AsyncFnOnce(&RawSession) -> Result<()>,
+) -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-sec-bad-").tempdir()?;
+    let (pki, hub_spec, mut hub) = hub(root.path(), "")?;
+    let good_cert = pki.issue("dev-good", None)?;
+    let bad_cert = pki.issue("dev-bad", None)?;
+    let spec = AgentSpec::new(root.path(), "dev-good", good_cert, Some(hub_spec.quic));
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-good", spec.http);
+    let mut ledger = Ledger::new();
+    ingest(&producer, &mut ledger, STREAM, &batch("pre", 0, 1_000))?;
+    cluster::wait_caught_up(spec.http, WAIT)?;
+    let rss_before = rss(hub.pid())?;
+
+    let runtime = tokio::runtime::Runtime::new()?;
+    let reason = runtime.block_on(async {
+        let session = RawSession::open(hub_spec.quic, &bad_cert, lane(77, 1, 1)).await?;
+        attack(&session).await?;
+        session.closed(WAIT).await
+    })?;
+    println!("{name}: the hub closed the bad connection: {reason}");
+    ensure!(
+        !matches!(reason, quinn::ConnectionError::TimedOut),
+        "the connection timed out instead of being closed by the hub"
+    );
+    assert!(hub.is_running(), "the hub died\n{}", hub.log_tail(30));
+    let rss_after = rss(hub.pid())?;
+
+    // The good agent is unaffected: more data replicates exactly once.
+    ingest(&producer, &mut ledger, STREAM, &batch("post", 1_000, 1_000))?;
+    let status = cluster::wait_caught_up(spec.http, WAIT).with_context(|| agent.log_tail(20))?;
+    assert_eq!(cluster::link(&status), "up");
+    let observed: Vec<_> = cluster::read_stream(hub_spec.http, STREAM)?;
+    assert!(observed.iter().all(|r| r.device == "dev-good"), "the bad client's data was stored");
+    let report = ledger.check(observed);
+    assert!(report.is_ok(), "{}", report.summary());
+    println!("{name}: hub RSS {} MiB before, {} MiB after", rss_before >> 20, rss_after >> 20);
+    assert!(rss_after < rss_before + (256 << 20), "hub RSS grew from {rss_before} to {rss_after}");
+    agent.kill9()?;
+    Ok(())
+}
+
+#[test]
+fn a_zstd_bomb_closes_only_that_connection_with_bounded_memory() -> Result<()> {
+    // 1 GiB of zeros compresses to a few tens of KiB; the header claims 4 KiB decompressed.
+    let mut body = Vec::new();
+    let mut zeros = std::io::Read::take(std::io::repeat(0), 1 << 30);
+    zstd::stream::copy_encode(&mut zeros, &mut body, 19)?;
+    let header = BlockHeader {
+        version: block::VERSION_ROWS,
+        flags: 0,
+        epoch: 77,
+        first_seq: 1,
+        count: 1,
+        raw_len: 4096,
+        min_ts: 1,
+        max_ts: 1,
+        body_len: u32::try_from(body.len())?,
+        body_crc: crc32c::crc32c(&body),
+        raw_crc: 0,
+    };
+    let mut bomb = block::write_header(&header).to_vec();
+    bomb.extend_from_slice(&body);
+    let frame = block_frame(bomb);
+    only_the_bad_connection_closes("zstd bomb", async |session: &RawSession| {
+        session.send_data(&frame).await
+    })
+}
+
+#[test]
+fn an_oversized_frame_closes_only_that_connection() -> Result<()> {
+    only_the_bad_connection_closes("oversized frame", async |session: &RawSession| {
+        // A control frame announcing 1 GiB, above the hub's frame limit (block limit + 64 KiB),
+        // followed by some of its bytes: the hub must refuse it from the length alone.
+        let mut frame = (1u32 << 30).to_le_bytes().to_vec();
+        frame.push(Frame::Ping.type_byte());
+        frame.extend(std::iter::repeat_n(0u8, 64 << 10));
+        let mut control = session.conn.open_uni().await?;
+        control.write_all(&frame).await?;
+        control.finish()?;
+        Ok(())
+    })
+}
