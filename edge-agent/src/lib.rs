@@ -10,3 +10,4 @@ pub mod bench;
 pub mod link;
 pub mod replicator;
 pub mod sources;
+pub mod notify;

@@ -112,6 +112,9 @@ fn publish_all(
             let mut opts = MqttOptions::new("interop-publisher", "127.0.0.1", port);
             opts.set_inflight(500).set_clean_session(true);
             let (client, mut eventloop) = AsyncClient::new(opts, 1000);
+            // Held until every PUBACK is in: with all clients dropped the event loop stops
+            // reading them.
+            let _keep = client.clone();
             let publisher = tokio::spawn(async move {
                 let mut id = 0;
                 while let Some(upto) = release.recv().await {

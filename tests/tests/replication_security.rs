@@ -196,7 +196,10 @@ impl RawSession {
             frames: FrameBuffer::new(64 << 20),
         };
         match session.next_frame().await? {
-            Frame::Welcome(_) => Ok(session),
+            Frame::Welcome(w) => {
+                println!("welcome: {w:?}");
+                Ok(session)
+            }
             other => bail!("expected a Welcome, got {other:?}"),
         }
     }
@@ -304,7 +307,7 @@ fn a_replayed_old_block_gets_an_idempotent_ack() -> Result<()> {
                     return Ok::<_, anyhow::Error>((epoch, durable_seq));
                 }
                 Frame::Error(e) => bail!("the replay was answered with an error: {e:?}"),
-                _ => {}
+                other => println!("replay: the hub sent {other:?}"),
             }
         }
     })?;

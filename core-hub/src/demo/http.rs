@@ -5,12 +5,24 @@
 //! keeps a full HTTP client stack out of the hub binary.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::client::{self, ApiTarget};
+use crate::client::{self, ApiTarget, HttpResponse};
+
+/// No single request of the demo may hang it: a stuck child becomes a clear error instead.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// `GET` with [`REQUEST_TIMEOUT`].
+async fn get(target: &ApiTarget, path: &str) -> Result<HttpResponse> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, client::get(target, path)).await {
+        Ok(r) => Ok(r?),
+        Err(_) => bail!("GET http://{}{path} did not answer within {REQUEST_TIMEOUT:?}", target.authority),
+    }
+}
 
 /// The edge's answer to an ingest POST, once the batch is durable on the edge.
 #[derive(Debug, Clone, Deserialize)]
@@ -44,6 +56,13 @@ pub struct EdgeStream {
 
 /// POSTs an NDJSON body to `stream` on the edge at `addr` and returns its acknowledgement.
 pub async fn post_ndjson(addr: SocketAddr, stream: &str, body: &[u8]) -> Result<IngestAck> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, post_inner(addr, stream, body)).await {
+        Ok(r) => r,
+        Err(_) => bail!("the edge at {addr} did not acknowledge a batch within {REQUEST_TIMEOUT:?}"),
+    }
+}
+
+async fn post_inner(addr: SocketAddr, stream: &str, body: &[u8]) -> Result<IngestAck> {
     let mut tcp = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to the edge at {addr}"))?;
     let head = format!(
         "POST /v1/streams/{stream}/records HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/x-ndjson\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
@@ -65,7 +84,7 @@ pub async fn post_ndjson(addr: SocketAddr, stream: &str, body: &[u8]) -> Result<
 
 /// An edge's status.
 pub async fn edge_status(addr: SocketAddr) -> Result<EdgeStatus> {
-    let resp = client::get(&ApiTarget::from_listen(addr, None), "/v1/status").await?;
+    let resp = get(&ApiTarget::from_listen(addr, None), "/v1/status").await?;
     if resp.status != 200 {
         bail!("status {} from the edge at {addr}", resp.status);
     }
@@ -74,7 +93,7 @@ pub async fn edge_status(addr: SocketAddr) -> Result<EdgeStatus> {
 
 /// A GET that must answer 200 (e.g. `/healthz`).
 pub async fn get_ok(addr: SocketAddr, path: &str) -> Result<Vec<u8>> {
-    let resp = client::get(&ApiTarget::from_listen(addr, None), path).await?;
+    let resp = get(&ApiTarget::from_listen(addr, None), path).await?;
     if resp.status != 200 {
         bail!("GET {path}: status {}: {}", resp.status, String::from_utf8_lossy(&resp.body).trim());
     }
@@ -116,7 +135,7 @@ pub async fn hub_read_all(addr: SocketAddr, stream: &str) -> Result<Vec<HubRecor
     let mut from = 0u64;
     loop {
         let path = format!("/v1/streams/{stream}/records?from={from}&limit={}", crate::api::RECORDS_LIMIT_MAX);
-        let resp = client::get(&target, &path).await?;
+        let resp = get(&target, &path).await?;
         if resp.status == 404 {
             // The stream does not exist yet: nothing was merged.
             return Ok(out);

@@ -98,11 +98,13 @@ impl Plan {
 pub fn run(args: &DemoArgs) -> Result<()> {
     let started = Instant::now();
     let plan = Plan::from_args(args);
+    // Before anything is created: the most likely first-run mistake.
+    let edge_agent = procs::sibling_edge_agent()?;
     let workdir = WorkDir::new(args.dir.as_deref(), args.keep)?;
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let outcome = runtime.block_on(async {
         tokio::select! {
-            r = demo(&plan, &workdir) => r,
+            r = demo(&plan, &workdir, &edge_agent) => r,
             _ = tokio::signal::ctrl_c() => Err(anyhow!("interrupted: every child process was stopped")),
         }
     });
@@ -180,9 +182,8 @@ struct Fleet {
     hub_block_bytes: AtomicU64,
 }
 
-async fn demo(plan: &Plan, workdir: &WorkDir) -> Result<()> {
+async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
     let root = workdir.path();
-    let edge_agent = procs::sibling_edge_agent()?;
     let me = std::env::current_exe().context("locating the core-hub binary")?;
     println!("Tributary demo: 1 hub, {} edges, {} s of production, in {}", plan.edges, plan.production.as_secs(), root.display());
 
@@ -224,7 +225,7 @@ async fn demo(plan: &Plan, workdir: &WorkDir) -> Result<()> {
         let toml = edge_dir.join("edge.toml");
         std::fs::write(&toml, procs::edge_toml(&edge_dir.join("data"), relay.addr(), http, &cert_dir, STREAM))?;
         let toml_s = toml.display().to_string();
-        let child = ChildProc::spawn(id, &edge_agent, &["run", "--config", &toml_s], &logs.join(format!("{id}.log")))?;
+        let child = ChildProc::spawn(id, edge_agent, &["run", "--config", &toml_s], &logs.join(format!("{id}.log")))?;
         children.push(child);
         edges.push(Arc::new(Edge {
             id: id.clone(),
@@ -240,6 +241,15 @@ async fn demo(plan: &Plan, workdir: &WorkDir) -> Result<()> {
         wait_healthy(child, edge.http).await?;
     }
     println!("started: hub (HTTP {hub_http}, QUIC {hub_quic}) and {} edge agents; logs in {}", edges.len(), logs.display());
+    let described: Vec<String> = edges
+        .iter()
+        .map(|e| match e.kind {
+            SimKind::Fleet => format!("{} ({} trucks)", e.id, units(e.kind)),
+            SimKind::Industrial => format!("{} ({} machines)", e.id, units(e.kind)),
+        })
+        .collect();
+    println!("devices: {}, sampled at {SIM_HZ} Hz, simulated time {TIME_COMPRESSION}x faster than real time", described.join(", "));
+    println!("legend: link = the demo's relay to the hub; posted = records the edge acknowledged; acked = seq the hub made durable / seq durable on the edge; backlog = not yet shipped");
 
     let fleet = Arc::new(Fleet {
         edges,
@@ -260,7 +270,7 @@ async fn demo(plan: &Plan, workdir: &WorkDir) -> Result<()> {
         let sim = Simulator::new(SimConfig {
             kind: edge.kind,
             device_id: edge.id.clone(),
-            units: if edge.kind == SimKind::Fleet { 10 } else { 8 },
+            units: units(edge.kind),
             hz: SIM_HZ,
             seed: 0x7269_6275 + i as u64,
             // The data ends about now, so its timestamps look like a recent drive.
@@ -304,6 +314,14 @@ async fn demo(plan: &Plan, workdir: &WorkDir) -> Result<()> {
         Ok(())
     } else {
         bail!("verification FAILED: the merged stream differs from what the edges acknowledged")
+    }
+}
+
+/// Trucks or machines simulated on one device.
+fn units(kind: SimKind) -> usize {
+    match kind {
+        SimKind::Fleet => 10,
+        SimKind::Industrial => 8,
     }
 }
 
@@ -498,12 +516,11 @@ fn render(fleet: &Fleet, elapsed: Duration) -> Vec<String> {
         posted_records += ledger.count;
         posted_bytes += ledger.ndjson_bytes;
         let status = edge.status.lock().expect("status lock").clone();
-        let kind = if edge.kind == SimKind::Fleet { "fleet" } else { "industrial" };
         let relay = if edge.relay.is_up() { "up  " } else { "DOWN" };
         let stream = status.as_ref().and_then(|s| s.streams.iter().find(|s| s.stream == STREAM).cloned());
         let detail = match stream {
             Some(s) => format!(
-                "acked {:>7} of {:>7}  backlog {:>9} in {:>3} blocks",
+                "acked {:>6}/{:<6}  backlog {:>9} {:>3} blk",
                 s.acked_seq,
                 s.durable_seq,
                 bytes_text(s.backlog_bytes),
@@ -512,9 +529,8 @@ fn render(fleet: &Fleet, elapsed: Duration) -> Vec<String> {
             None => "status unavailable".to_owned(),
         };
         lines.push(format!(
-            "  {:<9} {:<10} link {relay} drops {:>2}  posted {:>7}  {detail}",
+            "  {:<9} link {relay} drops {:>2}  posted {:>6}  {detail}",
             edge.id,
-            kind,
             edge.drops.load(Ordering::Relaxed),
             ledger.count
         ));

@@ -64,8 +64,10 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
             }
         });
         info!(hub = %hub.addr, "replicating to the hub");
-        tokio::spawn(replicator::run(rcfg, log, status));
+        tokio::spawn(replicator::run(rcfg, log.clone(), status));
     }
+    edge_agent::notify::ready();
+    tokio::spawn(edge_agent::notify::watchdog(log));
     info!(
         http = %format!("http://{addr}"),
         fsync = fsync_name(&cfg.storage.fsync),
