@@ -486,6 +486,22 @@ async fn bench_catchup(root: &Path, pki: &Pki, records: u64) -> Result<()> {
         st.backlog_blocks,
         fill.elapsed().as_secs_f64()
     );
+    // What the hub spends per block before the WAL, on one core: decoding into records and
+    // the per-record content checksum (what its connection task does for every block).
+    let sample = log.read_blocks(STREAM, log.epoch(), 0, 1)?.remove(0).bytes;
+    let limits = sync::block::DecodeLimits::default();
+    let t = Instant::now();
+    let reps = 5;
+    for _ in 0..reps {
+        let b = sync::block::decode_block(&sample, &limits)?;
+        std::hint::black_box(core_hub::content_checksum(b.header.first_seq, &b.records));
+    }
+    let block_secs = t.elapsed().as_secs_f64() / reps as f64;
+    println!(
+        "catchup: hub decode + content checksum of one {per_block}-record block: {:.1} ms = {:.2} M records/s on one core",
+        block_secs * 1e3,
+        per_block as f64 / block_secs / 1e6
+    );
     let hub = start_hub(dir.path(), pki).await?;
     let w0 = wal_snap(&hub.hub);
     let (start, cpu0) = (Instant::now(), cpu_secs());

@@ -44,14 +44,20 @@ fn short_demo_passes_with_link_drops() {
         if started.elapsed() > DEADLINE {
             let _ = child.kill();
             let _ = child.wait();
-            panic!("the demo did not finish within {DEADLINE:?}:\n{}", std::fs::read_to_string(&out_path).unwrap_or_default());
+            panic!(
+                "the demo did not finish within {DEADLINE:?}:\n{}",
+                std::fs::read_to_string(&out_path).unwrap_or_default()
+            );
         }
         std::thread::sleep(Duration::from_millis(100));
     };
     let out = std::fs::read_to_string(&out_path).unwrap();
     let err = std::fs::read_to_string(&err_path).unwrap();
     let took = started.elapsed();
-    assert!(status.success(), "the demo failed ({status}) after {took:?}\nstdout:\n{out}\nstderr:\n{err}");
+    assert!(
+        status.success(),
+        "the demo failed ({status}) after {took:?}\nstdout:\n{out}\nstderr:\n{err}"
+    );
 
     let pass = out
         .lines()
@@ -60,10 +66,19 @@ fn short_demo_passes_with_link_drops() {
     let counts: Vec<(String, u64)> = pass
         .split(['(', ')', ' '])
         .filter_map(|t| t.split_once('='))
-        .map(|(device, n)| (device.to_owned(), n.parse().unwrap_or_else(|_| panic!("bad count in {pass:?}"))))
+        .map(|(device, n)| {
+            (
+                device.to_owned(),
+                n.parse()
+                    .unwrap_or_else(|_| panic!("bad count in {pass:?}")),
+            )
+        })
         .collect();
     assert!(counts.len() >= 3, "at least three devices in {pass:?}");
-    assert!(counts.iter().all(|(_, n)| *n > 0), "every device merged records: {pass:?}");
+    assert!(
+        counts.iter().all(|(_, n)| *n > 0),
+        "every device merged records: {pass:?}"
+    );
 
     let drops: u64 = out
         .lines()
@@ -72,8 +87,17 @@ fn short_demo_passes_with_link_drops() {
         .trim()
         .parse()
         .unwrap();
-    assert!(drops >= 3, "the short demo must drop links at least 3 times, saw {drops}:\n{out}");
-    assert!(!out.to_lowercase().contains("parquet"), "tier 2 is not implemented; the demo must not mention Parquet");
-    assert!(work.join("hub").join("data").is_dir(), "--dir keeps the hub's data");
+    assert!(
+        drops >= 3,
+        "the short demo must drop links at least 3 times, saw {drops}:\n{out}"
+    );
+    assert!(
+        !out.to_lowercase().contains("parquet"),
+        "tier 2 is not implemented; the demo must not mention Parquet"
+    );
+    assert!(
+        work.join("hub").join("data").is_dir(),
+        "--dir keeps the hub's data"
+    );
     eprintln!("short demo passed in {took:?}: {pass}; link drops: {drops}");
 }

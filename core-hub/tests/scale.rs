@@ -199,6 +199,7 @@ async fn device(
     epoch: u64,
     slot: tokio::sync::OwnedSemaphorePermit,
     acked: Arc<AtomicUsize>,
+    reports: tokio::sync::mpsc::UnboundedSender<Result<()>>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let clock = StdInstant::now();
@@ -242,6 +243,7 @@ async fn device(
                 SenderEvent::Acked { durable_seq, .. } => {
                     if durable_seq >= RECORDS_PER_DEVICE && slot.take().is_some() {
                         acked.fetch_add(1, Ordering::SeqCst);
+                        let _ = reports.send(Ok(()));
                     }
                 }
                 SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
@@ -303,6 +305,8 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
         let slots = Arc::new(Semaphore::new(CONNECTING_MAX));
         let acked = Arc::new(AtomicUsize::new(0));
         let (stop_tx, stop_rx) = watch::channel(false);
+        // Each device reports once: acked, or the error that ended it.
+        let (report_tx, mut report_rx) = tokio::sync::mpsc::unbounded_channel::<Result<()>>();
         let mut devices = tokio::task::JoinSet::new();
         let t1 = StdInstant::now();
         let mut peak = 0u64;
@@ -310,12 +314,19 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
             let slot = slots.clone().acquire_owned().await?;
             let cfg = client_config(&roots, chain, key)?;
             let connecting = endpoint.connect_with(cfg, hub.quic, "localhost")?;
-            let (acked, stop) = (acked.clone(), stop_rx.clone());
+            let (acked, stop, reports) = (acked.clone(), stop_rx.clone(), report_tx.clone());
             let epoch = 1 + i as u64;
             let block = device_block(i, epoch)?;
             devices.spawn(async move {
-                let conn = connecting.await.map_err(|e| anyhow::anyhow!("device {i}: connect: {e}"))?;
-                device(conn, block, epoch, slot, acked, stop).await.map_err(|e| e.context(format!("device {i}")))
+                let result = match connecting.await {
+                    Ok(conn) => device(conn, block, epoch, slot, acked, reports.clone(), stop).await,
+                    Err(e) => Err(anyhow::anyhow!("connect: {e}")),
+                };
+                let result = result.map_err(|e| e.context(format!("device {i}")));
+                if let Err(e) = &result {
+                    let _ = reports.send(Err(anyhow::anyhow!("{e:#}")));
+                }
+                result
             });
             if i % 500 == 0 {
                 peak = peak.max(hub.rss()?.0);
@@ -326,9 +337,10 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
                 bail!("a device session ended before the test stopped it");
             }
         }
-        // Every device has shipped its block once all handshake slots are free again.
-        let all = slots.acquire_many(CONNECTING_MAX as u32).await?;
-        drop(all);
+        // Every device reports once; the first failure fails the test with its cause.
+        for _ in 0..n {
+            report_rx.recv().await.context("reports channel closed")??;
+        }
         let connect_secs = t1.elapsed().as_secs_f64();
         if let Some(done) = devices.try_join_next() {
             done??;

@@ -84,7 +84,14 @@ impl Pki {
 
     /// `core-hub pki revoke`: the hub re-reads `revoked.txt` without restarting.
     pub fn revoke(&self, device: &str) -> Result<()> {
-        core_hub(&["pki", "revoke", "--dir", &path_str(&self.dir)?, "--device", device])?;
+        core_hub(&[
+            "pki",
+            "revoke",
+            "--dir",
+            &path_str(&self.dir)?,
+            "--device",
+            device,
+        ])?;
         Ok(())
     }
 }
@@ -229,7 +236,12 @@ impl AgentSpec {
 /// An agent's `GET /v1/status`.
 pub fn status(agent: SocketAddr) -> Result<Value> {
     let response = http::get(agent, "/v1/status")?;
-    ensure!(response.status == 200, "status {}: {}", response.status, response.text());
+    ensure!(
+        response.status == 200,
+        "status {}: {}",
+        response.status,
+        response.text()
+    );
     response.json()
 }
 
@@ -286,16 +298,18 @@ pub fn caught_up(status: &Value) -> bool {
 /// Waits until the agent at `agent` has shipped and had acknowledged everything it holds.
 pub fn wait_caught_up(agent: SocketAddr, timeout: Duration) -> Result<Value> {
     let mut last = Value::Null;
-    let outcome = wait_until(timeout, "the agent to catch up (acked == durable)", || {
-        match status(agent) {
+    let outcome = wait_until(
+        timeout,
+        "the agent to catch up (acked == durable)",
+        || match status(agent) {
             Ok(s) => {
                 let done = caught_up(&s);
                 last = s;
                 done
             }
             Err(_) => false,
-        }
-    });
+        },
+    );
     match outcome {
         Ok(()) => Ok(last),
         Err(error) => Err(error.context(format!("last status: {last}"))),
@@ -311,10 +325,10 @@ pub fn metric(text: &str, name: &str) -> Option<f64> {
             continue;
         };
         let bare = sample.split('{').next().unwrap_or(sample);
-        if sample == name || bare == name {
-            if let Ok(v) = value.parse::<f64>() {
-                *found.get_or_insert(0.0) += v;
-            }
+        if (sample == name || bare == name)
+            && let Ok(v) = value.parse::<f64>()
+        {
+            *found.get_or_insert(0.0) += v;
         }
     }
     found
@@ -334,12 +348,17 @@ pub fn read_stream(hub: SocketAddr, stream: &str) -> Result<Vec<ObservedRecord>>
     let mut from = 0u64;
     loop {
         let path = format!("/v1/streams/{stream}/records?from={from}&limit=50000");
-        let response = http::request_timeout(hub, "GET", &path, &[], None, Duration::from_secs(60))?;
+        let response =
+            http::request_timeout(hub, "GET", &path, &[], None, Duration::from_secs(60))?;
         if response.status == 404 && from == 0 {
             return Ok(records);
         }
         if response.status != 200 {
-            bail!("reading {path}: status {}: {}", response.status, response.text());
+            bail!(
+                "reading {path}: status {}: {}",
+                response.status,
+                response.text()
+            );
         }
         let page = ObservedRecord::parse_ndjson(stream, &response.text())?;
         if page.is_empty() {
@@ -349,7 +368,10 @@ pub fn read_stream(hub: SocketAddr, stream: &str) -> Result<Vec<ObservedRecord>>
             .header("x-tributary-next-offset")
             .and_then(|v| v.parse::<u64>().ok())
             .context("a page without x-tributary-next-offset")?;
-        ensure!(next > from, "next offset {next} does not advance past {from}");
+        ensure!(
+            next > from,
+            "next offset {next} does not advance past {from}"
+        );
         from = next;
         records.extend(page);
     }

@@ -64,7 +64,8 @@ fn produce(device: String, addr: SocketAddr, quota: usize, seed: u64) -> Result<
     let mut next = 0u64;
     while posted < quota {
         // Pacing keeps data flowing for the whole kill schedule instead of a burst at the start.
-        let due = (quota as f64 * started.elapsed().as_secs_f64() / PRODUCE_OVER.as_secs_f64()) as usize;
+        let due =
+            (quota as f64 * started.elapsed().as_secs_f64() / PRODUCE_OVER.as_secs_f64()) as usize;
         if posted > due {
             std::thread::sleep(Duration::from_millis(20));
             continue;
@@ -86,9 +87,11 @@ fn produce(device: String, addr: SocketAddr, quota: usize, seed: u64) -> Result<
             PostOutcome::Unknown { .. } => {
                 // The agent was probably killed mid-request: the batch may or may not exist.
                 posted += n;
-                wait_until(Duration::from_secs(60), "the agent to accept requests again", || {
-                    cluster::status(addr).is_ok()
-                })?;
+                wait_until(
+                    Duration::from_secs(60),
+                    "the agent to accept requests again",
+                    || cluster::status(addr).is_ok(),
+                )?;
             }
             PostOutcome::Rejected { status, body } => {
                 if status != 503 {
@@ -214,7 +217,10 @@ fn kill9_hub_and_agents_keeps_exactly_once() -> Result<()> {
     for (spec, ledger) in agent_specs.iter().zip(&ledgers) {
         acked += ledger.acked_len();
         maybe += ledger.maybe_len();
-        let mine = observed.iter().filter(|r| r.device == spec.cert.id).cloned();
+        let mine = observed
+            .iter()
+            .filter(|r| r.device == spec.cert.id)
+            .cloned();
         let report = ledger.check(mine);
         assert!(report.is_ok(), "{}: {}", spec.cert.id, report.summary());
     }
@@ -233,6 +239,9 @@ fn kill9_hub_and_agents_keeps_exactly_once() -> Result<()> {
         observed.len(),
     );
     assert!(mid > 0, "no kill landed mid-transfer (seed {seed})");
-    assert!(acked >= records_total / 2, "only {acked} records were acknowledged");
+    assert!(
+        acked >= records_total / 2,
+        "only {acked} records were acknowledged"
+    );
     Ok(())
 }

@@ -40,7 +40,11 @@ fn records(tag: &str, from: u64, n: u64, pad: usize) -> Vec<SentRecord> {
                     char::from(b'a' + (x % 26) as u8)
                 })
                 .collect();
-            SentRecord::new(format!("k{}", i % 7), 5_000 + i as i64, json!({ "tag": tag, "i": i, "pad": pad }))
+            SentRecord::new(
+                format!("k{}", i % 7),
+                5_000 + i as i64,
+                json!({ "tag": tag, "i": i, "pad": pad }),
+            )
         })
         .collect()
 }
@@ -74,10 +78,15 @@ fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
     let mut agent = spec.spawn()?;
 
     // HTTP to each process from inside its namespace.
-    let agent_status = || pair.in_ns(Side::B, || cluster::status(spec.http)).and_then(|r| r);
-    wait_until(cluster::START_TIMEOUT, "the hub and the agent to start, and the link to come up", || {
-        hub.is_running() && agent_status().is_ok_and(|s| cluster::link(&s) == "up")
-    })
+    let agent_status = || {
+        pair.in_ns(Side::B, || cluster::status(spec.http))
+            .and_then(|r| r)
+    };
+    wait_until(
+        cluster::START_TIMEOUT,
+        "the hub and the agent to start, and the link to come up",
+        || hub.is_running() && agent_status().is_ok_and(|s| cluster::link(&s) == "up"),
+    )
     .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
 
     let producer = Producer::new("dev-1", spec.http);
@@ -92,9 +101,22 @@ fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
     // Only UDP is cut: the test's own HTTP to each process stays inside one namespace, and a
     // blanket INPUT rule would drop that too.
     let quic_port = hub_spec.quic.port();
-    let to_hub = DropSpec { protocol: Some(L4::Udp), dport: Some(quic_port), ..DropSpec::default() };
-    let from_hub = DropSpec { protocol: Some(L4::Udp), sport: Some(quic_port), ..DropSpec::default() };
-    let partition = Partition { rules: [pair.add_drop(Side::A, to_hub)?, pair.add_drop(Side::B, from_hub)?] };
+    let to_hub = DropSpec {
+        protocol: Some(L4::Udp),
+        dport: Some(quic_port),
+        ..DropSpec::default()
+    };
+    let from_hub = DropSpec {
+        protocol: Some(L4::Udp),
+        sport: Some(quic_port),
+        ..DropSpec::default()
+    };
+    let partition = Partition {
+        rules: [
+            pair.add_drop(Side::A, to_hub)?,
+            pair.add_drop(Side::B, from_hub)?,
+        ],
+    };
     let cut_at = Instant::now();
     let mut next = 5_000;
     let mut saw_down = false;
@@ -111,12 +133,17 @@ fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
     let dropped = pair.heal(&partition)?;
     let healed_at = Instant::now();
     ensure!(dropped > 0, "the partition dropped no packets");
-    assert!(saw_down, "the link never showed as down during a 60 s partition");
+    assert!(
+        saw_down,
+        "the link never showed as down during a 60 s partition"
+    );
     assert!(lag_at_heal > 0, "no lag built up during the partition");
 
-    let recovered = wait_until(RECOVERY_BOUND, "the lag to return to zero after healing", || {
-        agent_status().is_ok_and(|s| cluster::link(&s) == "up" && cluster::caught_up(&s))
-    });
+    let recovered = wait_until(
+        RECOVERY_BOUND,
+        "the lag to return to zero after healing",
+        || agent_status().is_ok_and(|s| cluster::link(&s) == "up" && cluster::caught_up(&s)),
+    );
     let recovery = healed_at.elapsed();
     recovered.with_context(|| format!("{}\n{}", agent.log_tail(30), hub.log_tail(20)))?;
 
@@ -153,16 +180,28 @@ fn loss_only_from_hub_to_edge_duplicates_nothing() -> Result<()> {
     let producer = Producer::new("dev-1", spec.http);
     let mut ledger = Ledger::new();
     for round in 0..20 {
-        ingest_all(&producer, &mut ledger, &records("r", round * 1_000, 1_000, 16))?;
+        ingest_all(
+            &producer,
+            &mut ledger,
+            &records("r", round * 1_000, 1_000, 16),
+        )?;
     }
-    cluster::wait_caught_up(spec.http, Duration::from_secs(120)).with_context(|| agent.log_tail(20))?;
+    cluster::wait_caught_up(spec.http, Duration::from_secs(120))
+        .with_context(|| agent.log_tail(20))?;
     let observed = cluster::read_stream(hub_spec.http, STREAM)?;
     let report = ledger.check(observed.iter().cloned());
     assert!(report.is_ok(), "{}", report.summary());
     assert_eq!(observed.len(), 20_000);
     let stats = proxy.stats();
-    assert!(stats.upstream_to_client.dropped_loss > 0, "nothing was lost hub-to-edge: {stats:?}");
-    assert_eq!(stats.client_to_upstream.dropped(), 0, "edge-to-hub must be clean: {stats:?}");
+    assert!(
+        stats.upstream_to_client.dropped_loss > 0,
+        "nothing was lost hub-to-edge: {stats:?}"
+    );
+    assert_eq!(
+        stats.client_to_upstream.dropped(),
+        0,
+        "edge-to-hub must be clean: {stats:?}"
+    );
     let duplicates = cluster::fetch_metric(hub_spec.http, "tributary_hub_duplicate_blocks_total")?;
     println!(
         "hub-to-edge loss: {} datagrams lost hub-to-edge, {duplicates} duplicate blocks answered \

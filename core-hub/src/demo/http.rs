@@ -20,7 +20,10 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
 async fn get(target: &ApiTarget, path: &str) -> Result<HttpResponse> {
     match tokio::time::timeout(REQUEST_TIMEOUT, client::get(target, path)).await {
         Ok(r) => Ok(r?),
-        Err(_) => bail!("GET http://{}{path} did not answer within {REQUEST_TIMEOUT:?}", target.authority),
+        Err(_) => bail!(
+            "GET http://{}{path} did not answer within {REQUEST_TIMEOUT:?}",
+            target.authority
+        ),
     }
 }
 
@@ -58,12 +61,16 @@ pub struct EdgeStream {
 pub async fn post_ndjson(addr: SocketAddr, stream: &str, body: &[u8]) -> Result<IngestAck> {
     match tokio::time::timeout(REQUEST_TIMEOUT, post_inner(addr, stream, body)).await {
         Ok(r) => r,
-        Err(_) => bail!("the edge at {addr} did not acknowledge a batch within {REQUEST_TIMEOUT:?}"),
+        Err(_) => {
+            bail!("the edge at {addr} did not acknowledge a batch within {REQUEST_TIMEOUT:?}")
+        }
     }
 }
 
 async fn post_inner(addr: SocketAddr, stream: &str, body: &[u8]) -> Result<IngestAck> {
-    let mut tcp = tokio::net::TcpStream::connect(addr).await.with_context(|| format!("connecting to the edge at {addr}"))?;
+    let mut tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connecting to the edge at {addr}"))?;
     let head = format!(
         "POST /v1/streams/{stream}/records HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/x-ndjson\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
@@ -72,14 +79,29 @@ async fn post_inner(addr: SocketAddr, stream: &str, body: &[u8]) -> Result<Inges
     tcp.write_all(body).await?;
     let mut raw = Vec::new();
     tcp.read_to_end(&mut raw).await?;
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").context("malformed HTTP response from the edge")?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("malformed HTTP response from the edge")?;
     let head = String::from_utf8_lossy(&raw[..split]);
-    let status: u16 = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).context("malformed HTTP status line from the edge")?;
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .context("malformed HTTP status line from the edge")?;
     let body = &raw[split + 4..];
     if status != 200 {
-        bail!("the edge at {addr} answered {status}: {}", String::from_utf8_lossy(body).trim());
+        bail!(
+            "the edge at {addr} answered {status}: {}",
+            String::from_utf8_lossy(body).trim()
+        );
     }
-    serde_json::from_slice(body).with_context(|| format!("the edge's answer is not an ingest acknowledgement: {}", String::from_utf8_lossy(body)))
+    serde_json::from_slice(body).with_context(|| {
+        format!(
+            "the edge's answer is not an ingest acknowledgement: {}",
+            String::from_utf8_lossy(body)
+        )
+    })
 }
 
 /// An edge's status.
@@ -95,7 +117,11 @@ pub async fn edge_status(addr: SocketAddr) -> Result<EdgeStatus> {
 pub async fn get_ok(addr: SocketAddr, path: &str) -> Result<Vec<u8>> {
     let resp = get(&ApiTarget::from_listen(addr, None), path).await?;
     if resp.status != 200 {
-        bail!("GET {path}: status {}: {}", resp.status, String::from_utf8_lossy(&resp.body).trim());
+        bail!(
+            "GET {path}: status {}: {}",
+            resp.status,
+            String::from_utf8_lossy(&resp.body).trim()
+        );
     }
     Ok(resp.body)
 }
@@ -117,7 +143,11 @@ pub async fn hub_records(addr: SocketAddr, stream: &str) -> Result<u64> {
     }
     let body = get_ok(addr, "/v1/streams").await?;
     let list: Vec<Info> = serde_json::from_slice(&body)?;
-    Ok(list.iter().find(|s| s.name == stream).map(|s| s.records).unwrap_or(0))
+    Ok(list
+        .iter()
+        .find(|s| s.name == stream)
+        .map(|s| s.records)
+        .unwrap_or(0))
 }
 
 /// One record as the hub's reader API returns it; only what the verification needs.
@@ -134,14 +164,21 @@ pub async fn hub_read_all(addr: SocketAddr, stream: &str) -> Result<Vec<HubRecor
     let mut out = Vec::new();
     let mut from = 0u64;
     loop {
-        let path = format!("/v1/streams/{stream}/records?from={from}&limit={}", crate::api::RECORDS_LIMIT_MAX);
+        let path = format!(
+            "/v1/streams/{stream}/records?from={from}&limit={}",
+            crate::api::RECORDS_LIMIT_MAX
+        );
         let resp = get(&target, &path).await?;
         if resp.status == 404 {
             // The stream does not exist yet: nothing was merged.
             return Ok(out);
         }
         if resp.status != 200 {
-            bail!("reading {stream} from the hub: status {}: {}", resp.status, String::from_utf8_lossy(&resp.body).trim());
+            bail!(
+                "reading {stream} from the hub: status {}: {}",
+                resp.status,
+                String::from_utf8_lossy(&resp.body).trim()
+            );
         }
         if resp.body.is_empty() {
             return Ok(out);
@@ -167,7 +204,10 @@ mod tests {
     #[test]
     fn reads_unlabelled_metrics() {
         let text = "# HELP x\ntributary_hub_block_bytes_committed_total 1234\ntributary_hub_block_bytes_committed_total_other 9\n";
-        assert_eq!(metric(text, "tributary_hub_block_bytes_committed_total"), Some(1234.0));
+        assert_eq!(
+            metric(text, "tributary_hub_block_bytes_committed_total"),
+            Some(1234.0)
+        );
         assert_eq!(metric(text, "missing"), None);
     }
 }

@@ -60,7 +60,7 @@ pub struct DemoArgs {
     /// Default 60, or 20 with --short.
     #[arg(long, value_parser = clap::value_parser!(u64).range(5..=600))]
     pub seconds: Option<u64>,
-    /// The CI mode: 20 s of production, a dead zone in every link window (about 25-30 s in all).
+    /// The CI mode: 20 s of production, a dead zone in every link window (about 22 s in all).
     #[arg(long)]
     pub short: bool,
     /// Work in this directory (empty or new) and keep it, instead of a temporary one.
@@ -86,11 +86,25 @@ impl Plan {
         // after the first (5 s of wall time each), so each edge loses its link at least 3
         // times in 20 s; the default mode is more like real roads.
         let link = if args.short {
-            LinkSchedule { window_s: 50.0, dead_zone_probability: 1.0, dead_zone_min_s: 10.0, dead_zone_max_s: 30.0 }
+            LinkSchedule {
+                window_s: 50.0,
+                dead_zone_probability: 1.0,
+                dead_zone_min_s: 10.0,
+                dead_zone_max_s: 30.0,
+            }
         } else {
-            LinkSchedule { window_s: 100.0, dead_zone_probability: 0.7, dead_zone_min_s: 20.0, dead_zone_max_s: 60.0 }
+            LinkSchedule {
+                window_s: 100.0,
+                dead_zone_probability: 0.7,
+                dead_zone_min_s: 20.0,
+                dead_zone_max_s: 60.0,
+            }
         };
-        Plan { edges: args.edges as usize, production: Duration::from_secs(seconds), link }
+        Plan {
+            edges: args.edges as usize,
+            production: Duration::from_secs(seconds),
+            link,
+        }
     }
 }
 
@@ -101,7 +115,9 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     // Before anything is created: the most likely first-run mistake.
     let edge_agent = procs::sibling_edge_agent()?;
     let workdir = WorkDir::new(args.dir.as_deref(), args.keep)?;
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let outcome = runtime.block_on(async {
         tokio::select! {
             r = demo(&plan, &workdir, &edge_agent) => r,
@@ -112,7 +128,10 @@ pub fn run(args: &DemoArgs) -> Result<()> {
     drop(runtime);
     println!("demo took {:.1} s", started.elapsed().as_secs_f64());
     if workdir.removed_at_exit() {
-        println!("(the work directory {} is removed now; rerun with --keep or --dir DIR to query the data afterwards)", workdir.path().display());
+        println!(
+            "(the work directory {} is removed now; rerun with --keep or --dir DIR to query the data afterwards)",
+            workdir.path().display()
+        );
     }
     outcome
 }
@@ -168,7 +187,10 @@ fn ranges_text(ranges: &[(u64, u64, u64)]) -> String {
     if ranges.is_empty() {
         return "none".to_owned();
     }
-    let parts: Vec<String> = ranges.iter().map(|(e, f, l)| format!("epoch {e:016x} seq {f}..={l}")).collect();
+    let parts: Vec<String> = ranges
+        .iter()
+        .map(|(e, f, l)| format!("epoch {e:016x} seq {f}..={l}"))
+        .collect();
     parts.join(", ")
 }
 
@@ -185,7 +207,12 @@ struct Fleet {
 async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
     let root = workdir.path();
     let me = std::env::current_exe().context("locating the core-hub binary")?;
-    println!("Tributary demo: 1 hub, {} edges, {} s of production, in {}", plan.edges, plan.production.as_secs(), root.display());
+    println!(
+        "Tributary demo: 1 hub, {} edges, {} s of production, in {}",
+        plan.edges,
+        plan.production.as_secs(),
+        root.display()
+    );
 
     // PKI: the fleet CA and the hub certificate, then one certificate per device.
     let pki_dir = root.join("pki");
@@ -208,9 +235,17 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
     std::fs::create_dir_all(&hub_dir)?;
     std::fs::create_dir_all(&logs)?;
     let hub_toml = root.join("hub.toml");
-    std::fs::write(&hub_toml, procs::hub_toml(&hub_dir.join("data"), hub_quic, hub_http, &pki_dir))?;
+    std::fs::write(
+        &hub_toml,
+        procs::hub_toml(&hub_dir.join("data"), hub_quic, hub_http, &pki_dir),
+    )?;
     let hub_toml_s = hub_toml.display().to_string();
-    let mut hub = ChildProc::spawn("hub", &me, &["run", "--config", &hub_toml_s], &logs.join("hub.log"))?;
+    let mut hub = ChildProc::spawn(
+        "hub",
+        &me,
+        &["run", "--config", &hub_toml_s],
+        &logs.join("hub.log"),
+    )?;
     wait_healthy(&mut hub, hub_http).await?;
 
     // The edges, each behind its own relay.
@@ -220,12 +255,28 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
         let edge_dir = root.join("edges").join(id);
         let cert_dir = edge_dir.join("certs");
         crate::pki::issue(&pki_dir, id, &cert_dir).with_context(|| format!("pki issue {id}"))?;
-        let relay = Relay::start(hub_quic).await.context("starting a link relay")?;
+        let relay = Relay::start(hub_quic)
+            .await
+            .context("starting a link relay")?;
         let http = procs::free_tcp_port()?;
         let toml = edge_dir.join("edge.toml");
-        std::fs::write(&toml, procs::edge_toml(&edge_dir.join("data"), relay.addr(), http, &cert_dir, STREAM))?;
+        std::fs::write(
+            &toml,
+            procs::edge_toml(
+                &edge_dir.join("data"),
+                relay.addr(),
+                http,
+                &cert_dir,
+                STREAM,
+            ),
+        )?;
         let toml_s = toml.display().to_string();
-        let child = ChildProc::spawn(id, edge_agent, &["run", "--config", &toml_s], &logs.join(format!("{id}.log")))?;
+        let child = ChildProc::spawn(
+            id,
+            edge_agent,
+            &["run", "--config", &toml_s],
+            &logs.join(format!("{id}.log")),
+        )?;
         children.push(child);
         edges.push(Arc::new(Edge {
             id: id.clone(),
@@ -240,7 +291,11 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
     for (child, edge) in children.iter_mut().zip(&edges) {
         wait_healthy(child, edge.http).await?;
     }
-    println!("started: hub (HTTP {hub_http}, QUIC {hub_quic}) and {} edge agents; logs in {}", edges.len(), logs.display());
+    println!(
+        "started: hub (HTTP {hub_http}, QUIC {hub_quic}) and {} edge agents; logs in {}",
+        edges.len(),
+        logs.display()
+    );
     let described: Vec<String> = edges
         .iter()
         .map(|e| match e.kind {
@@ -248,8 +303,13 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
             SimKind::Industrial => format!("{} ({} machines)", e.id, units(e.kind)),
         })
         .collect();
-    println!("devices: {}, sampled at {SIM_HZ} Hz, simulated time {TIME_COMPRESSION}x faster than real time", described.join(", "));
-    println!("legend: link = the demo's relay to the hub; posted = records the edge acknowledged; acked = seq the hub made durable / seq durable on the edge; backlog = not yet shipped");
+    println!(
+        "devices: {}, sampled at {SIM_HZ} Hz, simulated time {TIME_COMPRESSION}x faster than real time",
+        described.join(", ")
+    );
+    println!(
+        "legend: link = the demo's relay to the hub; posted = records the edge acknowledged; acked = seq the hub made durable / seq durable on the edge; backlog = not yet shipped"
+    );
 
     let fleet = Arc::new(Fleet {
         edges,
@@ -263,7 +323,10 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
 
     // Production, one task per edge, while watching the children.
     let production_started = Instant::now();
-    let now_ns = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0);
+    let now_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0);
     let span_ns = (plan.production.as_secs_f64() * TIME_COMPRESSION * 1e9) as i64;
     let mut producers = tokio::task::JoinSet::new();
     for (i, edge) in fleet.edges.iter().enumerate() {
@@ -297,7 +360,8 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
     for edge in &fleet.edges {
         edge.relay.set_up(true);
     }
-    *fleet.phase.lock().expect("phase lock") = "draining: production stopped, every link restored".to_owned();
+    *fleet.phase.lock().expect("phase lock") =
+        "draining: production stopped, every link restored".to_owned();
     let drain_started = Instant::now();
     let drained = watch_children(&mut hub, &mut children, wait_drained(&fleet)).await;
     let drain_took = drain_started.elapsed();
@@ -305,7 +369,11 @@ async fn demo(plan: &Plan, workdir: &WorkDir, edge_agent: &Path) -> Result<()> {
     refresh(&fleet).await;
     stop_display(&display_stop, display).await;
     drained?;
-    println!("production ran {:.1} s; the edges drained in {:.1} s", produced_for.as_secs_f64(), drain_took.as_secs_f64());
+    println!(
+        "production ran {:.1} s; the edges drained in {:.1} s",
+        produced_for.as_secs_f64(),
+        drain_took.as_secs_f64()
+    );
 
     // Verification: the merged stream against the ledger.
     let verdict = verify(&fleet).await?;
@@ -333,7 +401,11 @@ async fn wait_healthy(child: &mut ChildProc, addr: SocketAddr) -> Result<()> {
         match http::get_ok(addr, "/healthz").await {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() >= deadline => {
-                bail!("{} did not answer on http://{addr}/healthz within {STARTUP_DEADLINE:?}: {e:#}; see {}", child.name(), child.log().display())
+                bail!(
+                    "{} did not answer on http://{addr}/healthz within {STARTUP_DEADLINE:?}: {e:#}; see {}",
+                    child.name(),
+                    child.log().display()
+                )
             }
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
@@ -341,7 +413,11 @@ async fn wait_healthy(child: &mut ChildProc, addr: SocketAddr) -> Result<()> {
 }
 
 /// Runs `work`, failing as soon as a child process dies.
-async fn watch_children(hub: &mut ChildProc, children: &mut [ChildProc], work: impl std::future::Future<Output = Result<()>>) -> Result<()> {
+async fn watch_children(
+    hub: &mut ChildProc,
+    children: &mut [ChildProc],
+    work: impl std::future::Future<Output = Result<()>>,
+) -> Result<()> {
     tokio::pin!(work);
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
@@ -374,12 +450,28 @@ async fn produce(edge: Arc<Edge>, mut sim: Simulator, duration: Duration) -> Res
         edge.relay.set_up(up);
         let batch = sim.next_batch(sim_now);
         if !batch.is_empty() {
-            let body = sync::parse::write_ndjson(&batch).map_err(|e| anyhow!("simulated data for {}: {e}", edge.id))?;
-            let ack = http::post_ndjson(edge.http, STREAM, body.as_bytes()).await.with_context(|| format!("posting to {}", edge.id))?;
-            if ack.count != batch.len() as u64 || ack.last_seq + 1 != ack.first_seq + ack.count || ack.stream != STREAM {
-                bail!("{} acknowledged {ack:?} for a batch of {} records", edge.id, batch.len());
+            let body = sync::parse::write_ndjson(&batch)
+                .map_err(|e| anyhow!("simulated data for {}: {e}", edge.id))?;
+            let ack = http::post_ndjson(edge.http, STREAM, body.as_bytes())
+                .await
+                .with_context(|| format!("posting to {}", edge.id))?;
+            if ack.count != batch.len() as u64
+                || ack.last_seq + 1 != ack.first_seq + ack.count
+                || ack.stream != STREAM
+            {
+                bail!(
+                    "{} acknowledged {ack:?} for a batch of {} records",
+                    edge.id,
+                    batch.len()
+                );
             }
-            edge.ledger.lock().expect("ledger lock").add(ack.epoch, ack.first_seq, ack.last_seq, ack.count, body.len() as u64);
+            edge.ledger.lock().expect("ledger lock").add(
+                ack.epoch,
+                ack.first_seq,
+                ack.last_seq,
+                ack.count,
+                body.len() as u64,
+            );
         }
         if elapsed >= duration {
             return Ok(());
@@ -397,14 +489,19 @@ async fn refresh(fleet: &Fleet) {
         fleet.hub_records.store(n, Ordering::Relaxed);
     }
     if let Ok(body) = http::get_ok(fleet.hub_http, "/metrics").await
-        && let Some(v) = http::metric(&String::from_utf8_lossy(&body), "tributary_hub_block_bytes_committed_total")
+        && let Some(v) = http::metric(
+            &String::from_utf8_lossy(&body),
+            "tributary_hub_block_bytes_committed_total",
+        )
     {
         fleet.hub_block_bytes.store(v as u64, Ordering::Relaxed);
     }
 }
 
 /// Awaits futures concurrently, in order (a tiny `join_all` without the futures crate).
-async fn futures_join_all<F: std::future::Future + Send + 'static>(futs: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join_all<F: std::future::Future + Send + 'static>(
+    futs: impl Iterator<Item = F>,
+) -> Vec<F::Output>
 where
     F::Output: Send + 'static,
 {
@@ -430,7 +527,9 @@ async fn wait_drained(fleet: &Fleet) -> Result<()> {
                         s.backlog_blocks == 0
                             && s.backlog_bytes == 0
                             && s.acked_seq == s.durable_seq
-                            && want.is_none_or(|(epoch, last)| s.epoch == epoch && s.durable_seq == last)
+                            && want.is_none_or(|(epoch, last)| {
+                                s.epoch == epoch && s.durable_seq == last
+                            })
                     });
                     if !done {
                         pending.push(format!("{}: {:?}", edge.id, s));
@@ -443,7 +542,10 @@ async fn wait_drained(fleet: &Fleet) -> Result<()> {
             return Ok(());
         }
         if Instant::now() >= deadline {
-            bail!("the edges did not drain within {DRAIN_DEADLINE:?}: {}", pending.join("; "));
+            bail!(
+                "the edges did not drain within {DRAIN_DEADLINE:?}: {}",
+                pending.join("; ")
+            );
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -458,7 +560,11 @@ async fn stop_display(stop: &AtomicBool, display: tokio::task::JoinHandle<()>) {
 async fn display_loop(fleet: Arc<Fleet>, stop: Arc<AtomicBool>) {
     let tty = std::io::stdout().is_terminal();
     let width = if tty { terminal_width() } else { None };
-    let period = if tty { Duration::from_millis(500) } else { Duration::from_secs(2) };
+    let period = if tty {
+        Duration::from_millis(500)
+    } else {
+        Duration::from_secs(2)
+    };
     let started = Instant::now();
     let mut drawn = 0usize;
     loop {
@@ -481,10 +587,21 @@ async fn display_loop(fleet: Arc<Fleet>, stop: Arc<AtomicBool>) {
 /// moves). Asks `stty` about the controlling terminal; `COLUMNS` is the fallback.
 fn terminal_width() -> Option<usize> {
     let from_stty = std::fs::File::open("/dev/tty").ok().and_then(|tty| {
-        let out = std::process::Command::new("stty").arg("size").stdin(tty).stderr(std::process::Stdio::null()).output().ok()?;
-        String::from_utf8_lossy(&out.stdout).split_whitespace().nth(1)?.parse().ok()
+        let out = std::process::Command::new("stty")
+            .arg("size")
+            .stdin(tty)
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()
     });
-    from_stty.or_else(|| std::env::var("COLUMNS").ok()?.parse().ok()).filter(|&w: &usize| w >= 20)
+    from_stty
+        .or_else(|| std::env::var("COLUMNS").ok()?.parse().ok())
+        .filter(|&w: &usize| w >= 20)
 }
 
 /// Prints one frame; on a terminal it overwrites the previous frame of `drawn` lines, each
@@ -497,7 +614,10 @@ fn draw(lines: &[String], tty: bool, width: Option<usize>, drawn: &mut usize) {
     }
     for line in lines {
         let _ = if tty {
-            let cut: String = line.chars().take(width.map_or(usize::MAX, |w| w - 1)).collect();
+            let cut: String = line
+                .chars()
+                .take(width.map_or(usize::MAX, |w| w - 1))
+                .collect();
             writeln!(out, "\x1b[2K{cut}")
         } else {
             writeln!(out, "{line}")
@@ -508,7 +628,11 @@ fn draw(lines: &[String], tty: bool, width: Option<usize>, drawn: &mut usize) {
 }
 
 fn render(fleet: &Fleet, elapsed: Duration) -> Vec<String> {
-    let mut lines = vec![format!("[{:5.1}s] {}", elapsed.as_secs_f64(), fleet.phase.lock().expect("phase lock"))];
+    let mut lines = vec![format!(
+        "[{:5.1}s] {}",
+        elapsed.as_secs_f64(),
+        fleet.phase.lock().expect("phase lock")
+    )];
     let mut posted_records = 0u64;
     let mut posted_bytes = 0u64;
     for edge in &fleet.edges {
@@ -517,7 +641,9 @@ fn render(fleet: &Fleet, elapsed: Duration) -> Vec<String> {
         posted_bytes += ledger.ndjson_bytes;
         let status = edge.status.lock().expect("status lock").clone();
         let relay = if edge.relay.is_up() { "up  " } else { "DOWN" };
-        let stream = status.as_ref().and_then(|s| s.streams.iter().find(|s| s.stream == STREAM).cloned());
+        let stream = status
+            .as_ref()
+            .and_then(|s| s.streams.iter().find(|s| s.stream == STREAM).cloned());
         let detail = match stream {
             Some(s) => format!(
                 "acked {:>6}/{:<6}  backlog {:>9} {:>3} blk",
@@ -537,13 +663,21 @@ fn render(fleet: &Fleet, elapsed: Duration) -> Vec<String> {
     }
     let merged = fleet.hub_records.load(Ordering::Relaxed);
     let block_bytes = fleet.hub_block_bytes.load(Ordering::Relaxed);
-    lines.push(format!("  hub: {merged} of {posted_records} records merged  {}", compression_text(posted_bytes, posted_records, merged, block_bytes)));
+    lines.push(format!(
+        "  hub: {merged} of {posted_records} records merged  {}",
+        compression_text(posted_bytes, posted_records, merged, block_bytes)
+    ));
     lines
 }
 
 /// The compression ratio: raw NDJSON bytes of the merged records (at the average posted size)
 /// over the encoded block bytes the hub committed, i.e. what crossed the link.
-fn compression_text(posted_bytes: u64, posted_records: u64, merged: u64, block_bytes: u64) -> String {
+fn compression_text(
+    posted_bytes: u64,
+    posted_records: u64,
+    merged: u64,
+    block_bytes: u64,
+) -> String {
     if posted_records == 0 || block_bytes == 0 {
         return "compression: n/a yet".to_owned();
     }
@@ -570,10 +704,16 @@ async fn verify(fleet: &Fleet) -> Result<bool> {
     let records = http::hub_read_all(fleet.hub_http, STREAM).await?;
     let mut by_device: BTreeMap<String, Vec<(u64, u64)>> = BTreeMap::new();
     for r in &records {
-        by_device.entry(r.device.clone()).or_default().push((r.epoch, r.seq));
+        by_device
+            .entry(r.device.clone())
+            .or_default()
+            .push((r.epoch, r.seq));
     }
     println!();
-    println!("verification: {} records read back from the hub's stream `{STREAM}`", records.len());
+    println!(
+        "verification: {} records read back from the hub's stream `{STREAM}`",
+        records.len()
+    );
     let mut pass = true;
     let mut counts = Vec::new();
     let mut posted_records = 0;
@@ -594,7 +734,10 @@ async fn verify(fleet: &Fleet) -> Result<bool> {
         for (epoch, seq) in seqs {
             push_range(&mut hub_ranges, epoch, seq, seq);
         }
-        let ok = duplicates == 0 && hub_count == ledger.count && hub_ranges == ledger.ranges && ledger.count > 0;
+        let ok = duplicates == 0
+            && hub_count == ledger.count
+            && hub_ranges == ledger.ranges
+            && ledger.count > 0;
         pass &= ok;
         println!(
             "  {:<9} {}  edge acknowledged {:>7} ({})  hub holds {:>7} ({}){}",
@@ -604,22 +747,46 @@ async fn verify(fleet: &Fleet) -> Result<bool> {
             ranges_text(&ledger.ranges),
             hub_count,
             ranges_text(&hub_ranges),
-            if duplicates > 0 { format!("  {duplicates} duplicates") } else { String::new() }
+            if duplicates > 0 {
+                format!("  {duplicates} duplicates")
+            } else {
+                String::new()
+            }
         );
         counts.push(format!("{}={hub_count}", edge.id));
     }
     for (device, seqs) in &by_device {
         pass = false;
-        println!("  {device:<9} FAIL  {} records at the hub from a device the demo never ran", seqs.len());
+        println!(
+            "  {device:<9} FAIL  {} records at the hub from a device the demo never ran",
+            seqs.len()
+        );
     }
     let block_bytes = fleet.hub_block_bytes.load(Ordering::Relaxed);
     println!("link drops: {drops}");
-    println!("records: {posted_records} acknowledged by the edges, {} merged at the hub", records.len());
-    println!("{}", compression_text(posted_bytes, posted_records, records.len() as u64, block_bytes));
+    println!(
+        "records: {posted_records} acknowledged by the edges, {} merged at the hub",
+        records.len()
+    );
+    println!(
+        "{}",
+        compression_text(
+            posted_bytes,
+            posted_records,
+            records.len() as u64,
+            block_bytes
+        )
+    );
     if pass {
-        println!("PASS: the merged stream equals what the edges recorded, exactly once ({})", counts.join(" "));
+        println!(
+            "PASS: the merged stream equals what the edges recorded, exactly once ({})",
+            counts.join(" ")
+        );
     } else {
-        println!("FAIL: the merged stream differs from what the edges recorded ({})", counts.join(" "));
+        println!(
+            "FAIL: the merged stream differs from what the edges recorded ({})",
+            counts.join(" ")
+        );
     }
     Ok(pass)
 }
@@ -650,16 +817,32 @@ mod tests {
 
     #[test]
     fn short_mode_drops_every_link_at_least_three_times() {
-        let args = DemoArgs { edges: 3, seconds: None, short: true, dir: None, keep: false };
+        let args = DemoArgs {
+            edges: 3,
+            seconds: None,
+            short: true,
+            dir: None,
+            keep: false,
+        };
         let plan = Plan::from_args(&args);
         let span_ns = (plan.production.as_secs_f64() * TIME_COMPRESSION * 1e9) as i64;
         for i in 0..3u64 {
-            let sim = Simulator::new(SimConfig { device_id: format!("d{i}"), seed: i, link: plan.link, ..SimConfig::default() }).unwrap();
+            let sim = Simulator::new(SimConfig {
+                device_id: format!("d{i}"),
+                seed: i,
+                link: plan.link,
+                ..SimConfig::default()
+            })
+            .unwrap();
             let start = sim.config().start_ns;
             let zones = sim.dead_zones(start, start + span_ns);
             assert!(zones.len() >= 3, "{zones:?}");
             // Every zone lasts at least a second of wall time, far longer than a producer tick.
-            assert!(zones.iter().all(|(s, e)| (e - s) as f64 / TIME_COMPRESSION >= 1e9));
+            assert!(
+                zones
+                    .iter()
+                    .all(|(s, e)| (e - s) as f64 / TIME_COMPRESSION >= 1e9)
+            );
         }
     }
 }

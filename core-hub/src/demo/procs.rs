@@ -35,7 +35,11 @@ impl ChildProc {
             .env("RUST_LOG", "info")
             .spawn()
             .with_context(|| format!("starting {name} ({})", program.display()))?;
-        Ok(ChildProc { name: name.to_owned(), child, log: log.to_owned() })
+        Ok(ChildProc {
+            name: name.to_owned(),
+            child,
+            log: log.to_owned(),
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -50,7 +54,12 @@ impl ChildProc {
     pub fn check_alive(&mut self) -> Result<()> {
         match self.child.try_wait()? {
             None => Ok(()),
-            Some(status) => bail!("{} exited ({status}); the end of {}:\n{}", self.name, self.log.display(), log_tail(&self.log)),
+            Some(status) => bail!(
+                "{} exited ({status}); the end of {}:\n{}",
+                self.name,
+                self.log.display(),
+                log_tail(&self.log)
+            ),
         }
     }
 }
@@ -90,17 +99,32 @@ impl WorkDir {
         match dir {
             Some(dir) => {
                 if dir.exists() && std::fs::read_dir(dir)?.next().is_some() {
-                    bail!("{} is not empty: the demo verifies exactly what it writes, so give it an empty or new directory", dir.display());
+                    bail!(
+                        "{} is not empty: the demo verifies exactly what it writes, so give it an empty or new directory",
+                        dir.display()
+                    );
                 }
-                std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+                std::fs::create_dir_all(dir)
+                    .with_context(|| format!("creating {}", dir.display()))?;
                 let path = dir.canonicalize()?;
-                Ok(WorkDir { path, remove: false })
+                Ok(WorkDir {
+                    path,
+                    remove: false,
+                })
             }
             None => {
-                let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-                let path = std::env::temp_dir().join(format!("tributary-demo-{}-{nanos:08x}", std::process::id()));
-                std::fs::create_dir_all(&path).with_context(|| format!("creating {}", path.display()))?;
-                Ok(WorkDir { path, remove: !keep })
+                let nanos = SystemTime::now()
+                    .duration_since(UNIX_EPOCH)
+                    .map(|d| d.subsec_nanos())
+                    .unwrap_or(0);
+                let path = std::env::temp_dir()
+                    .join(format!("tributary-demo-{}-{nanos:08x}", std::process::id()));
+                std::fs::create_dir_all(&path)
+                    .with_context(|| format!("creating {}", path.display()))?;
+                Ok(WorkDir {
+                    path,
+                    remove: !keep,
+                })
             }
         }
     }
@@ -137,7 +161,9 @@ pub fn free_udp_port() -> Result<SocketAddr> {
 /// The `edge-agent` binary next to the running `core-hub`.
 pub fn sibling_edge_agent() -> Result<PathBuf> {
     let me = std::env::current_exe().context("locating the core-hub binary")?;
-    let dir = me.parent().context("the core-hub binary has no directory")?;
+    let dir = me
+        .parent()
+        .context("the core-hub binary has no directory")?;
     let path = dir.join(format!("edge-agent{}", std::env::consts::EXE_SUFFIX));
     if !path.is_file() {
         bail!(
@@ -177,7 +203,13 @@ pub fn hub_toml(data_dir: &Path, quic: SocketAddr, http: SocketAddr, pki_dir: &P
 }
 
 /// One edge's config for the demo: its hub is the edge's relay.
-pub fn edge_toml(data_dir: &Path, relay: SocketAddr, http: SocketAddr, cert_dir: &Path, stream: &str) -> String {
+pub fn edge_toml(
+    data_dir: &Path,
+    relay: SocketAddr,
+    http: SocketAddr,
+    cert_dir: &Path,
+    stream: &str,
+) -> String {
     let p = |path: PathBuf| toml_str(&path.display().to_string());
     format!(
         "# Written by `core-hub demo`. The hub address is the demo's relay, which drops the link on a schedule.\n\
@@ -198,11 +230,22 @@ mod tests {
 
     #[test]
     fn written_configs_parse() {
-        let hub = hub_toml(Path::new("/d/\"q\"/hub"), "127.0.0.1:1".parse().unwrap(), "127.0.0.1:2".parse().unwrap(), Path::new("/d/pki"));
+        let hub = hub_toml(
+            Path::new("/d/\"q\"/hub"),
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+            Path::new("/d/pki"),
+        );
         let cfg = HubConfig::from_toml(&hub).unwrap();
         assert_eq!(cfg.data_dir, PathBuf::from("/d/\"q\"/hub"));
         assert_eq!(cfg.tls.unwrap().key, PathBuf::from("/d/pki/hub.key"));
-        let edge = edge_toml(Path::new("/e"), "127.0.0.1:3".parse().unwrap(), "127.0.0.1:4".parse().unwrap(), Path::new("/c"), "telemetry");
+        let edge = edge_toml(
+            Path::new("/e"),
+            "127.0.0.1:3".parse().unwrap(),
+            "127.0.0.1:4".parse().unwrap(),
+            Path::new("/c"),
+            "telemetry",
+        );
         assert!(edge.contains("addr = \"127.0.0.1:3\""), "{edge}");
     }
 }

@@ -42,7 +42,12 @@ impl Relay {
         let up = Arc::new(AtomicBool::new(true));
         let stats = Arc::new(RelayStats::default());
         let task = tokio::spawn(run(front, upstream, up.clone(), stats.clone()));
-        Ok(Relay { addr, up, stats, task })
+        Ok(Relay {
+            addr,
+            up,
+            stats,
+            task,
+        })
     }
 
     /// Where the edge should send its QUIC datagrams.
@@ -72,7 +77,12 @@ impl Drop for Relay {
 }
 
 /// The front loop: client datagrams go to the client's upstream socket.
-async fn run(front: Arc<UdpSocket>, upstream: SocketAddr, up: Arc<AtomicBool>, stats: Arc<RelayStats>) {
+async fn run(
+    front: Arc<UdpSocket>,
+    upstream: SocketAddr,
+    up: Arc<AtomicBool>,
+    stats: Arc<RelayStats>,
+) {
     let mut sessions: HashMap<SocketAddr, Arc<UdpSocket>> = HashMap::new();
     let mut tasks = JoinSet::new();
     let mut buf = vec![0u8; DATAGRAM_MAX];
@@ -93,7 +103,13 @@ async fn run(front: Arc<UdpSocket>, upstream: SocketAddr, up: Arc<AtomicBool>, s
                     continue;
                 };
                 let socket = Arc::new(socket);
-                tasks.spawn(back(socket.clone(), front.clone(), client, up.clone(), stats.clone()));
+                tasks.spawn(back(
+                    socket.clone(),
+                    front.clone(),
+                    client,
+                    up.clone(),
+                    stats.clone(),
+                ));
                 sessions.insert(client, socket.clone());
                 socket
             }
@@ -113,7 +129,13 @@ async fn open_upstream(upstream: SocketAddr) -> std::io::Result<UdpSocket> {
 }
 
 /// The back loop of one client: hub datagrams go back to that client through the front socket.
-async fn back(socket: Arc<UdpSocket>, front: Arc<UdpSocket>, client: SocketAddr, up: Arc<AtomicBool>, stats: Arc<RelayStats>) {
+async fn back(
+    socket: Arc<UdpSocket>,
+    front: Arc<UdpSocket>,
+    client: SocketAddr,
+    up: Arc<AtomicBool>,
+    stats: Arc<RelayStats>,
+) {
     let mut buf = vec![0u8; DATAGRAM_MAX];
     loop {
         let Ok(len) = socket.recv(&mut buf).await else {
@@ -156,7 +178,10 @@ mod tests {
         // The relay counts the drop once it has read the datagram; wait on that, not on time.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         while relay.stats().dropped.load(Ordering::Relaxed) == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "the relay never saw the datagram");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the relay never saw the datagram"
+            );
             tokio::task::yield_now().await;
         }
         relay.set_up(true);
