@@ -383,7 +383,7 @@ impl Fleet {
                     rng.random_range(20.0..100.0),
                     rng.random_range(45.0..55.0),
                     rng.random_range(-5.0..15.0),
-                    rng.random_range(0.0..6.28),
+                    rng.random_range(0.0..std::f64::consts::TAU),
                     rng.random_range(0.0..90.0),
                 ]
             })

@@ -61,6 +61,10 @@ pub fn transport_config(window_bytes: u64) -> quinn::TransportConfig {
     t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(4));
     t.keep_alive_interval(Some(Duration::from_secs(5)));
     t.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))));
+    // BBR, not the default loss-based Cubic: devices sit on lossy cellular and satellite links
+    // where random loss is not congestion; the hub sends acks and control frames, and uses the
+    // same controller so both directions keep their rate under loss (issue 4, "Network faults").
+    t.congestion_controller_factory(Arc::new(quinn::congestion::BbrConfig::default()));
     t
 }
 
@@ -212,7 +216,9 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
     let mut frames = FrameBuffer::new(ctx.receiver_cfg.frame_bytes_max);
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
     let (data_tx, mut data_rx) = mpsc::channel::<Vec<u8>>(256);
-    let mut buf = vec![0u8; 64 << 10];
+    // The control stream carries small frames (blocks come on their own streams): a small read
+    // buffer keeps per-connection memory low with thousands of devices.
+    let mut buf = vec![0u8; 8 << 10];
     let frame_max = ctx.receiver_cfg.frame_bytes_max as usize + 16;
     loop {
         let mut progressed = false;
@@ -334,6 +340,7 @@ async fn handle_event(
         ReceiverEvent::Fenced { stream, epoch, first_seq, last_seq } => {
             let reason = format!("conflicting content for {stream} epoch {epoch} seqs {first_seq}..={last_seq}");
             tracing::error!(%device, %reason, "ALARM: device fenced");
+            ctx.hub.stats().conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             ctx.hub.fence(device, &reason);
         }
         ReceiverEvent::Closed(reason) => {
