@@ -8,6 +8,10 @@
 //!   404 unknown stream, 413 body over `http.body_bytes_max`, 415 content type, 503 (with
 //!   `Retry-After` when the disk budget is full under `on_full = "block"`) when the log cannot
 //!   take the batch now.
+//!   With an `Idempotency-Key` header, a retried batch (same key, same body) gets the original
+//!   answer (and `Idempotency-Replayed: true`) and stores nothing; the same key with another
+//!   body gets 422, and a retry while the first request runs gets 409. Retention and limits:
+//!   `ingest.rs`.
 //! - `GET /healthz`: `ok`, or 503 with the reason (the log is poisoned, or an MQTT source's
 //!   subscriptions are not all granted yet).
 //! - `GET /metrics`: Prometheus text.
@@ -198,6 +202,9 @@ async fn post_records(
         }
         Err(e) => return error(e.status(), e.body_text()),
     };
+    if let Some(key) = headers.get("idempotency-key") {
+        return post_idempotent(&app, &stream, key, content_type, format, &body).await;
+    }
     let records = match parse_body(format, &stream, &body, now_ns()) {
         Ok(r) => r,
         Err(e) => return body_error(&e),
@@ -214,6 +221,56 @@ async fn post_records(
         .into_response(),
         Err(e) => append_error(&e),
     }
+}
+
+/// A batch with an `Idempotency-Key`: see `ingest.rs` for the semantics and retention.
+async fn post_idempotent(
+    app: &AppState,
+    stream: &str,
+    key: &HeaderValue,
+    content_type: &str,
+    format: BodyFormat,
+    body: &[u8],
+) -> Response {
+    use ingest::{IdempotencyError, IdempotentStart};
+    let failed = |e: IdempotencyError| match e {
+        IdempotencyError::BadKey => error(StatusCode::BAD_REQUEST, e.to_string()),
+        IdempotencyError::InProgress => error(StatusCode::CONFLICT, e.to_string()),
+        IdempotencyError::BodyMismatch => error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
+        IdempotencyError::Store { .. } => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
+        IdempotencyError::Append(e) => append_error(&e),
+    };
+    let Ok(key) = key.to_str() else {
+        return failed(IdempotencyError::BadKey);
+    };
+    let digest = ingest::body_digest(content_type, body);
+    let answer = match app.ingest.begin_idempotent(stream, key, digest).await {
+        Err(e) => return failed(e),
+        Ok(IdempotentStart::Replay(answer)) => answer,
+        Ok(IdempotentStart::Claimed(claim)) => {
+            let records = match parse_body(format, stream, body, now_ns()) {
+                Ok(r) => r,
+                Err(e) => return body_error(&e),
+            };
+            match app.ingest.ingest_claimed(claim, records).await {
+                Ok(answer) => answer,
+                Err(e) => return failed(e),
+            }
+        }
+    };
+    let mut r = axum::Json(json!({
+        "stream": answer.stream,
+        "epoch": answer.epoch,
+        "first_seq": answer.first_seq,
+        "last_seq": answer.last_seq,
+        "count": answer.count,
+    }))
+    .into_response();
+    if answer.replayed {
+        r.headers_mut()
+            .insert("idempotency-replayed", HeaderValue::from_static("true"));
+    }
+    r
 }
 
 fn body_error(e: &BodyError) -> Response {
