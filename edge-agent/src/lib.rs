@@ -11,3 +11,4 @@ pub mod link;
 pub mod replicator;
 pub mod sources;
 pub mod notify;
+pub mod filters;

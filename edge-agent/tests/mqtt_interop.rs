@@ -269,3 +269,74 @@ fn kill9_during_qos1_stream_stores_every_message_exactly_once() {
     );
     assert!(dropped <= dup);
 }
+
+/// `GET /healthz` from the agent at `setup`: status and body.
+fn healthz(setup: &Setup) -> Option<(u16, String)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let r = rt.block_on(setup.client().get("/healthz")).ok()?;
+    Some((r.status, r.text()))
+}
+
+#[test]
+fn healthz_is_ready_only_once_subscriptions_are_granted() {
+    // Reserve the broker's port but start the broker only after the agent.
+    let port = free_port();
+    let setup = Setup::new("");
+    let config = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(
+        &setup.config,
+        format!(
+            "{config}[[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{port}\"\n\
+             topics = [\"a/#\", \"b/+\"]\nstream = \"telemetry\"\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(process_support::BIN)
+        .args(["run", "--config"])
+        .arg(&setup.config)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let not_ready = loop {
+        if let Some(answer) = healthz(&setup) {
+            break answer;
+        }
+        assert!(Instant::now() < deadline, "the agent never answered");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(not_ready.0, 503, "{}", not_ready.1);
+    assert!(not_ready.1.contains("not ready"), "{}", not_ready.1);
+
+    // Start mosquitto on the reserved port: the agent reconnects, subscribes, becomes ready.
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("mosquitto.conf");
+    std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\n")).unwrap();
+    let mut broker = Command::new(mosquitto_binary())
+        .arg("-c")
+        .arg(&conf)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let ready = loop {
+        match healthz(&setup) {
+            Some((200, body)) => break body,
+            _ => {
+                assert!(Instant::now() < deadline, "never ready after the broker started");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    };
+    assert_eq!(ready.trim(), "ok");
+    let _ = broker.kill();
+    let _ = broker.wait();
+    let _ = child.kill();
+    let _ = child.wait();
+}

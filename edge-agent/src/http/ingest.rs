@@ -320,7 +320,7 @@ impl Ingest {
                         now
                     ],
                 )?;
-                if n % PRUNE_EVERY == 0 {
+                if n.is_multiple_of(PRUNE_EVERY) {
                     prune(c, now)?;
                 }
                 Ok(())

@@ -80,7 +80,7 @@ impl SourcesState {
         if self.mqtt_stats.is_empty() {
             return out;
         }
-        let counters: [(&str, &str, fn(&mqtt::MqttStats) -> u64); 7] = [
+        let counters: [Counter; 7] = [
             ("received", "MQTT PUBLISH packets received", |s| {
                 s.received.load(Ordering::Relaxed)
             }),
@@ -115,6 +115,9 @@ impl SourcesState {
         out
     }
 }
+
+/// A counter's name, help text and reader, for [`SourcesState::render`].
+type Counter = (&'static str, &'static str, fn(&mqtt::MqttStats) -> u64);
 
 /// Why the sources could not start.
 #[derive(Debug, Error)]
