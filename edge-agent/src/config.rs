@@ -93,6 +93,10 @@ pub struct HubConfig {
     pub addr: String,
     /// The name the hub's certificate must carry; defaults to the host part of `addr`.
     pub server_name: String,
+    /// `backoff_max`: the longest wait between reconnect attempts; default 30 s.
+    pub backoff_max: Duration,
+    /// `bandwidth_bytes_per_s`: a cap on block bytes sent per second; default none.
+    pub bandwidth_bytes_per_s: Option<u64>,
 }
 
 /// `[tls]`: PEM files written by `core-hub pki issue`.
@@ -338,6 +342,8 @@ struct RawConfig {
 struct RawHub {
     addr: Option<String>,
     server_name: Option<String>,
+    backoff_max: Option<String>,
+    bandwidth_bytes_per_s: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -435,7 +441,21 @@ impl RawHub {
             Some(name) => name,
             None => host.to_owned(),
         };
-        Ok(HubConfig { addr, server_name })
+        let backoff_max = match self.backoff_max {
+            Some(s) => parse_duration("hub.backoff_max", &s)?,
+            None => Duration::from_secs(30),
+        };
+        if backoff_max.is_zero() {
+            return Err(ConfigError::invalid("hub.backoff_max", "must be above zero, such as 30s"));
+        }
+        let bandwidth_bytes_per_s = match self.bandwidth_bytes_per_s {
+            Some(s) => match parse_bytes("hub.bandwidth_bytes_per_s", &s)? {
+                0 => return Err(ConfigError::invalid("hub.bandwidth_bytes_per_s", "must be above zero; leave it out for no cap")),
+                n => Some(n),
+            },
+            None => None,
+        };
+        Ok(HubConfig { addr, server_name, backoff_max, bandwidth_bytes_per_s })
     }
 }
 

@@ -128,6 +128,27 @@ impl LinkStatus {
         self.up_tx.send_replace(state == "up");
     }
 
+    /// The link's counters in Prometheus text format, for the agent's `/metrics`.
+    pub fn render(&self) -> String {
+        use std::fmt::Write as _;
+        let up = if self.state().state == "up" { 1 } else { 0 };
+        let mut out = String::with_capacity(1024);
+        let counters = [
+            ("tributary_edge_link_connects_total", "Connection attempts to the hub.", &self.connects),
+            ("tributary_edge_link_sessions_total", "Sessions that completed the handshake.", &self.sessions_established),
+            ("tributary_edge_link_disconnects_total", "Sessions or attempts that ended.", &self.disconnects),
+            ("tributary_edge_link_blocks_sent_total", "Block and gap frames sent.", &self.blocks_sent),
+            ("tributary_edge_link_bytes_sent_total", "Bytes of block and gap frames sent.", &self.bytes_sent),
+            ("tributary_edge_epochs_minted_total", "Epochs minted because the hub was ahead of this data directory.", &self.epochs_minted),
+        ];
+        let _ = writeln!(out, "# HELP tributary_edge_link_up 1 while a replication session is established.");
+        let _ = writeln!(out, "# TYPE tributary_edge_link_up gauge\ntributary_edge_link_up {up}");
+        for (name, help, value) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", value.load(Ordering::Relaxed));
+        }
+        out
+    }
+
     /// A snapshot of the state.
     pub fn state(&self) -> LinkState {
         self.state.lock().expect("link state lock").clone()

@@ -434,3 +434,23 @@ fn load_reports_a_missing_file_by_path() {
         .unwrap_err();
     assert!(e.to_string().starts_with("/nonexistent/edge.toml: "), "{e}");
 }
+
+#[test]
+fn hub_link_controls_parse_and_are_validated() {
+    let base = "data_dir = \"/d\"\n[tls]\nca = \"ca.pem\"\ncert = \"d.pem\"\nkey = \"d.key\"\n[[streams]]\nname = \"t\"\n[hub]\naddr = \"h:7400\"\n";
+    let cfg = parse(base).unwrap();
+    let hub = cfg.hub.unwrap();
+    assert_eq!(hub.backoff_max, Duration::from_secs(30));
+    assert_eq!(hub.bandwidth_bytes_per_s, None);
+    let cfg = parse(&format!("{base}backoff_max = \"5s\"\nbandwidth_bytes_per_s = \"64KiB\"\n")).unwrap();
+    let hub = cfg.hub.unwrap();
+    assert_eq!(hub.backoff_max, Duration::from_secs(5));
+    assert_eq!(hub.bandwidth_bytes_per_s, Some(64 << 10));
+    let cfg = parse(&format!("{base}bandwidth_bytes_per_s = 1000\n")).unwrap();
+    assert_eq!(cfg.hub.unwrap().bandwidth_bytes_per_s, Some(1000));
+    assert!(expect_bad(&format!("{base}backoff_max = \"0s\"\n"), "hub.backoff_max").contains("above zero"));
+    expect_bad(&format!("{base}backoff_max = \"soon\"\n"), "hub.backoff_max");
+    expect_bad(&format!("{base}bandwidth_bytes_per_s = \"0\"\n"), "hub.bandwidth_bytes_per_s");
+    let cfg = parse_env(base, &[("TRIBUTARY_EDGE__HUB__BACKOFF_MAX", "2s")]).unwrap();
+    assert_eq!(cfg.hub.unwrap().backoff_max, Duration::from_secs(2));
+}

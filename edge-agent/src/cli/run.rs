@@ -53,8 +53,11 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
     if let (Some(hub), Some(tls)) = (&cfg.hub, &cfg.tls) {
         let paths = TlsPaths { ca: tls.ca.clone(), cert: tls.cert.clone(), key: tls.key.clone() };
         let mut rcfg = ReplicatorConfig::new(hub.addr.clone(), hub.server_name.clone(), paths);
+        rcfg.backoff_max = hub.backoff_max;
+        rcfg.bandwidth_bytes_per_s = hub.bandwidth_bytes_per_s;
         rcfg.priorities = cfg.streams.iter().map(|s| (s.name.clone(), s.priority)).collect();
         let status = Arc::new(LinkStatus::default());
+        let _ = app.replication.set(status.clone());
         let mut up = status.subscribe_up();
         let app_link = app.clone();
         tokio::spawn(async move {

@@ -56,6 +56,8 @@ pub struct AppState {
     on_full: String,
     /// Set by the replicator; `NotConfigured` without a `[hub]`.
     pub link: RwLock<LinkState>,
+    /// The replicator's counters, once it runs; rendered on `/metrics`.
+    pub replication: std::sync::OnceLock<Arc<crate::replicator::LinkStatus>>,
     /// Readiness and counters of the configured sources (MQTT).
     pub sources: Arc<crate::sources::SourcesState>,
 }
@@ -79,6 +81,7 @@ impl AppState {
             fsync: fsync_name(&cfg.storage.fsync),
             on_full: on_full_name(cfg.storage.on_full).to_owned(),
             link: RwLock::new(link),
+            replication: std::sync::OnceLock::new(),
             sources: Arc::new(crate::sources::SourcesState::new(cfg)),
         })
     }
@@ -354,6 +357,9 @@ async fn get_metrics(State(app): State<Arc<AppState>>) -> Response {
     let status = app.ingest.log().status();
     let mut text = app.ingest.metrics().render(&status, &app.limits, now_ns());
     text.push_str(&app.sources.render());
+    if let Some(link) = app.replication.get() {
+        text.push_str(&link.render());
+    }
     (
         [(
             header::CONTENT_TYPE,
