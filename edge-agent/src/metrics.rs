@@ -37,6 +37,7 @@ pub struct Metrics {
 struct StreamCounters {
     appends: AtomicU64,
     records: AtomicU64,
+    implausible_ts: AtomicU64,
     errors: [AtomicU64; ERROR_REASONS.len()],
 }
 
@@ -57,6 +58,13 @@ impl Metrics {
         if let Some(c) = self.streams.get(stream) {
             c.appends.fetch_add(1, Ordering::Relaxed);
             c.records.fetch_add(records, Ordering::Relaxed);
+        }
+    }
+
+    /// `records` of a batch appended to `stream` carried an implausible event time.
+    pub fn implausible_ts(&self, stream: &str, records: u64) {
+        if let Some(c) = self.streams.get(stream) {
+            c.implausible_ts.fetch_add(records, Ordering::Relaxed);
         }
     }
 
@@ -234,6 +242,18 @@ impl Metrics {
                 "tributary_edge_records_total",
                 &[("stream", s)],
                 self.streams[*s].records.load(Ordering::Relaxed) as f64,
+            );
+        }
+        m.family(
+            "tributary_edge_implausible_ts_records_total",
+            "counter",
+            "Records stored with an implausible event time: before this binary was built, or more than a day ahead of the clock. Stored as given.",
+        );
+        for s in &names {
+            m.sample(
+                "tributary_edge_implausible_ts_records_total",
+                &[("stream", s)],
+                self.streams[*s].implausible_ts.load(Ordering::Relaxed) as f64,
             );
         }
         m.family(

@@ -174,6 +174,8 @@ pub struct AgentSpec {
     /// Appended verbatim to `edge.toml`.
     pub extra_toml: String,
     pub netns: Option<String>,
+    /// Extra environment for the agent process (for example a faked clock).
+    pub env: Vec<(String, String)>,
 }
 
 impl AgentSpec {
@@ -190,6 +192,7 @@ impl AgentSpec {
             streams: vec!["telemetry".into()],
             extra_toml: String::new(),
             netns: None,
+            env: Vec::new(),
         }
     }
 
@@ -219,6 +222,12 @@ impl AgentSpec {
             .arg("--config")
             .arg(&self.config)
             .log_dir(log_dir);
+        for (k, v) in &self.env {
+            spec = spec.env(k, v);
+        }
+        for (k, v) in &self.env {
+            spec = spec.env(k, v);
+        }
         if let Some(ns) = &self.netns {
             spec = spec.netns(ns);
         }

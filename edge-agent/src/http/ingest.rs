@@ -343,14 +343,21 @@ impl Ingest {
         records: Vec<Record>,
     ) -> Result<AppendAck, AppendError> {
         let count = records.len() as u64;
+        let implausible = records.iter().filter(|r| implausible_ts(r.ts, now_ns())).count() as u64;
         let result = self.log.append(stream, records).await;
         match &result {
-            Ok(_) => self.metrics.appended(stream, count),
+            Ok(_) => {
+                self.metrics.appended(stream, count);
+                if implausible > 0 {
+                    self.metrics.implausible_ts(stream, implausible);
+                }
+            }
             Err(e) => self.metrics.append_failed(stream, e),
         }
         result
     }
 
+    /// The log records are appended to.
     pub fn log(&self) -> &LogHandle {
         &self.log
     }
@@ -543,4 +550,16 @@ mod tests {
         let recs = parse_body(BodyFormat::LineProtocol, "s", b"s,dev=a x=1 5\n", 0).unwrap();
         assert_eq!(recs[0].key, "a");
     }
+}
+
+/// How far ahead of the agent's clock an event time may be before it counts as implausible.
+pub const TS_FUTURE_SLACK_NS: i64 = 86_400_000_000_000;
+
+/// Event time is stored as given; sequence order, never time, decides order and dedupe. A time
+/// before this binary was built, or more than a day ahead of the clock, is counted on
+/// `/metrics` so that a device with a bad clock is visible.
+pub fn implausible_ts(ts: i64, now_ns: i64) -> bool {
+    let built_ns = crate::link::BUILD_UNIX.parse::<i64>().unwrap_or(0).saturating_mul(1_000_000_000);
+    // A clock behind the build time is itself wrong; judge the future against the later of the two.
+    ts < built_ns || ts > now_ns.max(built_ns).saturating_add(TS_FUTURE_SLACK_NS)
 }
