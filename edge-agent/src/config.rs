@@ -143,7 +143,34 @@ pub struct StreamConfig {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourceConfig {
     Mqtt(MqttSourceConfig),
+    Sensor(SensorSourceConfig),
 }
+
+/// A device sensor source from the `firmware` crate, polled by the agent. See `sources::sensors`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SensorSourceConfig {
+    pub kind: SensorKind,
+    pub stream: String,
+    /// `interval`: how often the source is polled; default 10 s (1 s for the simulator).
+    pub interval: Duration,
+    /// `key_prefix`: the first part of every routing key; default the host name.
+    pub key_prefix: String,
+}
+
+/// Which sensors, with their settings.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SensorKind {
+    /// `kind = "hwmon"`: `/sys/class/hwmon` and `/sys/class/thermal` under `sysfs_root`.
+    Hwmon { sysfs_root: PathBuf },
+    /// `kind = "iio"`: `/sys/bus/iio/devices` under `sysfs_root`, scale and offset applied.
+    Iio { sysfs_root: PathBuf },
+    /// `kind = "nmea"`: NMEA 0183 sentences from a serial device or file at `path`.
+    Nmea { path: PathBuf },
+    /// `kind = "simulator"`: the seeded fleet (`sim = "fleet"`) or industrial simulator.
+    Simulator { industrial: bool, units: usize, hz: f64, seed: u64 },
+}
+
+impl Eq for SensorSourceConfig {}
 
 /// A `kind = "mqtt"` source: subscriptions on a local broker. See `sources::mqtt` for how
 /// messages become records.
@@ -397,6 +424,14 @@ struct RawSource {
     client_id: Option<String>,
     qos: Option<String>,
     dedupe_window: Option<String>,
+    interval: Option<String>,
+    key_prefix: Option<String>,
+    sysfs_root: Option<String>,
+    path: Option<String>,
+    sim: Option<String>,
+    units: Option<String>,
+    hz: Option<String>,
+    seed: Option<String>,
 }
 
 impl RawConfig {
@@ -563,7 +598,7 @@ impl RawSource {
         streams: &[StreamConfig],
     ) -> Result<Option<SourceConfig>, ConfigError> {
         let key = |k: &str| format!("sources[{index}].{k}");
-        let kind = required(&key("kind"), self.kind)?;
+        let kind = required(&key("kind"), self.kind.clone())?;
         match kind.as_str() {
             "http" => Ok(None),
             "mqtt" => {
@@ -631,14 +666,69 @@ impl RawSource {
                     dedupe_window,
                 })))
             }
+            "hwmon" | "iio" | "nmea" | "simulator" => self.into_sensor(&kind, index, streams).map(Some),
             other => Err(ConfigError::invalid(
                 key("kind"),
                 format!(
-                    "expected mqtt | http, found {other:?} (stdin goes through `edge-agent ingest`)"
+                    "expected mqtt | hwmon | iio | nmea | simulator | http, found {other:?} (stdin goes through `edge-agent ingest`)"
                 ),
             )),
         }
     }
+
+    fn into_sensor(self, kind: &str, index: usize, streams: &[StreamConfig]) -> Result<SourceConfig, ConfigError> {
+        let key = |k: &str| format!("sources[{index}].{k}");
+        let stream = required(&key("stream"), self.stream)?;
+        if !streams.iter().any(|s| s.name == stream) {
+            return Err(ConfigError::invalid(key("stream"), format!("no [[streams]] entry is named {stream:?}")));
+        }
+        let default_interval = if kind == "simulator" { Duration::from_secs(1) } else { Duration::from_secs(10) };
+        let interval = match self.interval {
+            Some(s) => parse_duration(&key("interval"), &s)?,
+            None => default_interval,
+        };
+        if interval.is_zero() {
+            return Err(ConfigError::invalid(key("interval"), "must be above zero, such as 10s"));
+        }
+        let sysfs_root = PathBuf::from(self.sysfs_root.unwrap_or_else(|| "/sys".into()));
+        let number = |k: &str, v: Option<String>, default: f64| -> Result<f64, ConfigError> {
+            match v {
+                None => Ok(default),
+                Some(s) => s.trim().parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| {
+                    ConfigError::invalid(key(k), format!("expected a positive number, found {s:?}"))
+                }),
+            }
+        };
+        let kind = match kind {
+            "hwmon" => SensorKind::Hwmon { sysfs_root },
+            "iio" => SensorKind::Iio { sysfs_root },
+            "nmea" => SensorKind::Nmea { path: PathBuf::from(required(&key("path"), self.path)?) },
+            _ => {
+                let industrial = match self.sim.as_deref().unwrap_or("fleet") {
+                    "fleet" => false,
+                    "industrial" => true,
+                    other => {
+                        return Err(ConfigError::invalid(key("sim"), format!("expected fleet | industrial, found {other:?}")));
+                    }
+                };
+                let units = number("units", self.units, 1.0)? as usize;
+                let hz = number("hz", self.hz, 1.0)?;
+                let seed = number("seed", self.seed, 1.0)? as u64;
+                SensorKind::Simulator { industrial, units: units.max(1), hz, seed }
+            }
+        };
+        let key_prefix = self.key_prefix.filter(|p| !p.is_empty()).unwrap_or_else(host_name);
+        Ok(SourceConfig::Sensor(SensorSourceConfig { kind, stream, interval, key_prefix }))
+    }
+}
+
+/// The machine's host name, the default key prefix of sensor sources.
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "device".into())
 }
 
 /// A topic template is `/`-separated levels, each literal or one `{name}` capture.

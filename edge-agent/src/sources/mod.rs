@@ -6,6 +6,7 @@
 //! source counters for `/metrics`.
 
 pub mod mqtt;
+pub mod sensors;
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -147,6 +148,12 @@ pub fn spawn_all(
                 .map_err(|message| StartError::BadUrl { index, message })?;
                 tokio::spawn(source.run());
                 mqtt_index += 1;
+            }
+            SourceConfig::Sensor(sensor) => {
+                let mut sensor = sensor.clone();
+                sensor.interval = sensor.interval.max(sensors::INTERVAL_MIN);
+                let stats = Arc::new(sensors::SensorStats::default());
+                tokio::spawn(sensors::run(sensor, ingest.clone(), stats));
             }
         }
     }
