@@ -117,7 +117,7 @@ fn full_config_parses_into_types() {
         1,
         "kind = \"http\" is always on and adds no source"
     );
-    let SourceConfig::Mqtt(m) = &c.sources[0];
+    let SourceConfig::Mqtt(m) = &c.sources[0] else { panic!("expected an mqtt source: {:?}", c.sources[0]) };
     assert_eq!(m.url, "mqtt://127.0.0.1:1883");
     assert_eq!(m.topics, ["sensors/#"]);
     assert_eq!(m.stream, "telemetry");
@@ -363,7 +363,7 @@ fn bad_sources_are_named() {
         "sources[0].format",
     );
     let c = parse(&mqtt(&format!("{ok}format = \"line\"\n"))).unwrap();
-    let SourceConfig::Mqtt(m) = &c.sources[0];
+    let SourceConfig::Mqtt(m) = &c.sources[0] else { panic!("expected an mqtt source: {:?}", c.sources[0]) };
     assert_eq!(m.format, PayloadFormat::Line);
 }
 
@@ -453,4 +453,14 @@ fn hub_link_controls_parse_and_are_validated() {
     expect_bad(&format!("{base}bandwidth_bytes_per_s = \"0\"\n"), "hub.bandwidth_bytes_per_s");
     let cfg = parse_env(base, &[("TRIBUTARY_EDGE__HUB__BACKOFF_MAX", "2s")]).unwrap();
     assert_eq!(cfg.hub.unwrap().backoff_max, Duration::from_secs(2));
+}
+
+#[test]
+fn hardened_device_config_parses_with_safe_settings() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../firmware/config/edge.toml");
+    let c = EdgeConfig::load_with_env(&path, Some(HashMap::new())).unwrap();
+    assert_eq!(c.data_dir, Path::new("/var/lib/tributary"));
+    assert!(c.http.listen.ip().is_loopback(), "the device API listens on localhost only");
+    assert!(c.hub.is_some() && c.tls.is_some(), "the device config replicates over mutual TLS");
+    assert!(!matches!(c.storage.fsync, FsyncPolicy::Never), "never is unsafe on power loss");
 }

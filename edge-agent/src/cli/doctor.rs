@@ -184,7 +184,6 @@ fn verify_chain(paths: &TlsPaths, now: u64) -> Result<(), String> {
 
 fn check_broker(r: &mut Report, cfg: &EdgeConfig) {
     for source in &cfg.sources {
-        #[allow(irrefutable_let_patterns)]
         let SourceConfig::Mqtt(m) = source else { continue };
         let hostport = m.url.split("://").nth(1).unwrap_or(&m.url).trim_end_matches('/');
         let hostport = if hostport.contains(':') { hostport.to_owned() } else { format!("{hostport}:1883") };
