@@ -333,7 +333,7 @@ fn bad_sources_are_named() {
     let base = "data_dir = \"d\"\n[[streams]]\nname = \"telemetry\"\n[[sources]]\n";
     let mqtt = |rest: &str| format!("{base}kind = \"mqtt\"\n{rest}");
     let m = expect_bad(&format!("{base}kind = \"kafka\"\n"), "sources[0].kind");
-    assert!(m.contains("mqtt | http"), "{m}");
+    assert!(m.contains("mqtt | hwmon | iio | nmea | simulator | http"), "{m}");
     expect_bad(&format!("{base}url = \"mqtt://h:1\"\n"), "sources[0].kind");
     let ok = "url = \"mqtt://127.0.0.1:1883\"\ntopics = [\"a/#\"]\nstream = \"telemetry\"\n";
     parse(&mqtt(ok)).unwrap();
@@ -463,4 +463,20 @@ fn hardened_device_config_parses_with_safe_settings() {
     assert!(c.http.listen.ip().is_loopback(), "the device API listens on localhost only");
     assert!(c.hub.is_some() && c.tls.is_some(), "the device config replicates over mutual TLS");
     assert!(!matches!(c.storage.fsync, FsyncPolicy::Never), "never is unsafe on power loss");
+}
+
+#[test]
+fn sensor_sources_parse_and_bad_keys_are_named() {
+    let base = "data_dir = \"d\"\n[[streams]]\nname = \"telemetry\"\n[[sources]]\n";
+    let c = parse(&format!("{base}kind = \"hwmon\"\nstream = \"telemetry\"\ninterval = \"5s\"\nkey_prefix = \"truck-1\"\n")).unwrap();
+    let SourceConfig::Sensor(s) = &c.sources[0] else { panic!("expected a sensor source: {:?}", c.sources[0]) };
+    assert_eq!((s.interval, s.key_prefix.as_str()), (Duration::from_secs(5), "truck-1"));
+    let c = parse(&format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nsim = \"industrial\"\nunits = 4\n")).unwrap();
+    let SourceConfig::Sensor(s) = &c.sources[0] else { panic!() };
+    assert_eq!(s.interval, Duration::from_secs(1));
+    expect_bad(&format!("{base}kind = \"nmea\"\nstream = \"telemetry\"\n"), "sources[0].path");
+    expect_bad(&format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nsim = \"boat\"\n"), "sources[0].sim");
+    expect_bad(&format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nhz = \"-1\"\n"), "sources[0].hz");
+    expect_bad(&format!("{base}kind = \"hwmon\"\nstream = \"nope\"\n"), "sources[0].stream");
+    expect_bad(&format!("{base}kind = \"iio\"\nstream = \"telemetry\"\ninterval = \"0s\"\n"), "sources[0].interval");
 }
