@@ -42,7 +42,10 @@ const DEVICE: &str = "bench-dev";
 const STREAM: &str = "telemetry";
 
 fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name).ok().and_then(|v| v.replace('_', "").parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.replace('_', "").parse().ok())
+        .unwrap_or(default)
 }
 
 fn mb(bytes: u64) -> f64 {
@@ -59,8 +62,16 @@ fn make_pki(dir: &Path) -> Result<Pki> {
     let init = pki::init(&dir.join("pki"), &[], false)?;
     let dev = pki::issue(&dir.join("pki"), DEVICE, &dir.join("device"))?;
     Ok(Pki {
-        hub: HubTls { ca: init.ca_pem.clone(), cert: init.hub_pem, key: init.hub_key },
-        edge: EdgeTls { ca: dev.ca_pem, cert: dev.device_pem, key: dev.device_key },
+        hub: HubTls {
+            ca: init.ca_pem.clone(),
+            cert: init.hub_pem,
+            key: init.hub_key,
+        },
+        edge: EdgeTls {
+            ca: dev.ca_pem,
+            cert: dev.device_pem,
+            key: dev.device_key,
+        },
     })
 }
 
@@ -80,11 +91,18 @@ async fn bench_quic(pki: &Pki, total_bytes: u64) -> Result<f64> {
     let mut server_cfg = quinn::ServerConfig::with_crypto(Arc::new(quic_tls));
     // The same window the hub derives for its default budget (receiver window, capped at a
     // quarter of the 512 MiB ingest budget).
-    let window = sync::protocol::ReceiverConfig::default().window_bytes.min((512u64 << 20) / 4);
+    let window = sync::protocol::ReceiverConfig::default()
+        .window_bytes
+        .min((512u64 << 20) / 4);
     server_cfg.transport_config(Arc::new(core_hub::server::transport_config(window)));
     let sock = link::udp_socket("127.0.0.1:0".parse()?)?;
     let runtime = quinn::default_runtime().context("runtime")?;
-    let server = quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_cfg), sock, runtime)?;
+    let server = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(server_cfg),
+        sock,
+        runtime,
+    )?;
     let addr = server.local_addr()?;
 
     let streams = total_bytes.div_ceil(QUIC_STREAM_BYTES as u64) as usize;
@@ -118,7 +136,9 @@ async fn bench_quic(pki: &Pki, total_bytes: u64) -> Result<f64> {
     });
 
     let endpoint = link::client_endpoint("127.0.0.1:0".parse()?)?;
-    let conn = endpoint.connect_with(link::client_config(&pki.edge)?, addr, "localhost")?.await?;
+    let conn = endpoint
+        .connect_with(link::client_config(&pki.edge)?, addr, "localhost")?
+        .await?;
     let payload = Arc::new(random_bytes(QUIC_STREAM_BYTES, 1));
     let sem = Arc::new(tokio::sync::Semaphore::new(QUIC_CONCURRENT));
     for _ in 0..streams {
@@ -137,7 +157,11 @@ async fn bench_quic(pki: &Pki, total_bytes: u64) -> Result<f64> {
     let (got, secs) = recv.await??;
     anyhow::ensure!(got == expect, "received {got} of {expect} bytes");
     let rate = mb(got) / secs;
-    println!("quic: {:.0} MB in {secs:.2} s = {rate:.1} MB/s ({streams} uni streams of {} MiB, {QUIC_CONCURRENT} concurrent)", mb(got), QUIC_STREAM_BYTES >> 20);
+    println!(
+        "quic: {:.0} MB in {secs:.2} s = {rate:.1} MB/s ({streams} uni streams of {} MiB, {QUIC_CONCURRENT} concurrent)",
+        mb(got),
+        QUIC_STREAM_BYTES >> 20
+    );
     endpoint.close(0u32.into(), b"done");
     Ok(rate)
 }
@@ -167,7 +191,12 @@ async fn start_hub(dir: &Path, pki: &Pki) -> Result<RunningHub> {
     let hub = Hub::open(&cfg)?;
     let (tx, rx) = watch::channel(false);
     let (server, task) = core_hub::server::start(&cfg, hub.clone(), rx).await?;
-    Ok(RunningHub { hub, addr: server.local_addr, _shutdown: tx, task })
+    Ok(RunningHub {
+        hub,
+        addr: server.local_addr,
+        _shutdown: tx,
+        task,
+    })
 }
 
 impl RunningHub {
@@ -177,7 +206,13 @@ impl RunningHub {
     }
 }
 
-fn open_log(dir: &Path, fsync: FsyncPolicy, version: u8, block_records: usize, block_bytes: usize) -> Result<LogHandle> {
+fn open_log(
+    dir: &Path,
+    fsync: FsyncPolicy,
+    version: u8,
+    block_records: usize,
+    block_bytes: usize,
+) -> Result<LogHandle> {
     let cfg = LogConfig {
         data_dir: dir.join("edge"),
         streams: vec![STREAM.into()],
@@ -195,7 +230,12 @@ fn open_log(dir: &Path, fsync: FsyncPolicy, version: u8, block_records: usize, b
 
 /// `opaque`: ship blocks exactly as stored (no re-sealing of backlog runs), so the raw figure
 /// measures transport and tier 1, not the edge's re-encoding.
-fn start_replicator(pki: &Pki, hub_addr: SocketAddr, log: LogHandle, opaque: bool) -> (Arc<LinkStatus>, tokio::task::JoinHandle<()>) {
+fn start_replicator(
+    pki: &Pki,
+    hub_addr: SocketAddr,
+    log: LogHandle,
+    opaque: bool,
+) -> (Arc<LinkStatus>, tokio::task::JoinHandle<()>) {
     let mut cfg = ReplicatorConfig::new(hub_addr.to_string(), "localhost".into(), pki.edge.clone());
     cfg.backoff_initial = Duration::from_millis(20);
     if opaque {
@@ -219,7 +259,11 @@ async fn drain(log: &LogHandle, start: Instant, deadline: Duration) -> Result<Du
         if st.streams[0].acked_durable >= target {
             return Ok(start.elapsed());
         }
-        anyhow::ensure!(start.elapsed() < deadline, "drain timed out at {} of {target}", st.streams[0].acked_durable);
+        anyhow::ensure!(
+            start.elapsed() < deadline,
+            "drain timed out at {} of {target}",
+            st.streams[0].acked_durable
+        );
         // A bench polls; 1 ms is far below the figures measured.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -232,7 +276,11 @@ fn cpu_secs() -> f64 {
     // Fields after the `(comm)`: state is field 3, utime 14, stime 15.
     let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| f.get(i - 3).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    let ticks = |i: usize| {
+        f.get(i - 3)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     (ticks(14) + ticks(15)) as f64 / 100.0
 }
 
@@ -245,7 +293,11 @@ struct WalSnap {
 fn wal_snap(hub: &Hub) -> WalSnap {
     use std::sync::atomic::Ordering::Relaxed;
     let s = hub.wal_stats();
-    WalSnap { bytes: s.bytes.load(Relaxed), fsyncs: s.fsyncs.load(Relaxed), commits: s.group_commits.load(Relaxed) }
+    WalSnap {
+        bytes: s.bytes.load(Relaxed),
+        fsyncs: s.fsyncs.load(Relaxed),
+        commits: s.group_commits.load(Relaxed),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -255,7 +307,13 @@ fn wal_snap(hub: &Hub) -> WalSnap {
 async fn bench_raw(root: &Path, pki: &Pki, total_bytes: u64, quic: Option<f64>) -> Result<()> {
     let dir = tempfile::tempdir_in(root)?;
     // Version 1 rows with a random payload: blocks about 1 MiB, nearly incompressible.
-    let log = open_log(dir.path(), FsyncPolicy::Interval(Duration::from_millis(50)), sync::block::VERSION_ROWS, 4096, 1 << 20)?;
+    let log = open_log(
+        dir.path(),
+        FsyncPolicy::Interval(Duration::from_millis(50)),
+        sync::block::VERSION_ROWS,
+        4096,
+        1 << 20,
+    )?;
     let pool = edge_agent::bench::record_pool(1024, 4096);
     let fill = Instant::now();
     let batches = total_bytes.div_ceil(1024 * 1024) as usize;
@@ -276,10 +334,18 @@ async fn bench_raw(root: &Path, pki: &Pki, total_bytes: u64, quic: Option<f64>) 
     let cpu = cpu_secs() - cpu0;
     let w1 = wal_snap(&hub.hub);
     let secs = took.as_secs_f64();
-    println!("raw: CPU {cpu:.2} s over {secs:.2} s = {:.2} cores busy (edge, QUIC both ways, hub, WAL in one process)", cpu / secs);
+    println!(
+        "raw: CPU {cpu:.2} s over {secs:.2} s = {:.2} cores busy (edge, QUIC both ways, hub, WAL in one process)",
+        cpu / secs
+    );
     let rate = mb(st.backlog_bytes) / secs;
-    let ratio = quic.map_or(String::new(), |q| format!(" = {:.0}% of loopback QUIC", 100.0 * rate / q));
-    println!("raw: shipped {:.0} MB of blocks in {secs:.2} s = {rate:.1} MB/s{ratio}", mb(st.backlog_bytes));
+    let ratio = quic.map_or(String::new(), |q| {
+        format!(" = {:.0}% of loopback QUIC", 100.0 * rate / q)
+    });
+    println!(
+        "raw: shipped {:.0} MB of blocks in {secs:.2} s = {rate:.1} MB/s{ratio}",
+        mb(st.backlog_bytes)
+    );
     println!(
         "raw: hub WAL wrote {:.0} MB ({:.1} MB/s) in {} fsyncs / {} group commits; link sent {} data frames",
         mb(w1.bytes - w0.bytes),
@@ -296,7 +362,11 @@ async fn bench_raw(root: &Path, pki: &Pki, total_bytes: u64, quic: Option<f64>) 
 
 /// Appends `batches` batches, keeping several in flight so the log's group commit, not this
 /// loop, sets the pace.
-async fn fill_log(log: &LogHandle, batches: usize, make: impl Fn(usize) -> Vec<Record>) -> Result<()> {
+async fn fill_log(
+    log: &LogHandle,
+    batches: usize,
+    make: impl Fn(usize) -> Vec<Record>,
+) -> Result<()> {
     let mut inflight = tokio::task::JoinSet::new();
     for i in 0..batches {
         if inflight.len() >= 8
@@ -322,7 +392,10 @@ async fn bench_ingest(root: &Path, total_bytes: u64, quic: Option<f64>) -> Resul
     let pool = edge_agent::bench::record_pool(1024, 1024);
     let blocks_n = total_bytes.div_ceil(1 << 20) as usize;
     // Blocks are built first so encoding is not timed.
-    let opts = sync::block::EncodeOptions { zstd_level: 1, ..Default::default() };
+    let opts = sync::block::EncodeOptions {
+        zstd_level: 1,
+        ..Default::default()
+    };
     let blocks: Vec<Vec<u8>> = (0..blocks_n)
         .map(|i| sync::block::encode_block_with(&opts, 1, 1 + i as u64 * 1024, &pool))
         .collect::<Result<_, _>>()?;
@@ -346,7 +419,9 @@ async fn bench_ingest(root: &Path, total_bytes: u64, quic: Option<f64>) -> Resul
     let cpu = cpu_secs() - cpu0;
     let w = wal_snap(&hub);
     let rate = mb(bytes) / secs;
-    let ratio = quic.map_or(String::new(), |q| format!(" = {:.0}% of loopback QUIC", 100.0 * rate / q));
+    let ratio = quic.map_or(String::new(), |q| {
+        format!(" = {:.0}% of loopback QUIC", 100.0 * rate / q)
+    });
     println!(
         "ingest: hub alone committed {:.0} MB of blocks in {secs:.2} s = {rate:.1} MB/s{ratio}; {} fsyncs, {} group commits; CPU {:.2} cores busy",
         mb(bytes),
@@ -388,8 +463,16 @@ impl Fleet {
                 ]
             })
             .collect();
-        let odo = (0..devices).map(|_| rng.random_range(10_000..900_000)).collect();
-        Fleet { rng, trucks, odo, t: 0, next: 0 }
+        let odo = (0..devices)
+            .map(|_| rng.random_range(10_000..900_000))
+            .collect();
+        Fleet {
+            rng,
+            trucks,
+            odo,
+            t: 0,
+            next: 0,
+        }
     }
 
     fn record(&mut self) -> Record {
@@ -409,7 +492,8 @@ impl Fleet {
         self.odo[i] += d as i64;
         let r = Record {
             key: format!("truck-{i:04}/engine"),
-            ts: 1_764_374_400_000_000_000 + (self.t * 1_000_000_000 + (i as u64 * 1_000_003) % 1_000_000_000) as i64,
+            ts: 1_764_374_400_000_000_000
+                + (self.t * 1_000_000_000 + (i as u64 * 1_000_003) % 1_000_000_000) as i64,
             fields: vec![
                 ("engine_temp_c".into(), Value::F64(round(s[0], 2))),
                 ("oil_bar".into(), Value::F64(round(s[1], 3))),
@@ -420,7 +504,10 @@ impl Fleet {
                 ("lat".into(), Value::F64(round(s[4], 6))),
                 ("lon".into(), Value::F64(round(s[5], 6))),
                 ("ignition".into(), Value::Bool(s[7] > 0.5)),
-                ("fault".into(), Value::Bool(self.rng.random::<f64>() < 0.0005)),
+                (
+                    "fault".into(),
+                    Value::Bool(self.rng.random::<f64>() < 0.0005),
+                ),
             ],
         };
         self.next += 1;
@@ -448,13 +535,20 @@ fn ndjson_len(r: &Record) -> usize {
             (k.clone(), v)
         })
         .collect();
-    serde_json::to_string(&serde_json::json!({"key": r.key, "ts": r.ts, "fields": fields})).map_or(0, |s| s.len() + 1)
+    serde_json::to_string(&serde_json::json!({"key": r.key, "ts": r.ts, "fields": fields}))
+        .map_or(0, |s| s.len() + 1)
 }
 
 async fn bench_catchup(root: &Path, pki: &Pki, records: u64) -> Result<()> {
     let dir = tempfile::tempdir_in(root)?;
     let per_block = sync::columnar::OFFLINE_BLOCK_RECORDS;
-    let log = open_log(dir.path(), FsyncPolicy::Interval(Duration::from_millis(50)), sync::block::VERSION_COLUMNAR, per_block, 64 << 20)?;
+    let log = open_log(
+        dir.path(),
+        FsyncPolicy::Interval(Duration::from_millis(50)),
+        sync::block::VERSION_COLUMNAR,
+        per_block,
+        64 << 20,
+    )?;
     let fill = Instant::now();
     let batches = (records as usize).div_ceil(per_block);
     // Generated on a blocking thread, handed over in batches of one block each.
@@ -475,8 +569,13 @@ async fn bench_catchup(root: &Path, pki: &Pki, records: u64) -> Result<()> {
         json_bytes as f64 / sampled.max(1) as f64
     });
     let rx = Arc::new(std::sync::Mutex::new(rx));
-    fill_log(&log, batches, |_| rx.lock().expect("lock").recv().unwrap_or_default()).await?;
-    let avg_json = gen_thread.join().map_err(|_| anyhow::anyhow!("generator panicked"))?;
+    fill_log(&log, batches, |_| {
+        rx.lock().expect("lock").recv().unwrap_or_default()
+    })
+    .await?;
+    let avg_json = gen_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("generator panicked"))?;
     let st = log.status().streams[0].clone();
     let n = st.durable_seq;
     println!(
@@ -516,7 +615,10 @@ async fn bench_catchup(root: &Path, pki: &Pki, records: u64) -> Result<()> {
     let cpu = cpu_secs() - cpu0;
     let w1 = wal_snap(&hub.hub);
     let secs = took.as_secs_f64();
-    println!("catchup: CPU {cpu:.2} s over {secs:.2} s = {:.2} cores busy", cpu / secs);
+    println!(
+        "catchup: CPU {cpu:.2} s over {secs:.2} s = {:.2} cores busy",
+        cpu / secs
+    );
     let rate = n as f64 / secs;
     println!(
         "catchup: drained {n} records into fsynced tier 1 in {secs:.2} s = {:.2} M records/s ({:.0}% of the 1 M/s target); NDJSON-equivalent {:.0} MB/s",
@@ -532,7 +634,11 @@ async fn bench_catchup(root: &Path, pki: &Pki, records: u64) -> Result<()> {
     );
     // Spot-check that the hub can read what it acknowledged.
     let page = core_hub::read::read_records(&hub.hub, STREAM, 0, 10)?;
-    anyhow::ensure!(page.records.len() == 10, "hub read back {} records", page.records.len());
+    anyhow::ensure!(
+        page.records.len() == 10,
+        "hub read back {} records",
+        page.records.len()
+    );
     task.abort();
     hub.stop();
     log.shutdown();
@@ -547,7 +653,13 @@ async fn bench_live(root: &Path, pki: &Pki, secs: u64) -> Result<()> {
     let dir = tempfile::tempdir_in(root)?;
     // The agent's defaults: fsync every 10 ms, blocks linger 2 ms, v1 rows.
     let defaults = LogConfig::default();
-    let log = open_log(dir.path(), defaults.fsync, defaults.block_version, defaults.block_records_max, defaults.block_bytes_max)?;
+    let log = open_log(
+        dir.path(),
+        defaults.fsync,
+        defaults.block_version,
+        defaults.block_records_max,
+        defaults.block_bytes_max,
+    )?;
     let hub = start_hub(dir.path(), pki).await?;
     let (_link, task) = start_replicator(pki, hub.addr, log.clone(), false);
     // Wait for the session before timing, so the connect is not counted.
@@ -582,7 +694,14 @@ async fn bench_live(root: &Path, pki: &Pki, secs: u64) -> Result<()> {
         if producer.is_finished() {
             producer_done = true;
         }
-        let durable = hub.hub.marks(DEVICE).iter().filter(|m| m.stream == STREAM).map(|m| m.durable_seq).max().unwrap_or(0);
+        let durable = hub
+            .hub
+            .marks(DEVICE)
+            .iter()
+            .filter(|m| m.stream == STREAM)
+            .map(|m| m.durable_seq)
+            .max()
+            .unwrap_or(0);
         let now = Instant::now();
         while let Some(&(seq, at)) = waiting.front() {
             if seq > durable {
@@ -599,7 +718,8 @@ async fn bench_live(root: &Path, pki: &Pki, secs: u64) -> Result<()> {
     }
     let sent = producer.await??;
     samples.sort_unstable();
-    let pct = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3;
+    let pct =
+        |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize].as_secs_f64() * 1e3;
     println!(
         "live: {sent} records in {} batches over {secs} s; ack -> hub durable+readable: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms (target p99 <= 100 ms)",
         samples.len(),
@@ -608,7 +728,11 @@ async fn bench_live(root: &Path, pki: &Pki, secs: u64) -> Result<()> {
         pct(1.0)
     );
     let page = core_hub::read::read_records(&hub.hub, STREAM, 0, sent as usize + 1)?;
-    anyhow::ensure!(page.records.len() as u64 == sent, "hub holds {} of {sent} records", page.records.len());
+    anyhow::ensure!(
+        page.records.len() as u64 == sent,
+        "hub holds {} of {sent} records",
+        page.records.len()
+    );
     task.abort();
     hub.stop();
     log.shutdown();
@@ -619,14 +743,24 @@ async fn bench_live(root: &Path, pki: &Pki, secs: u64) -> Result<()> {
 
 fn main() -> Result<()> {
     // `cargo bench` passes `--bench`; anything else selects the benchmarks to run.
-    let picked: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with("--")).collect();
+    let picked: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with("--"))
+        .collect();
     let want = |name: &str| picked.is_empty() || picked.iter().any(|p| p == name);
-    let root: PathBuf = std::env::var_os("BENCH_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let root: PathBuf =
+        std::env::var_os("BENCH_DIR").map_or_else(std::env::temp_dir, PathBuf::from);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let dir = tempfile::tempdir_in(&root)?;
         let pki = make_pki(dir.path())?;
-        println!("machine: {} cores; data under {}", std::thread::available_parallelism().map_or(0, |n| n.get()), root.display());
+        println!(
+            "machine: {} cores; data under {}",
+            std::thread::available_parallelism().map_or(0, |n| n.get()),
+            root.display()
+        );
         let mut quic = None;
         if want("quic") {
             quic = Some(bench_quic(&pki, env_u64("BENCH_QUIC_MB", 2048) << 20).await?);

@@ -34,7 +34,11 @@ fn records(device: usize, first: u64, n: u64) -> Vec<Record> {
 }
 
 fn arg<T: std::str::FromStr>(i: usize, default: T) -> T {
-    std::env::args().filter(|a| !a.starts_with("--")).nth(i).and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::args()
+        .filter(|a| !a.starts_with("--"))
+        .nth(i)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 fn main() {
@@ -46,13 +50,24 @@ fn main() {
     let window: usize = arg(5, 1).max(1);
     let cfg = HubConfig::with_data_dir(&dir);
     let hub = Hub::open(&cfg).expect("open hub");
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("runtime");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
 
     // Blocks are encoded up front so the benchmark measures the hub, not the edge's sealing.
     let blocks: Vec<Vec<Vec<u8>>> = (0..devices)
         .map(|d| {
             (0..64u64)
-                .map(|i| encode_block(VERSION_ROWS, 1, i * per_block + 1, &records(d, i * per_block + 1, per_block)).unwrap())
+                .map(|i| {
+                    encode_block(
+                        VERSION_ROWS,
+                        1,
+                        i * per_block + 1,
+                        &records(d, i * per_block + 1, per_block),
+                    )
+                    .unwrap()
+                })
                 .collect()
         })
         .collect();
@@ -66,7 +81,13 @@ fn main() {
     rt.block_on(async {
         let mut tasks = Vec::new();
         for d in 0..devices {
-            let (hub, blocks, stop, commits, bytes) = (hub.clone(), blocks.clone(), stop.clone(), commits.clone(), bytes.clone());
+            let (hub, blocks, stop, commits, bytes) = (
+                hub.clone(),
+                blocks.clone(),
+                stop.clone(),
+                commits.clone(),
+                bytes.clone(),
+            );
             tasks.push(tokio::spawn(async move {
                 let device = format!("dev-{d:04}");
                 // Each device cycles through its 64 blocks in successive epochs, so every
@@ -76,9 +97,18 @@ fn main() {
                 let mut in_flight = std::collections::VecDeque::new();
                 while !stop.load(Ordering::Relaxed) {
                     let block = reseal(&blocks[d][i], epoch);
-                    in_flight.push_back(hub.submit_block(&device, "telemetry", &block).await.expect("submit"));
+                    in_flight.push_back(
+                        hub.submit_block(&device, "telemetry", &block)
+                            .await
+                            .expect("submit"),
+                    );
                     if in_flight.len() >= window {
-                        in_flight.pop_front().expect("non-empty").wait().await.expect("commit");
+                        in_flight
+                            .pop_front()
+                            .expect("non-empty")
+                            .wait()
+                            .await
+                            .expect("commit");
                         commits.fetch_add(1, Ordering::Relaxed);
                     }
                     bytes.fetch_add(block.len() as u64, Ordering::Relaxed);
@@ -111,7 +141,10 @@ fn main() {
     let groups = w.group_commits.load(Ordering::Relaxed);
     let reqs = w.group_commit_requests.load(Ordering::Relaxed);
     let c = commits.load(Ordering::Relaxed);
-    println!("devices={devices} records_per_block={per_block} window={window} seconds={secs:.1} dir={}", dir.display());
+    println!(
+        "devices={devices} records_per_block={per_block} window={window} seconds={secs:.1} dir={}",
+        dir.display()
+    );
     println!(
         "commits/s={:.0} records/s={:.0} block MB/s={:.1} wal_fsyncs/s={:.0} commits_per_fsync={:.1} mean_group_commit={:.1}",
         c as f64 / secs,

@@ -37,7 +37,10 @@ struct AppState {
 
 /// Builds the router. `reader_tokens` empty means the reader API is open.
 pub fn router(hub: Arc<Hub>, reader_tokens: Vec<String>) -> Router {
-    let state = AppState { hub, tokens: Arc::new(reader_tokens) };
+    let state = AppState {
+        hub,
+        tokens: Arc::new(reader_tokens),
+    };
     let v1 = Router::new()
         .route("/v1/streams", get(streams))
         .route("/v1/streams/{stream}/records", get(records))
@@ -56,24 +59,38 @@ pub async fn serve(
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
 }
 
 async fn require_token(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if st.tokens.is_empty() || bearer_ok(req.headers(), &st.tokens) {
         return next.run(req).await;
     }
-    let mut resp = (StatusCode::UNAUTHORIZED, "a reader bearer token is required\n").into_response();
-    resp.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    let mut resp = (
+        StatusCode::UNAUTHORIZED,
+        "a reader bearer token is required\n",
+    )
+        .into_response();
+    resp.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     resp
 }
 
 fn bearer_ok(headers: &HeaderMap, tokens: &[String]) -> bool {
-    let Some(value) = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
+    let Some(value) = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+    else {
         return false;
     };
-    let Some(given) = value.strip_prefix("Bearer ") else { return false };
-    tokens.iter().any(|t| constant_time_eq(t.as_bytes(), given.trim().as_bytes()))
+    let Some(given) = value.strip_prefix("Bearer ") else {
+        return false;
+    };
+    tokens
+        .iter()
+        .any(|t| constant_time_eq(t.as_bytes(), given.trim().as_bytes()))
 }
 
 /// Compares without an early exit, so response timing does not reveal a token prefix.
@@ -82,7 +99,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn healthz(State(st): State<AppState>) -> Response {
-    if st.hub.wal_stats().poisoned.load(std::sync::atomic::Ordering::Relaxed) {
+    if st
+        .hub
+        .wal_stats()
+        .poisoned
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
         return (StatusCode::SERVICE_UNAVAILABLE, "tier-1 log poisoned\n").into_response();
     }
     "ok\n".into_response()
@@ -110,7 +132,11 @@ async fn streams(State(st): State<AppState>) -> Response {
         Ok(rows) => {
             let list: Vec<StreamInfo> = rows
                 .into_iter()
-                .map(|s| StreamInfo { name: s.name, next_offset: s.next_offset, records: s.next_offset })
+                .map(|s| StreamInfo {
+                    name: s.name,
+                    next_offset: s.next_offset,
+                    records: s.next_offset,
+                })
                 .collect();
             axum::Json(list).into_response()
         }
@@ -124,7 +150,11 @@ struct RecordsQuery {
     limit: Option<usize>,
 }
 
-async fn records(State(st): State<AppState>, Path(stream): Path<String>, Query(q): Query<RecordsQuery>) -> Response {
+async fn records(
+    State(st): State<AppState>,
+    Path(stream): Path<String>,
+    Query(q): Query<RecordsQuery>,
+) -> Response {
     let from = match q.from.as_deref() {
         None | Some("start") => 0,
         Some(s) => match s.parse::<u64>() {
@@ -135,7 +165,10 @@ async fn records(State(st): State<AppState>, Path(stream): Path<String>, Query(q
             }
         },
     };
-    let limit = q.limit.unwrap_or(RECORDS_LIMIT_DEFAULT).clamp(1, RECORDS_LIMIT_MAX);
+    let limit = q
+        .limit
+        .unwrap_or(RECORDS_LIMIT_DEFAULT)
+        .clamp(1, RECORDS_LIMIT_MAX);
     let hub = st.hub.clone();
     let task = tokio::task::spawn_blocking(move || read_records(&hub, &stream, from, limit));
     let page = match task.await {
@@ -261,11 +294,20 @@ mod tests {
         let tokens = vec!["0123456789abcdef".to_string()];
         let mut h = HeaderMap::new();
         assert!(!bearer_ok(&h, &tokens));
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer 0123456789abcdef"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer 0123456789abcdef"),
+        );
         assert!(bearer_ok(&h, &tokens));
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer 0123456789abcdeX"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer 0123456789abcdeX"),
+        );
         assert!(!bearer_ok(&h, &tokens));
-        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Basic 0123456789abcdef"));
+        h.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Basic 0123456789abcdef"),
+        );
         assert!(!bearer_ok(&h, &tokens));
     }
 }

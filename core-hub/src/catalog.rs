@@ -226,7 +226,10 @@ impl Catalog {
         let write = open_conn(path)?;
         write.execute_batch(SCHEMA)?;
         let read = open_conn(path)?;
-        Ok(Catalog { write: Mutex::new(write), read: Mutex::new(read) })
+        Ok(Catalog {
+            write: Mutex::new(write),
+            read: Mutex::new(read),
+        })
     }
 
     fn w(&self) -> std::sync::MutexGuard<'_, Connection> {
@@ -241,7 +244,9 @@ impl Catalog {
     pub fn intern_device(&self, name: &str) -> Result<DeviceId, CatalogError> {
         let c = self.w();
         c.execute("INSERT OR IGNORE INTO devices (name) VALUES (?1)", [name])?;
-        let id: i64 = c.query_row("SELECT id FROM devices WHERE name = ?1", [name], |r| r.get(0))?;
+        let id: i64 = c.query_row("SELECT id FROM devices WHERE name = ?1", [name], |r| {
+            r.get(0)
+        })?;
         Ok(id as DeviceId)
     }
 
@@ -249,7 +254,9 @@ impl Catalog {
     pub fn intern_stream(&self, name: &str) -> Result<StreamId, CatalogError> {
         let c = self.w();
         c.execute("INSERT OR IGNORE INTO streams (name) VALUES (?1)", [name])?;
-        let id: i64 = c.query_row("SELECT id FROM streams WHERE name = ?1", [name], |r| r.get(0))?;
+        let id: i64 = c.query_row("SELECT id FROM streams WHERE name = ?1", [name], |r| {
+            r.get(0)
+        })?;
         Ok(id as StreamId)
     }
 
@@ -263,7 +270,11 @@ impl Catalog {
             Ok(DeviceRow {
                 id: r.get::<_, i64>(0)? as DeviceId,
                 name: r.get(1)?,
-                fence_reason: if fenced != 0 { Some(reason.unwrap_or_default()) } else { None },
+                fence_reason: if fenced != 0 {
+                    Some(reason.unwrap_or_default())
+                } else {
+                    None
+                },
                 last_contact_ns: r.get(4)?,
                 retired: r.get::<_, i64>(5)? != 0,
             })
@@ -276,14 +287,21 @@ impl Catalog {
         let c = self.r();
         let mut st = c.prepare("SELECT id, name, next_offset FROM streams ORDER BY name")?;
         let rows = st.query_map([], |r| {
-            Ok(StreamRow { id: r.get::<_, i64>(0)? as StreamId, name: r.get(1)?, next_offset: u(r.get(2)?) })
+            Ok(StreamRow {
+                id: r.get::<_, i64>(0)? as StreamId,
+                name: r.get(1)?,
+                next_offset: u(r.get(2)?),
+            })
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
     /// Every durable mark.
     pub fn all_marks(&self) -> Result<Vec<MarkRow>, CatalogError> {
-        self.query_marks("SELECT device, epoch, stream, durable_seq, tiered_seq FROM marks", [])
+        self.query_marks(
+            "SELECT device, epoch, stream, durable_seq, tiered_seq FROM marks",
+            [],
+        )
     }
 
     /// The durable marks of one device.
@@ -294,7 +312,11 @@ impl Catalog {
         )
     }
 
-    fn query_marks<P: rusqlite::Params>(&self, sql: &str, p: P) -> Result<Vec<MarkRow>, CatalogError> {
+    fn query_marks<P: rusqlite::Params>(
+        &self,
+        sql: &str,
+        p: P,
+    ) -> Result<Vec<MarkRow>, CatalogError> {
         let c = self.r();
         let mut st = c.prepare(sql)?;
         let rows = st.query_map(p, |r| {
@@ -310,7 +332,12 @@ impl Catalog {
     }
 
     /// The tier-2 mark of one key (0 when unknown).
-    pub fn tiered_seq(&self, device: DeviceId, epoch: u64, stream: StreamId) -> Result<u64, CatalogError> {
+    pub fn tiered_seq(
+        &self,
+        device: DeviceId,
+        epoch: u64,
+        stream: StreamId,
+    ) -> Result<u64, CatalogError> {
         let c = self.r();
         let v: Option<i64> = c
             .query_row(
@@ -323,7 +350,13 @@ impl Catalog {
     }
 
     /// Moves the tier-2 mark of one key forward (the tiering issue calls this).
-    pub fn set_tiered_seq(&self, device: DeviceId, epoch: u64, stream: StreamId, tiered: u64) -> Result<(), CatalogError> {
+    pub fn set_tiered_seq(
+        &self,
+        device: DeviceId,
+        epoch: u64,
+        stream: StreamId,
+        tiered: u64,
+    ) -> Result<(), CatalogError> {
         self.w().execute(
             "UPDATE marks SET tiered_seq = max(tiered_seq, ?4) WHERE device = ?1 AND epoch = ?2 AND stream = ?3",
             params![i64::from(device), i(epoch), i64::from(stream), i(tiered)],
@@ -334,7 +367,11 @@ impl Catalog {
     /// The WAL end offset the committed marks cover.
     pub fn wal_committed_end(&self) -> Result<u64, CatalogError> {
         let c = self.r();
-        Ok(u(c.query_row("SELECT committed_end FROM wal_state WHERE id = 1", [], |r| r.get(0))?))
+        Ok(u(c.query_row(
+            "SELECT committed_end FROM wal_state WHERE id = 1",
+            [],
+            |r| r.get(0),
+        )?))
     }
 
     /// Committed ranges `(first, last, checksum)` lying entirely within `[lo, hi]`.
@@ -383,7 +420,14 @@ impl Catalog {
              ORDER BY first_seq LIMIT ?6",
         )?;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let p = params![i64::from(device), i64::from(stream), i(epoch), start.unwrap_or(0), i(from), limit];
+        let p = params![
+            i64::from(device),
+            i64::from(stream),
+            i(epoch),
+            start.unwrap_or(0),
+            i(from),
+            limit
+        ];
         let rows = st.query_map(p, |r| Ok((u(r.get(0)?), u(r.get(1)?), u(r.get(2)?))))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
@@ -410,7 +454,12 @@ impl Catalog {
     }
 
     /// Up to `limit` blocks of `stream` whose records end after hub offset `from`, in offset order.
-    pub fn blocks_from(&self, stream: StreamId, from: u64, limit: usize) -> Result<Vec<BlockRow>, CatalogError> {
+    pub fn blocks_from(
+        &self,
+        stream: StreamId,
+        from: u64,
+        limit: usize,
+    ) -> Result<Vec<BlockRow>, CatalogError> {
         let c = self.r();
         // The block holding `from` is the last one starting at or before it; every later
         // block starts after it. Two index range scans, no table scan.
@@ -431,7 +480,10 @@ impl Catalog {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = st.query_map(params![i64::from(stream), start, limit], block_row)?;
         let rows: Vec<BlockRow> = rows.collect::<Result<_, _>>()?;
-        Ok(rows.into_iter().filter(|b| b.hub_offset_base + b.count() > from).collect())
+        Ok(rows
+            .into_iter()
+            .filter(|b| b.hub_offset_base + b.count() > from)
+            .collect())
     }
 
     /// Block rows stored in one WAL file (for tiering and eviction).
@@ -517,7 +569,10 @@ impl Catalog {
         }
         insert_metadata(&tx, g)?;
         if let Some(end) = g.wal_end {
-            tx.execute("UPDATE wal_state SET committed_end = ?1 WHERE id = 1", [i(end)])?;
+            tx.execute(
+                "UPDATE wal_state SET committed_end = ?1 WHERE id = 1",
+                [i(end)],
+            )?;
         }
         tx.commit()?;
         Ok(())
@@ -647,12 +702,19 @@ mod tests {
         };
         cat.commit_group(&g).unwrap();
         // A mark never moves back.
-        cat.commit_group(&GroupCommit { marks: vec![(d, 1, s, 5)], ..GroupCommit::default() }).unwrap();
+        cat.commit_group(&GroupCommit {
+            marks: vec![(d, 1, s, 5)],
+            ..GroupCommit::default()
+        })
+        .unwrap();
         assert_eq!(cat.marks_of(d).unwrap()[0].durable_seq, 20);
         assert_eq!(cat.wal_committed_end().unwrap(), 500);
         assert_eq!(cat.streams().unwrap()[0].next_offset, 20);
         assert_eq!(cat.contained_ranges(d, 1, s, 1, 20).unwrap().len(), 2);
-        assert_eq!(cat.contained_ranges(d, 1, s, 5, 20).unwrap(), vec![(11, 20, 7)]);
+        assert_eq!(
+            cat.contained_ranges(d, 1, s, 5, 20).unwrap(),
+            vec![(11, 20, 7)]
+        );
         let from = cat.blocks_from(s, 15, 10).unwrap();
         assert_eq!(from.len(), 1);
         assert_eq!(from[0].first_seq, 11);
@@ -663,6 +725,9 @@ mod tests {
         cat.set_tiered_seq(d, 1, s, 3).unwrap();
         assert_eq!(cat.tiered_seq(d, 1, s).unwrap(), 12);
         cat.set_fenced(d, Some("conflict")).unwrap();
-        assert_eq!(cat.devices().unwrap()[0].fence_reason.as_deref(), Some("conflict"));
+        assert_eq!(
+            cat.devices().unwrap()[0].fence_reason.as_deref(),
+            Some("conflict")
+        );
     }
 }

@@ -36,7 +36,9 @@ pub struct ApiTarget {
 impl ApiTarget {
     /// Parses `http://host:port[/prefix]`.
     pub fn parse(url: &str, token: Option<String>) -> Result<ApiTarget, ClientError> {
-        let rest = url.strip_prefix("http://").ok_or_else(|| ClientError::BadUrl(url.to_string()))?;
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| ClientError::BadUrl(url.to_string()))?;
         let (authority, path) = match rest.find('/') {
             Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
             None => (rest, ""),
@@ -44,7 +46,11 @@ impl ApiTarget {
         if authority.is_empty() || !authority.contains(':') {
             return Err(ClientError::BadUrl(url.to_string()));
         }
-        Ok(ApiTarget { authority: authority.to_string(), base_path: path.to_string(), token })
+        Ok(ApiTarget {
+            authority: authority.to_string(),
+            base_path: path.to_string(),
+            token,
+        })
     }
 
     /// The API of a hub listening on `addr`; a wildcard address is reached over loopback.
@@ -55,7 +61,11 @@ impl ApiTarget {
             std::net::IpAddr::V6(ip) => format!("[{ip}]"),
             std::net::IpAddr::V4(ip) => ip.to_string(),
         };
-        ApiTarget { authority: format!("{ip}:{}", addr.port()), base_path: String::new(), token }
+        ApiTarget {
+            authority: format!("{ip}:{}", addr.port()),
+            base_path: String::new(),
+            token,
+        }
     }
 }
 
@@ -70,7 +80,10 @@ pub struct HttpResponse {
 impl HttpResponse {
     /// The first header named `name` (case-insensitive).
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
     }
 }
 
@@ -102,10 +115,16 @@ pub async fn get(target: &ApiTarget, path_and_query: &str) -> Result<HttpRespons
 }
 
 fn parse_response(raw: &[u8]) -> Result<HttpResponse, ClientError> {
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or(ClientError::Malformed("no header end"))?;
-    let head = std::str::from_utf8(&raw[..split]).map_err(|_| ClientError::Malformed("non-UTF-8 header"))?;
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or(ClientError::Malformed("no header end"))?;
+    let head = std::str::from_utf8(&raw[..split])
+        .map_err(|_| ClientError::Malformed("non-UTF-8 header"))?;
     let mut lines = head.split("\r\n");
-    let status_line = lines.next().ok_or(ClientError::Malformed("no status line"))?;
+    let status_line = lines
+        .next()
+        .ok_or(ClientError::Malformed("no status line"))?;
     let status = status_line
         .split_whitespace()
         .nth(1)
@@ -115,13 +134,24 @@ fn parse_response(raw: &[u8]) -> Result<HttpResponse, ClientError> {
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
         .collect();
-    let mut resp = HttpResponse { status, headers, body: Vec::new() };
+    let mut resp = HttpResponse {
+        status,
+        headers,
+        body: Vec::new(),
+    };
     let rest = &raw[split + 4..];
-    resp.body = if resp.header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+    resp.body = if resp
+        .header("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"))
+    {
         dechunk(rest)?
     } else if let Some(len) = resp.header("content-length") {
-        let len: usize = len.parse().map_err(|_| ClientError::Malformed("bad content-length"))?;
-        rest.get(..len).ok_or(ClientError::Malformed("short body"))?.to_vec()
+        let len: usize = len
+            .parse()
+            .map_err(|_| ClientError::Malformed("bad content-length"))?;
+        rest.get(..len)
+            .ok_or(ClientError::Malformed("short body"))?
+            .to_vec()
     } else {
         rest.to_vec()
     };
@@ -131,17 +161,26 @@ fn parse_response(raw: &[u8]) -> Result<HttpResponse, ClientError> {
 fn dechunk(mut rest: &[u8]) -> Result<Vec<u8>, ClientError> {
     let mut body = Vec::new();
     loop {
-        let eol = rest.windows(2).position(|w| w == b"\r\n").ok_or(ClientError::Malformed("chunk size"))?;
-        let size_text = std::str::from_utf8(&rest[..eol]).map_err(|_| ClientError::Malformed("chunk size"))?;
+        let eol = rest
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or(ClientError::Malformed("chunk size"))?;
+        let size_text =
+            std::str::from_utf8(&rest[..eol]).map_err(|_| ClientError::Malformed("chunk size"))?;
         let size_text = size_text.split(';').next().unwrap_or("").trim();
-        let size = usize::from_str_radix(size_text, 16).map_err(|_| ClientError::Malformed("chunk size"))?;
+        let size = usize::from_str_radix(size_text, 16)
+            .map_err(|_| ClientError::Malformed("chunk size"))?;
         rest = &rest[eol + 2..];
         if size == 0 {
             return Ok(body);
         }
-        let data = rest.get(..size).ok_or(ClientError::Malformed("short chunk"))?;
+        let data = rest
+            .get(..size)
+            .ok_or(ClientError::Malformed("short chunk"))?;
         body.extend_from_slice(data);
-        rest = rest.get(size + 2..).ok_or(ClientError::Malformed("short chunk"))?;
+        rest = rest
+            .get(size + 2..)
+            .ok_or(ClientError::Malformed("short chunk"))?;
     }
 }
 
@@ -164,8 +203,12 @@ mod tests {
 
     #[test]
     fn parses_bodies() {
-        let r = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nX-A: b\r\n\r\nabcdef").unwrap();
-        assert_eq!((r.status, r.body.as_slice(), r.header("x-a")), (200, &b"abc"[..], Some("b")));
+        let r = parse_response(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nX-A: b\r\n\r\nabcdef")
+            .unwrap();
+        assert_eq!(
+            (r.status, r.body.as_slice(), r.header("x-a")),
+            (200, &b"abc"[..], Some("b"))
+        );
         let r = parse_response(b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
             .unwrap();
         assert_eq!((r.status, r.body.as_slice()), (404, &b"abcde"[..]));

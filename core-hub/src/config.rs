@@ -30,7 +30,10 @@ pub enum ConfigError {
 
 impl ConfigError {
     fn key(key: impl Into<String>, problem: impl Into<String>) -> Self {
-        ConfigError::Key { key: key.into(), problem: problem.into() }
+        ConfigError::Key {
+            key: key.into(),
+            problem: problem.into(),
+        }
     }
 }
 
@@ -137,7 +140,9 @@ pub fn valid_device_id(id: &str) -> bool {
 }
 
 fn valid_name(s: &str, len_max: usize) -> bool {
-    let charset = s.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    let charset = s
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
     charset && !s.is_empty() && s.len() <= len_max && s != "." && s != ".."
 }
 
@@ -251,15 +256,22 @@ impl HubConfig {
     ) -> Result<HubConfig, ConfigError> {
         let mut builder = config::Config::builder();
         if let Some(path) = path {
-            let file = config::File::from(path).format(config::FileFormat::Toml).required(true);
+            let file = config::File::from(path)
+                .format(config::FileFormat::Toml)
+                .required(true);
             builder = builder.add_source(file);
         }
         let environment = config::Environment::with_prefix(ENV_PREFIX)
             .separator(ENV_SEPARATOR)
             .try_parsing(true)
             .source(env);
-        let built = builder.add_source(environment).build().map_err(|e| ConfigError::Read(e.to_string()))?;
-        let raw: RawConfig = built.try_deserialize().map_err(|e| ConfigError::Read(e.to_string()))?;
+        let built = builder
+            .add_source(environment)
+            .build()
+            .map_err(|e| ConfigError::Read(e.to_string()))?;
+        let raw: RawConfig = built
+            .try_deserialize()
+            .map_err(|e| ConfigError::Read(e.to_string()))?;
         Self::from_raw(raw)
     }
 
@@ -269,30 +281,55 @@ impl HubConfig {
             .add_source(config::File::from_str(text, config::FileFormat::Toml))
             .build()
             .map_err(|e| ConfigError::Read(e.to_string()))?;
-        let raw: RawConfig = built.try_deserialize().map_err(|e| ConfigError::Read(e.to_string()))?;
+        let raw: RawConfig = built
+            .try_deserialize()
+            .map_err(|e| ConfigError::Read(e.to_string()))?;
         Self::from_raw(raw)
     }
 
     /// A configuration with every default and the given data directory.
     pub fn with_data_dir(data_dir: impl Into<PathBuf>) -> HubConfig {
-        let raw = RawConfig { data_dir: Some(data_dir.into().display().to_string()), ..RawConfig::default() };
+        let raw = RawConfig {
+            data_dir: Some(data_dir.into().display().to_string()),
+            ..RawConfig::default()
+        };
         Self::from_raw(raw).expect("defaults are valid")
     }
 
     /// Turns the raw structs into typed values.
     pub fn from_raw(raw: RawConfig) -> Result<HubConfig, ConfigError> {
-        let data_dir = PathBuf::from(raw.data_dir.ok_or_else(|| ConfigError::key("data_dir", "is required"))?);
+        let data_dir = PathBuf::from(
+            raw.data_dir
+                .ok_or_else(|| ConfigError::key("data_dir", "is required"))?,
+        );
         let listen = ListenConfig {
-            quic: parse_addr("listen.quic", raw.listen.quic.as_deref().unwrap_or(DEFAULT_QUIC))?,
-            http: parse_addr("listen.http", raw.listen.http.as_deref().unwrap_or(DEFAULT_HTTP))?,
+            quic: parse_addr(
+                "listen.quic",
+                raw.listen.quic.as_deref().unwrap_or(DEFAULT_QUIC),
+            )?,
+            http: parse_addr(
+                "listen.http",
+                raw.listen.http.as_deref().unwrap_or(DEFAULT_HTTP),
+            )?,
         };
         let tls = raw.tls.map(parse_tls).transpose()?;
         let tier2 = parse_tier2(raw.tier2.url, &data_dir)?;
         let wal = parse_wal(&raw.wal)?;
         let ingest = parse_ingest(&raw.ingest)?;
         let streams = parse_streams(raw.streams, raw.devices)?;
-        let http = HttpConfig { reader_tokens: parse_tokens(raw.http.reader_tokens)? };
-        Ok(HubConfig { data_dir, listen, tls, tier2, wal, ingest, streams, http })
+        let http = HttpConfig {
+            reader_tokens: parse_tokens(raw.http.reader_tokens)?,
+        };
+        Ok(HubConfig {
+            data_dir,
+            listen,
+            tls,
+            tier2,
+            wal,
+            ingest,
+            streams,
+            http,
+        })
     }
 
     /// The catalog database path.
@@ -316,52 +353,104 @@ impl HubConfig {
 }
 
 fn parse_addr(key: &str, s: &str) -> Result<SocketAddr, ConfigError> {
-    s.parse().map_err(|_| ConfigError::key(key, format!("`{s}` is not a socket address such as 0.0.0.0:7400")))
+    s.parse().map_err(|_| {
+        ConfigError::key(
+            key,
+            format!("`{s}` is not a socket address such as 0.0.0.0:7400"),
+        )
+    })
 }
 
 fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
-    let need = |v: Option<String>, key: &str| v.map(PathBuf::from).ok_or_else(|| ConfigError::key(key, "is required when [tls] is present"));
-    Ok(TlsPaths { ca: need(raw.ca, "tls.ca")?, cert: need(raw.cert, "tls.cert")?, key: need(raw.key, "tls.key")? })
+    let need = |v: Option<String>, key: &str| {
+        v.map(PathBuf::from)
+            .ok_or_else(|| ConfigError::key(key, "is required when [tls] is present"))
+    };
+    Ok(TlsPaths {
+        ca: need(raw.ca, "tls.ca")?,
+        cert: need(raw.cert, "tls.cert")?,
+        key: need(raw.key, "tls.key")?,
+    })
 }
 
 fn parse_tier2(url: Option<String>, data_dir: &Path) -> Result<Tier2Config, ConfigError> {
     let url = url.unwrap_or_else(|| format!("file://{}", data_dir.join("tier2").display()));
-    let (scheme, rest) = url
-        .split_once("://")
-        .ok_or_else(|| ConfigError::key("tier2.url", format!("`{url}` is not a URL such as file:///path or s3://bucket/prefix")))?;
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| {
+        ConfigError::key(
+            "tier2.url",
+            format!("`{url}` is not a URL such as file:///path or s3://bucket/prefix"),
+        )
+    })?;
     match scheme {
         "file" if rest.starts_with('/') => {}
         "s3" if !rest.is_empty() => {}
-        "file" => return Err(ConfigError::key("tier2.url", "a file:// URL needs an absolute path")),
-        _ => return Err(ConfigError::key("tier2.url", format!("unsupported scheme `{scheme}`; use file:// or s3://"))),
+        "file" => {
+            return Err(ConfigError::key(
+                "tier2.url",
+                "a file:// URL needs an absolute path",
+            ));
+        }
+        _ => {
+            return Err(ConfigError::key(
+                "tier2.url",
+                format!("unsupported scheme `{scheme}`; use file:// or s3://"),
+            ));
+        }
     }
     let scheme = scheme.to_string();
     Ok(Tier2Config { url, scheme })
 }
 
 fn parse_wal(raw: &RawWal) -> Result<WalConfig, ConfigError> {
-    let segment_bytes_max = opt_bytes("wal.segment_bytes_max", raw.segment_bytes_max.as_deref(), DEFAULT_WAL_SEGMENT_BYTES_MAX)?;
+    let segment_bytes_max = opt_bytes(
+        "wal.segment_bytes_max",
+        raw.segment_bytes_max.as_deref(),
+        DEFAULT_WAL_SEGMENT_BYTES_MAX,
+    )?;
     if segment_bytes_max < 1 << 20 {
-        return Err(ConfigError::key("wal.segment_bytes_max", "must be at least 1MiB"));
+        return Err(ConfigError::key(
+            "wal.segment_bytes_max",
+            "must be at least 1MiB",
+        ));
     }
     let group_commit_linger = match raw.group_commit_linger.as_deref() {
         Some(s) => parse_duration("wal.group_commit_linger", s)?,
         None => DEFAULT_GROUP_COMMIT_LINGER,
     };
     if group_commit_linger > Duration::from_secs(1) {
-        return Err(ConfigError::key("wal.group_commit_linger", "must be at most 1s"));
+        return Err(ConfigError::key(
+            "wal.group_commit_linger",
+            "must be at most 1s",
+        ));
     }
-    Ok(WalConfig { segment_bytes_max, group_commit_linger })
+    Ok(WalConfig {
+        segment_bytes_max,
+        group_commit_linger,
+    })
 }
 
 fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
-    let memory_bytes_max = opt_bytes("ingest.memory_bytes_max", raw.memory_bytes_max.as_deref(), DEFAULT_MEMORY_BYTES_MAX)?;
-    let block_bytes_max = opt_u32_bytes("ingest.block_bytes_max", raw.block_bytes_max.as_deref(), DEFAULT_BLOCK_BYTES_MAX)?;
-    let block_raw_bytes_max =
-        opt_u32_bytes("ingest.block_raw_bytes_max", raw.block_raw_bytes_max.as_deref(), DEFAULT_BLOCK_RAW_BYTES_MAX)?;
+    let memory_bytes_max = opt_bytes(
+        "ingest.memory_bytes_max",
+        raw.memory_bytes_max.as_deref(),
+        DEFAULT_MEMORY_BYTES_MAX,
+    )?;
+    let block_bytes_max = opt_u32_bytes(
+        "ingest.block_bytes_max",
+        raw.block_bytes_max.as_deref(),
+        DEFAULT_BLOCK_BYTES_MAX,
+    )?;
+    let block_raw_bytes_max = opt_u32_bytes(
+        "ingest.block_raw_bytes_max",
+        raw.block_raw_bytes_max.as_deref(),
+        DEFAULT_BLOCK_RAW_BYTES_MAX,
+    )?;
     // A WAL frame carries an entry header and the block; it must fit sync's frame limit.
     if !(1024..=sync::segment::FRAME_BYTES_MAX - 1024).contains(&block_bytes_max) {
-        return Err(ConfigError::key("ingest.block_bytes_max", "must be between 1KiB and 255MiB"));
+        return Err(ConfigError::key(
+            "ingest.block_bytes_max",
+            "must be between 1KiB and 255MiB",
+        ));
     }
     // Admission control needs room for at least one worst-case block (see `ingest::block_cost`).
     let worst = u64::from(block_bytes_max) + 2 * u64::from(block_raw_bytes_max);
@@ -371,53 +460,98 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
             format!("must be at least block_bytes_max + 2 * block_raw_bytes_max = {worst} bytes"),
         ));
     }
-    let records = raw.records_per_block_max.unwrap_or(u64::from(DEFAULT_RECORDS_PER_BLOCK_MAX));
-    let records_per_block_max = u32::try_from(records)
-        .ok()
-        .filter(|&n| n > 0)
-        .ok_or_else(|| ConfigError::key("ingest.records_per_block_max", "must be between 1 and 4294967295"))?;
-    let streams = raw.streams_per_connection_max.unwrap_or(u64::from(DEFAULT_STREAMS_PER_CONNECTION_MAX));
+    let records = raw
+        .records_per_block_max
+        .unwrap_or(u64::from(DEFAULT_RECORDS_PER_BLOCK_MAX));
+    let records_per_block_max =
+        u32::try_from(records)
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| {
+                ConfigError::key(
+                    "ingest.records_per_block_max",
+                    "must be between 1 and 4294967295",
+                )
+            })?;
+    let streams = raw
+        .streams_per_connection_max
+        .unwrap_or(u64::from(DEFAULT_STREAMS_PER_CONNECTION_MAX));
     let streams_per_connection_max = u32::try_from(streams)
         .ok()
         .and_then(NonZeroU32::new)
-        .ok_or_else(|| ConfigError::key("ingest.streams_per_connection_max", "must be between 1 and 4294967295"))?;
-    Ok(IngestConfig { memory_bytes_max, block_bytes_max, block_raw_bytes_max, records_per_block_max, streams_per_connection_max })
+        .ok_or_else(|| {
+            ConfigError::key(
+                "ingest.streams_per_connection_max",
+                "must be between 1 and 4294967295",
+            )
+        })?;
+    Ok(IngestConfig {
+        memory_bytes_max,
+        block_bytes_max,
+        block_raw_bytes_max,
+        records_per_block_max,
+        streams_per_connection_max,
+    })
 }
 
-fn parse_streams(streams: Vec<RawStream>, devices: BTreeMap<String, RawDevice>) -> Result<StreamPolicy, ConfigError> {
+fn parse_streams(
+    streams: Vec<RawStream>,
+    devices: BTreeMap<String, RawDevice>,
+) -> Result<StreamPolicy, ConfigError> {
     let mut configured = BTreeSet::new();
     for (i, s) in streams.into_iter().enumerate() {
         if !valid_stream_name(&s.name) {
-            return Err(ConfigError::key(format!("streams[{i}].name"), format!("`{}` is not [A-Za-z0-9_.-]{{1,64}}", s.name)));
+            return Err(ConfigError::key(
+                format!("streams[{i}].name"),
+                format!("`{}` is not [A-Za-z0-9_.-]{{1,64}}", s.name),
+            ));
         }
         configured.insert(s.name);
     }
     let mut device_allow = BTreeMap::new();
     for (id, dev) in devices {
         if !valid_device_id(&id) {
-            return Err(ConfigError::key(format!("devices.{id}"), "device id is not [A-Za-z0-9_.-]{1,128}"));
+            return Err(ConfigError::key(
+                format!("devices.{id}"),
+                "device id is not [A-Za-z0-9_.-]{1,128}",
+            ));
         }
         let Some(list) = dev.streams else { continue };
         let mut allowed = BTreeSet::new();
         for name in list {
             let key = format!("devices.{id}.streams");
             if !valid_stream_name(&name) {
-                return Err(ConfigError::key(key, format!("`{name}` is not a valid stream name")));
+                return Err(ConfigError::key(
+                    key,
+                    format!("`{name}` is not a valid stream name"),
+                ));
             }
             if !configured.is_empty() && !configured.contains(&name) {
-                return Err(ConfigError::key(key, format!("`{name}` is not a configured [[streams]] name")));
+                return Err(ConfigError::key(
+                    key,
+                    format!("`{name}` is not a configured [[streams]] name"),
+                ));
             }
             allowed.insert(name);
         }
         device_allow.insert(id, allowed);
     }
-    Ok(StreamPolicy { configured, device_allow })
+    Ok(StreamPolicy {
+        configured,
+        device_allow,
+    })
 }
 
 fn parse_tokens(tokens: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
     let tokens = tokens.unwrap_or_default();
-    if let Some(i) = tokens.iter().position(|t| t.len() < 16 || t.chars().any(char::is_whitespace)) {
-        return Err(ConfigError::key(format!("http.reader_tokens[{i}]"), "tokens must be at least 16 characters, without spaces"));
+    if let Some(i) = tokens
+        .iter()
+        .position(|t| t.len() < 16 || t.chars().any(char::is_whitespace))
+    {
+        return Err(ConfigError::key(
+            format!("http.reader_tokens[{i}]"),
+            "tokens must be at least 16 characters, without spaces",
+        ));
     }
     Ok(tokens)
 }
@@ -439,7 +573,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("`{s}` is not a byte size such as 512MiB"))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a byte size such as 512MiB"))?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "KiB" => 1 << 10,
@@ -450,13 +586,19 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "MB" => 1_000_000,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
-        other => return Err(format!("unknown size unit `{other}` in `{s}`; use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB")),
+        other => {
+            return Err(format!(
+                "unknown size unit `{other}` in `{s}`; use B, KiB, MiB, GiB, TiB, kB, MB, GB or TB"
+            ));
+        }
     };
-    n.checked_mul(mult).ok_or_else(|| format!("`{s}` overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("`{s}` overflows"))
 }
 
 fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(s.trim()).map_err(|e| ConfigError::key(key, format!("`{s}` is not a duration such as 1ms: {e}")))
+    humantime::parse_duration(s.trim())
+        .map_err(|e| ConfigError::key(key, format!("`{s}` is not a duration such as 1ms: {e}")))
 }
 
 #[cfg(test)]
@@ -533,13 +675,34 @@ mod tests {
     #[test]
     fn bad_values_name_their_key() {
         assert_eq!(problem_key("[listen]\nquic = \"x\""), "data_dir");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[listen]\nquic = \"nope\""), "listen.quic");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[wal]\nsegment_bytes_max = \"12 parsecs\""), "wal.segment_bytes_max");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[wal]\ngroup_commit_linger = \"soon\""), "wal.group_commit_linger");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[tier2]\nurl = \"ftp://x\""), "tier2.url");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[[streams]]\nname = \"../etc\""), "streams[0].name");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[tls]\nca = \"a\""), "tls.cert");
-        assert_eq!(problem_key("data_dir = \"/d\"\n[http]\nreader_tokens = [\"short\"]"), "http.reader_tokens[0]");
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[listen]\nquic = \"nope\""),
+            "listen.quic"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[wal]\nsegment_bytes_max = \"12 parsecs\""),
+            "wal.segment_bytes_max"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[wal]\ngroup_commit_linger = \"soon\""),
+            "wal.group_commit_linger"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[tier2]\nurl = \"ftp://x\""),
+            "tier2.url"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[[streams]]\nname = \"../etc\""),
+            "streams[0].name"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[tls]\nca = \"a\""),
+            "tls.cert"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[http]\nreader_tokens = [\"short\"]"),
+            "http.reader_tokens[0]"
+        );
         let allow = "data_dir = \"/d\"\n[[streams]]\nname = \"a\"\n[devices.d1]\nstreams = [\"b\"]";
         assert_eq!(problem_key(allow), "devices.d1.streams");
         let mem = "data_dir = \"/d\"\n[ingest]\nmemory_bytes_max = \"1MiB\"";
@@ -548,19 +711,38 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_rejected() {
-        assert!(matches!(HubConfig::from_toml("data_dir = \"/d\"\n[wal]\nsegment_size = 3"), Err(ConfigError::Read(_))));
+        assert!(matches!(
+            HubConfig::from_toml("data_dir = \"/d\"\n[wal]\nsegment_size = 3"),
+            Err(ConfigError::Read(_))
+        ));
     }
 
     #[test]
     fn env_overrides_scalars() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("hub.toml");
-        std::fs::write(&path, "data_dir = \"/d\"\n[listen]\nquic = \"0.0.0.0:7400\"\n").unwrap();
+        std::fs::write(
+            &path,
+            "data_dir = \"/d\"\n[listen]\nquic = \"0.0.0.0:7400\"\n",
+        )
+        .unwrap();
         let mut env = config::Map::new();
-        env.insert("TRIBUTARY_HUB__LISTEN__QUIC".to_string(), "127.0.0.1:7999".to_string());
-        env.insert("TRIBUTARY_HUB__DATA_DIR".to_string(), "/elsewhere".to_string());
-        env.insert("TRIBUTARY_HUB__INGEST__RECORDS_PER_BLOCK_MAX".to_string(), "77".to_string());
-        env.insert("TRIBUTARY_HUB__WAL__GROUP_COMMIT_LINGER".to_string(), "3ms".to_string());
+        env.insert(
+            "TRIBUTARY_HUB__LISTEN__QUIC".to_string(),
+            "127.0.0.1:7999".to_string(),
+        );
+        env.insert(
+            "TRIBUTARY_HUB__DATA_DIR".to_string(),
+            "/elsewhere".to_string(),
+        );
+        env.insert(
+            "TRIBUTARY_HUB__INGEST__RECORDS_PER_BLOCK_MAX".to_string(),
+            "77".to_string(),
+        );
+        env.insert(
+            "TRIBUTARY_HUB__WAL__GROUP_COMMIT_LINGER".to_string(),
+            "3ms".to_string(),
+        );
         let c = HubConfig::load_with_env(Some(&path), Some(env)).unwrap();
         assert_eq!(c.listen.quic, "127.0.0.1:7999".parse().unwrap());
         assert_eq!(c.data_dir, PathBuf::from("/elsewhere"));
@@ -572,9 +754,15 @@ mod tests {
     fn env_bad_value_names_key() {
         let mut env = config::Map::new();
         env.insert("TRIBUTARY_HUB__DATA_DIR".to_string(), "/d".to_string());
-        env.insert("TRIBUTARY_HUB__LISTEN__HTTP".to_string(), "nowhere".to_string());
+        env.insert(
+            "TRIBUTARY_HUB__LISTEN__HTTP".to_string(),
+            "nowhere".to_string(),
+        );
         let err = HubConfig::load_with_env(None, Some(env)).unwrap_err();
-        assert!(matches!(err, ConfigError::Key { ref key, .. } if key == "listen.http"), "{err}");
+        assert!(
+            matches!(err, ConfigError::Key { ref key, .. } if key == "listen.http"),
+            "{err}"
+        );
     }
 
     #[test]

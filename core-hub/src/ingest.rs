@@ -47,7 +47,9 @@
 
 use crate::catalog::{BacklogRow, Catalog, CatalogError, DeviceId, GapRow, StreamId};
 use crate::config::{HubConfig, StreamPolicy, valid_device_id, valid_stream_name};
-use crate::wal::{self, AppendDone, AppendRequest, CommitError, GapRequest, WalHandle, WalOpenError, WalReader};
+use crate::wal::{
+    self, AppendDone, AppendRequest, CommitError, GapRequest, WalHandle, WalOpenError, WalReader,
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -64,7 +66,10 @@ pub const MEMORY_PERMIT_BYTES: u64 = 1024;
 #[derive(Debug, Error)]
 pub enum OpenError {
     #[error("cannot create {path}: {source}")]
-    DataDir { path: std::path::PathBuf, source: std::io::Error },
+    DataDir {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Catalog(#[from] CatalogError),
     #[error(transparent)]
@@ -94,7 +99,9 @@ pub enum IngestError {
     BadGap { first: u64, last: u64 },
     #[error("block out of order: expected seq {expected} next")]
     OutOfOrder { expected: u64 },
-    #[error("seqs {first_seq}..={last_seq} were committed with different content; the device is fenced")]
+    #[error(
+        "seqs {first_seq}..={last_seq} were committed with different content; the device is fenced"
+    )]
     Conflict { first_seq: u64, last_seq: u64 },
     #[error("tier 1 unavailable: {0}")]
     Unavailable(CommitError),
@@ -127,7 +134,10 @@ impl IngestError {
     /// Whether the peer sent something it should not have; the driver disconnects it.
     /// The others (`unavailable`, `catalog`, `internal`) are the hub's own trouble.
     pub fn is_peer_fault(&self) -> bool {
-        !matches!(self, IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_))
+        !matches!(
+            self,
+            IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_)
+        )
     }
 }
 
@@ -141,7 +151,11 @@ impl From<CatalogError> for IngestError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommitOutcome {
     /// Appended and durable. `trimmed` records at or below the old mark were skipped.
-    Committed { durable_seq: u64, hub_offset_base: u64, trimmed: u32 },
+    Committed {
+        durable_seq: u64,
+        hub_offset_base: u64,
+        trimmed: u32,
+    },
     /// Everything in it was already durable; the ack is idempotent.
     Duplicate { durable_seq: u64 },
 }
@@ -150,7 +164,8 @@ impl CommitOutcome {
     /// The durable mark to acknowledge.
     pub fn durable_seq(&self) -> u64 {
         match *self {
-            CommitOutcome::Committed { durable_seq, .. } | CommitOutcome::Duplicate { durable_seq } => durable_seq,
+            CommitOutcome::Committed { durable_seq, .. }
+            | CommitOutcome::Duplicate { durable_seq } => durable_seq,
         }
     }
 }
@@ -230,9 +245,20 @@ struct KeyCell {
 
 impl KeyCell {
     fn new(durable: u64) -> Arc<KeyCell> {
-        let state = KeyState { durable, accepted: durable, pending: VecDeque::new() };
-        let (durable_tx, _) = watch::channel(Durable { seq: durable, failed: false });
-        Arc::new(KeyCell { order: tokio::sync::Mutex::new(()), state: Mutex::new(state), durable_tx })
+        let state = KeyState {
+            durable,
+            accepted: durable,
+            pending: VecDeque::new(),
+        };
+        let (durable_tx, _) = watch::channel(Durable {
+            seq: durable,
+            failed: false,
+        });
+        Arc::new(KeyCell {
+            order: tokio::sync::Mutex::new(()),
+            state: Mutex::new(state),
+            durable_tx,
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, KeyState> {
@@ -248,7 +274,10 @@ impl KeyCell {
             s.pending.pop_front();
         }
         drop(s);
-        self.durable_tx.send_replace(Durable { seq: durable, failed: false });
+        self.durable_tx.send_replace(Durable {
+            seq: durable,
+            failed: false,
+        });
     }
 
     fn mark_failed(&self) {
@@ -263,7 +292,11 @@ impl KeyCell {
             .wait_for(|d| d.failed || d.seq >= seq)
             .await
             .map_err(|_| IngestError::Unavailable(CommitError::Stopped))?;
-        if d.seq >= seq { Ok(d.seq) } else { Err(IngestError::Unavailable(CommitError::Poisoned)) }
+        if d.seq >= seq {
+            Ok(d.seq)
+        } else {
+            Err(IngestError::Unavailable(CommitError::Poisoned))
+        }
     }
 }
 
@@ -346,7 +379,10 @@ pub struct PendingCommit {
 }
 
 enum Wait {
-    Duplicate { cell: Arc<KeyCell>, last: u64 },
+    Duplicate {
+        cell: Arc<KeyCell>,
+        last: u64,
+    },
     Append {
         rx: oneshot::Receiver<Result<AppendDone, CommitError>>,
         count: u32,
@@ -368,19 +404,35 @@ impl PendingCommit {
     pub async fn wait(self) -> Result<CommitOutcome, IngestError> {
         let stats = self.stats;
         let result = match self.wait {
-            Wait::Duplicate { cell, last } => {
-                cell.wait_durable(last).await.map(|durable_seq| CommitOutcome::Duplicate { durable_seq })
-            }
-            Wait::Append { rx, count, bytes, trimmed, _permit } => {
-                let done = rx.await.unwrap_or(Err(CommitError::Stopped)).map_err(IngestError::Unavailable);
+            Wait::Duplicate { cell, last } => cell
+                .wait_durable(last)
+                .await
+                .map(|durable_seq| CommitOutcome::Duplicate { durable_seq }),
+            Wait::Append {
+                rx,
+                count,
+                bytes,
+                trimmed,
+                _permit,
+            } => {
+                let done = rx
+                    .await
+                    .unwrap_or(Err(CommitError::Stopped))
+                    .map_err(IngestError::Unavailable);
                 done.map(|done| {
                     stats.blocks_committed.fetch_add(1, Ordering::Relaxed);
-                    stats.records_committed.fetch_add(u64::from(count), Ordering::Relaxed);
+                    stats
+                        .records_committed
+                        .fetch_add(u64::from(count), Ordering::Relaxed);
                     stats.bytes_committed.fetch_add(bytes, Ordering::Relaxed);
                     if trimmed > 0 {
                         stats.trimmed_blocks.fetch_add(1, Ordering::Relaxed);
                     }
-                    CommitOutcome::Committed { durable_seq: done.last_seq, hub_offset_base: done.hub_offset_base, trimmed }
+                    CommitOutcome::Committed {
+                        durable_seq: done.last_seq,
+                        hub_offset_base: done.hub_offset_base,
+                        trimmed,
+                    }
                 })
             }
         };
@@ -410,9 +462,14 @@ impl Hub {
     }
 
     /// As [`Hub::open`], with a fault-injection hook in the WAL writer (crash tests).
-    pub fn open_with_faults(cfg: &HubConfig, faults: Option<wal::FaultHook>) -> Result<Arc<Hub>, OpenError> {
-        std::fs::create_dir_all(&cfg.data_dir)
-            .map_err(|source| OpenError::DataDir { path: cfg.data_dir.clone(), source })?;
+    pub fn open_with_faults(
+        cfg: &HubConfig,
+        faults: Option<wal::FaultHook>,
+    ) -> Result<Arc<Hub>, OpenError> {
+        std::fs::create_dir_all(&cfg.data_dir).map_err(|source| OpenError::DataDir {
+            path: cfg.data_dir.clone(),
+            source,
+        })?;
         let lock = lock_data_dir(&cfg.data_dir)?;
         let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
         let streams = catalog.streams()?;
@@ -441,7 +498,9 @@ impl Hub {
             .into_iter()
             .map(|m| ((m.device, m.epoch, m.stream), KeyCell::new(m.durable_seq)))
             .collect();
-        let memory_permits = u32::try_from(cfg.ingest.memory_bytes_max / MEMORY_PERMIT_BYTES).unwrap_or(u32::MAX).max(1);
+        let memory_permits = u32::try_from(cfg.ingest.memory_bytes_max / MEMORY_PERMIT_BYTES)
+            .unwrap_or(u32::MAX)
+            .max(1);
         Ok(Arc::new(Hub {
             policy: cfg.streams.clone(),
             limits: cfg.decode_limits(),
@@ -462,7 +521,14 @@ impl Hub {
 
     /// The durable marks of `device`, for the handshake.
     pub fn marks(&self, device: &str) -> Vec<Mark> {
-        let Some(id) = self.names.read().expect("names lock").devices.get(device).copied() else {
+        let Some(id) = self
+            .names
+            .read()
+            .expect("names lock")
+            .devices
+            .get(device)
+            .copied()
+        else {
             return Vec::new();
         };
         let rows = match self.catalog.marks_of(id) {
@@ -497,7 +563,11 @@ impl Hub {
 
     /// The highest epoch the hub has seen from `device` (0 if none).
     pub fn epoch_max(&self, device: &str) -> u64 {
-        self.marks(device).iter().map(|m| m.epoch).max().unwrap_or(0)
+        self.marks(device)
+            .iter()
+            .map(|m| m.epoch)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Stored checksums of committed ranges of `(device, stream, epoch)` with
@@ -517,26 +587,42 @@ impl Hub {
         };
         drop(names);
         let mut ranges = self.catalog.ranges_from(d, epoch, s, from, limit)?;
-        let durable = self.keys.lock().expect("keys lock").get(&(d, epoch, s)).map(|c| c.lock().durable);
+        let durable = self
+            .keys
+            .lock()
+            .expect("keys lock")
+            .get(&(d, epoch, s))
+            .map(|c| c.lock().durable);
         if let Some(mark) = durable.filter(|&m| m > 0)
             && !ranges.iter().any(|&(_, l, _)| l == mark)
             && let Some(r) = self.catalog.range_ending_at(d, epoch, s, mark)?
         {
             ranges.push(r);
         }
-        let to_range = |(first_seq, last_seq, checksum)| sync::protocol::RangeChecksum { first_seq, last_seq, checksum };
+        let to_range = |(first_seq, last_seq, checksum)| sync::protocol::RangeChecksum {
+            first_seq,
+            last_seq,
+            checksum,
+        };
         Ok(ranges.into_iter().map(to_range).collect())
     }
 
     /// The fence reason, if `device` is fenced.
     pub fn is_fenced(&self, device: &str) -> Option<String> {
-        self.fenced.read().expect("fenced lock").get(device).cloned()
+        self.fenced
+            .read()
+            .expect("fenced lock")
+            .get(device)
+            .cloned()
     }
 
     /// Fences `device`: every later block is refused until an operator clears it.
     pub fn fence(&self, device: &str, reason: &str) {
         tracing::error!(device, reason, alarm = "device_fenced", "fencing device");
-        self.fenced.write().expect("fenced lock").insert(device.to_string(), reason.to_string());
+        self.fenced
+            .write()
+            .expect("fenced lock")
+            .insert(device.to_string(), reason.to_string());
         match self.device_id(device) {
             Ok(id) => {
                 if let Err(e) = self.catalog.set_fenced(id, Some(reason)) {
@@ -557,13 +643,25 @@ impl Hub {
 
     /// Records that `device` was heard from now. Stored with the next group commit.
     pub fn touch(&self, device: &str) {
-        let Ok(id) = self.device_id(device) else { return };
+        let Ok(id) = self.device_id(device) else {
+            return;
+        };
         let now = now_ns();
-        self.wal.deferred().lock().expect("deferred lock").contacts.insert(id, now);
+        self.wal
+            .deferred()
+            .lock()
+            .expect("deferred lock")
+            .contacts
+            .insert(id, now);
     }
 
     /// Stores the latest backlog `device` reported for `stream`.
-    pub fn record_backlog(&self, device: &str, stream: &str, report: BacklogReport) -> Result<(), IngestError> {
+    pub fn record_backlog(
+        &self,
+        device: &str,
+        stream: &str,
+        report: BacklogReport,
+    ) -> Result<(), IngestError> {
         self.authorize(device, stream)?;
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
         let row = BacklogRow {
@@ -608,7 +706,9 @@ impl Hub {
             return cell.wait_durable(last).await;
         }
         if first > accepted + 1 {
-            return Err(IngestError::OutOfOrder { expected: accepted + 1 });
+            return Err(IngestError::OutOfOrder {
+                expected: accepted + 1,
+            });
         }
         let gap = GapRow {
             device: d,
@@ -629,16 +729,27 @@ impl Hub {
             let _ = tx.send(r);
         });
         cell.lock().accepted = last;
-        self.wal.gap(GapRequest { gap, new_mark: Some(last), done });
+        self.wal.gap(GapRequest {
+            gap,
+            new_mark: Some(last),
+            done,
+        });
         drop(order);
         self.stats.gaps.fetch_add(1, Ordering::Relaxed);
-        rx.await.map_err(|_| IngestError::Unavailable(CommitError::Stopped))?.map_err(IngestError::Unavailable)?;
+        rx.await
+            .map_err(|_| IngestError::Unavailable(CommitError::Stopped))?
+            .map_err(IngestError::Unavailable)?;
         Ok(last)
     }
 
     /// Commits one block from `device` to `stream`; see the module docs for the steps.
     /// Equivalent to [`Hub::submit_block`] followed by [`PendingCommit::wait`].
-    pub async fn commit_block(&self, device: &str, stream: &str, block: &[u8]) -> Result<CommitOutcome, IngestError> {
+    pub async fn commit_block(
+        &self,
+        device: &str,
+        stream: &str,
+        block: &[u8],
+    ) -> Result<CommitOutcome, IngestError> {
         match self.submit_block(device, stream, block).await {
             Ok(pending) => pending.wait().await,
             Err(e) => Err(e),
@@ -650,7 +761,12 @@ impl Hub {
     ///
     /// This is how a driver pipelines one stream: submit blocks one after another, in seq
     /// order, and wait for their durability concurrently.
-    pub async fn submit_block(&self, device: &str, stream: &str, block: &[u8]) -> Result<PendingCommit, IngestError> {
+    pub async fn submit_block(
+        &self,
+        device: &str,
+        stream: &str,
+        block: &[u8],
+    ) -> Result<PendingCommit, IngestError> {
         let result = async {
             self.admit(device, stream)?;
             let header = self.verify(block)?;
@@ -666,7 +782,12 @@ impl Hub {
     /// (`sync::protocol::CommitItem::Block`), without decoding it again. The seq checks of
     /// step 4 still run here, against the hub-wide mark: another connection of the same device
     /// may have moved it.
-    pub async fn commit_verified(&self, device: &str, stream: &str, vb: VerifiedBlock) -> Result<CommitOutcome, IngestError> {
+    pub async fn commit_verified(
+        &self,
+        device: &str,
+        stream: &str,
+        vb: VerifiedBlock,
+    ) -> Result<CommitOutcome, IngestError> {
         match self.submit_verified(device, stream, vb).await {
             Ok(pending) => pending.wait().await,
             Err(e) => Err(e),
@@ -674,7 +795,12 @@ impl Hub {
     }
 
     /// As [`Hub::submit_block`], for a block the protocol receiver already verified.
-    pub async fn submit_verified(&self, device: &str, stream: &str, vb: VerifiedBlock) -> Result<PendingCommit, IngestError> {
+    pub async fn submit_verified(
+        &self,
+        device: &str,
+        stream: &str,
+        vb: VerifiedBlock,
+    ) -> Result<PendingCommit, IngestError> {
         let result = async {
             self.admit(device, stream)?;
             let first = vb.header.first_seq.max(vb.skip_through.saturating_add(1));
@@ -683,7 +809,11 @@ impl Hub {
                 return Err(IngestError::ReservedSeq);
             }
             if expected != Some(vb.records.len() as u64) {
-                let msg = format!("{} records for seqs {first}..={}", vb.records.len(), vb.header.last_seq());
+                let msg = format!(
+                    "{} records for seqs {first}..={}",
+                    vb.records.len(),
+                    vb.header.last_seq()
+                );
                 return Err(IngestError::Internal(msg));
             }
             let permit = self.reserve(block_cost(vb.block.len(), &vb.header)).await?;
@@ -703,7 +833,12 @@ impl Hub {
         self.count_rejection(device, stream, result)
     }
 
-    fn count_rejection<T>(&self, device: &str, stream: &str, result: Result<T, IngestError>) -> Result<T, IngestError> {
+    fn count_rejection<T>(
+        &self,
+        device: &str,
+        stream: &str,
+        result: Result<T, IngestError>,
+    ) -> Result<T, IngestError> {
         if let Err(e) = &result {
             self.stats.rejected.fetch_add(1, Ordering::Relaxed);
             tracing::debug!(device, stream, code = e.code(), error = %e, "block rejected");
@@ -727,12 +862,27 @@ impl Hub {
         match self.plan(device, d, s, &cell, dec).await? {
             Plan::Duplicate { last } => {
                 stats.duplicates.fetch_add(1, Ordering::Relaxed);
-                Ok(PendingCommit { stats, wait: Wait::Duplicate { cell: cell.clone(), last } })
+                Ok(PendingCommit {
+                    stats,
+                    wait: Wait::Duplicate {
+                        cell: cell.clone(),
+                        last,
+                    },
+                })
             }
             Plan::Append(a) => {
                 let (count, bytes, trimmed) = (a.count, a.block.len() as u64, a.trimmed);
                 let rx = self.enqueue(&cell, d, s, epoch, a);
-                Ok(PendingCommit { stats, wait: Wait::Append { rx, count, bytes, trimmed, _permit: permit } })
+                Ok(PendingCommit {
+                    stats,
+                    wait: Wait::Append {
+                        rx,
+                        count,
+                        bytes,
+                        trimmed,
+                        _permit: permit,
+                    },
+                })
             }
         }
     }
@@ -754,7 +904,9 @@ impl Hub {
     /// Whether `device` may write `stream`: a valid, configured name on its allow-list.
     pub fn authorize(&self, device: &str, stream: &str) -> Result<(), IngestError> {
         if !valid_stream_name(stream) {
-            return Err(IngestError::BadStreamName(stream.chars().take(80).collect()));
+            return Err(IngestError::BadStreamName(
+                stream.chars().take(80).collect(),
+            ));
         }
         if !self.policy.allows(device, stream) {
             return Err(IngestError::Unauthorized(stream.to_string()));
@@ -765,9 +917,13 @@ impl Hub {
     /// Step 1: size and checksums, without decompressing.
     fn verify(&self, block: &[u8]) -> Result<BlockHeader, IngestError> {
         if block.len() > self.block_bytes_max {
-            return Err(IngestError::TooLarge { len: block.len(), limit: self.block_bytes_max });
+            return Err(IngestError::TooLarge {
+                len: block.len(),
+                limit: self.block_bytes_max,
+            });
         }
-        let header = block::verify_block(block, &self.limits).map_err(|e| IngestError::BadBlock(e.to_string()))?;
+        let header = block::verify_block(block, &self.limits)
+            .map_err(|e| IngestError::BadBlock(e.to_string()))?;
         if header.first_seq == 0 {
             return Err(IngestError::ReservedSeq);
         }
@@ -776,7 +932,9 @@ impl Hub {
 
     /// Reserves `bytes` of the ingest budget, waiting while it is spent.
     async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
-        let permits = bytes.div_ceil(MEMORY_PERMIT_BYTES).clamp(1, u64::from(self.memory_permits)) as u32;
+        let permits = bytes
+            .div_ceil(MEMORY_PERMIT_BYTES)
+            .clamp(1, u64::from(self.memory_permits)) as u32;
         self.memory
             .clone()
             .acquire_many_owned(permits)
@@ -824,7 +982,9 @@ impl Hub {
             (st.accepted, st.pending.clone())
         };
         if first > accepted + 1 {
-            return Err(IngestError::OutOfOrder { expected: accepted + 1 });
+            return Err(IngestError::OutOfOrder {
+                expected: accepted + 1,
+            });
         }
         if first <= accepted {
             self.check_conflicts(device, d, s, &dec, accepted, &pending)?;
@@ -859,17 +1019,26 @@ impl Hub {
     ) -> Result<(), IngestError> {
         let (first, last) = (dec.first, dec.last());
         let hi = last.min(accepted);
-        let mut ranges: Vec<(u64, u64, u64)> =
-            pending.iter().copied().filter(|&(f, l, _)| f >= first && l <= hi).collect();
+        let mut ranges: Vec<(u64, u64, u64)> = pending
+            .iter()
+            .copied()
+            .filter(|&(f, l, _)| f >= first && l <= hi)
+            .collect();
         ranges.extend(self.catalog.contained_ranges(d, dec.epoch, s, first, hi)?);
         for (f, l, checksum) in ranges {
             let slice = &dec.records[(f - first) as usize..=(l - first) as usize];
             if content_checksum(f, slice) != checksum {
                 self.stats.conflicts.fetch_add(1, Ordering::Relaxed);
                 let stream = self.stream_name(s).unwrap_or_default();
-                let reason = format!("conflicting content for stream {stream} epoch {} seqs {f}..={l}", dec.epoch);
+                let reason = format!(
+                    "conflicting content for stream {stream} epoch {} seqs {f}..={l}",
+                    dec.epoch
+                );
                 self.fence(device, &reason);
-                return Err(IngestError::Conflict { first_seq: f, last_seq: l });
+                return Err(IngestError::Conflict {
+                    first_seq: f,
+                    last_seq: l,
+                });
             }
         }
         Ok(())
@@ -880,7 +1049,11 @@ impl Hub {
         let task = tokio::task::spawn_blocking(move || {
             let kept = &dec.records[skip..];
             let first = dec.first + skip as u64;
-            let opts = EncodeOptions { version: dec.version, flags: dec.flags, ..EncodeOptions::default() };
+            let opts = EncodeOptions {
+                version: dec.version,
+                flags: dec.flags,
+                ..EncodeOptions::default()
+            };
             let block = block::encode_block_with(&opts, dec.epoch, first, kept)?;
             Ok::<_, block::EncodeError>(Append {
                 block,
@@ -942,7 +1115,9 @@ impl Hub {
 
     fn cell(&self, d: DeviceId, epoch: u64, s: StreamId) -> Arc<KeyCell> {
         let mut keys = self.keys.lock().expect("keys lock");
-        keys.entry((d, epoch, s)).or_insert_with(|| KeyCell::new(0)).clone()
+        keys.entry((d, epoch, s))
+            .or_insert_with(|| KeyCell::new(0))
+            .clone()
     }
 
     /// The interned id of a device, creating it on first sight.
@@ -966,7 +1141,9 @@ impl Hub {
             return Ok(id);
         }
         if !valid_stream_name(stream) {
-            return Err(IngestError::BadStreamName(stream.chars().take(80).collect()));
+            return Err(IngestError::BadStreamName(
+                stream.chars().take(80).collect(),
+            ));
         }
         let id = self.catalog.intern_stream(stream)?;
         let mut names = self.names.write().expect("names lock");
@@ -977,17 +1154,32 @@ impl Hub {
 
     /// A known stream's id, without creating it.
     pub fn lookup_stream(&self, stream: &str) -> Option<StreamId> {
-        self.names.read().expect("names lock").streams.get(stream).copied()
+        self.names
+            .read()
+            .expect("names lock")
+            .streams
+            .get(stream)
+            .copied()
     }
 
     /// The name of a device id.
     pub fn device_name(&self, id: DeviceId) -> Option<String> {
-        self.names.read().expect("names lock").device_names.get(&id).cloned()
+        self.names
+            .read()
+            .expect("names lock")
+            .device_names
+            .get(&id)
+            .cloned()
     }
 
     /// The name of a stream id.
     pub fn stream_name(&self, id: StreamId) -> Option<String> {
-        self.names.read().expect("names lock").stream_names.get(&id).cloned()
+        self.names
+            .read()
+            .expect("names lock")
+            .stream_names
+            .get(&id)
+            .cloned()
     }
 
     /// The catalog, for the API and tools.
@@ -1019,7 +1211,8 @@ impl Hub {
     /// Ingest memory currently reserved, in bytes.
     pub fn memory_in_use_bytes(&self) -> u64 {
         let free = self.memory.available_permits() as u64;
-        (u64::from(self.memory_permits) - free.min(u64::from(self.memory_permits))) * MEMORY_PERMIT_BYTES
+        (u64::from(self.memory_permits) - free.min(u64::from(self.memory_permits)))
+            * MEMORY_PERMIT_BYTES
     }
 
     /// The decode limits in force.
@@ -1051,8 +1244,16 @@ impl Drop for Hub {
 /// Takes the exclusive lock on `data_dir/hub.lock`.
 fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, OpenError> {
     let path = dir.join("hub.lock");
-    let io = |source| OpenError::DataDir { path: path.clone(), source };
-    let file = std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io)?;
+    let io = |source| OpenError::DataDir {
+        path: path.clone(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(io)?;
     match file.try_lock() {
         Ok(()) => Ok(file),
         Err(std::fs::TryLockError::WouldBlock) => Err(OpenError::Locked(path)),
@@ -1061,7 +1262,10 @@ fn lock_data_dir(dir: &std::path::Path) -> Result<std::fs::File, OpenError> {
 }
 
 fn now_ns() -> i64 {
-    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as i64)
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -1070,7 +1274,11 @@ mod tests {
     use sync::record::Value;
 
     fn rec(key: &str, ts: i64, v: Value) -> Record {
-        Record { key: key.into(), ts, fields: vec![("v".into(), v)] }
+        Record {
+            key: key.into(),
+            ts,
+            fields: vec![("v".into(), v)],
+        }
     }
 
     #[test]
@@ -1101,7 +1309,10 @@ mod tests {
             IngestError::ReservedSeq,
             IngestError::BadGap { first: 0, last: 0 },
             IngestError::OutOfOrder { expected: 0 },
-            IngestError::Conflict { first_seq: 0, last_seq: 0 },
+            IngestError::Conflict {
+                first_seq: 0,
+                last_seq: 0,
+            },
             IngestError::Unavailable(CommitError::Poisoned),
             IngestError::Catalog(String::new()),
             IngestError::Internal(String::new()),
@@ -1109,6 +1320,12 @@ mod tests {
         let codes: std::collections::HashSet<_> = errs.iter().map(IngestError::code).collect();
         assert_eq!(codes.len(), errs.len());
         assert!(!IngestError::Unavailable(CommitError::Poisoned).is_peer_fault());
-        assert!(IngestError::Conflict { first_seq: 1, last_seq: 1 }.is_peer_fault());
+        assert!(
+            IngestError::Conflict {
+                first_seq: 1,
+                last_seq: 1
+            }
+            .is_peer_fault()
+        );
     }
 }

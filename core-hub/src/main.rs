@@ -14,7 +14,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 #[derive(Parser, Debug)]
-#[command(name = "core-hub", version, about = "Tributary hub: tier-1 log, reader API and PKI")]
+#[command(
+    name = "core-hub",
+    version,
+    about = "Tributary hub: tier-1 log, reader API and PKI"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -118,7 +122,13 @@ fn main() -> Result<()> {
     match cli.cmd {
         Cmd::Run { config } => run(&config),
         Cmd::Pki { cmd } => pki_cmd(cmd),
-        Cmd::Read { stream, from, format, limit, target } => {
+        Cmd::Read {
+            stream,
+            from,
+            format,
+            limit,
+            target,
+        } => {
             if format != "ndjson" {
                 bail!("--format {format} is not supported; use ndjson");
             }
@@ -130,7 +140,9 @@ fn main() -> Result<()> {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread().enable_all().build()?)
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 fn run(config: &Path) -> Result<()> {
@@ -181,13 +193,14 @@ async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
@@ -203,13 +216,34 @@ fn pki_cmd(cmd: PkiCmd) -> Result<()> {
     match cmd {
         PkiCmd::Init { dir, sans, force } => {
             let out = pki::init(&dir, &sans, force)?;
-            println!("wrote {}, {}, {}, {}", out.ca_pem.display(), out.ca_key.display(), out.hub_pem.display(), out.hub_key.display());
+            println!(
+                "wrote {}, {}, {}, {}",
+                out.ca_pem.display(),
+                out.ca_key.display(),
+                out.hub_pem.display(),
+                out.hub_key.display()
+            );
         }
-        PkiCmd::Issue { dir, device, out, years } => {
+        PkiCmd::Issue {
+            dir,
+            device,
+            out,
+            years,
+        } => {
             let o = pki::issue_with_years(&dir, &device, &out, years)?;
-            println!("wrote {}, {}, {} (serial {})", o.ca_pem.display(), o.device_pem.display(), o.device_key.display(), o.serial);
+            println!(
+                "wrote {}, {}, {} (serial {})",
+                o.ca_pem.display(),
+                o.device_pem.display(),
+                o.device_key.display(),
+                o.serial
+            );
         }
-        PkiCmd::Revoke { dir, device, serial } => {
+        PkiCmd::Revoke {
+            dir,
+            device,
+            serial,
+        } => {
             let path = pki::revoke(&dir, &device, serial.as_deref())?;
             println!("revoked {device} in {}", path.display());
         }
@@ -222,8 +256,12 @@ fn api_target(t: &Target) -> Result<ApiTarget> {
         (Some(url), _) => Ok(ApiTarget::parse(url, t.token.clone())?),
         (None, config) => {
             let path = config.clone().unwrap_or_else(|| PathBuf::from("hub.toml"));
-            let cfg = HubConfig::load(&path).with_context(|| format!("loading {}", path.display()))?;
-            let token = t.token.clone().or_else(|| cfg.http.reader_tokens.first().cloned());
+            let cfg =
+                HubConfig::load(&path).with_context(|| format!("loading {}", path.display()))?;
+            let token = t
+                .token
+                .clone()
+                .or_else(|| cfg.http.reader_tokens.first().cloned());
             Ok(ApiTarget::from_listen(cfg.listen.http, token))
         }
     }
@@ -234,7 +272,8 @@ async fn read(stream: &str, from: &str, limit: Option<u64>, t: &Target) -> Resul
     let mut from = if from == "start" {
         0
     } else {
-        from.parse::<u64>().with_context(|| format!("--from {from}: use `start` or a hub offset"))?
+        from.parse::<u64>()
+            .with_context(|| format!("--from {from}: use `start` or a hub offset"))?
     };
     let mut left = limit.unwrap_or(u64::MAX);
     let stdout = std::io::stdout();
@@ -243,7 +282,11 @@ async fn read(stream: &str, from: &str, limit: Option<u64>, t: &Target) -> Resul
         let path = format!("/v1/streams/{stream}/records?from={from}&limit={page}");
         let resp = client::get(&target, &path).await?;
         if resp.status != 200 {
-            bail!("{} {}", resp.status, String::from_utf8_lossy(&resp.body).trim());
+            bail!(
+                "{} {}",
+                resp.status,
+                String::from_utf8_lossy(&resp.body).trim()
+            );
         }
         if resp.body.is_empty() {
             break;
@@ -266,7 +309,11 @@ async fn devices(t: &Target) -> Result<()> {
     let target = api_target(t)?;
     let resp = client::get(&target, "/v1/devices").await?;
     if resp.status != 200 {
-        bail!("{} {}", resp.status, String::from_utf8_lossy(&resp.body).trim());
+        bail!(
+            "{} {}",
+            resp.status,
+            String::from_utf8_lossy(&resp.body).trim()
+        );
     }
     let list: serde_json::Value = serde_json::from_slice(&resp.body)?;
     println!("{}", serde_json::to_string_pretty(&list)?);

@@ -15,28 +15,106 @@ pub fn render(hub: &Hub) -> String {
     let s = hub.stats();
     let w = hub.wal_stats();
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    counter(&mut out, "tributary_hub_blocks_committed_total", "Blocks made durable in tier 1.", load(&s.blocks_committed));
-    counter(&mut out, "tributary_hub_records_committed_total", "Records made durable in tier 1.", load(&s.records_committed));
-    counter(&mut out, "tributary_hub_block_bytes_committed_total", "Encoded block bytes made durable.", load(&s.bytes_committed));
-    counter(&mut out, "tributary_hub_duplicate_blocks_total", "Blocks acknowledged as duplicates.", load(&s.duplicates));
-    counter(&mut out, "tributary_hub_trimmed_blocks_total", "Blocks trimmed at the mark.", load(&s.trimmed_blocks));
-    counter(&mut out, "tributary_hub_conflicts_total", "Content conflicts (ALARM: a device was fenced).", load(&s.conflicts));
-    counter(&mut out, "tributary_hub_rejected_blocks_total", "Blocks refused for any reason.", load(&s.rejected));
-    counter(&mut out, "tributary_hub_gaps_total", "Gap markers recorded.", load(&s.gaps));
-    counter(&mut out, "tributary_hub_wal_fsyncs_total", "WAL fdatasync calls.", load(&w.fsyncs));
-    counter(&mut out, "tributary_hub_group_commits_total", "Group commits (one catalog transaction each).", load(&w.group_commits));
-    counter(&mut out, "tributary_hub_wal_entries_total", "Blocks appended to the WAL.", load(&w.entries));
-    counter(&mut out, "tributary_hub_wal_bytes_total", "Bytes appended to the WAL.", load(&w.bytes));
-    gauge(&mut out, "tributary_hub_wal_committed_offset", "Logical WAL offset covered by the committed marks.", load(&w.committed_end));
-    gauge(&mut out, "tributary_hub_wal_poisoned", "1 once a WAL write or fsync failed.", u64::from(w.poisoned.load(Ordering::Relaxed)));
-    gauge(&mut out, "tributary_hub_ingest_memory_bytes", "Ingest memory reserved from the budget.", hub.memory_in_use_bytes());
+    counter(
+        &mut out,
+        "tributary_hub_blocks_committed_total",
+        "Blocks made durable in tier 1.",
+        load(&s.blocks_committed),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_records_committed_total",
+        "Records made durable in tier 1.",
+        load(&s.records_committed),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_block_bytes_committed_total",
+        "Encoded block bytes made durable.",
+        load(&s.bytes_committed),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_duplicate_blocks_total",
+        "Blocks acknowledged as duplicates.",
+        load(&s.duplicates),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_trimmed_blocks_total",
+        "Blocks trimmed at the mark.",
+        load(&s.trimmed_blocks),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_conflicts_total",
+        "Content conflicts (ALARM: a device was fenced).",
+        load(&s.conflicts),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_rejected_blocks_total",
+        "Blocks refused for any reason.",
+        load(&s.rejected),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_gaps_total",
+        "Gap markers recorded.",
+        load(&s.gaps),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_fsyncs_total",
+        "WAL fdatasync calls.",
+        load(&w.fsyncs),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_group_commits_total",
+        "Group commits (one catalog transaction each).",
+        load(&w.group_commits),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_entries_total",
+        "Blocks appended to the WAL.",
+        load(&w.entries),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_bytes_total",
+        "Bytes appended to the WAL.",
+        load(&w.bytes),
+    );
+    gauge(
+        &mut out,
+        "tributary_hub_wal_committed_offset",
+        "Logical WAL offset covered by the committed marks.",
+        load(&w.committed_end),
+    );
+    gauge(
+        &mut out,
+        "tributary_hub_wal_poisoned",
+        "1 once a WAL write or fsync failed.",
+        u64::from(w.poisoned.load(Ordering::Relaxed)),
+    );
+    gauge(
+        &mut out,
+        "tributary_hub_ingest_memory_bytes",
+        "Ingest memory reserved from the budget.",
+        hub.memory_in_use_bytes(),
+    );
     group_commit_histogram(&mut out, w);
     catalog_metrics(&mut out, hub);
     out
 }
 
 fn counter(out: &mut String, name: &str, help: &str, v: u64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+    );
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
@@ -45,28 +123,55 @@ fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
 
 fn group_commit_histogram(out: &mut String, w: &crate::wal::WalStats) {
     let name = "tributary_hub_group_commit_size";
-    let _ = writeln!(out, "# HELP {name} Requests per group commit.\n# TYPE {name} histogram");
+    let _ = writeln!(
+        out,
+        "# HELP {name} Requests per group commit.\n# TYPE {name} histogram"
+    );
     let mut cumulative = 0;
     for (i, bucket) in w.batch_hist.iter().enumerate() {
         cumulative += bucket.load(Ordering::Relaxed);
-        let le = if i == BATCH_BUCKETS - 1 { "+Inf".to_string() } else { (1u64 << i).to_string() };
+        let le = if i == BATCH_BUCKETS - 1 {
+            "+Inf".to_string()
+        } else {
+            (1u64 << i).to_string()
+        };
         let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
     }
-    let _ = writeln!(out, "{name}_sum {}", w.group_commit_requests.load(Ordering::Relaxed));
+    let _ = writeln!(
+        out,
+        "{name}_sum {}",
+        w.group_commit_requests.load(Ordering::Relaxed)
+    );
     let _ = writeln!(out, "{name}_count {cumulative}");
 }
 
 fn catalog_metrics(out: &mut String, hub: &Hub) {
     let devices = hub.catalog().devices().unwrap_or_default();
     let fenced = devices.iter().filter(|d| d.fence_reason.is_some()).count();
-    gauge(out, "tributary_hub_fenced_devices", "Devices fenced after a content conflict.", fenced as u64);
+    gauge(
+        out,
+        "tributary_hub_fenced_devices",
+        "Devices fenced after a content conflict.",
+        fenced as u64,
+    );
     let name = "tributary_hub_stream_next_offset";
-    let _ = writeln!(out, "# HELP {name} Next hub offset (records committed) per stream.\n# TYPE {name} gauge");
+    let _ = writeln!(
+        out,
+        "# HELP {name} Next hub offset (records committed) per stream.\n# TYPE {name} gauge"
+    );
     for s in hub.catalog().streams().unwrap_or_default() {
-        let _ = writeln!(out, "{name}{{stream=\"{}\"}} {}", escape(&s.name), s.next_offset);
+        let _ = writeln!(
+            out,
+            "{name}{{stream=\"{}\"}} {}",
+            escape(&s.name),
+            s.next_offset
+        );
     }
     let name = "tributary_hub_durable_seq";
-    let _ = writeln!(out, "# HELP {name} Durable mark per device, stream and epoch.\n# TYPE {name} gauge");
+    let _ = writeln!(
+        out,
+        "# HELP {name} Durable mark per device, stream and epoch.\n# TYPE {name} gauge"
+    );
     for m in hub.catalog().all_marks().unwrap_or_default() {
         let device = hub.device_name(m.device).unwrap_or_default();
         let stream = hub.stream_name(m.stream).unwrap_or_default();
@@ -83,5 +188,7 @@ fn catalog_metrics(out: &mut String, hub: &Hub) {
 
 /// Escapes a Prometheus label value.
 fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+    s.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }

@@ -12,12 +12,12 @@
 //! ingest).
 
 use rcgen::{
-    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose,
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
-use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::server::WebPkiClientVerifier;
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName as TlsDn, SignatureScheme};
 use std::collections::HashSet;
 use std::io::Write;
@@ -38,14 +38,19 @@ pub const REVOKED_FILE: &str = "revoked.txt";
 /// Why a PKI command failed.
 #[derive(Debug, Error)]
 pub enum PkiError {
-    #[error("{0} already exists; pass --force to replace the fleet CA (every issued certificate becomes useless)")]
+    #[error(
+        "{0} already exists; pass --force to replace the fleet CA (every issued certificate becomes useless)"
+    )]
     CaExists(PathBuf),
     #[error("device id `{0}` is not [A-Za-z0-9_.-]{{1,128}}")]
     BadDeviceId(String),
     #[error("bad subject alternative name `{0}`")]
     BadSan(String),
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("certificate generation failed: {0}")]
     Rcgen(#[from] rcgen::Error),
     #[error("{path}: {problem}")]
@@ -56,7 +61,10 @@ pub enum PkiError {
 #[derive(Debug, Error)]
 pub enum TlsError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {problem}")]
     Pem { path: PathBuf, problem: String },
     #[error("TLS configuration: {0}")]
@@ -77,7 +85,10 @@ pub enum CertIdError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {
-    move |source| PkiError::Io { path: path.to_path_buf(), source }
+    move |source| PkiError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// The files `pki init` writes.
@@ -118,7 +129,8 @@ pub fn init(dir: &Path, extra_sans: &[String], force: bool) -> Result<InitOutput
             sans.push(san.clone());
         }
     }
-    let mut hub_params = CertificateParams::new(sans).map_err(|_| PkiError::BadSan(extra_sans.join(",")))?;
+    let mut hub_params =
+        CertificateParams::new(sans).map_err(|_| PkiError::BadSan(extra_sans.join(",")))?;
     hub_params.distinguished_name = dn("tributary-hub");
     hub_params.is_ca = IsCa::ExplicitNoCa;
     hub_params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
@@ -138,7 +150,11 @@ fn ca_params() -> Result<CertificateParams, PkiError> {
     let mut p = CertificateParams::new(Vec::<String>::new())?;
     p.distinguished_name = dn("Tributary fleet CA");
     p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     set_validity(&mut p, CA_CERT_YEARS);
     Ok(p)
 }
@@ -157,7 +173,10 @@ fn set_validity(p: &mut CertificateParams, years: i32) {
 }
 
 fn current_year() -> i32 {
-    let secs = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     // Accurate to within a day at year boundaries, which the one-year margin absorbs.
     1970 + (secs / 31_556_952) as i32
 }
@@ -178,7 +197,12 @@ pub fn issue(dir: &Path, device: &str, out_dir: &Path) -> Result<IssueOutput, Pk
 }
 
 /// As [`issue`], with an explicit validity in years.
-pub fn issue_with_years(dir: &Path, device: &str, out_dir: &Path, years: i32) -> Result<IssueOutput, PkiError> {
+pub fn issue_with_years(
+    dir: &Path,
+    device: &str,
+    out_dir: &Path,
+    years: i32,
+) -> Result<IssueOutput, PkiError> {
     if !crate::config::valid_device_id(device) {
         return Err(PkiError::BadDeviceId(device.to_string()));
     }
@@ -186,10 +210,14 @@ pub fn issue_with_years(dir: &Path, device: &str, out_dir: &Path, years: i32) ->
     let ca_key_path = dir.join("ca.key");
     let ca_pem = std::fs::read_to_string(&ca_pem_path).map_err(io_err(&ca_pem_path))?;
     let ca_key_pem = std::fs::read_to_string(&ca_key_path).map_err(io_err(&ca_key_path))?;
-    let ca_key = KeyPair::from_pem(&ca_key_pem)
-        .map_err(|e| PkiError::Pem { path: ca_key_path.clone(), problem: e.to_string() })?;
-    let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key)
-        .map_err(|e| PkiError::Pem { path: ca_pem_path.clone(), problem: e.to_string() })?;
+    let ca_key = KeyPair::from_pem(&ca_key_pem).map_err(|e| PkiError::Pem {
+        path: ca_key_path.clone(),
+        problem: e.to_string(),
+    })?;
+    let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key).map_err(|e| PkiError::Pem {
+        path: ca_pem_path.clone(),
+        problem: e.to_string(),
+    })?;
 
     let mut params = CertificateParams::new(Vec::<String>::new())?;
     params.distinguished_name = dn(device);
@@ -201,7 +229,10 @@ pub fn issue_with_years(dir: &Path, device: &str, out_dir: &Path, years: i32) ->
     set_validity(&mut params, years);
     let key = KeyPair::generate()?;
     let cert = params.signed_by(&key, &issuer)?;
-    let (_, serial_hex) = cert_identity(cert.der()).map_err(|e| PkiError::Pem { path: ca_pem_path.clone(), problem: e.to_string() })?;
+    let (_, serial_hex) = cert_identity(cert.der()).map_err(|e| PkiError::Pem {
+        path: ca_pem_path.clone(),
+        problem: e.to_string(),
+    })?;
 
     std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     let out = IssueOutput {
@@ -245,7 +276,11 @@ pub fn revoke(dir: &Path, device: &str, serial: Option<&str>) -> Result<PathBuf,
         return Err(PkiError::BadDeviceId(device.to_string()));
     }
     let path = dir.join(REVOKED_FILE);
-    let mut f = std::fs::OpenOptions::new().create(true).append(true).open(&path).map_err(io_err(&path))?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&path)
+        .map_err(io_err(&path))?;
     let line = match serial {
         Some(s) => format!("{device} {s}\n"),
         None => format!("{device}\n"),
@@ -335,7 +370,11 @@ impl SharedRevocations {
     pub fn open(path: &Path) -> Result<Arc<SharedRevocations>, std::io::Error> {
         let stamp = file_stamp(path);
         let list = RevocationList::load(path)?;
-        Ok(Arc::new(SharedRevocations { path: path.to_path_buf(), list: RwLock::new(Arc::new(list)), stamp: RwLock::new(stamp) }))
+        Ok(Arc::new(SharedRevocations {
+            path: path.to_path_buf(),
+            list: RwLock::new(Arc::new(list)),
+            stamp: RwLock::new(stamp),
+        }))
     }
 
     /// The current list.
@@ -369,9 +408,13 @@ pub fn device_id_from_cert(cert: &CertificateDer<'_>) -> Result<String, CertIdEr
 
 /// The device id and the serial (lowercase hex) of a certificate.
 pub fn cert_identity(cert: &CertificateDer<'_>) -> Result<(String, String), CertIdError> {
-    let (_, parsed) =
-        x509_parser::parse_x509_certificate(cert.as_ref()).map_err(|e| CertIdError::Parse(e.to_string()))?;
-    let cn = parsed.subject().iter_common_name().next().ok_or(CertIdError::NoCommonName)?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
+        .map_err(|e| CertIdError::Parse(e.to_string()))?;
+    let cn = parsed
+        .subject()
+        .iter_common_name()
+        .next()
+        .ok_or(CertIdError::NoCommonName)?;
     let cn = cn.as_str().map_err(|_| CertIdError::BadDeviceId)?;
     if !crate::config::valid_device_id(cn) {
         return Err(CertIdError::BadDeviceId);
@@ -382,21 +425,39 @@ pub fn cert_identity(cert: &CertificateDer<'_>) -> Result<(String, String), Cert
 
 /// Reads every certificate in a PEM file.
 pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| TlsError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let certs: Result<Vec<_>, _> = rustls_pemfile::certs(&mut bytes.as_slice()).collect();
-    let certs = certs.map_err(|e| TlsError::Pem { path: path.to_path_buf(), problem: e.to_string() })?;
+    let certs = certs.map_err(|e| TlsError::Pem {
+        path: path.to_path_buf(),
+        problem: e.to_string(),
+    })?;
     if certs.is_empty() {
-        return Err(TlsError::Pem { path: path.to_path_buf(), problem: "no certificate found".into() });
+        return Err(TlsError::Pem {
+            path: path.to_path_buf(),
+            problem: "no certificate found".into(),
+        });
     }
     Ok(certs)
 }
 
 /// Reads the private key in a PEM file.
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
-    let bytes = std::fs::read(path).map_err(|source| TlsError::Io { path: path.to_path_buf(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| TlsError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     rustls_pemfile::private_key(&mut bytes.as_slice())
-        .map_err(|e| TlsError::Pem { path: path.to_path_buf(), problem: e.to_string() })?
-        .ok_or_else(|| TlsError::Pem { path: path.to_path_buf(), problem: "no private key found".into() })
+        .map_err(|e| TlsError::Pem {
+            path: path.to_path_buf(),
+            problem: e.to_string(),
+        })?
+        .ok_or_else(|| TlsError::Pem {
+            path: path.to_path_buf(),
+            problem: "no private key found".into(),
+        })
 }
 
 /// The client-certificate verifier: webpki against the fleet CA, then the revocation list.
@@ -457,9 +518,13 @@ impl ClientCertVerifier for RevocationCheckingVerifier {
         intermediates: &[CertificateDer<'_>],
         now: UnixTime,
     ) -> Result<ClientCertVerified, rustls::Error> {
-        let verified = self.inner.verify_client_cert(end_entity, intermediates, now)?;
+        let verified = self
+            .inner
+            .verify_client_cert(end_entity, intermediates, now)?;
         if self.revocations.current().is_cert_revoked(end_entity) {
-            return Err(rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked));
+            return Err(rustls::Error::InvalidCertificate(
+                rustls::CertificateError::Revoked,
+            ));
         }
         Ok(verified)
     }
@@ -502,10 +567,17 @@ mod tests {
         init(&pki, &["hub.example.net".into()], false).unwrap();
         let dev = dir.path().join("dev");
         let out = issue(&pki, "truck-0042", &dev).unwrap();
-        assert_eq!(std::fs::read(&out.ca_pem).unwrap(), std::fs::read(pki.join("ca.pem")).unwrap());
+        assert_eq!(
+            std::fs::read(&out.ca_pem).unwrap(),
+            std::fs::read(pki.join("ca.pem")).unwrap()
+        );
 
         let revs = SharedRevocations::open(&pki.join(REVOKED_FILE)).unwrap();
-        let paths = crate::config::TlsPaths { ca: pki.join("ca.pem"), cert: pki.join("hub.pem"), key: pki.join("hub.key") };
+        let paths = crate::config::TlsPaths {
+            ca: pki.join("ca.pem"),
+            cert: pki.join("hub.pem"),
+            key: pki.join("hub.key"),
+        };
         let cfg = server_tls_config(&paths, revs.clone()).unwrap();
         assert_eq!(cfg.alpn_protocols, vec![ALPN.to_vec()]);
         assert_eq!(cfg.max_early_data_size, 0);
@@ -519,7 +591,13 @@ mod tests {
         // The hub certificate names localhost, 127.0.0.1 and the extra SAN.
         let hub = load_certs(&pki.join("hub.pem")).unwrap().remove(0);
         let (_, parsed) = x509_parser::parse_x509_certificate(hub.as_ref()).unwrap();
-        let san = parsed.subject_alternative_name().unwrap().unwrap().value.general_names.len();
+        let san = parsed
+            .subject_alternative_name()
+            .unwrap()
+            .unwrap()
+            .value
+            .general_names
+            .len();
         assert_eq!(san, 3);
     }
 
@@ -540,7 +618,10 @@ mod tests {
     fn existing_ca_needs_force() {
         let dir = tempfile::tempdir().unwrap();
         init(dir.path(), &[], false).unwrap();
-        assert!(matches!(init(dir.path(), &[], false), Err(PkiError::CaExists(_))));
+        assert!(matches!(
+            init(dir.path(), &[], false),
+            Err(PkiError::CaExists(_))
+        ));
         init(dir.path(), &[], true).unwrap();
     }
 
@@ -549,7 +630,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         init(dir.path(), &[], false).unwrap();
         for bad in ["", "../x", "a b", "a/b", ".."] {
-            assert!(matches!(issue(dir.path(), bad, &dir.path().join("o")), Err(PkiError::BadDeviceId(_))));
+            assert!(matches!(
+                issue(dir.path(), bad, &dir.path().join("o")),
+                Err(PkiError::BadDeviceId(_))
+            ));
         }
     }
 

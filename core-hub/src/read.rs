@@ -17,8 +17,11 @@ use sync::record::Value;
 use thiserror::Error;
 
 /// Decode limits for blocks already committed (and checksummed twice since).
-const READ_LIMITS: sync::block::DecodeLimits =
-    sync::block::DecodeLimits { raw_bytes_max: 1 << 30, records_max: u32::MAX, body_bytes_max: 1 << 30 };
+const READ_LIMITS: sync::block::DecodeLimits = sync::block::DecodeLimits {
+    raw_bytes_max: 1 << 30,
+    records_max: u32::MAX,
+    body_bytes_max: 1 << 30,
+};
 
 /// Most blocks fetched from the index per query.
 const INDEX_PAGE_BLOCKS: usize = 256;
@@ -60,8 +63,15 @@ pub struct ReadPage {
 }
 
 /// Reads up to `limit` records of `stream` with hub offset >= `from`.
-pub fn read_records(hub: &Hub, stream: &str, from: u64, limit: usize) -> Result<ReadPage, ReadError> {
-    let sid = hub.lookup_stream(stream).ok_or_else(|| ReadError::UnknownStream(stream.to_string()))?;
+pub fn read_records(
+    hub: &Hub,
+    stream: &str,
+    from: u64,
+    limit: usize,
+) -> Result<ReadPage, ReadError> {
+    let sid = hub
+        .lookup_stream(stream)
+        .ok_or_else(|| ReadError::UnknownStream(stream.to_string()))?;
     let mut records = Vec::new();
     let mut next = from;
     while records.len() < limit {
@@ -81,9 +91,18 @@ pub fn read_records(hub: &Hub, stream: &str, from: u64, limit: usize) -> Result<
 }
 
 /// Decodes one indexed block and appends its records at or after `from`, up to `limit`.
-fn append_block(hub: &Hub, row: &BlockRow, from: u64, limit: usize, out: &mut Vec<ReadRecord>) -> Result<(), ReadError> {
+fn append_block(
+    hub: &Hub,
+    row: &BlockRow,
+    from: u64,
+    limit: usize,
+    out: &mut Vec<ReadRecord>,
+) -> Result<(), ReadError> {
     let (entry, block) = hub.wal_reader().read(row)?;
-    let mismatch = |what: String| ReadError::Mismatch { offset: row.hub_offset_base, what };
+    let mismatch = |what: String| ReadError::Mismatch {
+        offset: row.hub_offset_base,
+        what,
+    };
     let same = entry.kind == KIND_BLOCK
         && entry.device == row.device
         && entry.stream == row.stream
@@ -96,11 +115,14 @@ fn append_block(hub: &Hub, row: &BlockRow, from: u64, limit: usize, out: &mut Ve
     }
     // Committed blocks passed the ingest limits when they arrived; reading them back must not
     // fail because an operator lowered the limits since, so the reader allows the format's max.
-    let decoded = sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| mismatch(e.to_string()))?;
+    let decoded =
+        sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| mismatch(e.to_string()))?;
     if decoded.header.first_seq != row.first_seq || decoded.records.len() as u64 != row.count() {
         return Err(mismatch("block header differs from the entry".into()));
     }
-    let device = hub.device_name(row.device).unwrap_or_else(|| format!("#{}", row.device));
+    let device = hub
+        .device_name(row.device)
+        .unwrap_or_else(|| format!("#{}", row.device));
     for (i, r) in decoded.records.into_iter().enumerate() {
         let offset = row.hub_offset_base + i as u64;
         if offset < from {

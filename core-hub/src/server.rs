@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 
 use rustls::pki_types::CertificateDer;
-use sync::protocol::{
-    BacklogEntry, CommitItem, ErrorCode, FrameBuffer, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig,
-    ReceiverEvent,
-};
 use sync::protocol::Instant;
+use sync::protocol::{
+    BacklogEntry, CommitItem, ErrorCode, FrameBuffer, LaneMarks, Marks, MarksQuery, Receiver,
+    ReceiverConfig, ReceiverEvent,
+};
 use tokio::sync::{mpsc, watch};
 
 use crate::config::HubConfig;
@@ -41,7 +41,10 @@ pub enum ServeError {
     #[error("QUIC: {0}")]
     Quic(String),
     #[error("binding {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("revocation list: {0}")]
     Revocations(std::io::Error),
 }
@@ -60,7 +63,9 @@ pub fn transport_config(window_bytes: u64) -> quinn::TransportConfig {
     t.max_concurrent_uni_streams(quinn::VarInt::from_u32(1024));
     t.max_concurrent_bidi_streams(quinn::VarInt::from_u32(4));
     t.keep_alive_interval(Some(Duration::from_secs(5)));
-    t.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))));
+    t.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(
+        30_000,
+    ))));
     // BBR, not the default loss-based Cubic: devices sit on lossy cellular and satellite links
     // where random loss is not congestion; the hub sends acks and control frames, and uses the
     // same controller so both directions keep their rate under loss (issue 4, "Network faults").
@@ -82,19 +87,35 @@ pub async fn start(
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
     let tls_paths = cfg.tls.as_ref().ok_or(ServeError::NoTls)?;
-    let revoked_path = tls_paths.ca.parent().map(|d| d.join("revoked.txt")).unwrap_or_else(|| "revoked.txt".into());
+    let revoked_path = tls_paths
+        .ca
+        .parent()
+        .map(|d| d.join("revoked.txt"))
+        .unwrap_or_else(|| "revoked.txt".into());
     let revocations = SharedRevocations::open(&revoked_path).map_err(ServeError::Revocations)?;
     let tls = pki::server_tls_config(tls_paths, revocations.clone())?;
-    let quic_tls =
-        quinn::crypto::rustls::QuicServerConfig::try_from(tls).map_err(|e| ServeError::Quic(e.to_string()))?;
+    let quic_tls = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
+        .map_err(|e| ServeError::Quic(e.to_string()))?;
     let receiver_cfg = receiver_config(cfg);
     let mut server_cfg = quinn::ServerConfig::with_crypto(Arc::new(quic_tls));
     server_cfg.transport_config(Arc::new(transport_config(receiver_cfg.window_bytes)));
     let socket = udp_socket(cfg.listen.quic)?;
-    let runtime = quinn::default_runtime().ok_or_else(|| ServeError::Quic("no async runtime".into()))?;
-    let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), Some(server_cfg), socket, runtime)
-        .map_err(|source| ServeError::Bind { addr: cfg.listen.quic, source })?;
-    let local_addr = endpoint.local_addr().map_err(|source| ServeError::Bind { addr: cfg.listen.quic, source })?;
+    let runtime =
+        quinn::default_runtime().ok_or_else(|| ServeError::Quic("no async runtime".into()))?;
+    let endpoint = quinn::Endpoint::new(
+        quinn::EndpointConfig::default(),
+        Some(server_cfg),
+        socket,
+        runtime,
+    )
+    .map_err(|source| ServeError::Bind {
+        addr: cfg.listen.quic,
+        source,
+    })?;
+    let local_addr = endpoint.local_addr().map_err(|source| ServeError::Bind {
+        addr: cfg.listen.quic,
+        source,
+    })?;
     let (revoke_tx, revoke_rx) = watch::channel(0u64);
     tokio::spawn(poll_revocations(revocations.clone(), revoke_tx));
     let ep = endpoint.clone();
@@ -119,10 +140,19 @@ pub async fn start(
                 }
             });
         }
-        ep.close(quinn::VarInt::from_u32(u32::from(ErrorCode::Shutdown.to_u16())), b"hub shutting down");
+        ep.close(
+            quinn::VarInt::from_u32(u32::from(ErrorCode::Shutdown.to_u16())),
+            b"hub shutting down",
+        );
     });
     tracing::info!(%local_addr, "QUIC listener up");
-    Ok((Server { endpoint, local_addr }, task))
+    Ok((
+        Server {
+            endpoint,
+            local_addr,
+        },
+        task,
+    ))
 }
 
 fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
@@ -133,14 +163,21 @@ fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
     r.frame_bytes_max = cfg.ingest.block_bytes_max.saturating_add(1 << 16);
     r.lanes_max = cfg.ingest.streams_per_connection_max.get() as usize;
     // One connection never holds more than a quarter of the global ingest budget.
-    r.window_bytes = r.window_bytes.min(cfg.ingest.memory_bytes_max / 4).max(1 << 20);
+    r.window_bytes = r
+        .window_bytes
+        .min(cfg.ingest.memory_bytes_max / 4)
+        .max(1 << 20);
     r
 }
 
 fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, ServeError> {
     let bind_err = |source| ServeError::Bind { addr, source };
-    let sock = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::DGRAM, Some(socket2::Protocol::UDP))
-        .map_err(bind_err)?;
+    let sock = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )
+    .map_err(bind_err)?;
     // Best effort: the kernel clamps to net.core.rmem_max, which only costs throughput.
     let _ = sock.set_recv_buffer_size(UDP_BUFFER_BYTES);
     let _ = sock.set_send_buffer_size(UDP_BUFFER_BYTES);
@@ -156,7 +193,10 @@ async fn poll_revocations(revocations: Arc<SharedRevocations>, tx: watch::Sender
         match revocations.reload_if_changed() {
             Ok(true) => {
                 generation += 1;
-                tracing::info!(revoked = revocations.current().len(), "revocation list reloaded");
+                tracing::info!(
+                    revoked = revocations.current().len(),
+                    "revocation list reloaded"
+                );
                 if tx.send(generation).is_err() {
                     return;
                 }
@@ -193,21 +233,34 @@ fn peer_device(conn: &quinn::Connection) -> Result<String, String> {
 
 /// What a commit task reports back to its connection loop.
 enum Done {
-    Committed { stream: String, epoch: u64, durable_seq: u64 },
+    Committed {
+        stream: String,
+        epoch: u64,
+        durable_seq: u64,
+    },
     Failed(IngestError),
 }
 
 async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), String> {
     let conn = incoming.await.map_err(|e| format!("handshake: {e}"))?;
     let device = peer_device(&conn)?;
-    let (mut ctl_tx, mut ctl_rx) = conn.accept_bi().await.map_err(|e| format!("{device}: control stream: {e}"))?;
+    let (mut ctl_tx, mut ctl_rx) = conn
+        .accept_bi()
+        .await
+        .map_err(|e| format!("{device}: control stream: {e}"))?;
     if let Some(reason) = ctx.hub.is_fenced(&device) {
         tracing::warn!(%device, %reason, "refusing a fenced device");
-        let frame = sync::protocol::error_frame(ErrorCode::DeviceFenced, &format!("device is fenced: {reason}"));
+        let frame = sync::protocol::error_frame(
+            ErrorCode::DeviceFenced,
+            &format!("device is fenced: {reason}"),
+        );
         let _ = ctl_tx.write_all(&frame).await;
         let _ = ctl_tx.finish();
         let _ = tokio::time::timeout(Duration::from_secs(2), ctl_tx.stopped()).await;
-        conn.close(quinn::VarInt::from_u32(u32::from(ErrorCode::DeviceFenced.to_u16())), b"fenced");
+        conn.close(
+            quinn::VarInt::from_u32(u32::from(ErrorCode::DeviceFenced.to_u16())),
+            b"fenced",
+        );
         return Ok(());
     }
     ctx.hub.touch(&device);
@@ -224,21 +277,29 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
         let mut progressed = false;
         while let Some(t) = rx.poll_transmit() {
             progressed = true;
-            ctl_tx.write_all(&t.frame).await.map_err(|e| format!("{device}: control stream: {e}"))?;
+            ctl_tx
+                .write_all(&t.frame)
+                .await
+                .map_err(|e| format!("{device}: control stream: {e}"))?;
         }
         while let Some(ev) = rx.poll_event() {
             progressed = true;
             if let Some(end) = handle_event(&ctx, &device, &mut rx, ev, &done_tx).await {
                 let _ = ctl_tx.finish();
                 let _ = tokio::time::timeout(Duration::from_secs(2), ctl_tx.stopped()).await;
-                conn.close(quinn::VarInt::from_u32(u32::from(end.0.to_u16())), end.1.as_bytes());
+                conn.close(
+                    quinn::VarInt::from_u32(u32::from(end.0.to_u16())),
+                    end.1.as_bytes(),
+                );
                 return Ok(());
             }
         }
         if progressed {
             continue;
         }
-        let deadline = rx.poll_timeout().map(|t| tokio::time::Instant::now() + t.saturating_since(ctx.now()));
+        let deadline = rx
+            .poll_timeout()
+            .map(|t| tokio::time::Instant::now() + t.saturating_since(ctx.now()));
         tokio::select! {
             read = ctl_rx.read(&mut buf) => match read {
                 Ok(Some(n)) => {
@@ -307,13 +368,17 @@ fn error_code(e: &IngestError) -> ErrorCode {
     match e {
         IngestError::Fenced(_) => ErrorCode::DeviceFenced,
         IngestError::Conflict { .. } => ErrorCode::ConflictFenced,
-        IngestError::BadStreamName(_) | IngestError::Unauthorized(_) => ErrorCode::UnauthorizedStream,
+        IngestError::BadStreamName(_) | IngestError::Unauthorized(_) => {
+            ErrorCode::UnauthorizedStream
+        }
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
         IngestError::BadDeviceId | IngestError::ReservedSeq | IngestError::BadGap { .. } => {
             ErrorCode::ProtocolViolation
         }
         IngestError::OutOfOrder { .. } => ErrorCode::ProtocolViolation,
-        IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_) => ErrorCode::Internal,
+        IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_) => {
+            ErrorCode::Internal
+        }
     }
 }
 
@@ -327,20 +392,40 @@ async fn handle_event(
     done: &mpsc::UnboundedSender<Done>,
 ) -> Option<(ErrorCode, String)> {
     match ev {
-        ReceiverEvent::NeedMarks { current_epoch, lanes } => match load_marks(ctx, device, current_epoch, &lanes) {
+        ReceiverEvent::NeedMarks {
+            current_epoch,
+            lanes,
+        } => match load_marks(ctx, device, current_epoch, &lanes) {
             Ok(marks) => rx.marks_loaded(ctx.now(), marks),
             Err((code, msg)) => rx.close(ctx.now(), code, &msg),
         },
-        ReceiverEvent::Established { version, current_epoch } => {
+        ReceiverEvent::Established {
+            version,
+            current_epoch,
+        } => {
             tracing::info!(%device, version, current_epoch, "session established");
             ctx.hub.touch(device);
         }
-        ReceiverEvent::Commit { stream, epoch, item } => commit(ctx, device, stream, epoch, item, done).await,
+        ReceiverEvent::Commit {
+            stream,
+            epoch,
+            item,
+        } => commit(ctx, device, stream, epoch, item, done).await,
         ReceiverEvent::Backlog { entries, .. } => record_backlog(ctx, device, &entries),
-        ReceiverEvent::Fenced { stream, epoch, first_seq, last_seq } => {
-            let reason = format!("conflicting content for {stream} epoch {epoch} seqs {first_seq}..={last_seq}");
+        ReceiverEvent::Fenced {
+            stream,
+            epoch,
+            first_seq,
+            last_seq,
+        } => {
+            let reason = format!(
+                "conflicting content for {stream} epoch {epoch} seqs {first_seq}..={last_seq}"
+            );
             tracing::error!(%device, %reason, "ALARM: device fenced");
-            ctx.hub.stats().conflicts.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            ctx.hub
+                .stats()
+                .conflicts
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             ctx.hub.fence(device, &reason);
         }
         ReceiverEvent::Closed(reason) => {
@@ -364,29 +449,43 @@ fn load_marks(
 ) -> Result<Marks, (ErrorCode, String)> {
     let known = ctx.hub.marks(device);
     let limit = ctx.receiver_cfg.checksum_ranges_max;
-    let mut out = Marks { epoch_max: ctx.hub.epoch_max(device), lanes: Vec::new() };
-    let lane_marks = |stream: &str, epoch: u64, from: u64| -> Result<LaneMarks, (ErrorCode, String)> {
-        ctx.hub.authorize(device, stream).map_err(|e| (error_code(&e), e.to_string()))?;
-        let m = known.iter().find(|m| m.stream == stream && m.epoch == epoch);
-        let ranges = ctx
-            .hub
-            .range_checksums(device, stream, epoch, from, limit)
-            .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
-        Ok(LaneMarks {
-            stream: stream.to_owned(),
-            epoch,
-            durable_seq: m.map_or(0, |m| m.durable_seq),
-            tiered_seq: m.map_or(0, |m| m.tiered_seq),
-            gaps: committed_gaps(&ctx.hub, device, stream, epoch, from),
-            ranges,
-        })
+    let mut out = Marks {
+        epoch_max: ctx.hub.epoch_max(device),
+        lanes: Vec::new(),
     };
+    let lane_marks =
+        |stream: &str, epoch: u64, from: u64| -> Result<LaneMarks, (ErrorCode, String)> {
+            ctx.hub
+                .authorize(device, stream)
+                .map_err(|e| (error_code(&e), e.to_string()))?;
+            let m = known
+                .iter()
+                .find(|m| m.stream == stream && m.epoch == epoch);
+            let ranges = ctx
+                .hub
+                .range_checksums(device, stream, epoch, from, limit)
+                .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+            Ok(LaneMarks {
+                stream: stream.to_owned(),
+                epoch,
+                durable_seq: m.map_or(0, |m| m.durable_seq),
+                tiered_seq: m.map_or(0, |m| m.tiered_seq),
+                gaps: committed_gaps(&ctx.hub, device, stream, epoch, from),
+                ranges,
+            })
+        };
     for q in lanes {
-        out.lanes.push(lane_marks(&q.stream, q.epoch, q.checksums_from)?);
+        out.lanes
+            .push(lane_marks(&q.stream, q.epoch, q.checksums_from)?);
     }
     for m in known.iter().filter(|m| m.epoch == current_epoch) {
-        if !out.lanes.iter().any(|l| l.stream == m.stream && l.epoch == m.epoch) {
-            out.lanes.push(lane_marks(&m.stream, m.epoch, m.durable_seq)?);
+        if !out
+            .lanes
+            .iter()
+            .any(|l| l.stream == m.stream && l.epoch == m.epoch)
+        {
+            out.lanes
+                .push(lane_marks(&m.stream, m.epoch, m.durable_seq)?);
         }
     }
     Ok(out)
@@ -419,13 +518,28 @@ async fn commit(
 ) {
     let done = done.clone();
     match item {
-        CommitItem::Block { header, block, skip_through, records, .. } => {
-            let vb = VerifiedBlock { header, block, skip_through, records };
+        CommitItem::Block {
+            header,
+            block,
+            skip_through,
+            records,
+            ..
+        } => {
+            let vb = VerifiedBlock {
+                header,
+                block,
+                skip_through,
+                records,
+            };
             match ctx.hub.submit_verified(device, &stream, vb).await {
                 Ok(pending) => {
                     tokio::spawn(async move {
                         let msg = match pending.wait().await {
-                            Ok(outcome) => Done::Committed { stream, epoch, durable_seq: outcome.durable_seq() },
+                            Ok(outcome) => Done::Committed {
+                                stream,
+                                epoch,
+                                durable_seq: outcome.durable_seq(),
+                            },
                             Err(e) => Done::Failed(e),
                         };
                         let _ = done.send(msg);
@@ -441,8 +555,15 @@ async fn commit(
             let device = device.to_owned();
             tokio::spawn(async move {
                 let reason = format!("{:?}", g.reason);
-                let msg = match hub.record_gap(&device, &stream, epoch, g.first_seq, g.last_seq, &reason).await {
-                    Ok(durable_seq) => Done::Committed { stream, epoch, durable_seq },
+                let msg = match hub
+                    .record_gap(&device, &stream, epoch, g.first_seq, g.last_seq, &reason)
+                    .await
+                {
+                    Ok(durable_seq) => Done::Committed {
+                        stream,
+                        epoch,
+                        durable_seq,
+                    },
                     Err(e) => Done::Failed(e),
                 };
                 let _ = done.send(msg);

@@ -155,8 +155,12 @@ pub fn list_wal_files(dir: &Path) -> std::io::Result<Vec<u64>> {
     for entry in std::fs::read_dir(dir)? {
         let name = entry?.file_name();
         let Some(name) = name.to_str() else { continue };
-        let Some(stem) = name.strip_suffix(".wal") else { continue };
-        if stem.len() == 20 && let Ok(first) = stem.parse::<u64>() {
+        let Some(stem) = name.strip_suffix(".wal") else {
+            continue;
+        };
+        if stem.len() == 20
+            && let Ok(first) = stem.parse::<u64>()
+        {
             out.push(first);
         }
     }
@@ -168,15 +172,25 @@ pub fn list_wal_files(dir: &Path) -> std::io::Result<Vec<u64>> {
 #[derive(Debug, Error)]
 pub enum WalOpenError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("the catalog says the WAL holds {committed_end} bytes, but {what}")]
     Missing { committed_end: u64, what: String },
     #[error("{path}: committed WAL data is damaged at byte {pos}: {what}")]
-    Corrupt { path: PathBuf, pos: u64, what: String },
+    Corrupt {
+        path: PathBuf,
+        pos: u64,
+        what: String,
+    },
 }
 
 fn open_io(path: &Path) -> impl FnOnce(std::io::Error) -> WalOpenError + '_ {
-    move |source| WalOpenError::Io { path: path.to_path_buf(), source }
+    move |source| WalOpenError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 /// What recovery found.
@@ -198,7 +212,10 @@ pub fn recover(dir: &Path, committed_end: u64) -> Result<Recovered, WalOpenError
     let Some(idx) = files.iter().rposition(|&f| f <= committed_end) else {
         if committed_end != 0 {
             let what = "no WAL file covers that offset".to_string();
-            return Err(WalOpenError::Missing { committed_end, what });
+            return Err(WalOpenError::Missing {
+                committed_end,
+                what,
+            });
         }
         return create_active(dir, 0, files.iter().map(|&f| wal_file_path(dir, f)));
     };
@@ -211,20 +228,37 @@ pub fn recover(dir: &Path, committed_end: u64) -> Result<Recovered, WalOpenError
     }
     let path = wal_file_path(dir, first);
     let need = WAL_HEADER_LEN as u64 + (committed_end - first);
-    let mut file = OpenOptions::new().read(true).write(true).open(&path).map_err(open_io(&path))?;
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(open_io(&path))?;
     let len = file.metadata().map_err(open_io(&path))?.len();
     if len < need {
-        let what = format!("{} holds only {} of its {} committed bytes", path.display(), len, need);
-        return Err(WalOpenError::Missing { committed_end, what });
+        let what = format!(
+            "{} holds only {} of its {} committed bytes",
+            path.display(),
+            len,
+            need
+        );
+        return Err(WalOpenError::Missing {
+            committed_end,
+            what,
+        });
     }
     let mut header = [0u8; WAL_HEADER_LEN];
     file.read_exact(&mut header).map_err(open_io(&path))?;
     if !header_ok(&header) {
         if need != WAL_HEADER_LEN as u64 {
-            return Err(WalOpenError::Corrupt { path, pos: 0, what: "bad WAL file header".into() });
+            return Err(WalOpenError::Corrupt {
+                path,
+                pos: 0,
+                what: "bad WAL file header".into(),
+            });
         }
         // A file rolled just before a crash, holding nothing committed: rewrite its header.
-        file.write_all_at(&wal_file_header(), 0).map_err(open_io(&path))?;
+        file.write_all_at(&wal_file_header(), 0)
+            .map_err(open_io(&path))?;
     }
     if len > need {
         dropped += len - need;
@@ -234,7 +268,12 @@ pub fn recover(dir: &Path, committed_end: u64) -> Result<Recovered, WalOpenError
     sync_dir(dir).map_err(open_io(dir))?;
     verify_frames(&path, &mut file, need)?;
     file.seek(SeekFrom::Start(need)).map_err(open_io(&path))?;
-    Ok(Recovered { file, first, len: need, dropped_bytes: dropped })
+    Ok(Recovered {
+        file,
+        first,
+        len: need,
+        dropped_bytes: dropped,
+    })
 }
 
 fn create_active(
@@ -250,12 +289,22 @@ fn create_active(
     let path = wal_file_path(dir, first);
     let file = new_wal_file(&path).map_err(open_io(&path))?;
     sync_dir(dir).map_err(open_io(dir))?;
-    Ok(Recovered { file, first, len: WAL_HEADER_LEN as u64, dropped_bytes: dropped })
+    Ok(Recovered {
+        file,
+        first,
+        len: WAL_HEADER_LEN as u64,
+        dropped_bytes: dropped,
+    })
 }
 
 /// Creates a WAL file holding just its header, fsynced. The caller syncs the directory.
 fn new_wal_file(path: &Path) -> std::io::Result<File> {
-    let mut file = OpenOptions::new().read(true).write(true).create(true).truncate(true).open(path)?;
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(path)?;
     file.write_all(&wal_file_header())?;
     file.sync_all()?;
     Ok(file)
@@ -267,14 +316,21 @@ fn sync_dir(dir: &Path) -> std::io::Result<()> {
 
 /// Checks every frame in `[header, end)` of the active file, streaming.
 fn verify_frames(path: &Path, file: &mut File, end: u64) -> Result<(), WalOpenError> {
-    file.seek(SeekFrom::Start(WAL_HEADER_LEN as u64)).map_err(open_io(path))?;
+    file.seek(SeekFrom::Start(WAL_HEADER_LEN as u64))
+        .map_err(open_io(path))?;
     let mut reader = std::io::BufReader::with_capacity(1 << 20, &*file);
     let mut pos = WAL_HEADER_LEN as u64;
     let mut payload = Vec::new();
-    let corrupt = |pos: u64, what: &str| WalOpenError::Corrupt { path: path.to_path_buf(), pos, what: what.into() };
+    let corrupt = |pos: u64, what: &str| WalOpenError::Corrupt {
+        path: path.to_path_buf(),
+        pos,
+        what: what.into(),
+    };
     while pos < end {
         let mut fh = [0u8; FRAME_HEADER_LEN];
-        reader.read_exact(&mut fh).map_err(|_| corrupt(pos, "short frame header"))?;
+        reader
+            .read_exact(&mut fh)
+            .map_err(|_| corrupt(pos, "short frame header"))?;
         let len = u32::from_le_bytes(fh[..4].try_into().expect("4 bytes"));
         let crc = u32::from_le_bytes(fh[4..].try_into().expect("4 bytes"));
         let frame_end = pos + (FRAME_HEADER_LEN as u64) + u64::from(len);
@@ -282,7 +338,9 @@ fn verify_frames(path: &Path, file: &mut File, end: u64) -> Result<(), WalOpenEr
             return Err(corrupt(pos, "bad frame length"));
         }
         payload.resize(len as usize, 0);
-        reader.read_exact(&mut payload).map_err(|_| corrupt(pos, "short frame"))?;
+        reader
+            .read_exact(&mut payload)
+            .map_err(|_| corrupt(pos, "short frame"))?;
         if crc32c::crc32c(&payload) != crc {
             return Err(corrupt(pos, "frame checksum mismatch"));
         }
@@ -321,7 +379,8 @@ impl WalStats {
         let bucket = (usize::BITS - n.saturating_sub(1).leading_zeros()) as usize;
         self.batch_hist[bucket.min(BATCH_BUCKETS - 1)].fetch_add(1, Ordering::Relaxed);
         self.group_commits.fetch_add(1, Ordering::Relaxed);
-        self.group_commit_requests.fetch_add(n as u64, Ordering::Relaxed);
+        self.group_commit_requests
+            .fetch_add(n as u64, Ordering::Relaxed);
     }
 }
 
@@ -482,13 +541,19 @@ pub fn start(
     stream_offsets: HashMap<StreamId, u64>,
     cfg: WriterConfig,
 ) -> Result<(WalHandle, std::thread::JoinHandle<()>), WalOpenError> {
-    let committed_end = catalog.wal_committed_end().map_err(|e| WalOpenError::Missing {
-        committed_end: 0,
-        what: format!("the catalog cannot be read: {e}"),
-    })?;
+    let committed_end = catalog
+        .wal_committed_end()
+        .map_err(|e| WalOpenError::Missing {
+            committed_end: 0,
+            what: format!("the catalog cannot be read: {e}"),
+        })?;
     let rec = recover(dir, committed_end)?;
     if rec.dropped_bytes > 0 {
-        tracing::warn!(bytes = rec.dropped_bytes, committed_end, "dropped the unacknowledged WAL tail");
+        tracing::warn!(
+            bytes = rec.dropped_bytes,
+            committed_end,
+            "dropped the unacknowledged WAL tail"
+        );
     }
     let stats = Arc::new(WalStats::default());
     stats.committed_end.store(committed_end, Ordering::Relaxed);
@@ -511,7 +576,14 @@ pub fn start(
         .name("wal-writer".into())
         .spawn(move || writer.run(rx))
         .map_err(open_io(dir))?;
-    Ok((WalHandle { tx, stats, deferred }, join))
+    Ok((
+        WalHandle {
+            tx,
+            stats,
+            deferred,
+        },
+        join,
+    ))
 }
 
 struct Writer {
@@ -608,20 +680,26 @@ impl Writer {
         let ingest_ts = self.ingest_ts();
         let mut g = GroupCommit::default();
         let mut dones = Vec::with_capacity(n);
-        let result = self.write_batch(batch, ingest_ts, &mut g, &mut dones).and_then(|()| {
-            self.take_deferred(&mut g);
-            if self.fault(FaultPoint::CatalogCommit) {
-                return Err(CommitError::Catalog("injected fault".into()));
-            }
-            self.catalog.commit_group(&g).map_err(|e| CommitError::Catalog(e.to_string()))
-        });
+        let result = self
+            .write_batch(batch, ingest_ts, &mut g, &mut dones)
+            .and_then(|()| {
+                self.take_deferred(&mut g);
+                if self.fault(FaultPoint::CatalogCommit) {
+                    return Err(CommitError::Catalog("injected fault".into()));
+                }
+                self.catalog
+                    .commit_group(&g)
+                    .map_err(|e| CommitError::Catalog(e.to_string()))
+            });
         if let Err(e) = &result {
             tracing::error!(error = %e, "tier-1 group commit failed; the WAL is poisoned until restart");
             self.poisoned = true;
             self.stats.poisoned.store(true, Ordering::Relaxed);
         } else {
             self.stats.record_batch(n);
-            self.stats.committed_end.store(g.wal_end.unwrap_or(0), Ordering::Relaxed);
+            self.stats
+                .committed_end
+                .store(g.wal_end.unwrap_or(0), Ordering::Relaxed);
         }
         for done in dones {
             done.finish(result.clone());
@@ -630,7 +708,10 @@ impl Writer {
 
     /// Hub ingest time for a batch: wall clock, but never moving backwards.
     fn ingest_ts(&mut self) -> i64 {
-        let now = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0);
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as i64)
+            .unwrap_or(0);
         self.last_ingest_ts = now.max(self.last_ingest_ts);
         self.last_ingest_ts
     }
@@ -651,7 +732,9 @@ impl Writer {
                 Request::Append(a) => {
                     let frame_len = (FRAME_HEADER_LEN + ENTRY_HEADER_LEN + a.block.len()) as u64;
                     let pending = self.file_len + buf.len() as u64;
-                    if pending > WAL_HEADER_LEN as u64 && pending + frame_len > self.cfg.segment_bytes_max {
+                    if pending > WAL_HEADER_LEN as u64
+                        && pending + frame_len > self.cfg.segment_bytes_max
+                    {
                         self.flush(&mut buf)?;
                         self.roll()?;
                     }
@@ -692,10 +775,16 @@ impl Writer {
                         min_ts: a.min_ts,
                         max_ts: a.max_ts,
                     });
-                    let mark = marks.entry((a.device, a.epoch, a.stream)).or_insert(last_seq);
+                    let mark = marks
+                        .entry((a.device, a.epoch, a.stream))
+                        .or_insert(last_seq);
                     *mark = (*mark).max(last_seq);
                     self.stats.entries.fetch_add(1, Ordering::Relaxed);
-                    let done = AppendDone { hub_offset_base: base, last_seq, ingest_ts };
+                    let done = AppendDone {
+                        hub_offset_base: base,
+                        last_seq,
+                        ingest_ts,
+                    };
                     dones.push(Done::Append(a.done, done));
                 }
                 Request::Gap(gr) => {
@@ -716,13 +805,21 @@ impl Writer {
             if self.fault(FaultPoint::Fsync) {
                 return Err(CommitError::Io("injected fsync fault".into()));
             }
-            self.file.sync_data().map_err(|e| CommitError::Io(e.to_string()))?;
+            self.file
+                .sync_data()
+                .map_err(|e| CommitError::Io(e.to_string()))?;
             self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         }
-        g.marks = marks.into_iter().map(|((d, e, s), m)| (d, e, s, m)).collect();
+        g.marks = marks
+            .into_iter()
+            .map(|((d, e, s), m)| (d, e, s, m))
+            .collect();
         touched_streams.sort_unstable();
         touched_streams.dedup();
-        g.stream_offsets = touched_streams.into_iter().map(|s| (s, self.next_offset[&s])).collect();
+        g.stream_offsets = touched_streams
+            .into_iter()
+            .map(|s| (s, self.next_offset[&s]))
+            .collect();
         g.wal_end = Some(self.logical_end());
         Ok(())
     }
@@ -740,9 +837,13 @@ impl Writer {
             let _ = self.file.write_all(&buf[..buf.len() / 2]);
             return Err(CommitError::Io("injected torn write".into()));
         }
-        self.file.write_all(buf).map_err(|e| CommitError::Io(e.to_string()))?;
+        self.file
+            .write_all(buf)
+            .map_err(|e| CommitError::Io(e.to_string()))?;
         self.file_len += buf.len() as u64;
-        self.stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        self.stats
+            .bytes
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
         buf.clear();
         Ok(())
     }
@@ -802,9 +903,16 @@ fn fail(req: Request, e: CommitError) {
 #[derive(Debug, Error)]
 pub enum WalReadError {
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: frame at {pos} is damaged: {what}")]
-    Corrupt { path: PathBuf, pos: u64, what: &'static str },
+    Corrupt {
+        path: PathBuf,
+        pos: u64,
+        what: &'static str,
+    },
 }
 
 /// Reads committed frames by position. Safe to use while the writer appends: it only reads
@@ -821,7 +929,10 @@ const READER_FILES_MAX: usize = 64;
 impl WalReader {
     /// A reader over `dir`.
     pub fn new(dir: &Path) -> WalReader {
-        WalReader { dir: dir.to_path_buf(), files: Mutex::new(HashMap::new()) }
+        WalReader {
+            dir: dir.to_path_buf(),
+            files: Mutex::new(HashMap::new()),
+        }
     }
 
     fn file(&self, first: u64) -> Result<Arc<File>, WalReadError> {
@@ -849,12 +960,25 @@ impl WalReader {
     }
 
     /// Reads and verifies the frame at `pos` in WAL file `first`.
-    pub fn read_at(&self, first: u64, pos: u64, frame_len: u32) -> Result<(EntryHeader, Vec<u8>), WalReadError> {
+    pub fn read_at(
+        &self,
+        first: u64,
+        pos: u64,
+        frame_len: u32,
+    ) -> Result<(EntryHeader, Vec<u8>), WalReadError> {
         let file = self.file(first)?;
         let path = || wal_file_path(&self.dir, first);
         let mut buf = vec![0u8; frame_len as usize];
-        file.read_exact_at(&mut buf, pos).map_err(|source| WalReadError::Io { path: path(), source })?;
-        let corrupt = |what| WalReadError::Corrupt { path: path(), pos, what };
+        file.read_exact_at(&mut buf, pos)
+            .map_err(|source| WalReadError::Io {
+                path: path(),
+                source,
+            })?;
+        let corrupt = |what| WalReadError::Corrupt {
+            path: path(),
+            pos,
+            what,
+        };
         if buf.len() < FRAME_HEADER_LEN + ENTRY_HEADER_LEN {
             return Err(corrupt("frame shorter than its headers"));
         }
@@ -907,14 +1031,20 @@ mod tests {
         let rec = recover(dir.path(), 0).unwrap();
         assert_eq!(rec.dropped_bytes, 5 + WAL_HEADER_LEN as u64);
         assert_eq!(list_wal_files(dir.path()).unwrap(), vec![0]);
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), WAL_HEADER_LEN as u64);
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            WAL_HEADER_LEN as u64
+        );
     }
 
     #[test]
     fn recovery_refuses_missing_committed_bytes() {
         let dir = tempfile::tempdir().unwrap();
         drop(recover(dir.path(), 0).unwrap());
-        assert!(matches!(recover(dir.path(), 100), Err(WalOpenError::Missing { .. })));
+        assert!(matches!(
+            recover(dir.path(), 100),
+            Err(WalOpenError::Missing { .. })
+        ));
     }
 
     #[test]
@@ -923,7 +1053,11 @@ mod tests {
         for n in [1, 2, 3, 4, 5, 100, 1 << 20] {
             s.record_batch(n);
         }
-        let counts: Vec<u64> = s.batch_hist.iter().map(|a| a.load(Ordering::Relaxed)).collect();
+        let counts: Vec<u64> = s
+            .batch_hist
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect();
         assert_eq!(counts[0], 1); // 1
         assert_eq!(counts[1], 1); // 2
         assert_eq!(counts[2], 2); // 3, 4

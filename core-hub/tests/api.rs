@@ -5,13 +5,16 @@
 mod common;
 
 use common::{block, open, record};
+use core_hub::Hub;
 use core_hub::api::{self, NEXT_OFFSET_HEADER, StreamInfo};
 use core_hub::client::{self, ApiTarget};
-use core_hub::Hub;
 use std::sync::Arc;
 
 /// Serves the API on a free loopback port; returns its target.
-async fn serve(hub: Arc<Hub>, tokens: Vec<String>) -> (ApiTarget, tokio::sync::oneshot::Sender<()>) {
+async fn serve(
+    hub: Arc<Hub>,
+    tokens: Vec<String>,
+) -> (ApiTarget, tokio::sync::oneshot::Sender<()>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
@@ -28,7 +31,9 @@ async fn commit_three_devices(hub: &Hub) -> Vec<(String, u64)> {
     for round in 0..5u64 {
         for dev in ["truck-1", "truck-2", "pump-7"] {
             let (first, last) = (round * 4 + 1, round * 4 + 4);
-            hub.commit_block(dev, "telemetry", &block(dev, 1, first, last)).await.unwrap();
+            hub.commit_block(dev, "telemetry", &block(dev, 1, first, last))
+                .await
+                .unwrap();
             order.extend((first..=last).map(|s| (dev.to_string(), s)));
         }
     }
@@ -36,7 +41,10 @@ async fn commit_three_devices(hub: &Hub) -> Vec<(String, u64)> {
 }
 
 fn lines(body: &[u8]) -> Vec<serde_json::Value> {
-    body.split(|&b| b == b'\n').filter(|l| !l.is_empty()).map(|l| serde_json::from_slice(l).unwrap()).collect()
+    body.split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+        .map(|l| serde_json::from_slice(l).unwrap())
+        .collect()
 }
 
 #[tokio::test]
@@ -46,7 +54,9 @@ async fn reader_returns_exactly_the_committed_records_in_offset_order() {
     let order = commit_three_devices(&hub).await;
     let (target, _stop) = serve(hub.clone(), Vec::new()).await;
 
-    let resp = client::get(&target, "/v1/streams/telemetry/records?from=start").await.unwrap();
+    let resp = client::get(&target, "/v1/streams/telemetry/records?from=start")
+        .await
+        .unwrap();
     assert_eq!(resp.status, 200);
     assert_eq!(resp.header("content-type"), Some("application/x-ndjson"));
     let got = lines(&resp.body);
@@ -68,7 +78,12 @@ async fn reader_returns_exactly_the_committed_records_in_offset_order() {
     let mut from = 0u64;
     let mut paged = Vec::new();
     loop {
-        let resp = client::get(&target, &format!("/v1/streams/telemetry/records?from={from}&limit=7")).await.unwrap();
+        let resp = client::get(
+            &target,
+            &format!("/v1/streams/telemetry/records?from={from}&limit=7"),
+        )
+        .await
+        .unwrap();
         let page = lines(&resp.body);
         if page.is_empty() {
             break;
@@ -81,9 +96,28 @@ async fn reader_returns_exactly_the_committed_records_in_offset_order() {
 
     let resp = client::get(&target, "/v1/streams").await.unwrap();
     let streams: Vec<StreamInfo> = serde_json::from_slice(&resp.body).unwrap();
-    assert_eq!(streams, vec![StreamInfo { name: "telemetry".into(), next_offset: 60, records: 60 }]);
-    assert_eq!(client::get(&target, "/v1/streams/nope/records").await.unwrap().status, 404);
-    assert_eq!(client::get(&target, "/v1/streams/telemetry/records?from=yesterday").await.unwrap().status, 400);
+    assert_eq!(
+        streams,
+        vec![StreamInfo {
+            name: "telemetry".into(),
+            next_offset: 60,
+            records: 60
+        }]
+    );
+    assert_eq!(
+        client::get(&target, "/v1/streams/nope/records")
+            .await
+            .unwrap()
+            .status,
+        404
+    );
+    assert_eq!(
+        client::get(&target, "/v1/streams/telemetry/records?from=yesterday")
+            .await
+            .unwrap()
+            .status,
+        400
+    );
 }
 
 #[tokio::test]
@@ -114,17 +148,35 @@ async fn health_metrics_devices_and_tokens() {
     }
 
     // The reader API needs the token; health and metrics did not.
-    assert_eq!(client::get(&target, "/v1/devices").await.unwrap().status, 401);
-    let authed = ApiTarget { token: Some(token), ..target.clone() };
+    assert_eq!(
+        client::get(&target, "/v1/devices").await.unwrap().status,
+        401
+    );
+    let authed = ApiTarget {
+        token: Some(token),
+        ..target.clone()
+    };
     let resp = client::get(&authed, "/v1/devices").await.unwrap();
     assert_eq!(resp.status, 200);
     let devices: Vec<api::DeviceInfo> = serde_json::from_slice(&resp.body).unwrap();
-    assert_eq!(devices.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(), vec!["pump-7", "truck-1", "truck-2"]);
+    assert_eq!(
+        devices.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(),
+        vec!["pump-7", "truck-1", "truck-2"]
+    );
     let pump = &devices[0];
-    assert_eq!((pump.marks[0].stream.as_str(), pump.marks[0].durable_seq), ("telemetry", 20));
+    assert_eq!(
+        (pump.marks[0].stream.as_str(), pump.marks[0].durable_seq),
+        ("telemetry", 20)
+    );
     assert!(pump.fenced.is_none());
-    let wrong = ApiTarget { token: Some("wrong-token-0123456789".into()), ..target.clone() };
-    assert_eq!(client::get(&wrong, "/v1/streams").await.unwrap().status, 401);
+    let wrong = ApiTarget {
+        token: Some("wrong-token-0123456789".into()),
+        ..target.clone()
+    };
+    assert_eq!(
+        client::get(&wrong, "/v1/streams").await.unwrap().status,
+        401
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -137,17 +189,40 @@ async fn cli_read_devices_and_pki() {
     let bin = env!("CARGO_BIN_EXE_core-hub");
 
     let out = tokio::process::Command::new(bin)
-        .args(["read", "telemetry", "--from", "start", "--format", "ndjson", "--url", &url])
+        .args([
+            "read",
+            "telemetry",
+            "--from",
+            "start",
+            "--format",
+            "ndjson",
+            "--url",
+            &url,
+        ])
         .output()
         .await
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let got = lines(&out.stdout);
     assert_eq!(got.len(), order.len());
     for (line, (dev, seq)) in got.iter().zip(&order) {
-        assert_eq!((line["device"].as_str().unwrap(), line["seq"].as_u64().unwrap()), (dev.as_str(), *seq));
+        assert_eq!(
+            (
+                line["device"].as_str().unwrap(),
+                line["seq"].as_u64().unwrap()
+            ),
+            (dev.as_str(), *seq)
+        );
     }
-    let out = tokio::process::Command::new(bin).args(["devices", "--url", &url]).output().await.unwrap();
+    let out = tokio::process::Command::new(bin)
+        .args(["devices", "--url", &url])
+        .output()
+        .await
+        .unwrap();
     assert!(out.status.success());
     let devices: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(devices.as_array().unwrap().len(), 3);
@@ -155,24 +230,64 @@ async fn cli_read_devices_and_pki() {
     let pki = dir.path().join("pki");
     let pki_s = pki.to_str().unwrap();
     let run = |args: Vec<&str>| std::process::Command::new(bin).args(args).output().unwrap();
-    assert!(run(vec!["pki", "init", "--dir", pki_s, "--san", "hub.example.net"]).status.success());
-    assert!(!run(vec!["pki", "init", "--dir", pki_s]).status.success(), "must refuse to overwrite the CA");
+    assert!(
+        run(vec![
+            "pki",
+            "init",
+            "--dir",
+            pki_s,
+            "--san",
+            "hub.example.net"
+        ])
+        .status
+        .success()
+    );
+    assert!(
+        !run(vec!["pki", "init", "--dir", pki_s]).status.success(),
+        "must refuse to overwrite the CA"
+    );
     let dev_dir = dir.path().join("dev");
-    let issued = run(vec!["pki", "issue", "--dir", pki_s, "--device", "truck-1", "--out", dev_dir.to_str().unwrap()]);
-    assert!(issued.status.success(), "{}", String::from_utf8_lossy(&issued.stderr));
+    let issued = run(vec![
+        "pki",
+        "issue",
+        "--dir",
+        pki_s,
+        "--device",
+        "truck-1",
+        "--out",
+        dev_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        issued.status.success(),
+        "{}",
+        String::from_utf8_lossy(&issued.stderr)
+    );
     for f in ["ca.pem", "device.pem", "device.key"] {
         assert!(dev_dir.join(f).exists(), "{f}");
     }
-    let cert = core_hub::pki::load_certs(&dev_dir.join("device.pem")).unwrap().remove(0);
-    assert_eq!(core_hub::pki::device_id_from_cert(&cert).unwrap(), "truck-1");
-    assert!(run(vec!["pki", "revoke", "--dir", pki_s, "--device", "truck-1"]).status.success());
+    let cert = core_hub::pki::load_certs(&dev_dir.join("device.pem"))
+        .unwrap()
+        .remove(0);
+    assert_eq!(
+        core_hub::pki::device_id_from_cert(&cert).unwrap(),
+        "truck-1"
+    );
+    assert!(
+        run(vec!["pki", "revoke", "--dir", pki_s, "--device", "truck-1"])
+            .status
+            .success()
+    );
     let list = core_hub::pki::RevocationList::load(&pki.join("revoked.txt")).unwrap();
     assert!(list.is_revoked("truck-1"));
 }
 
 /// A free loopback port (bound and released; the hub binds it right after).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -180,7 +295,10 @@ async fn run_serves_the_api_and_stops_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let config = dir.path().join("hub.toml");
-    let toml = format!("data_dir = \"{}\"\n[listen]\nhttp = \"127.0.0.1:{port}\"\n", dir.path().join("data").display());
+    let toml = format!(
+        "data_dir = \"{}\"\n[listen]\nhttp = \"127.0.0.1:{port}\"\n",
+        dir.path().join("data").display()
+    );
     std::fs::write(&config, toml).unwrap();
     let bin = env!("CARGO_BIN_EXE_core-hub");
     let mut child = tokio::process::Command::new(bin)
@@ -201,7 +319,9 @@ async fn run_serves_the_api_and_stops_on_sigterm() {
         }
         panic!("the hub exited before listening");
     };
-    let _rest = tokio::time::timeout(std::time::Duration::from_secs(30), listening).await.expect("the hub did not come up");
+    let _rest = tokio::time::timeout(std::time::Duration::from_secs(30), listening)
+        .await
+        .expect("the hub did not come up");
     let target = ApiTarget::parse(&format!("http://127.0.0.1:{port}"), None).unwrap();
     assert_eq!(client::get(&target, "/healthz").await.unwrap().status, 200);
     let out = tokio::process::Command::new(bin)
@@ -211,8 +331,15 @@ async fn run_serves_the_api_and_stops_on_sigterm() {
         .unwrap();
     assert!(!out.status.success(), "an unknown stream is an error");
     assert!(String::from_utf8_lossy(&out.stderr).contains("404"));
-    let status = tokio::process::Command::new("kill").args(["-TERM", &child.id().unwrap().to_string()]).status().await.unwrap();
+    let status = tokio::process::Command::new("kill")
+        .args(["-TERM", &child.id().unwrap().to_string()])
+        .status()
+        .await
+        .unwrap();
     assert!(status.success());
-    let exit = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait()).await.unwrap().unwrap();
+    let exit = tokio::time::timeout(std::time::Duration::from_secs(30), child.wait())
+        .await
+        .unwrap()
+        .unwrap();
     assert!(exit.success(), "{exit:?}");
 }

@@ -49,7 +49,7 @@ fn short_demo_passes_with_link_drops() {
                 std::fs::read_to_string(&out_path).unwrap_or_default()
             );
         }
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(50));
     };
     let out = std::fs::read_to_string(&out_path).unwrap();
     let err = std::fs::read_to_string(&err_path).unwrap();

@@ -16,13 +16,17 @@ async fn fault_at(point: FaultPoint) {
     let seen = Arc::new(AtomicU64::new(0));
     let hook_seen = seen.clone();
     // Fail the 4th time the writer reaches `point`.
-    let hook = Arc::new(move |p: FaultPoint| p == point && hook_seen.fetch_add(1, Ordering::SeqCst) == 3);
+    let hook =
+        Arc::new(move |p: FaultPoint| p == point && hook_seen.fetch_add(1, Ordering::SeqCst) == 3);
     let hub = Hub::open_with_faults(&config(dir.path(), |_| {}), Some(hook)).unwrap();
     let mut acked = 0;
     let mut failure = None;
     for i in 0..10u64 {
         let (first, last) = (i * 10 + 1, i * 10 + 10);
-        match hub.commit_block("d1", "telemetry", &block("d1", 1, first, last)).await {
+        match hub
+            .commit_block("d1", "telemetry", &block("d1", 1, first, last))
+            .await
+        {
             Ok(out) => acked = out.durable_seq(),
             Err(e) => {
                 failure = Some(e);
@@ -31,10 +35,19 @@ async fn fault_at(point: FaultPoint) {
         }
     }
     let failure = failure.expect("the fault must surface");
-    assert!(matches!(failure, IngestError::Unavailable(CommitError::Io(_) | CommitError::Catalog(_))), "{failure}");
+    assert!(
+        matches!(
+            failure,
+            IngestError::Unavailable(CommitError::Io(_) | CommitError::Catalog(_))
+        ),
+        "{failure}"
+    );
     assert_eq!(acked, 30, "{point:?}");
     // Poisoned: nothing more is accepted, not even a duplicate.
-    let err = hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap_err();
+    let err = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap_err();
     assert_eq!(err, IngestError::Unavailable(CommitError::Poisoned));
     assert!(core_hub::metrics::render(&hub).contains("\ntributary_hub_wal_poisoned 1\n"));
     drop(hub);
@@ -43,16 +56,25 @@ async fn fault_at(point: FaultPoint) {
     assert_eq!(hub.marks("d1")[0].durable_seq, acked, "{point:?}");
     for i in 0..10u64 {
         let (first, last) = (i * 10 + 1, i * 10 + 10);
-        let out = hub.commit_block("d1", "telemetry", &block("d1", 1, first, last)).await.unwrap();
+        let out = hub
+            .commit_block("d1", "telemetry", &block("d1", 1, first, last))
+            .await
+            .unwrap();
         if last <= acked {
             assert_eq!(out, CommitOutcome::Duplicate { durable_seq: acked });
         } else {
-            assert!(matches!(out, CommitOutcome::Committed { durable_seq, .. } if durable_seq == last));
+            assert!(
+                matches!(out, CommitOutcome::Committed { durable_seq, .. } if durable_seq == last)
+            );
         }
     }
     let got = read_all(&hub, "telemetry");
     let seqs: Vec<(u64, u64)> = got.iter().map(|r| (r.seq, r.offset)).collect();
-    assert_eq!(seqs, (1..=100).map(|s| (s, s - 1)).collect::<Vec<_>>(), "{point:?}");
+    assert_eq!(
+        seqs,
+        (1..=100).map(|s| (s, s - 1)).collect::<Vec<_>>(),
+        "{point:?}"
+    );
 }
 
 #[tokio::test]

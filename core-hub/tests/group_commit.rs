@@ -39,8 +39,14 @@ async fn concurrent_devices_share_fsyncs() {
     let fsyncs = stats.fsyncs.load(Ordering::Relaxed);
     let groups = stats.group_commits.load(Ordering::Relaxed);
     println!("{commits} commits, {fsyncs} WAL fsyncs, {groups} group commits");
-    assert_eq!(hub.stats().blocks_committed.load(Ordering::Relaxed), commits);
-    assert!(fsyncs * 5 <= commits, "{fsyncs} fsyncs for {commits} commits: group commit is not grouping");
+    assert_eq!(
+        hub.stats().blocks_committed.load(Ordering::Relaxed),
+        commits
+    );
+    assert!(
+        fsyncs * 5 <= commits,
+        "{fsyncs} fsyncs for {commits} commits: group commit is not grouping"
+    );
 
     // Every record once, per-device seqs in order, hub offsets dense.
     let got = read_all(&hub, "telemetry");

@@ -14,17 +14,43 @@ use sync::record::{Record, Value};
 async fn straddling_block_is_trimmed_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    let out = hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
-    assert_eq!(out, CommitOutcome::Committed { durable_seq: 10, hub_offset_base: 0, trimmed: 0 });
-    let out = hub.commit_block("d1", "telemetry", &block("d1", 1, 6, 15)).await.unwrap();
-    assert_eq!(out, CommitOutcome::Committed { durable_seq: 15, hub_offset_base: 10, trimmed: 5 });
+    let out = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        CommitOutcome::Committed {
+            durable_seq: 10,
+            hub_offset_base: 0,
+            trimmed: 0
+        }
+    );
+    let out = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 6, 15))
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        CommitOutcome::Committed {
+            durable_seq: 15,
+            hub_offset_base: 10,
+            trimmed: 5
+        }
+    );
     let got = read_all(&hub, "telemetry");
     assert_eq!(got.len(), 15);
     for (i, r) in got.iter().enumerate() {
         let seq = i as u64 + 1;
-        assert_eq!((r.device.as_str(), r.epoch, r.seq, r.offset), ("d1", 1, seq, i as u64));
+        assert_eq!(
+            (r.device.as_str(), r.epoch, r.seq, r.offset),
+            ("d1", 1, seq, i as u64)
+        );
         let want = record("d1", seq);
-        assert_eq!((&r.key, r.ts, &r.fields), (&want.key, want.ts, &want.fields));
+        assert_eq!(
+            (&r.key, r.ts, &r.fields),
+            (&want.key, want.ts, &want.fields)
+        );
     }
     assert_eq!(hub.marks("d1")[0].durable_seq, 15);
 }
@@ -33,82 +59,172 @@ async fn straddling_block_is_trimmed_exactly() {
 async fn replayed_block_is_an_idempotent_duplicate() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20))
+        .await
+        .unwrap();
     for _ in 0..3 {
-        let out = hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
+        let out = hub
+            .commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+            .await
+            .unwrap();
         assert_eq!(out, CommitOutcome::Duplicate { durable_seq: 20 });
     }
     // The same records sealed with other boundaries and another body version are duplicates too.
     let v2 = encode_block(VERSION_COLUMNAR, 1, 11, &records("d1", 11, 20)).unwrap();
-    assert_eq!(hub.commit_block("d1", "telemetry", &v2).await.unwrap(), CommitOutcome::Duplicate { durable_seq: 20 });
+    assert_eq!(
+        hub.commit_block("d1", "telemetry", &v2).await.unwrap(),
+        CommitOutcome::Duplicate { durable_seq: 20 }
+    );
     assert_eq!(read_all(&hub, "telemetry").len(), 20);
-    assert_eq!(hub.stats().duplicates.load(std::sync::atomic::Ordering::Relaxed), 4);
+    assert_eq!(
+        hub.stats()
+            .duplicates
+            .load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
 }
 
 #[tokio::test]
 async fn conflicting_content_fences_the_device_and_raises_the_alarm() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
-    hub.commit_block("d2", "telemetry", &block("d2", 1, 1, 10)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
+    hub.commit_block("d2", "telemetry", &block("d2", 1, 1, 10))
+        .await
+        .unwrap();
     // A clone of d1 sends the same seqs with other content.
     let clone = encode_block(sync::block::VERSION_ROWS, 1, 1, &records("clone", 1, 10)).unwrap();
-    let err = hub.commit_block("d1", "telemetry", &clone).await.unwrap_err();
-    assert_eq!(err, IngestError::Conflict { first_seq: 1, last_seq: 10 });
-    assert!(hub.is_fenced("d1").is_some_and(|r| r.contains("seqs 1..=10")));
+    let err = hub
+        .commit_block("d1", "telemetry", &clone)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IngestError::Conflict {
+            first_seq: 1,
+            last_seq: 10
+        }
+    );
+    assert!(
+        hub.is_fenced("d1")
+            .is_some_and(|r| r.contains("seqs 1..=10"))
+    );
     // Fenced: even valid new data is refused; other devices carry on.
-    let err = hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20)).await.unwrap_err();
+    let err = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 11, 20))
+        .await
+        .unwrap_err();
     assert!(matches!(err, IngestError::Fenced(_)));
-    hub.commit_block("d2", "telemetry", &block("d2", 1, 11, 20)).await.unwrap();
+    hub.commit_block("d2", "telemetry", &block("d2", 1, 11, 20))
+        .await
+        .unwrap();
     let metrics = core_hub::metrics::render(&hub);
-    assert!(metrics.contains("\ntributary_hub_conflicts_total 1\n"), "{metrics}");
-    assert!(metrics.contains("\ntributary_hub_fenced_devices 1\n"), "{metrics}");
+    assert!(
+        metrics.contains("\ntributary_hub_conflicts_total 1\n"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("\ntributary_hub_fenced_devices 1\n"),
+        "{metrics}"
+    );
     // Nothing of the conflicting block reached the log, and the fence survives a restart.
     assert_eq!(read_all(&hub, "telemetry").len(), 30);
     drop(hub);
     let hub = open(dir.path());
     assert!(hub.is_fenced("d1").is_some());
     hub.unfence("d1").unwrap();
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20))
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
 async fn conflict_with_a_pending_block_is_caught() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    let pending = hub.submit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
+    let pending = hub
+        .submit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
     let clone = encode_block(sync::block::VERSION_ROWS, 1, 1, &records("clone", 1, 10)).unwrap();
-    let err = hub.commit_block("d1", "telemetry", &clone).await.unwrap_err();
+    let err = hub
+        .commit_block("d1", "telemetry", &clone)
+        .await
+        .unwrap_err();
     assert!(matches!(err, IngestError::Conflict { .. }));
-    assert!(matches!(pending.wait().await.unwrap(), CommitOutcome::Committed { durable_seq: 10, .. }));
+    assert!(matches!(
+        pending.wait().await.unwrap(),
+        CommitOutcome::Committed {
+            durable_seq: 10,
+            ..
+        }
+    ));
 }
 
 #[tokio::test]
 async fn gaps_out_of_order_and_reserved_seqs() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    let err = hub.commit_block("d1", "telemetry", &block("d1", 1, 5, 10)).await.unwrap_err();
+    let err = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 5, 10))
+        .await
+        .unwrap_err();
     assert_eq!(err, IngestError::OutOfOrder { expected: 1 });
-    let err = hub.commit_block("d1", "telemetry", &block("d1", 1, 0, 3)).await.unwrap_err();
+    let err = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 0, 3))
+        .await
+        .unwrap_err();
     assert_eq!(err, IngestError::ReservedSeq);
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
     // A gap moves the mark over seqs that will never come.
-    assert_eq!(hub.record_gap("d1", "telemetry", 1, 11, 20, "drop-oldest").await.unwrap(), 20);
-    assert_eq!(hub.record_gap("d1", "telemetry", 1, 5, 8, "late").await.unwrap(), 20);
-    let err = hub.record_gap("d1", "telemetry", 1, 30, 40, "ahead").await.unwrap_err();
+    assert_eq!(
+        hub.record_gap("d1", "telemetry", 1, 11, 20, "drop-oldest")
+            .await
+            .unwrap(),
+        20
+    );
+    assert_eq!(
+        hub.record_gap("d1", "telemetry", 1, 5, 8, "late")
+            .await
+            .unwrap(),
+        20
+    );
+    let err = hub
+        .record_gap("d1", "telemetry", 1, 30, 40, "ahead")
+        .await
+        .unwrap_err();
     assert_eq!(err, IngestError::OutOfOrder { expected: 21 });
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 21, 30)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 21, 30))
+        .await
+        .unwrap();
     assert_eq!(hub.marks("d1")[0].durable_seq, 30);
     let gaps = hub.catalog().gaps_of(hub.device_id("d1").unwrap()).unwrap();
     assert_eq!(gaps.len(), 1);
-    assert_eq!((gaps[0].first_seq, gaps[0].last_seq, gaps[0].reason.as_str()), (11, 20, "drop-oldest"));
+    assert_eq!(
+        (gaps[0].first_seq, gaps[0].last_seq, gaps[0].reason.as_str()),
+        (11, 20, "drop-oldest")
+    );
     let seqs: Vec<u64> = read_all(&hub, "telemetry").iter().map(|r| r.seq).collect();
     assert_eq!(seqs, (1..=10).chain(21..=30).collect::<Vec<_>>());
     // Epochs have their own marks.
-    hub.commit_block("d1", "telemetry", &block("d1", 2, 1, 5)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 2, 1, 5))
+        .await
+        .unwrap();
     let marks = hub.marks("d1");
-    assert_eq!(marks.iter().map(|m| (m.epoch, m.durable_seq)).collect::<Vec<_>>(), vec![(1, 30), (2, 5)]);
+    assert_eq!(
+        marks
+            .iter()
+            .map(|m| (m.epoch, m.durable_seq))
+            .collect::<Vec<_>>(),
+        vec![(1, 30), (2, 5)]
+    );
     assert_eq!(hub.epoch_max("d1"), 2);
 }
 
@@ -123,8 +239,14 @@ async fn corrupt_and_oversized_blocks_are_rejected() {
     let mut bad = block("d1", 1, 1, 10);
     let last = bad.len() - 1;
     bad[last] ^= 0x40;
-    assert!(matches!(hub.commit_block("d1", "s", &bad).await, Err(IngestError::BadBlock(_))));
-    assert!(matches!(hub.commit_block("d1", "s", &bad[..20]).await, Err(IngestError::BadBlock(_))));
+    assert!(matches!(
+        hub.commit_block("d1", "s", &bad).await,
+        Err(IngestError::BadBlock(_))
+    ));
+    assert!(matches!(
+        hub.commit_block("d1", "s", &bad[..20]).await,
+        Err(IngestError::BadBlock(_))
+    ));
     // Incompressible: the encoded block exceeds block_bytes_max.
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
     let noise: Vec<u8> = (0..200_000)
@@ -135,15 +257,29 @@ async fn corrupt_and_oversized_blocks_are_rejected() {
             x as u8
         })
         .collect();
-    let big = Record { key: "k".into(), ts: 1, fields: vec![("b".into(), Value::Bytes(noise))] };
+    let big = Record {
+        key: "k".into(),
+        ts: 1,
+        fields: vec![("b".into(), Value::Bytes(noise))],
+    };
     let big = encode_block(sync::block::VERSION_ROWS, 1, 1, &[big]).unwrap();
-    assert!(matches!(hub.commit_block("d1", "s", &big).await, Err(IngestError::TooLarge { .. })));
+    assert!(matches!(
+        hub.commit_block("d1", "s", &big).await,
+        Err(IngestError::TooLarge { .. })
+    ));
     // Compressible but with a decompressed size above block_raw_bytes_max.
-    let wide = Record { key: "k".into(), ts: 1, fields: vec![("b".into(), Value::Bytes(vec![0; 2 << 20]))] };
+    let wide = Record {
+        key: "k".into(),
+        ts: 1,
+        fields: vec![("b".into(), Value::Bytes(vec![0; 2 << 20]))],
+    };
     let wide = encode_block(sync::block::VERSION_ROWS, 1, 1, &[wide]).unwrap();
     assert!(wide.len() < 64 << 10);
     let err = hub.commit_block("d1", "s", &wide).await.unwrap_err();
-    assert!(matches!(err, IngestError::BadBlock(ref m) if m.contains("decompressed size")), "{err}");
+    assert!(
+        matches!(err, IngestError::BadBlock(ref m) if m.contains("decompressed size")),
+        "{err}"
+    );
     assert!(hub.lookup_stream("s").is_none());
     assert_eq!(hub.memory_in_use_bytes(), 0);
 }
@@ -186,7 +322,10 @@ async fn zstd_bomb_is_rejected_with_bounded_memory() {
     bomb.extend_from_slice(&body);
     let before = rss_bytes();
     for _ in 0..4 {
-        let err = hub.commit_block("d1", "telemetry", &bomb).await.unwrap_err();
+        let err = hub
+            .commit_block("d1", "telemetry", &bomb)
+            .await
+            .unwrap_err();
         assert!(matches!(err, IngestError::BadBlock(_)), "{err}");
     }
     let grown = rss_bytes().saturating_sub(before);
@@ -202,12 +341,29 @@ async fn bad_stream_names_are_rejected() {
     let hub = open(dir.path());
     let b = block("d1", 1, 1, 3);
     let long = "x".repeat(65);
-    for name in ["", ".", "..", "../etc", "a/b", "a\\b", "tele metry", "é", "a\0b", long.as_str()] {
+    for name in [
+        "",
+        ".",
+        "..",
+        "../etc",
+        "a/b",
+        "a\\b",
+        "tele metry",
+        "é",
+        "a\0b",
+        long.as_str(),
+    ] {
         let err = hub.commit_block("d1", name, &b).await.unwrap_err();
-        assert!(matches!(err, IngestError::BadStreamName(_)), "{name:?}: {err}");
+        assert!(
+            matches!(err, IngestError::BadStreamName(_)),
+            "{name:?}: {err}"
+        );
     }
     assert!(hub.catalog().streams().unwrap().is_empty());
-    let err = hub.commit_block("../d1", "telemetry", &b).await.unwrap_err();
+    let err = hub
+        .commit_block("../d1", "telemetry", &b)
+        .await
+        .unwrap_err();
     assert_eq!(err, IngestError::BadDeviceId);
 }
 
@@ -220,12 +376,22 @@ async fn allow_list_is_enforced() {
     );
     let hub = Hub::open(&core_hub::HubConfig::from_toml(&toml).unwrap()).unwrap();
     let b = block("d1", 1, 1, 3);
-    assert_eq!(hub.commit_block("d1", "telemetry", &b).await.unwrap_err(), IngestError::Unauthorized("telemetry".into()));
+    assert_eq!(
+        hub.commit_block("d1", "telemetry", &b).await.unwrap_err(),
+        IngestError::Unauthorized("telemetry".into())
+    );
     hub.commit_block("d1", "status", &b).await.unwrap();
-    hub.commit_block("d2", "telemetry", &block("d2", 1, 1, 3)).await.unwrap();
-    let err = hub.commit_block("d2", "other", &block("d2", 1, 1, 3)).await.unwrap_err();
+    hub.commit_block("d2", "telemetry", &block("d2", 1, 1, 3))
+        .await
+        .unwrap();
+    let err = hub
+        .commit_block("d2", "other", &block("d2", 1, 1, 3))
+        .await
+        .unwrap_err();
     assert_eq!(err, IngestError::Unauthorized("other".into()));
-    let err = hub.record_backlog("d1", "telemetry", BacklogReport::default()).unwrap_err();
+    let err = hub
+        .record_backlog("d1", "telemetry", BacklogReport::default())
+        .unwrap_err();
     assert!(matches!(err, IngestError::Unauthorized(_)));
 }
 
@@ -235,7 +401,11 @@ async fn pipelined_submits_commit_in_order() {
     let hub = open(dir.path());
     let mut pending = Vec::new();
     for i in 0..50u64 {
-        pending.push(hub.submit_block("d1", "telemetry", &block("d1", 1, i * 10 + 1, i * 10 + 10)).await.unwrap());
+        pending.push(
+            hub.submit_block("d1", "telemetry", &block("d1", 1, i * 10 + 1, i * 10 + 10))
+                .await
+                .unwrap(),
+        );
     }
     let mut last = 0;
     for p in pending {
@@ -245,9 +415,15 @@ async fn pipelined_submits_commit_in_order() {
     }
     assert_eq!(last, 500);
     let got = read_all(&hub, "telemetry");
-    assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), (1..=500).collect::<Vec<_>>());
+    assert_eq!(
+        got.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (1..=500).collect::<Vec<_>>()
+    );
     // Fewer group commits than blocks: queued blocks share fsyncs.
-    let fsyncs = hub.wal_stats().fsyncs.load(std::sync::atomic::Ordering::Relaxed);
+    let fsyncs = hub
+        .wal_stats()
+        .fsyncs
+        .load(std::sync::atomic::Ordering::Relaxed);
     assert!(fsyncs < 50, "{fsyncs} fsyncs for 50 pipelined blocks");
 }
 
@@ -255,15 +431,34 @@ async fn pipelined_submits_commit_in_order() {
 async fn verified_blocks_from_the_protocol_skip_decoding() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
     let raw = block("d1", 1, 6, 20);
     let header = sync::block::decode_header(&raw).unwrap();
-    let vb = VerifiedBlock { header, block: raw, skip_through: 10, records: records("d1", 11, 20) };
+    let vb = VerifiedBlock {
+        header,
+        block: raw,
+        skip_through: 10,
+        records: records("d1", 11, 20),
+    };
     let out = hub.commit_verified("d1", "telemetry", vb).await.unwrap();
-    assert!(matches!(out, CommitOutcome::Committed { durable_seq: 20, hub_offset_base: 10, .. }));
+    assert!(matches!(
+        out,
+        CommitOutcome::Committed {
+            durable_seq: 20,
+            hub_offset_base: 10,
+            ..
+        }
+    ));
     let raw = block("d1", 1, 21, 25);
     let header = sync::block::decode_header(&raw).unwrap();
-    let vb = VerifiedBlock { header, block: raw, skip_through: 0, records: records("d1", 21, 25) };
+    let vb = VerifiedBlock {
+        header,
+        block: raw,
+        skip_through: 0,
+        records: records("d1", 21, 25),
+    };
     hub.commit_verified("d1", "telemetry", vb).await.unwrap();
     let got = read_all(&hub, "telemetry");
     let seqs: BTreeSet<u64> = got.iter().map(|r| r.seq).collect();
@@ -271,11 +466,20 @@ async fn verified_blocks_from_the_protocol_skip_decoding() {
     assert_eq!(got[24].fields, record("d1", 25).fields);
     // The stored checksums are the ones the protocol receiver verifies against.
     let ranges = hub.range_checksums("d1", "telemetry", 1, 0, 100).unwrap();
-    assert_eq!(ranges.iter().map(|r| (r.first_seq, r.last_seq)).collect::<Vec<_>>(), vec![(1, 10), (11, 20), (21, 25)]);
+    assert_eq!(
+        ranges
+            .iter()
+            .map(|r| (r.first_seq, r.last_seq))
+            .collect::<Vec<_>>(),
+        vec![(1, 10), (11, 20), (21, 25)]
+    );
     let want = sync::protocol::checksum::range_checksum(11, &records("d1", 11, 20));
     assert_eq!(ranges[1].checksum, want);
     let tail = hub.range_checksums("d1", "telemetry", 1, 22, 1).unwrap();
-    assert_eq!(tail.iter().map(|r| r.first_seq).collect::<Vec<_>>(), vec![21]);
+    assert_eq!(
+        tail.iter().map(|r| r.first_seq).collect::<Vec<_>>(),
+        vec![21]
+    );
 }
 
 #[tokio::test]
@@ -283,15 +487,36 @@ async fn contacts_and_backlogs_are_stored() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
     hub.touch("d1");
-    let report = BacklogReport { blocks: 3, bytes: 3000, oldest_unsent_ts: Some(42), last_seq: 99 };
+    let report = BacklogReport {
+        blocks: 3,
+        bytes: 3000,
+        oldest_unsent_ts: Some(42),
+        last_seq: 99,
+    };
     hub.record_backlog("d1", "telemetry", report).unwrap();
     // Deferred metadata rides on the next group commit.
-    hub.commit_block("d2", "telemetry", &block("d2", 1, 1, 1)).await.unwrap();
+    hub.commit_block("d2", "telemetry", &block("d2", 1, 1, 1))
+        .await
+        .unwrap();
     let id = hub.device_id("d1").unwrap();
     let backlog = hub.catalog().backlog_of(id).unwrap();
-    assert_eq!((backlog[0].bytes, backlog[0].last_seq, backlog[0].oldest_unsent_ts), (3000, 99, Some(42)));
+    assert_eq!(
+        (
+            backlog[0].bytes,
+            backlog[0].last_seq,
+            backlog[0].oldest_unsent_ts
+        ),
+        (3000, 99, Some(42))
+    );
     let devices = hub.catalog().devices().unwrap();
-    assert!(devices.iter().find(|d| d.name == "d1").unwrap().last_contact_ns.is_some());
+    assert!(
+        devices
+            .iter()
+            .find(|d| d.name == "d1")
+            .unwrap()
+            .last_contact_ns
+            .is_some()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -309,7 +534,10 @@ async fn ingest_memory_stays_within_the_budget() {
             for i in 0..4u64 {
                 let b = block(&dev, 1, i * 500 + 1, i * 500 + 500);
                 let pending = hub.submit_block(&dev, "telemetry", &b).await.unwrap();
-                peak.fetch_max(hub.memory_in_use_bytes(), std::sync::atomic::Ordering::Relaxed);
+                peak.fetch_max(
+                    hub.memory_in_use_bytes(),
+                    std::sync::atomic::Ordering::Relaxed,
+                );
                 pending.wait().await.unwrap();
             }
         }));

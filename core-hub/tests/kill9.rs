@@ -28,9 +28,15 @@ fn soak() -> bool {
 /// The child: runs only when the parent sets `TRIBUTARY_KILL9_DIR`.
 #[test]
 fn child_writer() {
-    let Ok(dir) = std::env::var(DIR_ENV) else { return };
+    let Ok(dir) = std::env::var(DIR_ENV) else {
+        return;
+    };
     let total: u64 = std::env::var(TOTAL_ENV).unwrap().parse().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async move {
         let hub = common::open(std::path::Path::new(&dir));
         let mut tasks = Vec::new();
@@ -45,7 +51,14 @@ fn child_writer() {
                 let mut first = mark.saturating_sub(13).max(1);
                 while first <= total {
                     let last = (first + size - 1).min(total);
-                    let out = hub.commit_block(&device, "telemetry", &common::block(&device, 1, first, last)).await.unwrap();
+                    let out = hub
+                        .commit_block(
+                            &device,
+                            "telemetry",
+                            &common::block(&device, 1, first, last),
+                        )
+                        .await
+                        .unwrap();
                     assert!(out.durable_seq() >= last);
                     println!("ACK {device} {last}");
                     first = last + 1;
@@ -61,7 +74,12 @@ fn child_writer() {
 
 /// Runs a child; kills it with SIGKILL after `kill_after` acks (if given). Returns the acks
 /// seen and whether the child had more work in flight when it was killed.
-fn run_child(dir: &std::path::Path, total: u64, kill_after: Option<usize>, acked: &mut HashMap<String, u64>) -> bool {
+fn run_child(
+    dir: &std::path::Path,
+    total: u64,
+    kill_after: Option<usize>,
+    acked: &mut HashMap<String, u64>,
+) -> bool {
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
         .args(["--exact", "child_writer", "--nocapture", "--test-threads=1"])
@@ -79,7 +97,9 @@ fn run_child(dir: &std::path::Path, total: u64, kill_after: Option<usize>, acked
         if line.contains("DONE") {
             done = true;
         }
-        let Some(rest) = line.strip_prefix("ACK ") else { continue };
+        let Some(rest) = line.strip_prefix("ACK ") else {
+            continue;
+        };
         let (dev, seq) = rest.split_once(' ').unwrap();
         let seq: u64 = seq.parse().unwrap();
         let e = acked.entry(dev.to_string()).or_insert(0);
@@ -105,7 +125,10 @@ fn kill_dash_nine_loses_and_duplicates_nothing() {
     let (kills, total) = if soak() { (40, 20_000) } else { (12, 2_000) };
     let seed: u64 = match std::env::var("TRIBUTARY_SEED") {
         Ok(s) => s.parse().unwrap(),
-        Err(_) => std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64,
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
     };
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -119,7 +142,10 @@ fn kill_dash_nine_loses_and_duplicates_nothing() {
     }
     run_child(dir.path(), total, None, &mut acked);
     println!("{mid_transfer} of {kills} kills landed mid-transfer (seed {seed})");
-    assert!(mid_transfer > 0, "no kill landed mid-transfer (seed {seed})");
+    assert!(
+        mid_transfer > 0,
+        "no kill landed mid-transfer (seed {seed})"
+    );
 
     let hub = common::open(dir.path());
     let got = common::read_all(&hub, "telemetry");
@@ -127,13 +153,24 @@ fn kill_dash_nine_loses_and_duplicates_nothing() {
     for (i, r) in got.iter().enumerate() {
         assert_eq!(r.offset, i as u64, "seed {seed}");
         let n = next.entry(r.device.as_str()).or_insert(1);
-        assert_eq!(r.seq, *n, "device {} seq out of order or duplicated (seed {seed})", r.device);
-        assert_eq!(r.fields, common::record(&r.device, r.seq).fields, "seed {seed}");
+        assert_eq!(
+            r.seq, *n,
+            "device {} seq out of order or duplicated (seed {seed})",
+            r.device
+        );
+        assert_eq!(
+            r.fields,
+            common::record(&r.device, r.seq).fields,
+            "seed {seed}"
+        );
         *n += 1;
     }
     assert_eq!(got.len() as u64, total * DEVICES as u64, "seed {seed}");
     for (dev, seq) in &acked {
         let mark = hub.marks(dev)[0].durable_seq;
-        assert!(mark >= *seq, "{dev}: acked {seq} but mark {mark} (seed {seed})");
+        assert!(
+            mark >= *seq,
+            "{dev}: acked {seq} but mark {mark} (seed {seed})"
+        );
     }
 }

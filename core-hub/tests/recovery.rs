@@ -8,14 +8,23 @@
 mod common;
 
 use common::{block, config, open, read_all, record};
-use core_hub::wal::{ENTRY_HEADER_LEN, EntryHeader, KIND_BLOCK, WalOpenError, list_wal_files, wal_file_path};
+use core_hub::wal::{
+    ENTRY_HEADER_LEN, EntryHeader, KIND_BLOCK, WalOpenError, list_wal_files, wal_file_path,
+};
 use core_hub::{CommitOutcome, Hub, ingest::OpenError};
 use std::io::Write;
 use sync::record::{Record, Value};
 
 /// Appends a valid frame for `block` to the WAL file at `path`, as the writer would have
 /// before crashing ahead of its catalog commit.
-fn append_uncommitted_frame(path: &std::path::Path, device: u32, stream: u32, first: u64, count: u32, block: &[u8]) {
+fn append_uncommitted_frame(
+    path: &std::path::Path,
+    device: u32,
+    stream: u32,
+    first: u64,
+    count: u32,
+    block: &[u8],
+) {
     let header = EntryHeader {
         kind: KIND_BLOCK,
         device,
@@ -42,8 +51,13 @@ fn append_uncommitted_frame(path: &std::path::Path, device: u32, stream: u32, fi
 async fn uncommitted_tail_is_dropped_and_resend_is_accepted_once() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10)).await.unwrap();
-    let (d, s) = (hub.device_id("d1").unwrap(), hub.stream_id("telemetry").unwrap());
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
+    let (d, s) = (
+        hub.device_id("d1").unwrap(),
+        hub.stream_id("telemetry").unwrap(),
+    );
     drop(hub);
 
     let wal = dir.path().join("wal");
@@ -57,12 +71,28 @@ async fn uncommitted_tail_is_dropped_and_resend_is_accepted_once() {
     assert_eq!(hub.marks("d1")[0].durable_seq, 10);
     assert_eq!(read_all(&hub, "telemetry").len(), 10);
     // The agent resends from the mark: accepted exactly once.
-    let out = hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20)).await.unwrap();
-    assert_eq!(out, CommitOutcome::Committed { durable_seq: 20, hub_offset_base: 10, trimmed: 0 });
-    let out = hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 20)).await.unwrap();
+    let out = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 11, 20))
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        CommitOutcome::Committed {
+            durable_seq: 20,
+            hub_offset_base: 10,
+            trimmed: 0
+        }
+    );
+    let out = hub
+        .commit_block("d1", "telemetry", &block("d1", 1, 1, 20))
+        .await
+        .unwrap();
     assert_eq!(out, CommitOutcome::Duplicate { durable_seq: 20 });
     let got = read_all(&hub, "telemetry");
-    assert_eq!(got.iter().map(|r| (r.seq, r.offset)).collect::<Vec<_>>(), (1..=20).map(|s| (s, s - 1)).collect::<Vec<_>>());
+    assert_eq!(
+        got.iter().map(|r| (r.seq, r.offset)).collect::<Vec<_>>(),
+        (1..=20).map(|s| (s, s - 1)).collect::<Vec<_>>()
+    );
     assert_eq!(got[15].fields, record("d1", 16).fields);
 }
 
@@ -74,10 +104,21 @@ async fn acknowledged_data_survives_reopen_and_marks_resume() {
         let first = round * 10 + 1;
         // A resend of the previous round is a duplicate, the new block is committed.
         if round > 0 {
-            let prev = hub.commit_block("d1", "telemetry", &block("d1", 1, first - 10, first - 1)).await.unwrap();
-            assert_eq!(prev, CommitOutcome::Duplicate { durable_seq: first - 1 });
+            let prev = hub
+                .commit_block("d1", "telemetry", &block("d1", 1, first - 10, first - 1))
+                .await
+                .unwrap();
+            assert_eq!(
+                prev,
+                CommitOutcome::Duplicate {
+                    durable_seq: first - 1
+                }
+            );
         }
-        let out = hub.commit_block("d1", "telemetry", &block("d1", 1, first, first + 9)).await.unwrap();
+        let out = hub
+            .commit_block("d1", "telemetry", &block("d1", 1, first, first + 9))
+            .await
+            .unwrap();
         assert_eq!(out.durable_seq(), first + 9);
     }
     let hub = open(dir.path());
@@ -97,7 +138,11 @@ fn noisy_block(device: &str, first: u64, last: u64, seed: u64) -> Vec<u8> {
                     x as u8
                 })
                 .collect();
-            Record { key: format!("{device}/k"), ts: seq as i64, fields: vec![("b".into(), Value::Bytes(noise))] }
+            Record {
+                key: format!("{device}/k"),
+                ts: seq as i64,
+                fields: vec![("b".into(), Value::Bytes(noise))],
+            }
         })
         .collect();
     sync::block::encode_block(sync::block::VERSION_ROWS, 1, first, &recs).unwrap()
@@ -125,9 +170,14 @@ async fn rolled_files_and_a_half_rolled_file_recover() {
     assert!(!stray.exists());
     assert_eq!(list_wal_files(&wal).unwrap(), files);
     let got = read_all(&hub, "telemetry");
-    assert_eq!(got.iter().map(|r| r.seq).collect::<Vec<_>>(), (1..=150).collect::<Vec<_>>());
+    assert_eq!(
+        got.iter().map(|r| r.seq).collect::<Vec<_>>(),
+        (1..=150).collect::<Vec<_>>()
+    );
     // Appends continue in the last file.
-    hub.commit_block("d1", "telemetry", &noisy_block("d1", 151, 160, 99)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &noisy_block("d1", 151, 160, 99))
+        .await
+        .unwrap();
     assert_eq!(read_all(&hub, "telemetry").len(), 160);
 }
 
@@ -145,7 +195,9 @@ async fn a_second_hub_on_the_same_directory_is_refused() {
 async fn damaged_committed_data_fails_loudly() {
     let dir = tempfile::tempdir().unwrap();
     let hub = open(dir.path());
-    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 100)).await.unwrap();
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 100))
+        .await
+        .unwrap();
     drop(hub);
     let wal = dir.path().join("wal");
     let path = wal_file_path(&wal, 0);
@@ -154,9 +206,15 @@ async fn damaged_committed_data_fails_loudly() {
     bytes[mid] ^= 0xFF;
     std::fs::write(&path, &bytes).unwrap();
     let err = Hub::open(&config(dir.path(), |_| {})).unwrap_err();
-    assert!(matches!(err, OpenError::Wal(WalOpenError::Corrupt { .. })), "{err}");
+    assert!(
+        matches!(err, OpenError::Wal(WalOpenError::Corrupt { .. })),
+        "{err}"
+    );
     // Committed bytes missing altogether is refused too.
     std::fs::write(&path, &bytes[..mid]).unwrap();
     let err = Hub::open(&config(dir.path(), |_| {})).unwrap_err();
-    assert!(matches!(err, OpenError::Wal(WalOpenError::Missing { .. })), "{err}");
+    assert!(
+        matches!(err, OpenError::Wal(WalOpenError::Missing { .. })),
+        "{err}"
+    );
 }

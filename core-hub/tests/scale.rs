@@ -23,7 +23,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant as StdInstant};
 
 use anyhow::{Context, Result, bail};
-use rcgen::{CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use rcgen::{
+    CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use sync::protocol::{
@@ -49,10 +52,17 @@ const STREAM: &str = "telemetry";
 const RECORDS_PER_DEVICE: u64 = 8;
 
 fn device_count() -> usize {
-    if let Some(n) = std::env::var("TRIBUTARY_SCALE_DEVICES").ok().and_then(|v| v.parse().ok()) {
+    if let Some(n) = std::env::var("TRIBUTARY_SCALE_DEVICES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
         return n;
     }
-    if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") { 10_000 } else { 1_000 }
+    if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") {
+        10_000
+    } else {
+        1_000
+    }
 }
 
 /// The hub process; killed when dropped so a failing test leaves nothing behind.
@@ -73,7 +83,10 @@ impl HubProcess {
     fn rss(&self) -> Result<(u64, u64)> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))?;
         let field = |name: &str| -> Result<u64> {
-            let line = status.lines().find(|l| l.starts_with(name)).with_context(|| format!("{name} missing"))?;
+            let line = status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .with_context(|| format!("{name} missing"))?;
             let kb: u64 = line.split_whitespace().nth(1).context("value")?.parse()?;
             Ok(kb * 1024)
         };
@@ -120,7 +133,10 @@ block_raw_bytes_max = "4MiB"
             if line.contains("QUIC listener up")
                 && let Some(tx) = addr_tx.take()
             {
-                let addr = line.split("local_addr=").nth(1).map(|s| s.split_whitespace().next().unwrap_or("").to_owned());
+                let addr = line
+                    .split("local_addr=")
+                    .nth(1)
+                    .map(|s| s.split_whitespace().next().unwrap_or("").to_owned());
                 let _ = tx.send(addr);
             }
             if line.contains("ERROR") || line.contains("panicked") {
@@ -129,14 +145,24 @@ block_raw_bytes_max = "4MiB"
         }
     });
     // The guard exists before the wait, so a hub that never comes up is still killed.
-    let mut hub = HubProcess { child, quic: "0.0.0.0:0".parse()? };
-    let addr = addr_rx.recv_timeout(Duration::from_secs(60)).context("the hub did not report its QUIC address")?;
-    hub.quic = addr.context("no local_addr in the listener line")?.parse()?;
+    let mut hub = HubProcess {
+        child,
+        quic: "0.0.0.0:0".parse()?,
+    };
+    let addr = addr_rx
+        .recv_timeout(Duration::from_secs(60))
+        .context("the hub did not report its QUIC address")?;
+    hub.quic = addr
+        .context("no local_addr in the listener line")?
+        .parse()?;
     Ok(hub)
 }
 
 /// Device certificates signed by the run's CA, as `(chain, key)`.
-fn issue_devices(pki_dir: &std::path::Path, n: usize) -> Result<Vec<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>> {
+fn issue_devices(
+    pki_dir: &std::path::Path,
+    n: usize,
+) -> Result<Vec<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)>> {
     let ca_pem = std::fs::read_to_string(pki_dir.join("ca.pem"))?;
     let ca_key = KeyPair::from_pem(&std::fs::read_to_string(pki_dir.join("ca.key"))?)?;
     let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key)?;
@@ -188,7 +214,12 @@ fn device_block(i: usize, epoch: u64) -> Result<Vec<u8>> {
             ],
         })
         .collect();
-    Ok(sync::block::encode_block(sync::block::VERSION_ROWS, epoch, 1, &records)?)
+    Ok(sync::block::encode_block(
+        sync::block::VERSION_ROWS,
+        epoch,
+        1,
+        &records,
+    )?)
 }
 
 /// Runs one device: Hello, ship the block, wait for the durable ack (then release the
@@ -211,7 +242,11 @@ async fn device(
         first_seq: 1,
         last_seq: RECORDS_PER_DEVICE,
         acked_seq: 0,
-        backlog: Backlog { blocks: 1, bytes: block.len() as u64, oldest_unsent_ts: Some(1_764_374_400_000_000_000) },
+        backlog: Backlog {
+            blocks: 1,
+            bytes: block.len() as u64,
+            oldest_unsent_ts: Some(1_764_374_400_000_000_000),
+        },
         gaps: Vec::new(),
     };
     let cfg = SenderConfig::default();
@@ -236,8 +271,17 @@ async fn device(
             progressed = true;
             match ev {
                 SenderEvent::Established { .. } => {}
-                SenderEvent::WantBlocks { stream, epoch, after_seq, .. } => {
-                    let blocks = if after_seq < RECORDS_PER_DEVICE { vec![block.clone()] } else { Vec::new() };
+                SenderEvent::WantBlocks {
+                    stream,
+                    epoch,
+                    after_seq,
+                    ..
+                } => {
+                    let blocks = if after_seq < RECORDS_PER_DEVICE {
+                        vec![block.clone()]
+                    } else {
+                        Vec::new()
+                    };
                     sender.supply_blocks(now(), &stream, epoch, blocks)?;
                 }
                 SenderEvent::Acked { durable_seq, .. } => {
@@ -247,7 +291,9 @@ async fn device(
                     }
                 }
                 SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
-                SenderEvent::Closed(reason) => bail!("session closed: {:?}: {}", reason.code, reason.message),
+                SenderEvent::Closed(reason) => {
+                    bail!("session closed: {:?}: {}", reason.code, reason.message)
+                }
             }
         }
         if progressed {
@@ -280,8 +326,16 @@ async fn device(
 fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
     let self_rss = || -> Result<u64> {
         let status = std::fs::read_to_string("/proc/self/status")?;
-        let line = status.lines().find(|l| l.starts_with("VmRSS:")).context("VmRSS")?;
-        Ok(line.split_whitespace().nth(1).context("value")?.parse::<u64>()? * 1024)
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .context("VmRSS")?;
+        Ok(line
+            .split_whitespace()
+            .nth(1)
+            .context("value")?
+            .parse::<u64>()?
+            * 1024)
     };
     let _ = rustls::crypto::ring::default_provider().install_default();
     let n = device_count();
@@ -299,7 +353,9 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
         roots.add(ca?)?;
     }
     let roots = Arc::new(roots);
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     let report = rt.block_on(async {
         let endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
         let slots = Arc::new(Semaphore::new(CONNECTING_MAX));
@@ -319,7 +375,9 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
             let block = device_block(i, epoch)?;
             devices.spawn(async move {
                 let result = match connecting.await {
-                    Ok(conn) => device(conn, block, epoch, slot, acked, reports.clone(), stop).await,
+                    Ok(conn) => {
+                        device(conn, block, epoch, slot, acked, reports.clone(), stop).await
+                    }
                     Err(e) => Err(anyhow::anyhow!("connect: {e}")),
                 };
                 let result = result.map_err(|e| e.context(format!("device {i}")));
@@ -346,8 +404,16 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
             done??;
             bail!("a device session ended before the test stopped it");
         }
-        anyhow::ensure!(acked.load(Ordering::SeqCst) == n, "{} of {n} devices acked", acked.load(Ordering::SeqCst));
-        anyhow::ensure!(devices.len() == n, "{} of {n} device sessions still up", devices.len());
+        anyhow::ensure!(
+            acked.load(Ordering::SeqCst) == n,
+            "{} of {n} devices acked",
+            acked.load(Ordering::SeqCst)
+        );
+        anyhow::ensure!(
+            devices.len() == n,
+            "{} of {n} device sessions still up",
+            devices.len()
+        );
         let (rss, hwm) = hub.rss()?;
         peak = peak.max(rss);
         let clients = self_rss()?;

@@ -67,5 +67,8 @@ fn main() {
     println!("records: {n}, window records emitted: {emitted}");
     println!("empty pipeline: {empty:.1} ns/record");
     println!("predicate + deadband + window: {staged:.1} ns/record");
-    println!("added by the 3 stages: {:.1} ns/record (target <= 300)", staged - empty);
+    println!(
+        "added by the 3 stages: {:.1} ns/record (target <= 300)",
+        staged - empty
+    );
 }

@@ -121,12 +121,24 @@ impl Catalog {
     pub fn open(path: Option<&Path>) -> Result<(Catalog, CatalogOpen), CatalogError> {
         let Some(path) = path else {
             let conn = Connection::open_in_memory().map_err(|e| sql_err(":memory:", e))?;
-            let cat = Catalog { conn, name: ":memory:".into() };
+            let cat = Catalog {
+                conn,
+                name: ":memory:".into(),
+            };
             cat.init()?;
-            return Ok((cat, CatalogOpen { created: true, ..CatalogOpen::default() }));
+            return Ok((
+                cat,
+                CatalogOpen {
+                    created: true,
+                    ..CatalogOpen::default()
+                },
+            ));
         };
         let existed = path.exists();
-        let mut info = CatalogOpen { created: !existed, ..CatalogOpen::default() };
+        let mut info = CatalogOpen {
+            created: !existed,
+            ..CatalogOpen::default()
+        };
         if existed {
             match Catalog::open_checked(path) {
                 Ok(cat) => return Ok((cat, info)),
@@ -137,8 +149,10 @@ impl Catalog {
                 }
             }
         }
-        let cat = Catalog::open_checked(path)
-            .map_err(|what| CatalogError::Invalid { path: path.display().to_string(), what })?;
+        let cat = Catalog::open_checked(path).map_err(|what| CatalogError::Invalid {
+            path: path.display().to_string(),
+            what,
+        })?;
         Ok((cat, info))
     }
 
@@ -146,13 +160,17 @@ impl Catalog {
         let name = path.display().to_string();
         let conn = Connection::open(path).map_err(|e| e.to_string())?;
         let cat = Catalog { conn, name };
-        let mode: String =
-            cat.conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).map_err(|e| e.to_string())?;
+        let mode: String = cat
+            .conn
+            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+            .map_err(|e| e.to_string())?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(format!("could not enable WAL mode (got {mode})"));
         }
-        let check: String =
-            cat.conn.query_row("PRAGMA integrity_check", [], |r| r.get(0)).map_err(|e| e.to_string())?;
+        let check: String = cat
+            .conn
+            .query_row("PRAGMA integrity_check", [], |r| r.get(0))
+            .map_err(|e| e.to_string())?;
         if check != "ok" {
             return Err(format!("integrity_check: {check}"));
         }
@@ -161,17 +179,26 @@ impl Catalog {
     }
 
     fn init(&self) -> Result<(), CatalogError> {
-        self.conn.execute_batch("PRAGMA synchronous=NORMAL;").map_err(|e| self.err(e))?;
+        self.conn
+            .execute_batch("PRAGMA synchronous=NORMAL;")
+            .map_err(|e| self.err(e))?;
         self.conn.execute_batch(SCHEMA).map_err(|e| self.err(e))?;
         let v: Option<i64> = self
             .conn
-            .query_row("SELECT value FROM meta WHERE key='schema_version'", [], |r| r.get(0))
+            .query_row(
+                "SELECT value FROM meta WHERE key='schema_version'",
+                [],
+                |r| r.get(0),
+            )
             .optional()
             .map_err(|e| self.err(e))?;
         match v {
             None => {
                 self.conn
-                    .execute("INSERT INTO meta(key, value) VALUES ('schema_version', ?1)", [SCHEMA_VERSION])
+                    .execute(
+                        "INSERT INTO meta(key, value) VALUES ('schema_version', ?1)",
+                        [SCHEMA_VERSION],
+                    )
                     .map_err(|e| self.err(e))?;
             }
             Some(SCHEMA_VERSION) => {}
@@ -191,26 +218,43 @@ impl Catalog {
 
     /// Epochs in the order they were minted; the last is current.
     pub fn epochs(&self) -> Result<Vec<u64>, CatalogError> {
-        let mut st = self.conn.prepare("SELECT epoch FROM epochs ORDER BY ord").map_err(|e| self.err(e))?;
-        let rows = st.query_map([], |r| r.get::<_, i64>(0)).map_err(|e| self.err(e))?;
-        rows.map(|r| r.map(from_sql).map_err(|e| self.err(e))).collect()
+        let mut st = self
+            .conn
+            .prepare("SELECT epoch FROM epochs ORDER BY ord")
+            .map_err(|e| self.err(e))?;
+        let rows = st
+            .query_map([], |r| r.get::<_, i64>(0))
+            .map_err(|e| self.err(e))?;
+        rows.map(|r| r.map(from_sql).map_err(|e| self.err(e)))
+            .collect()
     }
 
     /// Replaces the epoch history.
     pub fn replace_epochs(&mut self, epochs: &[u64]) -> Result<(), CatalogError> {
-        let tx = self.conn.transaction().map_err(|e| sql_err(&self.name, e))?;
-        tx.execute("DELETE FROM epochs", []).map_err(|e| sql_err(&self.name, e))?;
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|e| sql_err(&self.name, e))?;
+        tx.execute("DELETE FROM epochs", [])
+            .map_err(|e| sql_err(&self.name, e))?;
         for (i, e) in epochs.iter().enumerate() {
-            tx.execute("INSERT INTO epochs(ord, epoch) VALUES (?1, ?2)", params![i as i64, to_sql(*e)])
-                .map_err(|e| sql_err(&self.name, e))?;
+            tx.execute(
+                "INSERT INTO epochs(ord, epoch) VALUES (?1, ?2)",
+                params![i as i64, to_sql(*e)],
+            )
+            .map_err(|e| sql_err(&self.name, e))?;
         }
         tx.commit().map_err(|e| sql_err(&self.name, e))
     }
 
     /// Replaces the segment list with what recovery found on disk.
     pub fn replace_segments(&mut self, rows: &[SegmentRow]) -> Result<(), CatalogError> {
-        let tx = self.conn.transaction().map_err(|e| sql_err(&self.name, e))?;
-        tx.execute("DELETE FROM segments", []).map_err(|e| sql_err(&self.name, e))?;
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|e| sql_err(&self.name, e))?;
+        tx.execute("DELETE FROM segments", [])
+            .map_err(|e| sql_err(&self.name, e))?;
         for r in rows {
             tx.execute(
                 "INSERT OR REPLACE INTO segments(stream, epoch, first_seq, last_seq, bytes) VALUES (?1,?2,?3,?4,?5)",
@@ -233,7 +277,12 @@ impl Catalog {
     }
 
     /// Forgets one segment.
-    pub fn remove_segment(&self, stream: &str, epoch: u64, first_seq: u64) -> Result<(), CatalogError> {
+    pub fn remove_segment(
+        &self,
+        stream: &str,
+        epoch: u64,
+        first_seq: u64,
+    ) -> Result<(), CatalogError> {
         self.conn
             .execute(
                 "DELETE FROM segments WHERE stream=?1 AND epoch=?2 AND first_seq=?3",
@@ -265,11 +314,18 @@ impl Catalog {
 
     /// Every stored acknowledgement: `(stream, epoch, durable_seq, tiered_seq)`.
     pub fn acks(&self) -> Result<Vec<(String, u64, u64, u64)>, CatalogError> {
-        let mut st =
-            self.conn.prepare("SELECT stream, epoch, durable_seq, tiered_seq FROM acks").map_err(|e| self.err(e))?;
+        let mut st = self
+            .conn
+            .prepare("SELECT stream, epoch, durable_seq, tiered_seq FROM acks")
+            .map_err(|e| self.err(e))?;
         let rows = st
             .query_map([], |r| {
-                Ok((r.get::<_, String>(0)?, from_sql(r.get(1)?), from_sql(r.get(2)?), from_sql(r.get(3)?)))
+                Ok((
+                    r.get::<_, String>(0)?,
+                    from_sql(r.get(1)?),
+                    from_sql(r.get(2)?),
+                    from_sql(r.get(3)?),
+                ))
             })
             .map_err(|e| self.err(e))?;
         rows.map(|r| r.map_err(|e| self.err(e))).collect()
@@ -277,7 +333,10 @@ impl Catalog {
 
     /// Stores several acknowledgements in one transaction.
     pub fn set_acks(&mut self, acks: &[(String, u64, u64, u64)]) -> Result<(), CatalogError> {
-        let tx = self.conn.transaction().map_err(|e| sql_err(&self.name, e))?;
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|e| sql_err(&self.name, e))?;
         for (stream, epoch, durable, tiered) in acks {
             tx.execute(
                 "INSERT OR REPLACE INTO acks(stream, epoch, durable_seq, tiered_seq) VALUES (?1,?2,?3,?4)",
@@ -290,8 +349,12 @@ impl Catalog {
 
     /// Replaces the gap markers mirrored from the streams' `gaps.log` files.
     pub fn replace_gaps(&mut self, rows: &[GapRow]) -> Result<(), CatalogError> {
-        let tx = self.conn.transaction().map_err(|e| sql_err(&self.name, e))?;
-        tx.execute("DELETE FROM gaps", []).map_err(|e| sql_err(&self.name, e))?;
+        let tx = self
+            .conn
+            .transaction()
+            .map_err(|e| sql_err(&self.name, e))?;
+        tx.execute("DELETE FROM gaps", [])
+            .map_err(|e| sql_err(&self.name, e))?;
         for g in rows {
             insert_gap(&tx, g).map_err(|e| sql_err(&self.name, e))?;
         }
@@ -334,22 +397,34 @@ fn insert_gap(conn: &Connection, g: &GapRow) -> Result<(), rusqlite::Error> {
 }
 
 fn sql_err(name: &str, source: rusqlite::Error) -> CatalogError {
-    CatalogError::Sqlite { path: name.to_string(), source }
+    CatalogError::Sqlite {
+        path: name.to_string(),
+        source,
+    }
 }
 
 /// Renames a corrupt catalog (and its WAL and shared-memory files) out of the way.
 fn move_aside(path: &Path) -> Result<PathBuf, CatalogError> {
-    let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let ts = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
     let mut n = 0u32;
     let target = loop {
-        let suffix = if n == 0 { format!("corrupt-{ts}") } else { format!("corrupt-{ts}-{n}") };
+        let suffix = if n == 0 {
+            format!("corrupt-{ts}")
+        } else {
+            format!("corrupt-{ts}-{n}")
+        };
         let t = sibling(path, &suffix);
         if !t.exists() {
             break t;
         }
         n += 1;
     };
-    let err = |source| CatalogError::MoveAside { path: path.display().to_string(), source };
+    let err = |source| CatalogError::MoveAside {
+        path: path.display().to_string(),
+        source,
+    };
     std::fs::rename(path, &target).map_err(err)?;
     for side in ["-wal", "-shm"] {
         let p = PathBuf::from(format!("{}{side}", path.display()));

@@ -167,7 +167,12 @@ pub enum SensorKind {
     /// `kind = "nmea"`: NMEA 0183 sentences from a serial device or file at `path`.
     Nmea { path: PathBuf },
     /// `kind = "simulator"`: the seeded fleet (`sim = "fleet"`) or industrial simulator.
-    Simulator { industrial: bool, units: usize, hz: f64, seed: u64 },
+    Simulator {
+        industrial: bool,
+        units: usize,
+        hz: f64,
+        seed: u64,
+    },
 }
 
 impl Eq for SensorSourceConfig {}
@@ -481,16 +486,29 @@ impl RawHub {
             None => Duration::from_secs(30),
         };
         if backoff_max.is_zero() {
-            return Err(ConfigError::invalid("hub.backoff_max", "must be above zero, such as 30s"));
+            return Err(ConfigError::invalid(
+                "hub.backoff_max",
+                "must be above zero, such as 30s",
+            ));
         }
         let bandwidth_bytes_per_s = match self.bandwidth_bytes_per_s {
             Some(s) => match parse_bytes("hub.bandwidth_bytes_per_s", &s)? {
-                0 => return Err(ConfigError::invalid("hub.bandwidth_bytes_per_s", "must be above zero; leave it out for no cap")),
+                0 => {
+                    return Err(ConfigError::invalid(
+                        "hub.bandwidth_bytes_per_s",
+                        "must be above zero; leave it out for no cap",
+                    ));
+                }
                 n => Some(n),
             },
             None => None,
         };
-        Ok(HubConfig { addr, server_name, backoff_max, bandwidth_bytes_per_s })
+        Ok(HubConfig {
+            addr,
+            server_name,
+            backoff_max,
+            bandwidth_bytes_per_s,
+        })
     }
 }
 
@@ -651,8 +669,7 @@ impl RawSource {
                         ));
                     }
                 };
-                let dedupe_window =
-                    count_or(&key("dedupe_window"), self.dedupe_window, 65_536)?;
+                let dedupe_window = count_or(&key("dedupe_window"), self.dedupe_window, 65_536)?;
                 Ok(Some(SourceConfig::Mqtt(MqttSourceConfig {
                     url,
                     topics,
@@ -666,7 +683,9 @@ impl RawSource {
                     dedupe_window,
                 })))
             }
-            "hwmon" | "iio" | "nmea" | "simulator" => self.into_sensor(&kind, index, streams).map(Some),
+            "hwmon" | "iio" | "nmea" | "simulator" => {
+                self.into_sensor(&kind, index, streams).map(Some)
+            }
             other => Err(ConfigError::invalid(
                 key("kind"),
                 format!(
@@ -676,49 +695,90 @@ impl RawSource {
         }
     }
 
-    fn into_sensor(self, kind: &str, index: usize, streams: &[StreamConfig]) -> Result<SourceConfig, ConfigError> {
+    fn into_sensor(
+        self,
+        kind: &str,
+        index: usize,
+        streams: &[StreamConfig],
+    ) -> Result<SourceConfig, ConfigError> {
         let key = |k: &str| format!("sources[{index}].{k}");
         let stream = required(&key("stream"), self.stream)?;
         if !streams.iter().any(|s| s.name == stream) {
-            return Err(ConfigError::invalid(key("stream"), format!("no [[streams]] entry is named {stream:?}")));
+            return Err(ConfigError::invalid(
+                key("stream"),
+                format!("no [[streams]] entry is named {stream:?}"),
+            ));
         }
-        let default_interval = if kind == "simulator" { Duration::from_secs(1) } else { Duration::from_secs(10) };
+        let default_interval = if kind == "simulator" {
+            Duration::from_secs(1)
+        } else {
+            Duration::from_secs(10)
+        };
         let interval = match self.interval {
             Some(s) => parse_duration(&key("interval"), &s)?,
             None => default_interval,
         };
         if interval.is_zero() {
-            return Err(ConfigError::invalid(key("interval"), "must be above zero, such as 10s"));
+            return Err(ConfigError::invalid(
+                key("interval"),
+                "must be above zero, such as 10s",
+            ));
         }
         let sysfs_root = PathBuf::from(self.sysfs_root.unwrap_or_else(|| "/sys".into()));
         let number = |k: &str, v: Option<String>, default: f64| -> Result<f64, ConfigError> {
             match v {
                 None => Ok(default),
-                Some(s) => s.trim().parse::<f64>().ok().filter(|x| x.is_finite() && *x > 0.0).ok_or_else(|| {
-                    ConfigError::invalid(key(k), format!("expected a positive number, found {s:?}"))
-                }),
+                Some(s) => s
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .ok_or_else(|| {
+                        ConfigError::invalid(
+                            key(k),
+                            format!("expected a positive number, found {s:?}"),
+                        )
+                    }),
             }
         };
         let kind = match kind {
             "hwmon" => SensorKind::Hwmon { sysfs_root },
             "iio" => SensorKind::Iio { sysfs_root },
-            "nmea" => SensorKind::Nmea { path: PathBuf::from(required(&key("path"), self.path)?) },
+            "nmea" => SensorKind::Nmea {
+                path: PathBuf::from(required(&key("path"), self.path)?),
+            },
             _ => {
                 let industrial = match self.sim.as_deref().unwrap_or("fleet") {
                     "fleet" => false,
                     "industrial" => true,
                     other => {
-                        return Err(ConfigError::invalid(key("sim"), format!("expected fleet | industrial, found {other:?}")));
+                        return Err(ConfigError::invalid(
+                            key("sim"),
+                            format!("expected fleet | industrial, found {other:?}"),
+                        ));
                     }
                 };
                 let units = number("units", self.units, 1.0)? as usize;
                 let hz = number("hz", self.hz, 1.0)?;
                 let seed = number("seed", self.seed, 1.0)? as u64;
-                SensorKind::Simulator { industrial, units: units.max(1), hz, seed }
+                SensorKind::Simulator {
+                    industrial,
+                    units: units.max(1),
+                    hz,
+                    seed,
+                }
             }
         };
-        let key_prefix = self.key_prefix.filter(|p| !p.is_empty()).unwrap_or_else(host_name);
-        Ok(SourceConfig::Sensor(SensorSourceConfig { kind, stream, interval, key_prefix }))
+        let key_prefix = self
+            .key_prefix
+            .filter(|p| !p.is_empty())
+            .unwrap_or_else(host_name);
+        Ok(SourceConfig::Sensor(SensorSourceConfig {
+            kind,
+            stream,
+            interval,
+            key_prefix,
+        }))
     }
 }
 

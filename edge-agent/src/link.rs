@@ -34,7 +34,10 @@ pub struct TlsPaths {
 #[derive(Debug, Error)]
 pub enum LinkError {
     #[error("reading {path}: {source}")]
-    Read { path: PathBuf, source: std::io::Error },
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{path}: {what}")]
     Pem { path: PathBuf, what: String },
     #[error("TLS configuration: {0}")]
@@ -53,18 +56,33 @@ pub fn build_time() -> UnixTime {
 }
 
 fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, LinkError> {
-    let bytes = std::fs::read(path).map_err(|source| LinkError::Read { path: path.into(), source })?;
+    let bytes = std::fs::read(path).map_err(|source| LinkError::Read {
+        path: path.into(),
+        source,
+    })?;
     let certs: Result<Vec<_>, _> = CertificateDer::pem_slice_iter(&bytes).collect();
-    let certs = certs.map_err(|e| LinkError::Pem { path: path.into(), what: e.to_string() })?;
+    let certs = certs.map_err(|e| LinkError::Pem {
+        path: path.into(),
+        what: e.to_string(),
+    })?;
     if certs.is_empty() {
-        return Err(LinkError::Pem { path: path.into(), what: "no CERTIFICATE block found".into() });
+        return Err(LinkError::Pem {
+            path: path.into(),
+            what: "no CERTIFICATE block found".into(),
+        });
     }
     Ok(certs)
 }
 
 fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, LinkError> {
-    let bytes = std::fs::read(path).map_err(|source| LinkError::Read { path: path.into(), source })?;
-    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| LinkError::Pem { path: path.into(), what: e.to_string() })
+    let bytes = std::fs::read(path).map_err(|source| LinkError::Read {
+        path: path.into(),
+        source,
+    })?;
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| LinkError::Pem {
+        path: path.into(),
+        what: e.to_string(),
+    })
 }
 
 /// Verifies the hub's certificate with webpki, at `max(now, build time)`.
@@ -84,7 +102,8 @@ impl ServerCertVerifier for ClockTolerantVerifier {
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         let now = now.max(self.floor);
-        self.inner.verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        self.inner
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
     }
 
     fn verify_tls12_signature(
@@ -111,10 +130,15 @@ impl ServerCertVerifier for ClockTolerantVerifier {
 }
 
 /// Builds the rustls client configuration: our CA only, our device certificate, TLS 1.3, no 0-RTT.
-pub fn rustls_client_config(paths: &TlsPaths, floor: UnixTime) -> Result<rustls::ClientConfig, LinkError> {
+pub fn rustls_client_config(
+    paths: &TlsPaths,
+    floor: UnixTime,
+) -> Result<rustls::ClientConfig, LinkError> {
     let mut roots = RootCertStore::empty();
     for ca in read_certs(&paths.ca)? {
-        roots.add(ca).map_err(|e| LinkError::Verifier(format!("{}: {e}", paths.ca.display())))?;
+        roots
+            .add(ca)
+            .map_err(|e| LinkError::Verifier(format!("{}: {e}", paths.ca.display())))?;
     }
     let inner = rustls::client::WebPkiServerVerifier::builder(Arc::new(roots))
         .build()
@@ -142,7 +166,9 @@ pub fn transport_config() -> quinn::TransportConfig {
     t.receive_window(quinn::VarInt::from_u32(32 << 20));
     t.send_window(32 << 20);
     t.keep_alive_interval(Some(Duration::from_secs(5)));
-    t.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))));
+    t.max_idle_timeout(Some(quinn::IdleTimeout::from(quinn::VarInt::from_u32(
+        30_000,
+    ))));
     t.max_concurrent_uni_streams(quinn::VarInt::from_u32(256));
     // BBR, not the default loss-based Cubic: on lossy cellular and satellite links random loss
     // is not congestion, and Cubic halving its window on every loss at 100 ms of round trip
@@ -168,7 +194,8 @@ pub const UDP_BUFFER_BYTES: usize = 8 << 20;
 /// Opens a UDP socket with raised buffers and wraps it in a quinn client endpoint.
 pub fn client_endpoint(bind: SocketAddr) -> Result<quinn::Endpoint, LinkError> {
     let socket = udp_socket(bind)?;
-    let runtime = quinn::default_runtime().ok_or_else(|| LinkError::Quic("no async runtime".into()))?;
+    let runtime =
+        quinn::default_runtime().ok_or_else(|| LinkError::Quic("no async runtime".into()))?;
     let endpoint = quinn::Endpoint::new(quinn::EndpointConfig::default(), None, socket, runtime)?;
     Ok(endpoint)
 }

@@ -18,7 +18,9 @@ pub fn ready() {
 
 /// Pings the watchdog at half its period while the log is healthy. Runs until the process ends.
 pub async fn watchdog(log: LogHandle) {
-    let Some(period) = sd_notify::watchdog_enabled() else { return };
+    let Some(period) = sd_notify::watchdog_enabled() else {
+        return;
+    };
     let every = (period / 2).max(Duration::from_millis(100));
     tracing::info!(?period, "systemd watchdog enabled");
     loop {

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant as StdInstant};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use sync::protocol::{
-    Backlog, ErrorCode, FrameBuffer, GapMarker, GapReason, Instant, LaneAnnounce, Sender, SenderConfig,
-    SenderEvent, TransmitKind,
+    Backlog, ErrorCode, FrameBuffer, GapMarker, GapReason, Instant, LaneAnnounce, Sender,
+    SenderConfig, SenderEvent, TransmitKind,
 };
 
 use crate::link::{self, TlsPaths};
@@ -134,17 +134,51 @@ impl LinkStatus {
         let up = if self.state().state == "up" { 1 } else { 0 };
         let mut out = String::with_capacity(1024);
         let counters = [
-            ("tributary_edge_link_connects_total", "Connection attempts to the hub.", &self.connects),
-            ("tributary_edge_link_sessions_total", "Sessions that completed the handshake.", &self.sessions_established),
-            ("tributary_edge_link_disconnects_total", "Sessions or attempts that ended.", &self.disconnects),
-            ("tributary_edge_link_blocks_sent_total", "Block and gap frames sent.", &self.blocks_sent),
-            ("tributary_edge_link_bytes_sent_total", "Bytes of block and gap frames sent.", &self.bytes_sent),
-            ("tributary_edge_epochs_minted_total", "Epochs minted because the hub was ahead of this data directory.", &self.epochs_minted),
+            (
+                "tributary_edge_link_connects_total",
+                "Connection attempts to the hub.",
+                &self.connects,
+            ),
+            (
+                "tributary_edge_link_sessions_total",
+                "Sessions that completed the handshake.",
+                &self.sessions_established,
+            ),
+            (
+                "tributary_edge_link_disconnects_total",
+                "Sessions or attempts that ended.",
+                &self.disconnects,
+            ),
+            (
+                "tributary_edge_link_blocks_sent_total",
+                "Block and gap frames sent.",
+                &self.blocks_sent,
+            ),
+            (
+                "tributary_edge_link_bytes_sent_total",
+                "Bytes of block and gap frames sent.",
+                &self.bytes_sent,
+            ),
+            (
+                "tributary_edge_epochs_minted_total",
+                "Epochs minted because the hub was ahead of this data directory.",
+                &self.epochs_minted,
+            ),
         ];
-        let _ = writeln!(out, "# HELP tributary_edge_link_up 1 while a replication session is established.");
-        let _ = writeln!(out, "# TYPE tributary_edge_link_up gauge\ntributary_edge_link_up {up}");
+        let _ = writeln!(
+            out,
+            "# HELP tributary_edge_link_up 1 while a replication session is established."
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE tributary_edge_link_up gauge\ntributary_edge_link_up {up}"
+        );
         for (name, help, value) in counters {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}", value.load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} counter\n{name} {}",
+                value.load(Ordering::Relaxed)
+            );
         }
         out
     }
@@ -182,9 +216,15 @@ impl Backoff {
 /// Runs the replicator until the process ends. Never returns on its own.
 pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>) {
     // Seeded from the clock: jitter only has to differ between devices, not be secret.
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let mut backoff =
-        Backoff { initial: cfg.backoff_initial, max: cfg.backoff_max, attempt: 0, rng: SmallRng::seed_from_u64(seed) };
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut backoff = Backoff {
+        initial: cfg.backoff_initial,
+        max: cfg.backoff_max,
+        attempt: 0,
+        rng: SmallRng::seed_from_u64(seed),
+    };
     let bind: SocketAddr = "0.0.0.0:0".parse().expect("literal address");
     let endpoint = loop {
         match link::client_endpoint(bind) {
@@ -222,8 +262,11 @@ fn now_of(clock: StdInstant) -> Instant {
 
 /// Resolves the hub address; a name is looked up on every attempt so DNS changes apply.
 async fn resolve(addr: &str) -> Result<SocketAddr, String> {
-    let mut it = tokio::net::lookup_host(addr).await.map_err(|e| format!("resolving {addr}: {e}"))?;
-    it.next().ok_or_else(|| format!("resolving {addr}: no addresses"))
+    let mut it = tokio::net::lookup_host(addr)
+        .await
+        .map_err(|e| format!("resolving {addr}: {e}"))?;
+    it.next()
+        .ok_or_else(|| format!("resolving {addr}: no addresses"))
 }
 
 /// The lanes the log holds, as the Hello announces them.
@@ -235,11 +278,19 @@ fn announce(log: &LogHandle) -> Vec<LaneAnnounce> {
         for (epoch, first, last) in log.epochs_held(&st.stream) {
             let current = epoch == st.epoch;
             let backlog = if current {
-                Backlog { blocks: st.backlog_blocks, bytes: st.backlog_bytes, oldest_unsent_ts: st.oldest_unsent_ts }
+                Backlog {
+                    blocks: st.backlog_blocks,
+                    bytes: st.backlog_bytes,
+                    oldest_unsent_ts: st.oldest_unsent_ts,
+                }
             } else {
                 Backlog::default()
             };
-            let lane_gaps = gaps.iter().filter(|g| g.epoch == epoch).map(gap_marker).collect();
+            let lane_gaps = gaps
+                .iter()
+                .filter(|g| g.epoch == epoch)
+                .map(gap_marker)
+                .collect();
             lanes.push(LaneAnnounce {
                 stream: st.stream.clone(),
                 epoch,
@@ -259,7 +310,12 @@ fn gap_marker(g: &locallog::Gap) -> GapMarker {
         locallog::GapReason::Dropped => GapReason::DiskFull,
         locallog::GapReason::Corrupt => GapReason::Corrupt,
     };
-    GapMarker { first_seq: g.first_seq, last_seq: g.last_seq, reason, count: g.records }
+    GapMarker {
+        first_seq: g.first_seq,
+        last_seq: g.last_seq,
+        reason,
+        count: g.records,
+    }
 }
 
 /// One connection. Returns whether the session got established (which resets the backoff).
@@ -276,10 +332,20 @@ async fn session(
     let connecting = endpoint
         .connect_with(client, addr, &cfg.server_name)
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
-    let conn = connecting.await.map_err(|e| format!("connecting to {addr}: {e}"))?;
-    let (mut ctl_tx, mut ctl_rx) = conn.open_bi().await.map_err(|e| format!("opening control stream: {e}"))?;
-    let mut sender = Sender::new(cfg.sender.clone(), log.epoch(), announce(log), now_of(clock))
-        .map_err(|e| format!("local log: {e}"))?;
+    let conn = connecting
+        .await
+        .map_err(|e| format!("connecting to {addr}: {e}"))?;
+    let (mut ctl_tx, mut ctl_rx) = conn
+        .open_bi()
+        .await
+        .map_err(|e| format!("opening control stream: {e}"))?;
+    let mut sender = Sender::new(
+        cfg.sender.clone(),
+        log.epoch(),
+        announce(log),
+        now_of(clock),
+    )
+    .map_err(|e| format!("local log: {e}"))?;
     for (stream, prio) in &cfg.priorities {
         sender.set_priority(stream, *prio);
     }
@@ -296,7 +362,10 @@ async fn session(
         while let Some(t) = sender.poll_transmit() {
             progressed = true;
             match t.kind {
-                TransmitKind::Control => ctl_tx.write_all(&t.frame).await.map_err(|e| format!("control stream: {e}"))?,
+                TransmitKind::Control => ctl_tx
+                    .write_all(&t.frame)
+                    .await
+                    .map_err(|e| format!("control stream: {e}"))?,
                 TransmitKind::Data => {
                     if let Some(b) = bucket.as_mut() {
                         b.take(t.frame.len() as u64).await;
@@ -314,7 +383,12 @@ async fn session(
                     status.sessions_established.fetch_add(1, Ordering::Relaxed);
                     status.set("up", None);
                 }
-                SenderEvent::WantBlocks { stream, epoch, after_seq, bytes_max } => {
+                SenderEvent::WantBlocks {
+                    stream,
+                    epoch,
+                    after_seq,
+                    bytes_max,
+                } => {
                     let blocks = log
                         .read_blocks(&stream, epoch, after_seq, bytes_max as usize)
                         .map_err(|e| format!("reading local log: {e}"))?;
@@ -323,24 +397,44 @@ async fn session(
                     }
                     let blocks = reblock(blocks, cfg.reblock_records_max, cfg.reblock_version)
                         .map_err(|e| format!("re-sealing backlog blocks: {e}"))?;
-                    sender.supply_blocks(now_of(clock), &stream, epoch, blocks).map_err(|e| e.to_string())?;
+                    sender
+                        .supply_blocks(now_of(clock), &stream, epoch, blocks)
+                        .map_err(|e| e.to_string())?;
                 }
-                SenderEvent::Acked { stream, epoch, durable_seq, tiered_seq } => {
-                    log.set_acked(&stream, epoch, durable_seq, tiered_seq).map_err(|e| e.to_string())?;
+                SenderEvent::Acked {
+                    stream,
+                    epoch,
+                    durable_seq,
+                    tiered_seq,
+                } => {
+                    log.set_acked(&stream, epoch, durable_seq, tiered_seq)
+                        .map_err(|e| e.to_string())?;
                 }
                 SenderEvent::MintEpoch { epoch_min, rekey } => {
                     let epoch = mint(log, epoch_min, &rekey).await?;
                     status.epochs_minted.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(epoch, epoch_min, "hub is ahead of this data directory; minted a new epoch");
+                    tracing::warn!(
+                        epoch,
+                        epoch_min,
+                        "hub is ahead of this data directory; minted a new epoch"
+                    );
                     sender.epoch_minted(now_of(clock), epoch);
                 }
                 SenderEvent::Closed(reason) => {
                     let _ = ctl_tx.finish();
-                    conn.close(quinn::VarInt::from_u32(u32::from(reason.code.to_u16())), reason.message.as_bytes());
-                    if reason.code == ErrorCode::Shutdown || !reason.by_peer && reason.code == ErrorCode::IdleTimeout {
+                    conn.close(
+                        quinn::VarInt::from_u32(u32::from(reason.code.to_u16())),
+                        reason.message.as_bytes(),
+                    );
+                    if reason.code == ErrorCode::Shutdown
+                        || !reason.by_peer && reason.code == ErrorCode::IdleTimeout
+                    {
                         return Ok(established);
                     }
-                    return Err(format!("hub closed the session: {:?}: {}", reason.code, reason.message));
+                    return Err(format!(
+                        "hub closed the session: {:?}: {}",
+                        reason.code, reason.message
+                    ));
                 }
             }
         }
@@ -384,11 +478,22 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 
 /// Writes one Data frame on its own unidirectional stream, so blocks do not wait behind each
 /// other; the hub reorders them within its window.
-async fn send_data(conn: &quinn::Connection, frame: Vec<u8>, status: &LinkStatus) -> Result<(), String> {
-    let mut s = conn.open_uni().await.map_err(|e| format!("opening data stream: {e}"))?;
+async fn send_data(
+    conn: &quinn::Connection,
+    frame: Vec<u8>,
+    status: &LinkStatus,
+) -> Result<(), String> {
+    let mut s = conn
+        .open_uni()
+        .await
+        .map_err(|e| format!("opening data stream: {e}"))?;
     status.blocks_sent.fetch_add(1, Ordering::Relaxed);
-    status.bytes_sent.fetch_add(frame.len() as u64, Ordering::Relaxed);
-    s.write_all(&frame).await.map_err(|e| format!("data stream: {e}"))?;
+    status
+        .bytes_sent
+        .fetch_add(frame.len() as u64, Ordering::Relaxed);
+    s.write_all(&frame)
+        .await
+        .map_err(|e| format!("data stream: {e}"))?;
     s.finish().map_err(|e| format!("data stream: {e}"))?;
     Ok(())
 }
@@ -414,7 +519,9 @@ pub fn reblock(
     let mut run_records = 0usize;
     for b in blocks {
         let n = b.header.count as usize;
-        let contiguous = run.last().is_none_or(|p| p.header.last_seq() + 1 == b.header.first_seq);
+        let contiguous = run
+            .last()
+            .is_none_or(|p| p.header.last_seq() + 1 == b.header.first_seq);
         if !run.is_empty() && (run_records + n > records_max || !contiguous) {
             out.push(seal_run(std::mem::take(&mut run), version)?);
             run_records = 0;
@@ -447,7 +554,8 @@ fn seal_run(run: Vec<locallog::StoredBlock>, version: u8) -> Result<Vec<u8>, Str
         flags: last_flags & sync::block::FLAG_BATCH_CONTINUES,
         zstd_level: sync::block::DEFAULT_ZSTD_LEVEL,
     };
-    sync::block::encode_block_with(&opts, first.epoch, first.first_seq, &records).map_err(|e| e.to_string())
+    sync::block::encode_block_with(&opts, first.epoch, first.first_seq, &records)
+        .map_err(|e| e.to_string())
 }
 
 /// The newest block the driver has handed to the sender per lane.
@@ -478,10 +586,14 @@ fn offer_new_blocks(
         if st.durable_seq <= after {
             continue;
         }
-        let blocks = log.read_blocks(&st.stream, st.epoch, after, 4 << 20).map_err(|e| e.to_string())?;
+        let blocks = log
+            .read_blocks(&st.stream, st.epoch, after, 4 << 20)
+            .map_err(|e| e.to_string())?;
         for b in blocks {
             offered.note(&st.stream, st.epoch, b.header.last_seq());
-            sender.offer_block(now_of(clock), &st.stream, b.bytes).map_err(|e| e.to_string())?;
+            sender
+                .offer_block(now_of(clock), &st.stream, b.bytes)
+                .map_err(|e| e.to_string())?;
         }
     }
     Ok(())
@@ -489,12 +601,19 @@ fn offer_new_blocks(
 
 /// Mints an epoch above `epoch_min` and moves the records the hub cannot take under their old
 /// seqs into it.
-async fn mint(log: &LogHandle, epoch_min: u64, rekey: &[sync::protocol::Rekey]) -> Result<u64, String> {
+async fn mint(
+    log: &LogHandle,
+    epoch_min: u64,
+    rekey: &[sync::protocol::Rekey],
+) -> Result<u64, String> {
     let log = log.clone();
     let rekey = rekey.to_vec();
-    tokio::task::spawn_blocking(move || log.mint_epoch_rekey(epoch_min, &rekey).map_err(|e| e.to_string()))
-        .await
-        .map_err(|e| e.to_string())?
+    tokio::task::spawn_blocking(move || {
+        log.mint_epoch_rekey(epoch_min, &rekey)
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| e.to_string())?
 }
 
 /// A token bucket for the optional bandwidth cap.
@@ -507,13 +626,18 @@ struct TokenBucket {
 
 impl TokenBucket {
     fn new(rate: u64) -> Self {
-        TokenBucket { rate: rate.max(1), tokens: rate as f64, at: tokio::time::Instant::now() }
+        TokenBucket {
+            rate: rate.max(1),
+            tokens: rate as f64,
+            at: tokio::time::Instant::now(),
+        }
     }
 
     async fn take(&mut self, n: u64) {
         let now = tokio::time::Instant::now();
         let burst = self.rate as f64;
-        self.tokens = (self.tokens + now.duration_since(self.at).as_secs_f64() * self.rate as f64).min(burst);
+        self.tokens =
+            (self.tokens + now.duration_since(self.at).as_secs_f64() * self.rate as f64).min(burst);
         self.at = now;
         self.tokens -= n as f64;
         if self.tokens < 0.0 {
@@ -536,7 +660,9 @@ mod tests {
                 fields: vec![("v".into(), Value::F64(first_seq as f64 + i as f64 / 100.0))],
             })
             .collect();
-        let bytes = sync::block::encode_block(sync::block::VERSION_ROWS, epoch, first_seq, &records).unwrap();
+        let bytes =
+            sync::block::encode_block(sync::block::VERSION_ROWS, epoch, first_seq, &records)
+                .unwrap();
         let header = sync::block::decode_header(&bytes).unwrap();
         locallog::StoredBlock { header, bytes }
     }
@@ -559,9 +685,19 @@ mod tests {
         let expected = records_of(&input.iter().map(|b| b.bytes.clone()).collect::<Vec<_>>());
         let out = reblock(input, 200, sync::block::VERSION_COLUMNAR).unwrap();
         assert_eq!(out.len(), 3, "500 records in runs of at most 200");
-        let headers: Vec<_> = out.iter().map(|b| sync::block::decode_header(b).unwrap()).collect();
-        assert_eq!(headers.iter().map(|h| h.count).collect::<Vec<_>>(), vec![200, 200, 100]);
-        assert!(headers.iter().all(|h| h.epoch == 9 && h.version == sync::block::VERSION_COLUMNAR));
+        let headers: Vec<_> = out
+            .iter()
+            .map(|b| sync::block::decode_header(b).unwrap())
+            .collect();
+        assert_eq!(
+            headers.iter().map(|h| h.count).collect::<Vec<_>>(),
+            vec![200, 200, 100]
+        );
+        assert!(
+            headers
+                .iter()
+                .all(|h| h.epoch == 9 && h.version == sync::block::VERSION_COLUMNAR)
+        );
         assert_eq!(records_of(&out), expected);
     }
 
@@ -571,7 +707,12 @@ mod tests {
         let bytes = one.bytes.clone();
         assert_eq!(reblock(vec![one], 1000, 2).unwrap(), vec![bytes]);
         // A seq gap between blocks (a dropped range) splits the run.
-        let out = reblock(vec![stored(1, 1, 10), stored(1, 11, 10), stored(1, 40, 10)], 1000, 2).unwrap();
+        let out = reblock(
+            vec![stored(1, 1, 10), stored(1, 11, 10), stored(1, 40, 10)],
+            1000,
+            2,
+        )
+        .unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(records_of(&out).len(), 30);
     }
@@ -590,7 +731,10 @@ mod tests {
             assert!(b.next_delay() <= Duration::from_secs(30));
         }
         let late = b.next_delay();
-        assert!(late >= Duration::from_secs(15), "capped delay keeps at least half the cap: {late:?}");
+        assert!(
+            late >= Duration::from_secs(15),
+            "capped delay keeps at least half the cap: {late:?}"
+        );
         b.reset();
         assert!(b.next_delay() <= Duration::from_millis(100));
     }

@@ -117,7 +117,9 @@ fn full_config_parses_into_types() {
         1,
         "kind = \"http\" is always on and adds no source"
     );
-    let SourceConfig::Mqtt(m) = &c.sources[0] else { panic!("expected an mqtt source: {:?}", c.sources[0]) };
+    let SourceConfig::Mqtt(m) = &c.sources[0] else {
+        panic!("expected an mqtt source: {:?}", c.sources[0])
+    };
     assert_eq!(m.url, "mqtt://127.0.0.1:1883");
     assert_eq!(m.topics, ["sensors/#"]);
     assert_eq!(m.stream, "telemetry");
@@ -333,7 +335,10 @@ fn bad_sources_are_named() {
     let base = "data_dir = \"d\"\n[[streams]]\nname = \"telemetry\"\n[[sources]]\n";
     let mqtt = |rest: &str| format!("{base}kind = \"mqtt\"\n{rest}");
     let m = expect_bad(&format!("{base}kind = \"kafka\"\n"), "sources[0].kind");
-    assert!(m.contains("mqtt | hwmon | iio | nmea | simulator | http"), "{m}");
+    assert!(
+        m.contains("mqtt | hwmon | iio | nmea | simulator | http"),
+        "{m}"
+    );
     expect_bad(&format!("{base}url = \"mqtt://h:1\"\n"), "sources[0].kind");
     let ok = "url = \"mqtt://127.0.0.1:1883\"\ntopics = [\"a/#\"]\nstream = \"telemetry\"\n";
     parse(&mqtt(ok)).unwrap();
@@ -363,7 +368,9 @@ fn bad_sources_are_named() {
         "sources[0].format",
     );
     let c = parse(&mqtt(&format!("{ok}format = \"line\"\n"))).unwrap();
-    let SourceConfig::Mqtt(m) = &c.sources[0] else { panic!("expected an mqtt source: {:?}", c.sources[0]) };
+    let SourceConfig::Mqtt(m) = &c.sources[0] else {
+        panic!("expected an mqtt source: {:?}", c.sources[0])
+    };
     assert_eq!(m.format, PayloadFormat::Line);
 }
 
@@ -442,15 +449,27 @@ fn hub_link_controls_parse_and_are_validated() {
     let hub = cfg.hub.unwrap();
     assert_eq!(hub.backoff_max, Duration::from_secs(30));
     assert_eq!(hub.bandwidth_bytes_per_s, None);
-    let cfg = parse(&format!("{base}backoff_max = \"5s\"\nbandwidth_bytes_per_s = \"64KiB\"\n")).unwrap();
+    let cfg = parse(&format!(
+        "{base}backoff_max = \"5s\"\nbandwidth_bytes_per_s = \"64KiB\"\n"
+    ))
+    .unwrap();
     let hub = cfg.hub.unwrap();
     assert_eq!(hub.backoff_max, Duration::from_secs(5));
     assert_eq!(hub.bandwidth_bytes_per_s, Some(64 << 10));
     let cfg = parse(&format!("{base}bandwidth_bytes_per_s = 1000\n")).unwrap();
     assert_eq!(cfg.hub.unwrap().bandwidth_bytes_per_s, Some(1000));
-    assert!(expect_bad(&format!("{base}backoff_max = \"0s\"\n"), "hub.backoff_max").contains("above zero"));
-    expect_bad(&format!("{base}backoff_max = \"soon\"\n"), "hub.backoff_max");
-    expect_bad(&format!("{base}bandwidth_bytes_per_s = \"0\"\n"), "hub.bandwidth_bytes_per_s");
+    assert!(
+        expect_bad(&format!("{base}backoff_max = \"0s\"\n"), "hub.backoff_max")
+            .contains("above zero")
+    );
+    expect_bad(
+        &format!("{base}backoff_max = \"soon\"\n"),
+        "hub.backoff_max",
+    );
+    expect_bad(
+        &format!("{base}bandwidth_bytes_per_s = \"0\"\n"),
+        "hub.bandwidth_bytes_per_s",
+    );
     let cfg = parse_env(base, &[("TRIBUTARY_EDGE__HUB__BACKOFF_MAX", "2s")]).unwrap();
     assert_eq!(cfg.hub.unwrap().backoff_max, Duration::from_secs(2));
 }
@@ -460,23 +479,57 @@ fn hardened_device_config_parses_with_safe_settings() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../firmware/config/edge.toml");
     let c = EdgeConfig::load_with_env(&path, Some(HashMap::new())).unwrap();
     assert_eq!(c.data_dir, Path::new("/var/lib/tributary"));
-    assert!(c.http.listen.ip().is_loopback(), "the device API listens on localhost only");
-    assert!(c.hub.is_some() && c.tls.is_some(), "the device config replicates over mutual TLS");
-    assert!(!matches!(c.storage.fsync, FsyncPolicy::Never), "never is unsafe on power loss");
+    assert!(
+        c.http.listen.ip().is_loopback(),
+        "the device API listens on localhost only"
+    );
+    assert!(
+        c.hub.is_some() && c.tls.is_some(),
+        "the device config replicates over mutual TLS"
+    );
+    assert!(
+        !matches!(c.storage.fsync, FsyncPolicy::Never),
+        "never is unsafe on power loss"
+    );
 }
 
 #[test]
 fn sensor_sources_parse_and_bad_keys_are_named() {
     let base = "data_dir = \"d\"\n[[streams]]\nname = \"telemetry\"\n[[sources]]\n";
     let c = parse(&format!("{base}kind = \"hwmon\"\nstream = \"telemetry\"\ninterval = \"5s\"\nkey_prefix = \"truck-1\"\n")).unwrap();
-    let SourceConfig::Sensor(s) = &c.sources[0] else { panic!("expected a sensor source: {:?}", c.sources[0]) };
-    assert_eq!((s.interval, s.key_prefix.as_str()), (Duration::from_secs(5), "truck-1"));
-    let c = parse(&format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nsim = \"industrial\"\nunits = 4\n")).unwrap();
-    let SourceConfig::Sensor(s) = &c.sources[0] else { panic!() };
+    let SourceConfig::Sensor(s) = &c.sources[0] else {
+        panic!("expected a sensor source: {:?}", c.sources[0])
+    };
+    assert_eq!(
+        (s.interval, s.key_prefix.as_str()),
+        (Duration::from_secs(5), "truck-1")
+    );
+    let c = parse(&format!(
+        "{base}kind = \"simulator\"\nstream = \"telemetry\"\nsim = \"industrial\"\nunits = 4\n"
+    ))
+    .unwrap();
+    let SourceConfig::Sensor(s) = &c.sources[0] else {
+        panic!()
+    };
     assert_eq!(s.interval, Duration::from_secs(1));
-    expect_bad(&format!("{base}kind = \"nmea\"\nstream = \"telemetry\"\n"), "sources[0].path");
-    expect_bad(&format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nsim = \"boat\"\n"), "sources[0].sim");
-    expect_bad(&format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nhz = \"-1\"\n"), "sources[0].hz");
-    expect_bad(&format!("{base}kind = \"hwmon\"\nstream = \"nope\"\n"), "sources[0].stream");
-    expect_bad(&format!("{base}kind = \"iio\"\nstream = \"telemetry\"\ninterval = \"0s\"\n"), "sources[0].interval");
+    expect_bad(
+        &format!("{base}kind = \"nmea\"\nstream = \"telemetry\"\n"),
+        "sources[0].path",
+    );
+    expect_bad(
+        &format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nsim = \"boat\"\n"),
+        "sources[0].sim",
+    );
+    expect_bad(
+        &format!("{base}kind = \"simulator\"\nstream = \"telemetry\"\nhz = \"-1\"\n"),
+        "sources[0].hz",
+    );
+    expect_bad(
+        &format!("{base}kind = \"hwmon\"\nstream = \"nope\"\n"),
+        "sources[0].stream",
+    );
+    expect_bad(
+        &format!("{base}kind = \"iio\"\nstream = \"telemetry\"\ninterval = \"0s\"\n"),
+        "sources[0].interval",
+    );
 }

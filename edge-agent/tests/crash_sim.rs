@@ -83,12 +83,19 @@ impl Phases {
 }
 
 fn runs_total() -> u64 {
-    if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") { 10_000 } else { 1_000 }
+    if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") {
+        10_000
+    } else {
+        1_000
+    }
 }
 
 fn shard(k: u64) {
     let phases = Phases::default();
-    let seeds: Vec<u64> = match std::env::var("TRIBUTARY_CRASH_SEED").ok().and_then(|s| s.parse().ok()) {
+    let seeds: Vec<u64> = match std::env::var("TRIBUTARY_CRASH_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         Some(seed) if k == 0 => vec![seed],
         Some(_) => return,
         None => {
@@ -103,16 +110,24 @@ fn shard(k: u64) {
             Ok(Ok(())) => {}
             Ok(Err(e)) => panic!("crash_sim failed with seed {seed}: {e}"),
             Err(p) => {
-                let msg =
-                    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
-                panic!("crash_sim panicked with seed {seed}: {}", msg.unwrap_or_default());
+                let msg = p
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+                panic!(
+                    "crash_sim panicked with seed {seed}: {}",
+                    msg.unwrap_or_default()
+                );
             }
         }
     }
     let counts = phases.report(&format!("shard {k}"));
     if !single {
         for (name, c) in ["block write", "fsync", "segment roll"].iter().zip(counts) {
-            assert!(c > 0, "no crash landed during a {name} in shard {k}: the simulation does not cover it");
+            assert!(
+                c > 0,
+                "no crash landed during a {name} in shard {k}: the simulation does not cover it"
+            );
         }
     }
 }
@@ -153,7 +168,11 @@ fn config(rng: &mut SmallRng) -> LogConfig {
     let segment_bytes_max = rng.random_range(1024..4096);
     // A third of the runs have a budget of a few segments, so drop-oldest runs (and crashes
     // land between writing a gap marker and deleting the segment).
-    let disk_bytes_max = if rng.random_bool(0.35) { segment_bytes_max * rng.random_range(2..6) } else { 1 << 30 };
+    let disk_bytes_max = if rng.random_bool(0.35) {
+        segment_bytes_max * rng.random_range(2..6)
+    } else {
+        1 << 30
+    };
     LogConfig {
         data_dir: PathBuf::from("/data"),
         streams: vec!["s".into()],
@@ -180,7 +199,8 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
     drop(h);
     let mut ledger = Ledger::default();
     for cycle in 0..CYCLES {
-        let (h, _) = Log::open(cfg.clone(), storage.clone()).map_err(|e| format!("open before cycle {cycle}: {e}"))?;
+        let (h, _) = Log::open(cfg.clone(), storage.clone())
+            .map_err(|e| format!("open before cycle {cycle}: {e}"))?;
         let window = rng.random_range(20..160);
         mem.set_crash_at(mem.ops() + rng.random_range(1..=window));
         // Sometimes start a new epoch first (as after a detected restore); power may go mid-mint.
@@ -202,7 +222,8 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
             }
             mem.crash();
         }
-        let (h, report) = Log::open(cfg.clone(), storage.clone()).map_err(|e| format!("reopen after crash: {e}"))?;
+        let (h, report) = Log::open(cfg.clone(), storage.clone())
+            .map_err(|e| format!("reopen after crash: {e}"))?;
         let cur = h.epoch();
         if epochs.contains(&cur) && Some(&cur) != epochs.last() {
             return Err(format!("the epoch went back to {cur:x} after {epochs:x?}"));
@@ -212,7 +233,10 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
             epochs.push(cur);
         }
         if !report.quarantined.is_empty() {
-            return Err(format!("a power cut must not look like corruption: {:?}", report.quarantined));
+            return Err(format!(
+                "a power cut must not look like corruption: {:?}",
+                report.quarantined
+            ));
         }
         verify(&h, &epochs, &mut ledger, cycle)?;
         h.shutdown();
@@ -235,10 +259,15 @@ fn produce(h: &LogHandle, rng: &mut SmallRng, cycle: u64, ledger: &mut Ledger) {
                 let mut sent = 0u64;
                 let mut batch_no = 0i64;
                 while sent < total / threads {
-                    let n = if rng.random_bool(0.1) { rng.random_range(20..60) } else { rng.random_range(1..12) };
+                    let n = if rng.random_bool(0.1) {
+                        rng.random_range(20..60)
+                    } else {
+                        rng.random_range(1..12)
+                    };
                     let batch_id = ((cycle as i64) << 40) | ((t as i64) << 32) | batch_no;
                     batch_no += 1;
-                    let batch: Vec<Record> = (0..n).map(|k| record(batch_id, k, n, &mut rng)).collect();
+                    let batch: Vec<Record> =
+                        (0..n).map(|k| record(batch_id, k, n, &mut rng)).collect();
                     let res = h.append_blocking("s", batch.clone());
                     let failed = res.is_err();
                     out.lock().unwrap().push((batch_id, batch, res.ok()));
@@ -286,8 +315,13 @@ fn field_i64(r: &Record, name: &str) -> i64 {
 
 fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Result<(), String> {
     let gaps = h.gaps("s");
-    if let Some(g) = gaps.iter().find(|g| g.reason != GapReason::Dropped || !epochs.contains(&g.epoch)) {
-        return Err(format!("unexpected gap marker {g:?}: only the budget drops data here"));
+    if let Some(g) = gaps
+        .iter()
+        .find(|g| g.reason != GapReason::Dropped || !epochs.contains(&g.epoch))
+    {
+        return Err(format!(
+            "unexpected gap marker {g:?}: only the budget drops data here"
+        ));
     }
     let mut seen: HashMap<i64, (u64, u64)> = HashMap::new();
     for &epoch in epochs {
@@ -296,9 +330,24 @@ fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Res
     }
     // 4. The next append continues after the tail and never reuses an acknowledged seq.
     let epoch = h.epoch();
-    let top = log_util::read_all(h, "s", epoch).keys().next_back().copied().unwrap_or(0);
-    let gap_top = gaps.iter().filter(|g| g.epoch == epoch).map(|g| g.last_seq).max().unwrap_or(0);
-    let acked_top = ledger.acked.iter().filter(|(a, _)| a.epoch == epoch).map(|(a, _)| a.last_seq).max().unwrap_or(0);
+    let top = log_util::read_all(h, "s", epoch)
+        .keys()
+        .next_back()
+        .copied()
+        .unwrap_or(0);
+    let gap_top = gaps
+        .iter()
+        .filter(|g| g.epoch == epoch)
+        .map(|g| g.last_seq)
+        .max()
+        .unwrap_or(0);
+    let acked_top = ledger
+        .acked
+        .iter()
+        .filter(|(a, _)| a.epoch == epoch)
+        .map(|(a, _)| a.last_seq)
+        .max()
+        .unwrap_or(0);
     let probe_id = ((cycle as i64) << 40) | (0xFF << 32);
     let probe = Record {
         key: "probe".into(),
@@ -310,7 +359,9 @@ fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Res
             ("n".into(), Value::I64(1)),
         ],
     };
-    let ack = h.append_blocking("s", vec![probe.clone()]).map_err(|e| format!("append after recovery: {e}"))?;
+    let ack = h
+        .append_blocking("s", vec![probe.clone()])
+        .map_err(|e| format!("append after recovery: {e}"))?;
     if ack.epoch != epoch || ack.first_seq != top.max(gap_top) + 1 || ack.first_seq <= acked_top {
         return Err(format!(
             "append after recovery got seq {}, tail {top}, gaps to {gap_top}, acked to {acked_top}",
@@ -340,7 +391,11 @@ fn verify_epoch(
             let seq = ack.first_seq + k as u64;
             match held.get(&seq) {
                 Some(got) if got == r => {}
-                Some(got) => return Err(format!("acked seq {seq} holds different content: {got:?} != {r:?}")),
+                Some(got) => {
+                    return Err(format!(
+                        "acked seq {seq} holds different content: {got:?} != {r:?}"
+                    ));
+                }
                 None if in_gap(seq) => {}
                 None => {
                     let ranges = ranges_of(held.keys().copied());
@@ -358,7 +413,9 @@ fn verify_epoch(
         return Err(format!("seq {s} is held and also inside a gap marker"));
     }
     if let Some(s) = (1..=top).find(|s| !held.contains_key(s) && !in_gap(*s)) {
-        return Err(format!("seq {s} is missing without a gap marker (held up to {top}, gaps {gaps:?})"));
+        return Err(format!(
+            "seq {s} is missing without a gap marker (held up to {top}, gaps {gaps:?})"
+        ));
     }
     // 3. Every record was sent, appears once, and batches are whole and in order.
     let mut per_batch: BTreeMap<i64, Vec<(u64, i64)>> = BTreeMap::new();
@@ -368,19 +425,30 @@ fn verify_epoch(
             return Err(format!("seq {seq} holds a record nobody sent: {r:?}"));
         }
         if let Some(prev) = seen.insert(id, (epoch, *seq)) {
-            return Err(format!("record {id} stored twice, at {prev:?} and ({epoch}, {seq})"));
+            return Err(format!(
+                "record {id} stored twice, at {prev:?} and ({epoch}, {seq})"
+            ));
         }
-        per_batch.entry(field_i64(r, "batch")).or_default().push((*seq, field_i64(r, "k")));
+        per_batch
+            .entry(field_i64(r, "batch"))
+            .or_default()
+            .push((*seq, field_i64(r, "k")));
     }
     for (batch, recs) in &per_batch {
         let n = ledger.batches[batch];
         let base = recs[0].0 - recs[0].1 as u64;
         if recs.iter().any(|(seq, k)| *seq != base + *k as u64) {
-            return Err(format!("batch {batch} is not stored in order at consecutive seqs"));
+            return Err(format!(
+                "batch {batch} is not stored in order at consecutive seqs"
+            ));
         }
         // Whole, or what is missing was dropped by the budget (a split batch can span segments).
-        if let Some(k) = (0..n as u64).find(|k| !held.contains_key(&(base + k)) && !in_gap(base + k)) {
-            return Err(format!("batch {batch} is partly stored: record {k} of {n} is missing without a gap"));
+        if let Some(k) =
+            (0..n as u64).find(|k| !held.contains_key(&(base + k)) && !in_gap(base + k))
+        {
+            return Err(format!(
+                "batch {batch} is partly stored: record {k} of {n} is missing without a gap"
+            ));
         }
     }
     Ok(())

@@ -11,7 +11,10 @@ fn rec(key: &str, ts: i64, fields: &[(&str, Value)]) -> Record {
     Record {
         key: key.into(),
         ts,
-        fields: fields.iter().map(|(n, v)| ((*n).to_owned(), v.clone())).collect(),
+        fields: fields
+            .iter()
+            .map(|(n, v)| ((*n).to_owned(), v.clone()))
+            .collect(),
     }
 }
 
@@ -71,10 +74,27 @@ fn predicates() {
         let p = predicate::compile(text).unwrap_or_else(|e| panic!("{text}: {e}"));
         let stats = edge_agent::filters::FilterStats::default();
         assert_eq!(p.eval(&r, &stats), want, "{text}");
-        assert_eq!(stats.missing_fields.load(Ordering::Relaxed), missing, "{text}");
-        assert_eq!(stats.type_mismatches.load(Ordering::Relaxed), mismatch, "{text}");
+        assert_eq!(
+            stats.missing_fields.load(Ordering::Relaxed),
+            missing,
+            "{text}"
+        );
+        assert_eq!(
+            stats.type_mismatches.load(Ordering::Relaxed),
+            mismatch,
+            "{text}"
+        );
     }
-    for bad in ["", "temp >", "temp = 3", "(temp > 1", "temp > 1 extra", "\"x\" == temp", "a > \"x", "exists(1)"] {
+    for bad in [
+        "",
+        "temp >",
+        "temp = 3",
+        "(temp > 1",
+        "temp > 1 extra",
+        "\"x\" == temp",
+        "a > \"x",
+        "exists(1)",
+    ] {
         assert!(predicate::compile(bad).is_err(), "{bad:?} should not parse");
     }
     let e = Pipeline::compile(&[StageSpec::Where("temp >".into())]).unwrap_err();
@@ -94,7 +114,7 @@ fn deadband() {
         ("a", Some(f(11.0)), true), // exactly the threshold from the last kept value
         ("b", Some(f(10.4)), true), // per key
         ("a", Some(Value::I64(9)), true),
-        ("a", None, true),                        // missing: passes, counted
+        ("a", None, true),                         // missing: passes, counted
         ("a", Some(Value::Str("x".into())), true), // mismatch: passes, counted
         ("a", Some(f(9.5)), false),
     ];
@@ -116,7 +136,13 @@ fn deadband() {
         .collect();
     assert_eq!(kept, want);
     assert_eq!(stat(&p), (1, 1, 0));
-    assert!(Pipeline::compile(&[StageSpec::Deadband { field: "v".into(), threshold: f64::NAN }]).is_err());
+    assert!(
+        Pipeline::compile(&[StageSpec::Deadband {
+            field: "v".into(),
+            threshold: f64::NAN
+        }])
+        .is_err()
+    );
 }
 
 #[test]
@@ -155,7 +181,10 @@ fn windows() {
     // Negative timestamps fall into the window below them.
     let (out, _) = run(
         &spec,
-        vec![rec("n", -1, &[("v", f(1.0))]), rec("n", 0, &[("v", f(2.0))])],
+        vec![
+            rec("n", -1, &[("v", f(1.0))]),
+            rec("n", 0, &[("v", f(2.0))]),
+        ],
     );
     assert_eq!(out[0].ts, -10);
 }
@@ -196,17 +225,37 @@ fn downsampling() {
 fn projection_and_chaining() {
     let spec = [
         StageSpec::Where("exists(temp)".into()),
-        StageSpec::Project(vec![("temp".into(), Some("t".into())), ("site".into(), None)]),
+        StageSpec::Project(vec![
+            ("temp".into(), Some("t".into())),
+            ("site".into(), None),
+        ]),
     ];
     let input = vec![
-        rec("a", 1, &[("temp", f(1.0)), ("x", f(2.0)), ("site", Value::Str("s".into()))]),
+        rec(
+            "a",
+            1,
+            &[
+                ("temp", f(1.0)),
+                ("x", f(2.0)),
+                ("site", Value::Str("s".into())),
+            ],
+        ),
         rec("a", 2, &[("x", f(2.0))]),
     ];
     let (out, _) = run(&spec, input);
     assert_eq!(out.len(), 1);
-    assert_eq!(out[0].fields, vec![("t".into(), f(1.0)), ("site".into(), Value::Str("s".into()))]);
+    assert_eq!(
+        out[0].fields,
+        vec![
+            ("t".into(), f(1.0)),
+            ("site".into(), Value::Str("s".into()))
+        ]
+    );
     // A record with none of the projected fields is dropped.
-    let (out, _) = run(&[StageSpec::Project(vec![("zzz".into(), None)])], vec![rec("a", 1, &[("x", f(1.0))])]);
+    let (out, _) = run(
+        &[StageSpec::Project(vec![("zzz".into(), None)])],
+        vec![rec("a", 1, &[("x", f(1.0))])],
+    );
     assert!(out.is_empty());
     // The empty pipeline passes records through.
     let (out, _) = run(&[], vec![rec("a", 1, &[("x", f(1.0))])]);

@@ -62,12 +62,21 @@ fn retried_key_replays_the_answer_and_stores_nothing_twice() {
     let retry = post(&setup, "telemetry", Some("batch-1"), NDJSON, &batch(0..3));
     assert_eq!(retry.status, 200, "{}", retry.body);
     assert_eq!(retry.body, first.body);
-    assert!(retry.headers.contains("idempotency-replayed: true"), "{}", retry.headers);
+    assert!(
+        retry.headers.contains("idempotency-replayed: true"),
+        "{}",
+        retry.headers
+    );
 
     // The same key with another body is a client bug, not a retry.
     let reused = post(&setup, "telemetry", Some("batch-1"), NDJSON, &batch(5..6));
     assert_eq!(reused.status, 422, "{}", reused.body);
-    assert!(reused.body["error"].as_str().unwrap().contains("different body"));
+    assert!(
+        reused.body["error"]
+            .as_str()
+            .unwrap()
+            .contains("different body")
+    );
 
     // A malformed batch does not store its key: the fixed retry goes through.
     let bad = post(&setup, "telemetry", Some("batch-2"), NDJSON, "{\"key\":");
@@ -117,7 +126,12 @@ fn concurrent_retries_store_the_batch_once() {
     let ok: Vec<&Answer> = answers.iter().filter(|a| a.status == 200).collect();
     assert!(!ok.is_empty());
     for a in &answers {
-        assert!(a.status == 200 || a.status == 409, "{} {}", a.status, a.body);
+        assert!(
+            a.status == 200 || a.status == 409,
+            "{} {}",
+            a.status,
+            a.body
+        );
     }
     for a in &ok {
         assert_eq!(a.body["first_seq"], 1);

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use sync::Record;
 
 fn open(cfg: &LogConfig) -> LogHandle {
-    Log::open(cfg.clone(), Arc::new(RealStorage)).expect("open").0
+    Log::open(cfg.clone(), Arc::new(RealStorage))
+        .expect("open")
+        .0
 }
 
 fn batch(from: u64, n: u64) -> Vec<Record> {
@@ -51,33 +53,58 @@ fn drop_oldest_stays_within_budget_and_records_exact_gaps() {
     let mut acked: BTreeMap<u64, Record> = BTreeMap::new();
     for b in 0..300 {
         let recs = batch(b * 4, 4);
-        let ack = h.append_blocking("s", recs.clone()).expect("drop-oldest never refuses");
+        let ack = h
+            .append_blocking("s", recs.clone())
+            .expect("drop-oldest never refuses");
         acked.extend((ack.first_seq..=ack.last_seq).zip(recs));
         let used = seg_bytes_on_disk(dir.path());
-        assert!(used <= cfg.disk_bytes_max + cfg.segment_bytes_max, "usage {used} exceeds budget + one segment");
+        assert!(
+            used <= cfg.disk_bytes_max + cfg.segment_bytes_max,
+            "usage {used} exceeds budget + one segment"
+        );
     }
     let st = h.status();
-    assert_eq!(st.disk_bytes, seg_bytes_on_disk(dir.path()), "accounting matches the directory");
+    assert_eq!(
+        st.disk_bytes,
+        seg_bytes_on_disk(dir.path()),
+        "accounting matches the directory"
+    );
     let s = &st.streams[0];
-    assert!(s.dropped_records > 0 && s.dropped_blocks > 0, "the budget forced drops: {s:?}");
+    assert!(
+        s.dropped_records > 0 && s.dropped_blocks > 0,
+        "the budget forced drops: {s:?}"
+    );
 
     let held = read_all(&h, "s", epoch);
     for (seq, r) in &held {
         assert_eq!(acked.get(seq), Some(r), "held seq {seq} is what was acked");
     }
     let gaps = h.gaps("s");
-    assert!(gaps.iter().all(|g| g.reason == GapReason::Dropped && g.epoch == epoch));
+    assert!(
+        gaps.iter()
+            .all(|g| g.reason == GapReason::Dropped && g.epoch == epoch)
+    );
     let mut covered = 0;
     for seq in acked.keys() {
-        let in_gaps = gaps.iter().filter(|g| (g.first_seq..=g.last_seq).contains(seq)).count();
+        let in_gaps = gaps
+            .iter()
+            .filter(|g| (g.first_seq..=g.last_seq).contains(seq))
+            .count();
         let in_held = usize::from(held.contains_key(seq));
-        assert_eq!(in_gaps + in_held, 1, "seq {seq} must be either held or in exactly one gap");
+        assert_eq!(
+            in_gaps + in_held,
+            1,
+            "seq {seq} must be either held or in exactly one gap"
+        );
         covered += in_gaps;
     }
     let gap_records: u64 = gaps.iter().map(|g| g.records).sum();
     assert_eq!(gap_records, covered as u64);
     assert_eq!(gap_records, s.dropped_records);
-    assert!(gaps.iter().all(|g| g.last_seq - g.first_seq + 1 == g.records));
+    assert!(
+        gaps.iter()
+            .all(|g| g.last_seq - g.first_seq + 1 == g.records)
+    );
     drop(h);
 
     // The markers were fsynced to gaps.log: they survive a reopen (and the loss of the catalog).
@@ -104,7 +131,10 @@ fn block_refuses_promptly_and_keeps_everything() {
                 acked.extend((ack.first_seq..=ack.last_seq).zip(recs));
             }
             Err(AppendError::Full { retry_after }) => {
-                assert!(t.elapsed() < Duration::from_secs(2), "Full must be answered at once");
+                assert!(
+                    t.elapsed() < Duration::from_secs(2),
+                    "Full must be answered at once"
+                );
                 assert!(retry_after > Duration::ZERO);
                 full_at = Some(b);
                 break;
@@ -113,10 +143,19 @@ fn block_refuses_promptly_and_keeps_everything() {
         }
     }
     assert!(full_at.is_some(), "the budget was never reached");
-    let msg = AppendError::Full { retry_after: Duration::from_secs(1) }.to_string();
-    assert!(msg.contains("disk budget") && msg.contains("retry"), "clear error: {msg}");
+    let msg = AppendError::Full {
+        retry_after: Duration::from_secs(1),
+    }
+    .to_string();
+    assert!(
+        msg.contains("disk budget") && msg.contains("retry"),
+        "clear error: {msg}"
+    );
     for _ in 0..3 {
-        assert!(matches!(h.append_blocking("s", batch(0, 4)), Err(AppendError::Full { .. })));
+        assert!(matches!(
+            h.append_blocking("s", batch(0, 4)),
+            Err(AppendError::Full { .. })
+        ));
     }
     assert!(seg_bytes_on_disk(dir.path()) <= cfg.disk_bytes_max);
     assert_eq!(read_all(&h, "s", epoch), acked, "nothing stored was lost");
@@ -125,7 +164,9 @@ fn block_refuses_promptly_and_keeps_everything() {
     // Once the hub has tiered the data, retention frees space and appends succeed again.
     let last = *acked.keys().next_back().unwrap();
     h.set_acked("s", epoch, last, last).unwrap();
-    let ack = h.append_blocking("s", batch(10_000, 4)).expect("space was freed");
+    let ack = h
+        .append_blocking("s", batch(10_000, 4))
+        .expect("space was freed");
     assert_eq!(ack.first_seq, last + 1);
 }
 
@@ -146,14 +187,20 @@ fn retention_frees_only_what_tiered_seq_covers() {
     // before it, and runs retention, before answering it.)
     h.set_acked("s", epoch, last, 0).unwrap();
     last = h.append_blocking("s", batch(1000, 1)).unwrap().last_seq;
-    assert!(segs.iter().all(|(_, p)| p.exists()), "no segment was deleted");
+    assert!(
+        segs.iter().all(|(_, p)| p.exists()),
+        "no segment was deleted"
+    );
 
     // tiered_seq one short of the end of segment 2 frees segments 0 and 1 only.
     let end_of_2 = segs[3].0 - 1;
     h.set_acked("s", epoch, last, end_of_2 - 1).unwrap();
     last = h.append_blocking("s", batch(1001, 1)).unwrap().last_seq;
     let now: Vec<u64> = seg_files(dir.path()).iter().map(|s| s.0).collect();
-    assert_eq!(now[0], segs[2].0, "segments fully covered by tiered_seq are deleted, no more");
+    assert_eq!(
+        now[0], segs[2].0,
+        "segments fully covered by tiered_seq are deleted, no more"
+    );
 
     // Covering it exactly frees it too; the data after it still reads from its first seq.
     h.set_acked("s", epoch, last, end_of_2).unwrap();
@@ -162,5 +209,8 @@ fn retention_frees_only_what_tiered_seq_covers() {
     let blocks = h.read_blocks("s", epoch, 0, 1).unwrap();
     assert_eq!(blocks[0].header.first_seq, segs[3].0);
     assert_eq!(h.status().streams[0].acked_tiered, end_of_2);
-    assert!(h.gaps("s").is_empty(), "retention is not loss: no gap markers");
+    assert!(
+        h.gaps("s").is_empty(),
+        "retention is not loss: no gap markers"
+    );
 }

@@ -34,12 +34,24 @@ fn remove_catalog(dir: &Path) {
     }
 }
 
-fn check_rebuilt(cfg: &LogConfig, epoch: u64, before: &BTreeMap<u64, Record>, last: u64) -> LogHandle {
+fn check_rebuilt(
+    cfg: &LogConfig,
+    epoch: u64,
+    before: &BTreeMap<u64, Record>,
+    last: u64,
+) -> LogHandle {
     let (h, report) = open(cfg);
-    assert!(report.catalog_rebuilt, "report must say the catalog was rebuilt: {report:?}");
+    assert!(
+        report.catalog_rebuilt,
+        "report must say the catalog was rebuilt: {report:?}"
+    );
     assert!(!report.epoch_minted);
     assert_eq!(h.epoch(), epoch, "a rebuilt catalog keeps the epoch");
-    assert_eq!(&read_all(&h, "s", epoch), before, "data reads back identically");
+    assert_eq!(
+        &read_all(&h, "s", epoch),
+        before,
+        "data reads back identically"
+    );
     let ack = h.append_blocking("s", vec![rec(999_999, 10)]).unwrap();
     assert_eq!(ack.first_seq, last + 1, "seqs continue without reuse");
     h
@@ -57,7 +69,13 @@ fn deleted_catalog_is_rebuilt_with_same_epoch() {
     let before = read_all(&h, "s", epoch);
     assert_eq!(before.len() as u64, last);
     drop(h);
-    assert!(std::fs::read_dir(dir.path().join("streams/s")).unwrap().count() > 3, "several segments");
+    assert!(
+        std::fs::read_dir(dir.path().join("streams/s"))
+            .unwrap()
+            .count()
+            > 3,
+        "several segments"
+    );
 
     remove_catalog(dir.path());
     let h = check_rebuilt(&cfg, epoch, &before, last);
@@ -76,11 +94,22 @@ fn corrupt_catalog_is_moved_aside_and_rebuilt() {
     drop(h);
 
     remove_catalog(dir.path());
-    std::fs::write(dir.path().join("catalog.db"), b"this is not a sqlite database at all".repeat(200)).unwrap();
+    std::fs::write(
+        dir.path().join("catalog.db"),
+        b"this is not a sqlite database at all".repeat(200),
+    )
+    .unwrap();
     let (h, report) = open(&cfg);
     assert!(report.catalog_rebuilt);
     let aside = report.catalog_moved_aside.clone().expect("moved aside");
-    assert!(aside.exists() && aside.file_name().unwrap().to_string_lossy().starts_with("catalog.db.corrupt-"));
+    assert!(
+        aside.exists()
+            && aside
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .starts_with("catalog.db.corrupt-")
+    );
     assert_eq!(h.epoch(), epoch);
     assert_eq!(read_all(&h, "s", epoch), before);
     let ack = h.append_blocking("s", vec![rec(1, 1)]).unwrap();
@@ -112,16 +141,31 @@ fn minted_epoch_survives_catalog_loss() {
     let new = h.mint_epoch().unwrap();
     assert_ne!(new, old);
     let ack = h.append_blocking("s", vec![rec(5, 5)]).unwrap();
-    assert_eq!((ack.epoch, ack.first_seq), (new, 1), "seqs restart at 1 in a new epoch");
+    assert_eq!(
+        (ack.epoch, ack.first_seq),
+        (new, 1),
+        "seqs restart at 1 in a new epoch"
+    );
     let old_data = read_all(&h, "s", old);
     drop(h);
 
     remove_catalog(dir.path());
     let (h, report) = open(&cfg);
     assert!(report.catalog_rebuilt);
-    assert_eq!(h.epoch(), new, "the minted epoch is kept, not the older one");
-    assert_eq!(read_all(&h, "s", old), old_data, "older epochs stay readable");
-    assert_eq!(h.append_blocking("s", vec![rec(6, 5)]).unwrap().first_seq, 2);
+    assert_eq!(
+        h.epoch(),
+        new,
+        "the minted epoch is kept, not the older one"
+    );
+    assert_eq!(
+        read_all(&h, "s", old),
+        old_data,
+        "older epochs stay readable"
+    );
+    assert_eq!(
+        h.append_blocking("s", vec![rec(6, 5)]).unwrap().first_seq,
+        2
+    );
     let held: Vec<u64> = h.epochs_held("s").iter().map(|e| e.0).collect();
     assert_eq!(held, vec![old, new]);
 }

@@ -50,16 +50,25 @@ fn failed_fsync_poisons_until_reopened() {
     let (h, _) = Log::open(cfg.clone(), Arc::new(fs.clone())).unwrap();
     let epoch = h.epoch();
     let acked = fill(&h, 0, 10);
-    fs.add(Fault { path_contains: Some(".seg".into()), ..Fault::on(OpKind::Sync, FaultError::Eio) });
+    fs.add(Fault {
+        path_contains: Some(".seg".into()),
+        ..Fault::on(OpKind::Sync, FaultError::Eio)
+    });
 
     let err = h.append_blocking("s", vec![rec(100, 10)]).unwrap_err();
-    assert!(matches!(&err, AppendError::Storage(m) if m.contains("fsync")), "{err}");
+    assert!(
+        matches!(&err, AppendError::Storage(m) if m.contains("fsync")),
+        "{err}"
+    );
     assert_eq!(fs.fired(), 1);
     // The disk is healthy again, but a retried fsync proves nothing: stay poisoned.
     fs.clear();
     for _ in 0..3 {
         let err = h.append_blocking("s", vec![rec(101, 10)]).unwrap_err();
-        assert!(matches!(&err, AppendError::Poisoned(m) if m.contains("fsync")), "{err}");
+        assert!(
+            matches!(&err, AppendError::Poisoned(m) if m.contains("fsync")),
+            "{err}"
+        );
     }
     assert!(h.status().poisoned.is_some());
     // Reads of durable data still work while poisoned.
@@ -84,10 +93,16 @@ fn enospc_is_a_clear_error() {
     let (h, _) = Log::open(cfg.clone(), Arc::new(fs.clone())).unwrap();
     let epoch = h.epoch();
     let acked = fill(&h, 0, 4);
-    fs.add(Fault { path_contains: Some(".seg".into()), ..Fault::on(OpKind::Append, FaultError::Enospc) });
+    fs.add(Fault {
+        path_contains: Some(".seg".into()),
+        ..Fault::on(OpKind::Append, FaultError::Enospc)
+    });
     let err = h.append_blocking("s", vec![rec(50, 10)]).unwrap_err();
     assert!(err.to_string().contains("No space left on device"), "{err}");
-    assert!(matches!(h.append_blocking("s", vec![rec(51, 10)]), Err(AppendError::Poisoned(_))));
+    assert!(matches!(
+        h.append_blocking("s", vec![rec(51, 10)]),
+        Err(AppendError::Poisoned(_))
+    ));
     drop(h);
     fs.clear();
     let (h, _) = Log::open(cfg, Arc::new(fs)).unwrap();
@@ -101,7 +116,11 @@ fn fault_while_rolling_is_handled() {
     let (cfg, fs) = faulty(dir.path());
     let (h, _) = Log::open(cfg.clone(), Arc::new(fs.clone())).unwrap();
     let epoch = h.epoch();
-    fs.add(Fault { path_contains: Some(".seg".into()), sticky: true, ..Fault::on(OpKind::Create, FaultError::Eio) });
+    fs.add(Fault {
+        path_contains: Some(".seg".into()),
+        sticky: true,
+        ..Fault::on(OpKind::Create, FaultError::Eio)
+    });
     let mut acked = BTreeMap::new();
     let mut failed = false;
     for b in 0..50 {
@@ -109,7 +128,10 @@ fn fault_while_rolling_is_handled() {
         match h.append_blocking("s", recs.clone()) {
             Ok(ack) => acked.extend((ack.first_seq..=ack.last_seq).zip(recs)),
             Err(e) => {
-                assert!(matches!(e, AppendError::Storage(_) | AppendError::Poisoned(_)), "{e}");
+                assert!(
+                    matches!(e, AppendError::Storage(_) | AppendError::Poisoned(_)),
+                    "{e}"
+                );
                 failed = true;
                 break;
             }
@@ -146,18 +168,30 @@ fn corrupt_sealed_block_is_quarantined_and_reported() {
     bytes[at] ^= 0x40;
     std::fs::write(victim, &bytes).unwrap();
 
-    let (h, report) = Log::open(cfg.clone(), Arc::new(RealStorage)).expect("the agent always starts");
+    let (h, report) =
+        Log::open(cfg.clone(), Arc::new(RealStorage)).expect("the agent always starts");
     assert_eq!(report.quarantined.len(), 1, "{report:?}");
     let (qpath, why) = &report.quarantined[0];
-    assert!(qpath.starts_with(dir.path().join("quarantine")) && qpath.exists(), "{qpath:?}");
+    assert!(
+        qpath.starts_with(dir.path().join("quarantine")) && qpath.exists(),
+        "{qpath:?}"
+    );
     assert!(why.contains("corrupt"), "{why}");
-    assert_eq!(std::fs::read(qpath).unwrap(), bytes[target.offset as usize..target.end() as usize]);
+    assert_eq!(
+        std::fs::read(qpath).unwrap(),
+        bytes[target.offset as usize..target.end() as usize]
+    );
     let gaps = h.gaps("s");
     assert_eq!(gaps.len(), 1);
     let g = gaps[0];
     assert_eq!(
         (g.reason, g.epoch, g.first_seq, g.last_seq),
-        (GapReason::Corrupt, epoch, header.first_seq, header.last_seq())
+        (
+            GapReason::Corrupt,
+            epoch,
+            header.first_seq,
+            header.last_seq()
+        )
     );
     assert_eq!(g.records, u64::from(header.count));
     assert_eq!(h.status().streams[0].quarantined_blocks, 1);
@@ -166,7 +200,11 @@ fn corrupt_sealed_block_is_quarantined_and_reported() {
         if (g.first_seq..=g.last_seq).contains(seq) {
             assert!(!held.contains_key(seq));
         } else {
-            assert_eq!(held.get(seq), Some(r), "seq {seq} outside the corrupt block is intact");
+            assert_eq!(
+                held.get(seq),
+                Some(r),
+                "seq {seq} outside the corrupt block is intact"
+            );
         }
     }
     let next = h.append_blocking("s", vec![rec(7, 7)]).unwrap();
@@ -195,18 +233,25 @@ fn unreadable_segment_header_quarantines_the_file() {
     let first_of_next = {
         let b = std::fs::read(&segs[2]).unwrap();
         let f = scan(&b).unwrap().frames[0];
-        sync::block::decode_header(block_of(&b, f)).unwrap().first_seq
+        sync::block::decode_header(block_of(&b, f))
+            .unwrap()
+            .first_seq
     };
     let first_of_victim = {
         let f = sync::segment::scan_frames(&bytes, SEGMENT_HEADER_LEN).frames[0];
-        sync::block::decode_header(block_of(&bytes, f)).unwrap().first_seq
+        sync::block::decode_header(block_of(&bytes, f))
+            .unwrap()
+            .first_seq
     };
 
     let (h, report) = Log::open(cfg, Arc::new(RealStorage)).unwrap();
     assert_eq!(report.quarantined.len(), 1);
     assert!(!victim.exists() && report.quarantined[0].0.exists());
     let g = h.gaps("s")[0];
-    assert_eq!((g.first_seq, g.last_seq, g.reason), (first_of_victim, first_of_next - 1, GapReason::Corrupt));
+    assert_eq!(
+        (g.first_seq, g.last_seq, g.reason),
+        (first_of_victim, first_of_next - 1, GapReason::Corrupt)
+    );
     let held = read_all(&h, "s", epoch);
     assert_eq!(held.len() as u64 + g.records, acked.len() as u64);
 }
@@ -226,8 +271,13 @@ fn torn_tail_is_truncated_and_reported() {
     let whole = &bytes[frame.offset as usize..frame.end() as usize];
     let torn = &whole[..whole.len() * 7 / 10];
     assert!(torn.len() > FRAME_HEADER_LEN + sync::block::HEADER_LEN);
-    let count = sync::block::decode_header(&whole[FRAME_HEADER_LEN..]).unwrap().count;
-    let mut f = std::fs::OpenOptions::new().append(true).open(&last).unwrap();
+    let count = sync::block::decode_header(&whole[FRAME_HEADER_LEN..])
+        .unwrap()
+        .count;
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(&last)
+        .unwrap();
     std::io::Write::write_all(&mut f, torn).unwrap();
     drop(f);
 

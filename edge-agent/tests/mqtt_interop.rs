@@ -54,7 +54,10 @@ impl Broker {
             .expect("mosquitto must be installed (.ci/run installs it)");
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "mosquitto did not listen on {port}");
+            assert!(
+                Instant::now() < deadline,
+                "mosquitto did not listen on {port}"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
         Broker {
@@ -73,7 +76,11 @@ impl Drop for Broker {
 }
 
 fn mosquitto_binary() -> String {
-    for p in ["/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto", "/usr/bin/mosquitto"] {
+    for p in [
+        "/usr/sbin/mosquitto",
+        "/usr/local/sbin/mosquitto",
+        "/usr/bin/mosquitto",
+    ] {
         if Path::new(p).exists() {
             return p.to_owned();
         }
@@ -120,8 +127,10 @@ fn publish_all(
                 while let Some(upto) = release.recv().await {
                     while id < upto.min(n) {
                         let topic = format!("sensors/dev{}/temp", id % 16);
-                        let payload =
-                            format!("{{\"id\":{id},\"v\":{}.5,\"meta\":{{\"ok\":true}}}}", id % 100);
+                        let payload = format!(
+                            "{{\"id\":{id},\"v\":{}.5,\"meta\":{{\"ok\":true}}}}",
+                            id % 100
+                        );
                         client
                             .publish(topic, QoS::AtLeastOnce, false, payload)
                             .await
@@ -153,7 +162,12 @@ fn log_sum(log: &str, needle: &str, name: &str) -> u64 {
     log.lines()
         .filter(|l| l.contains(needle))
         .filter_map(|l| l.split(&key).nth(1))
-        .filter_map(|rest| rest.split(|c: char| !c.is_ascii_digit()).next()?.parse::<u64>().ok())
+        .filter_map(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
         .sum()
 }
 
@@ -207,7 +221,10 @@ fn kill9_during_qos1_stream_stores_every_message_exactly_once() {
             if stored >= target {
                 break stored;
             }
-            assert!(Instant::now() < deadline, "no progress towards kill {k}: stored {stored}");
+            assert!(
+                Instant::now() < deadline,
+                "no progress towards kill {k}: stored {stored}"
+            );
             std::thread::sleep(Duration::from_millis(1));
         };
         agent.kill9();
@@ -239,30 +256,47 @@ fn kill9_during_qos1_stream_stores_every_message_exactly_once() {
     let mut seen: HashMap<u64, u32> = HashMap::new();
     for l in &lines {
         let fields = &l["fields"];
-        let id = fields["id"].as_u64().unwrap_or_else(|| panic!("no id: {l}"));
+        let id = fields["id"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no id: {l}"));
         *seen.entry(id).or_default() += 1;
         let key = l["key"].as_str().unwrap();
         assert_eq!(key, format!("dev{}/temp", id % 16), "{l}");
-        assert_eq!(fields["_topic"].as_str(), Some(format!("sensors/{key}").as_str()));
+        assert_eq!(
+            fields["_topic"].as_str(),
+            Some(format!("sensors/{key}").as_str())
+        );
         assert_eq!(fields["meta.ok"].as_bool(), Some(true), "{l}");
     }
     let twice: Vec<_> = seen.iter().filter(|(_, c)| **c > 1).take(10).collect();
-    assert!(twice.is_empty(), "stored more than once (id, times): {twice:?}");
-    let missing: Vec<u64> = (0..n).filter(|id| !seen.contains_key(id)).take(10).collect();
+    assert!(
+        twice.is_empty(),
+        "stored more than once (id, times): {twice:?}"
+    );
+    let missing: Vec<u64> = (0..n)
+        .filter(|id| !seen.contains_key(id))
+        .take(10)
+        .collect();
     assert!(missing.is_empty(), "never stored: {missing:?}");
     assert_eq!(lines.len() as u64, n);
 
     let needle = "mqtt: redeliveries received";
     let dup = log_sum(&log, needle, "dup");
     let dropped = log_sum(&log, needle, "dropped");
-    let starts = log.lines().filter(|l| l.contains("mqtt subscriptions granted")).count();
+    let starts = log
+        .lines()
+        .filter(|l| l.contains("mqtt subscriptions granted"))
+        .count();
     println!(
         "{n} messages, {kills} kills ({mid_flow} before the chunk was all stored), {starts} starts: {dup} redelivered with DUP, {dropped} of them \
          already stored and dropped; {:.1?} in all",
         started.elapsed()
     );
     assert_eq!(starts as u64, kills + 1);
-    assert!(dup > 0, "no redelivery across {kills} kills: the kills missed the inflight window");
+    assert!(
+        dup > 0,
+        "no redelivery across {kills} kills: the kills missed the inflight window"
+    );
     assert!(
         dropped > 0,
         "no redelivered message had been stored: the kills never hit between append and ack"
@@ -316,7 +350,11 @@ fn healthz_is_ready_only_once_subscriptions_are_granted() {
     // Start mosquitto on the reserved port: the agent reconnects, subscribes, becomes ready.
     let dir = tempfile::tempdir().unwrap();
     let conf = dir.path().join("mosquitto.conf");
-    std::fs::write(&conf, format!("listener {port} 127.0.0.1\nallow_anonymous true\n")).unwrap();
+    std::fs::write(
+        &conf,
+        format!("listener {port} 127.0.0.1\nallow_anonymous true\n"),
+    )
+    .unwrap();
     let mut broker = Command::new(mosquitto_binary())
         .arg("-c")
         .arg(&conf)
@@ -329,7 +367,10 @@ fn healthz_is_ready_only_once_subscriptions_are_granted() {
         match healthz(&setup) {
             Some((200, body)) => break body,
             _ => {
-                assert!(Instant::now() < deadline, "never ready after the broker started");
+                assert!(
+                    Instant::now() < deadline,
+                    "never ready after the broker started"
+                );
                 std::thread::sleep(Duration::from_millis(10));
             }
         }

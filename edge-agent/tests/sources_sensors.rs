@@ -33,32 +33,55 @@ fn hwmon_and_simulator_sources_feed_the_log_and_survive_garbage() {
     std::fs::write(&setup.config, config).unwrap();
     let mut agent = setup.start();
     let client = setup.client();
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let get = |path: &str| rt.block_on(client.get(path)).unwrap().text();
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let status: serde_json::Value = serde_json::from_str(&get("/v1/status")).unwrap();
         let next = |name: &str| {
-            status["streams"].as_array().unwrap().iter().find(|s| s["stream"] == name).unwrap()["next_seq"]
+            status["streams"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|s| s["stream"] == name)
+                .unwrap()["next_seq"]
                 .as_u64()
                 .unwrap()
         };
         if next("telemetry") > 3 && next("sim") > 30 {
             break;
         }
-        assert!(Instant::now() < deadline, "sources produced too little: {status}");
+        assert!(
+            Instant::now() < deadline,
+            "sources produced too little: {status}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     let health = get("/healthz");
-    assert!(health.starts_with("ok"), "the agent stays healthy with a garbage channel: {health}");
+    assert!(
+        health.starts_with("ok"),
+        "the agent stays healthy with a garbage channel: {health}"
+    );
     agent.terminate();
     let log = agent.log_text();
-    assert!(log.contains("temp2_input"), "the garbage channel is reported by file name:\n{log}");
+    assert!(
+        log.contains("temp2_input"),
+        "the garbage channel is reported by file name:\n{log}"
+    );
     let records = setup.inspect();
     assert!(records.len() > 3);
     for r in &records {
         assert_eq!(r["key"], "dev-7/hwmon/cpu_thermal", "{r}");
-        assert_eq!(r["fields"]["package_c"], 48.25, "millidegrees become degrees C: {r}");
-        assert!(r["fields"].get("temp2_c").is_none(), "the garbage channel is skipped: {r}");
+        assert_eq!(
+            r["fields"]["package_c"], 48.25,
+            "millidegrees become degrees C: {r}"
+        );
+        assert!(
+            r["fields"].get("temp2_c").is_none(),
+            "the garbage channel is skipped: {r}"
+        );
     }
 }

@@ -34,9 +34,13 @@ const LIVE_BLOCK_RECORDS: usize = 256;
 
 fn main() -> Result<()> {
     let path = data_path()?;
-    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
-    let records = lines.iter().map(|l| parse_line(l)).collect::<Result<Vec<_>>>()?;
+    let records = lines
+        .iter()
+        .map(|l| parse_line(l))
+        .collect::<Result<Vec<_>>>()?;
     println!("input: {} ({} records)", path.display(), records.len());
     println!("block size: {OFFLINE_BLOCK_RECORDS} records (columnar::OFFLINE_BLOCK_RECORDS)");
 
@@ -88,12 +92,21 @@ fn speed_with_heap_kept(
         .context("running the tuned child")?;
     let text = String::from_utf8_lossy(&out.stdout);
     if !out.status.success() {
-        bail!("tuned child failed: {text}{}", String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "tuned child failed: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
-    for line in text.lines().filter(|l| l.starts_with("v1 ") || l.starts_with("v2 ")) {
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("v1 ") || l.starts_with("v2 "))
+    {
         println!("{line}");
     }
-    let child = text.lines().find_map(|l| l.strip_prefix("summary: ")).context("child summary")?;
+    let child = text
+        .lines()
+        .find_map(|l| l.strip_prefix("summary: "))
+        .context("child summary")?;
     if let serde_json::Value::Object(m) = serde_json::from_str(child)? {
         for (k, v) in m.into_iter().filter(|(k, _)| k.contains("_records_per_")) {
             summary.insert(format!("{k}_heap_kept"), v);
@@ -109,14 +122,20 @@ fn data_path() -> Result<PathBuf> {
     }
     let path = PathBuf::from(DEFAULT_DATA);
     if !path.exists() {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared/data/gen_telemetry.py");
+        let script = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../shared/data/gen_telemetry.py"
+        );
         println!("generating {DEFAULT_DATA} with {script}");
         let out = Command::new("python3")
             .args([script, "--devices", "200", "--seconds", "3000"])
             .output()
             .context("running gen_telemetry.py")?;
         if !out.status.success() {
-            bail!("gen_telemetry.py failed: {}", String::from_utf8_lossy(&out.stderr));
+            bail!(
+                "gen_telemetry.py failed: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, &out.stdout)?;
@@ -136,8 +155,10 @@ fn sizes(
     summary: &mut serde_json::Map<String, serde_json::Value>,
 ) -> Result<()> {
     let (mut v2, mut v1, mut json, mut json_raw) = (0usize, 0usize, 0usize, 0usize);
-    for (i, (recs, text)) in
-        records.chunks(OFFLINE_BLOCK_RECORDS).zip(lines.chunks(OFFLINE_BLOCK_RECORDS)).enumerate()
+    for (i, (recs, text)) in records
+        .chunks(OFFLINE_BLOCK_RECORDS)
+        .zip(lines.chunks(OFFLINE_BLOCK_RECORDS))
+        .enumerate()
     {
         let first_seq = (i * OFFLINE_BLOCK_RECORDS) as u64;
         v2 += block::encode_block(VERSION_COLUMNAR, 1, first_seq, recs)?.len();
@@ -148,16 +169,30 @@ fn sizes(
         json += zstd::bulk::compress(body.as_bytes(), ZSTD_LEVEL)?.len();
     }
     let n = records.len();
-    println!("\n== sealed size, bytes/record (blocks of {OFFLINE_BLOCK_RECORDS}, headers included)");
-    println!("JSON lines, uncompressed     {:8.3}", per_record(json_raw, n));
+    println!(
+        "\n== sealed size, bytes/record (blocks of {OFFLINE_BLOCK_RECORDS}, headers included)"
+    );
+    println!(
+        "JSON lines, uncompressed     {:8.3}",
+        per_record(json_raw, n)
+    );
     println!("JSON lines, zstd -3          {:8.3}", per_record(json, n));
     println!("v1 rows + zstd -3            {:8.3}", per_record(v1, n));
     println!("v2 columnar + zstd -3        {:8.3}", per_record(v2, n));
-    println!("v2 / JSON zstd -3            {:8.3}   (target <= 0.25)", v2 as f64 / json as f64);
-    summary.insert("json_zstd3_bytes_per_record".into(), per_record(json, n).into());
+    println!(
+        "v2 / JSON zstd -3            {:8.3}   (target <= 0.25)",
+        v2 as f64 / json as f64
+    );
+    summary.insert(
+        "json_zstd3_bytes_per_record".into(),
+        per_record(json, n).into(),
+    );
     summary.insert("v1_bytes_per_record".into(), per_record(v1, n).into());
     summary.insert("v2_bytes_per_record".into(), per_record(v2, n).into());
-    summary.insert("v2_over_json_zstd3".into(), (v2 as f64 / json as f64).into());
+    summary.insert(
+        "v2_over_json_zstd3".into(),
+        (v2 as f64 / json as f64).into(),
+    );
     Ok(())
 }
 
@@ -166,7 +201,11 @@ fn sealed_with(records: &[Record], tuning: &Tuning) -> Result<usize> {
     let mut total = 0;
     for recs in records.chunks(OFFLINE_BLOCK_RECORDS) {
         let body = columnar::encode_with(recs, tuning)?;
-        assert_eq!(columnar::decode(&body, recs.len() as u32)?, recs, "{tuning:?} must round-trip");
+        assert_eq!(
+            columnar::decode(&body, recs.len() as u32)?,
+            recs,
+            "{tuning:?} must round-trip"
+        );
         total += HEADER_LEN + zstd::bulk::compress(&body, ZSTD_LEVEL)?.len();
     }
     Ok(total)
@@ -184,33 +223,55 @@ fn per_column_zstd(records: &[Record]) -> Result<usize> {
     Ok(total)
 }
 
-fn alternatives(records: &[Record], summary: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+fn alternatives(
+    records: &[Record],
+    summary: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     let n = records.len();
     let variants = [
-        ("chosen: auto floats, per-key prediction", Tuning::default(), "v2_auto"),
+        (
+            "chosen: auto floats, per-key prediction",
+            Tuning::default(),
+            "v2_auto",
+        ),
         (
             "floats forced to scaled decimals",
-            Tuning { floats: FloatChoice::Scaled, ..Tuning::default() },
+            Tuning {
+                floats: FloatChoice::Scaled,
+                ..Tuning::default()
+            },
             "v2_scaled",
         ),
         (
             "floats forced to Gorilla XOR (per key)",
-            Tuning { floats: FloatChoice::Gorilla, ..Tuning::default() },
+            Tuning {
+                floats: FloatChoice::Gorilla,
+                ..Tuning::default()
+            },
             "v2_gorilla",
         ),
         (
             "floats forced to raw bits",
-            Tuning { floats: FloatChoice::Raw, ..Tuning::default() },
+            Tuning {
+                floats: FloatChoice::Raw,
+                ..Tuning::default()
+            },
             "v2_raw_floats",
         ),
         (
             "whole-column prediction only (plain columnar delta)",
-            Tuning { per_key: false, ..Tuning::default() },
+            Tuning {
+                per_key: false,
+                ..Tuning::default()
+            },
             "v2_no_per_key",
         ),
         (
             "Gorilla XOR, whole-column prediction only",
-            Tuning { floats: FloatChoice::Gorilla, per_key: false },
+            Tuning {
+                floats: FloatChoice::Gorilla,
+                per_key: false,
+            },
             "v2_gorilla_no_per_key",
         ),
     ];
@@ -218,17 +279,30 @@ fn alternatives(records: &[Record], summary: &mut serde_json::Map<String, serde_
     for (label, tuning, id) in variants {
         let bytes = sealed_with(records, &tuning)?;
         println!("{label:52} {:8.3}", per_record(bytes, n));
-        summary.insert(format!("{id}_bytes_per_record"), per_record(bytes, n).into());
+        summary.insert(
+            format!("{id}_bytes_per_record"),
+            per_record(bytes, n).into(),
+        );
     }
     let per_col = per_column_zstd(records)?;
-    println!("{:52} {:8.3}", "per-column zstd -3 (instead of whole body)", per_record(per_col, n));
-    summary.insert("v2_per_column_zstd_bytes_per_record".into(), per_record(per_col, n).into());
+    println!(
+        "{:52} {:8.3}",
+        "per-column zstd -3 (instead of whole body)",
+        per_record(per_col, n)
+    );
+    summary.insert(
+        "v2_per_column_zstd_bytes_per_record".into(),
+        per_record(per_col, n).into(),
+    );
     Ok(())
 }
 
 /// A zstd dictionary trained on bodies from the first tenth of the data, measured on the rest,
 /// for offline-sized blocks and for small live blocks.
-fn dictionary(records: &[Record], summary: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+fn dictionary(
+    records: &[Record],
+    summary: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     println!("\n== trained zstd dictionary (16 KiB, trained on the first 10% of records)");
     for block_records in [OFFLINE_BLOCK_RECORDS, LIVE_BLOCK_RECORDS] {
         let split = records.len() / 10;
@@ -295,8 +369,13 @@ impl std::ops::AddAssign for Spent {
 
 /// This thread's CPU time so far, from the scheduler's nanosecond counter.
 fn thread_cpu() -> Result<Duration> {
-    let text = std::fs::read_to_string("/proc/thread-self/schedstat").context("reading schedstat")?;
-    let ns: u64 = text.split_whitespace().next().context("empty schedstat")?.parse()?;
+    let text =
+        std::fs::read_to_string("/proc/thread-self/schedstat").context("reading schedstat")?;
+    let ns: u64 = text
+        .split_whitespace()
+        .next()
+        .context("empty schedstat")?
+        .parse()?;
     Ok(Duration::from_nanos(ns))
 }
 
@@ -304,7 +383,10 @@ fn thread_cpu() -> Result<Duration> {
 fn timed<T>(f: impl FnOnce() -> Result<T>) -> Result<(T, Spent)> {
     let (wall, cpu) = (Instant::now(), thread_cpu()?);
     let out = f()?;
-    let spent = Spent { wall: wall.elapsed(), cpu: thread_cpu()? - cpu };
+    let spent = Spent {
+        wall: wall.elapsed(),
+        cpu: thread_cpu()? - cpu,
+    };
     Ok((out, spent))
 }
 
@@ -317,10 +399,16 @@ fn best_rate(records: usize, mut f: impl FnMut() -> Result<Spent>) -> Result<(f6
         wall = wall.min(s.wall);
         cpu = cpu.min(s.cpu);
     }
-    Ok((records as f64 / cpu.as_secs_f64(), records as f64 / wall.as_secs_f64()))
+    Ok((
+        records as f64 / cpu.as_secs_f64(),
+        records as f64 / wall.as_secs_f64(),
+    ))
 }
 
-fn speed(records: &[Record], summary: &mut serde_json::Map<String, serde_json::Value>) -> Result<()> {
+fn speed(
+    records: &[Record],
+    summary: &mut serde_json::Map<String, serde_json::Value>,
+) -> Result<()> {
     let n = records.len();
     let limits = DecodeLimits::default();
     println!(
@@ -365,9 +453,19 @@ fn speed(records: &[Record], summary: &mut serde_json::Map<String, serde_json::V
             "{name} encode {:>9.0} ({:>9.0})   decode {:>9.0} ({:>9.0})   decode+free {:>9.0} ({:>9.0})",
             enc.0, enc.1, dec.0, dec.1, dec_drop.0, dec_drop.1
         );
-        for (what, (cpu, wall)) in [("encode", enc), ("decode", dec), ("decode_and_free", dec_drop)] {
-            summary.insert(format!("{name}_{what}_records_per_cpu_s"), cpu.round().into());
-            summary.insert(format!("{name}_{what}_records_per_wall_s"), wall.round().into());
+        for (what, (cpu, wall)) in [
+            ("encode", enc),
+            ("decode", dec),
+            ("decode_and_free", dec_drop),
+        ] {
+            summary.insert(
+                format!("{name}_{what}_records_per_cpu_s"),
+                cpu.round().into(),
+            );
+            summary.insert(
+                format!("{name}_{what}_records_per_wall_s"),
+                wall.round().into(),
+            );
         }
         if version == VERSION_COLUMNAR {
             let reuse = speed_reusing(n, &blocks, &limits)?;
@@ -375,8 +473,14 @@ fn speed(records: &[Record], summary: &mut serde_json::Map<String, serde_json::V
                 "v2 decode reusing the previous block's records and buffers {:>9.0} ({:>9.0})",
                 reuse.0, reuse.1
             );
-            summary.insert("v2_decode_reusing_records_per_cpu_s".into(), reuse.0.round().into());
-            summary.insert("v2_decode_reusing_records_per_wall_s".into(), reuse.1.round().into());
+            summary.insert(
+                "v2_decode_reusing_records_per_cpu_s".into(),
+                reuse.0.round().into(),
+            );
+            summary.insert(
+                "v2_decode_reusing_records_per_wall_s".into(),
+                reuse.1.round().into(),
+            );
         }
     }
     Ok(())
@@ -436,7 +540,11 @@ fn parse_line(line: &str) -> Result<Record> {
         fields: Fields,
     }
     let l: Line = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
-    Ok(Record { key: l.key, ts: l.ts, fields: l.fields.0 })
+    Ok(Record {
+        key: l.key,
+        ts: l.ts,
+        fields: l.fields.0,
+    })
 }
 
 struct Fields(Vec<(String, Value)>);
@@ -477,7 +585,9 @@ impl<'de> Deserialize<'de> for JsonValue {
                 Ok(JsonValue(Value::I64(v)))
             }
             fn visit_u64<E: de::Error>(self, v: u64) -> Result<JsonValue, E> {
-                i64::try_from(v).map(|v| JsonValue(Value::I64(v))).map_err(E::custom)
+                i64::try_from(v)
+                    .map(|v| JsonValue(Value::I64(v)))
+                    .map_err(E::custom)
             }
             fn visit_f64<E>(self, v: f64) -> Result<JsonValue, E> {
                 Ok(JsonValue(Value::F64(v)))

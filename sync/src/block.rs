@@ -58,7 +58,11 @@ pub struct DecodeLimits {
 
 impl Default for DecodeLimits {
     fn default() -> Self {
-        DecodeLimits { raw_bytes_max: 64 << 20, records_max: 1 << 20, body_bytes_max: 64 << 20 }
+        DecodeLimits {
+            raw_bytes_max: 64 << 20,
+            records_max: 1 << 20,
+            body_bytes_max: 64 << 20,
+        }
     }
 }
 
@@ -158,7 +162,12 @@ pub enum BlockError {
     #[error("block seq range first={first_seq} count={count} overflows")]
     SeqOverflow { first_seq: u64, count: u32 },
     #[error("record {index} has ts {ts}, outside the header's range {min_ts}..={max_ts}")]
-    TsOutOfRange { index: u32, ts: i64, min_ts: i64, max_ts: i64 },
+    TsOutOfRange {
+        index: u32,
+        ts: i64,
+        min_ts: i64,
+        max_ts: i64,
+    },
     #[error("block header min_ts {min_ts} is after max_ts {max_ts}")]
     BadTsRange { min_ts: i64, max_ts: i64 },
 }
@@ -170,7 +179,10 @@ pub fn encode_block(
     first_seq: u64,
     records: &[Record],
 ) -> Result<Vec<u8>, EncodeError> {
-    let opts = EncodeOptions { version, ..EncodeOptions::default() };
+    let opts = EncodeOptions {
+        version,
+        ..EncodeOptions::default()
+    };
     encode_block_with(&opts, epoch, first_seq, records)
 }
 
@@ -184,7 +196,11 @@ pub struct EncodeOptions {
 
 impl Default for EncodeOptions {
     fn default() -> Self {
-        EncodeOptions { version: VERSION_ROWS, flags: 0, zstd_level: DEFAULT_ZSTD_LEVEL }
+        EncodeOptions {
+            version: VERSION_ROWS,
+            flags: 0,
+            zstd_level: DEFAULT_ZSTD_LEVEL,
+        }
     }
 }
 
@@ -199,9 +215,13 @@ pub fn encode_block_with(
     if records.is_empty() {
         return Err(EncodeError::Empty);
     }
-    let count = u32::try_from(records.len()).map_err(|_| EncodeError::TooManyRecords(records.len()))?;
+    let count =
+        u32::try_from(records.len()).map_err(|_| EncodeError::TooManyRecords(records.len()))?;
     if first_seq.checked_add(u64::from(count) - 1).is_none() {
-        return Err(EncodeError::SeqOverflow { first_seq, count: records.len() });
+        return Err(EncodeError::SeqOverflow {
+            first_seq,
+            count: records.len(),
+        });
     }
     let raw = match version {
         VERSION_ROWS => encode_rows(records),
@@ -266,7 +286,10 @@ fn le_u64(b: &[u8], at: usize) -> u64 {
 /// Parses and verifies the fixed header. Does not touch the body.
 pub fn decode_header(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
     if bytes.len() < HEADER_LEN {
-        return Err(BlockError::ShortHeader { got: bytes.len(), need: HEADER_LEN });
+        return Err(BlockError::ShortHeader {
+            got: bytes.len(),
+            need: HEADER_LEN,
+        });
     }
     let magic: [u8; 4] = bytes[OFF_MAGIC..OFF_VERSION].try_into().expect("4 bytes");
     if magic != BLOCK_MAGIC {
@@ -300,10 +323,16 @@ pub fn decode_header(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
         return Err(BlockError::Empty);
     }
     if h.first_seq.checked_add(u64::from(h.count) - 1).is_none() {
-        return Err(BlockError::SeqOverflow { first_seq: h.first_seq, count: h.count });
+        return Err(BlockError::SeqOverflow {
+            first_seq: h.first_seq,
+            count: h.count,
+        });
     }
     if h.min_ts > h.max_ts {
-        return Err(BlockError::BadTsRange { min_ts: h.min_ts, max_ts: h.max_ts });
+        return Err(BlockError::BadTsRange {
+            min_ts: h.min_ts,
+            max_ts: h.max_ts,
+        });
     }
     Ok(h)
 }
@@ -314,7 +343,10 @@ pub fn verify_block(bytes: &[u8], limits: &DecodeLimits) -> Result<BlockHeader, 
     check_limits(&h, limits)?;
     let need = h.encoded_len();
     if bytes.len() != need {
-        return Err(BlockError::Truncated { got: bytes.len(), need });
+        return Err(BlockError::Truncated {
+            got: bytes.len(),
+            need,
+        });
     }
     if crc32c::crc32c(&bytes[HEADER_LEN..]) != h.body_crc {
         return Err(BlockError::BodyChecksum);
@@ -324,13 +356,22 @@ pub fn verify_block(bytes: &[u8], limits: &DecodeLimits) -> Result<BlockHeader, 
 
 fn check_limits(h: &BlockHeader, limits: &DecodeLimits) -> Result<(), BlockError> {
     if h.count > limits.records_max {
-        return Err(BlockError::TooManyRecords { count: h.count, limit: limits.records_max });
+        return Err(BlockError::TooManyRecords {
+            count: h.count,
+            limit: limits.records_max,
+        });
     }
     if h.body_len > limits.body_bytes_max {
-        return Err(BlockError::BodyTooLarge { len: h.body_len, limit: limits.body_bytes_max });
+        return Err(BlockError::BodyTooLarge {
+            len: h.body_len,
+            limit: limits.body_bytes_max,
+        });
     }
     if h.raw_len > limits.raw_bytes_max {
-        return Err(BlockError::RawTooLarge { len: h.raw_len, limit: limits.raw_bytes_max });
+        return Err(BlockError::RawTooLarge {
+            len: h.raw_len,
+            limit: limits.raw_bytes_max,
+        });
     }
     Ok(())
 }
@@ -353,14 +394,17 @@ pub fn decode_block(bytes: &[u8], limits: &DecodeLimits) -> Result<Block, BlockE
 /// As [`decode_block`], decoding into `out` (cleared first) so a reader that walks many
 /// blocks reuses the previous block's allocations. Version 2 bodies reuse the record buffers
 /// themselves, which keeps decoding fast whatever the allocator does with freed memory.
-pub fn decode_block_into(bytes: &[u8], limits: &DecodeLimits, out: &mut Vec<Record>) -> Result<BlockHeader, BlockError> {
+pub fn decode_block_into(
+    bytes: &[u8],
+    limits: &DecodeLimits,
+    out: &mut Vec<Record>,
+) -> Result<BlockHeader, BlockError> {
     let header = verify_block(bytes, limits)?;
     let raw = decompress_body(&header, &bytes[HEADER_LEN..])?;
     match header.version {
         VERSION_ROWS => *out = decode_rows(&raw, header.count)?,
-        VERSION_COLUMNAR => {
-            columnar::decode_into(&raw, header.count, out).map_err(|e| BlockError::Columnar(e.to_string()))?
-        }
+        VERSION_COLUMNAR => columnar::decode_into(&raw, header.count, out)
+            .map_err(|e| BlockError::Columnar(e.to_string()))?,
         other => return Err(BlockError::UnsupportedVersion(other)),
     }
     check_records(&header, out)?;
@@ -371,12 +415,20 @@ pub fn decode_block_into(bytes: &[u8], limits: &DecodeLimits, out: &mut Vec<Reco
 /// blocks by `min_ts..=max_ts`, so a record outside that range would be silently skipped.
 fn check_records(h: &BlockHeader, records: &[Record]) -> Result<(), BlockError> {
     if records.len() != h.count as usize {
-        return Err(BlockError::Body { offset: 0, what: "body holds a different record count than the header" });
+        return Err(BlockError::Body {
+            offset: 0,
+            what: "body holds a different record count than the header",
+        });
     }
     for (index, r) in records.iter().enumerate() {
         if r.ts < h.min_ts || r.ts > h.max_ts {
             let index = index as u32;
-            return Err(BlockError::TsOutOfRange { index, ts: r.ts, min_ts: h.min_ts, max_ts: h.max_ts });
+            return Err(BlockError::TsOutOfRange {
+                index,
+                ts: r.ts,
+                min_ts: h.min_ts,
+                max_ts: h.max_ts,
+            });
         }
     }
     Ok(())
@@ -388,7 +440,10 @@ fn decompress_body(h: &BlockHeader, body: &[u8]) -> Result<Vec<u8>, BlockError> 
     let raw = zstd::bulk::decompress(body, h.raw_len as usize)
         .map_err(|e| BlockError::Decompress(e.to_string()))?;
     if raw.len() != h.raw_len as usize {
-        return Err(BlockError::RawLenMismatch { got: raw.len(), want: h.raw_len });
+        return Err(BlockError::RawLenMismatch {
+            got: raw.len(),
+            want: h.raw_len,
+        });
     }
     if crc32c::crc32c(&raw) != h.raw_crc {
         return Err(BlockError::RawChecksum);
@@ -430,7 +485,10 @@ fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
         let ts = r.i64().map_err(body_err)?;
         let nfields = r.u64().map_err(body_err)?;
         if nfields > r.remaining() as u64 {
-            return Err(BlockError::Body { offset: r.offset(), what: "field count exceeds body" });
+            return Err(BlockError::Body {
+                offset: r.offset(),
+                what: "field count exceeds body",
+            });
         }
         let mut fields = Vec::with_capacity(nfields as usize);
         for _ in 0..nfields {
@@ -441,24 +499,40 @@ fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
                 2 => match r.byte().map_err(body_err)? {
                     0 => Value::Bool(false),
                     1 => Value::Bool(true),
-                    _ => return Err(BlockError::Body { offset: r.offset() - 1, what: "bool byte is not 0 or 1" }),
+                    _ => {
+                        return Err(BlockError::Body {
+                            offset: r.offset() - 1,
+                            what: "bool byte is not 0 or 1",
+                        });
+                    }
                 },
                 3 => Value::Str(r.string().map_err(body_err)?),
                 4 => Value::Bytes(r.bytes().map_err(body_err)?.to_vec()),
-                _ => return Err(BlockError::Body { offset: r.offset(), what: "unknown field type tag" }),
+                _ => {
+                    return Err(BlockError::Body {
+                        offset: r.offset(),
+                        what: "unknown field type tag",
+                    });
+                }
             };
             fields.push((name, value));
         }
         records.push(Record { key, ts, fields });
     }
     if r.remaining() != 0 {
-        return Err(BlockError::Body { offset: r.offset(), what: "trailing bytes after last record" });
+        return Err(BlockError::Body {
+            offset: r.offset(),
+            what: "trailing bytes after last record",
+        });
     }
     Ok(records)
 }
 
 fn body_err(e: varint::ReadError) -> BlockError {
-    BlockError::Body { offset: e.offset, what: e.what }
+    BlockError::Body {
+        offset: e.offset,
+        what: e.what,
+    }
 }
 
 #[cfg(test)]
@@ -498,9 +572,21 @@ mod tests {
     fn limits_are_enforced_before_decompression() {
         let recs = sample(100);
         let bytes = encode_block(VERSION_ROWS, 1, 1, &recs).unwrap();
-        let tight = DecodeLimits { raw_bytes_max: 100, ..DecodeLimits::default() };
-        assert!(matches!(decode_block(&bytes, &tight), Err(BlockError::RawTooLarge { .. })));
-        let few = DecodeLimits { records_max: 10, ..DecodeLimits::default() };
-        assert!(matches!(decode_block(&bytes, &few), Err(BlockError::TooManyRecords { .. })));
+        let tight = DecodeLimits {
+            raw_bytes_max: 100,
+            ..DecodeLimits::default()
+        };
+        assert!(matches!(
+            decode_block(&bytes, &tight),
+            Err(BlockError::RawTooLarge { .. })
+        ));
+        let few = DecodeLimits {
+            records_max: 10,
+            ..DecodeLimits::default()
+        };
+        assert!(matches!(
+            decode_block(&bytes, &few),
+            Err(BlockError::TooManyRecords { .. })
+        ));
     }
 }

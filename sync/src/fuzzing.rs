@@ -12,7 +12,11 @@ use crate::record::{Record, Value};
 use crate::segment::{self, SEGMENT_HEADER_LEN};
 
 /// Limits small enough that a fuzzer does not spend its time allocating.
-const LIMITS: DecodeLimits = DecodeLimits { raw_bytes_max: 1 << 20, records_max: 1 << 16, body_bytes_max: 1 << 20 };
+const LIMITS: DecodeLimits = DecodeLimits {
+    raw_bytes_max: 1 << 20,
+    records_max: 1 << 16,
+    body_bytes_max: 1 << 20,
+};
 
 /// The segment reader: scan, decode every frame, and check the scan's own bookkeeping. The
 /// input is tried as a whole file and, since few inputs carry a valid file header, also as
@@ -32,19 +36,34 @@ fn check_scan(file: &[u8], scan: &segment::Scan) {
     for frame in &scan.frames {
         assert_eq!(frame.offset, pos, "frames are contiguous");
         pos = frame.end();
-        let bytes = frame.block(file).expect("a scanned frame lies within the file");
+        let bytes = frame
+            .block(file)
+            .expect("a scanned frame lies within the file");
         if let Ok(b) = block::decode_block(bytes, &LIMITS) {
             check_block(&b);
         }
     }
-    assert_eq!(scan.valid_len, pos, "valid_len ends at the last valid frame");
+    assert_eq!(
+        scan.valid_len, pos,
+        "valid_len ends at the last valid frame"
+    );
     match scan.fault {
-        None => assert_eq!(scan.valid_len as usize, file.len(), "no fault means the whole file is valid"),
+        None => assert_eq!(
+            scan.valid_len as usize,
+            file.len(),
+            "no fault means the whole file is valid"
+        ),
         Some((at, _)) => {
-            assert_eq!(at, scan.valid_len, "the fault is where the valid prefix ends");
+            assert_eq!(
+                at, scan.valid_len,
+                "the fault is where the valid prefix ends"
+            );
             if let Some(next) = segment::resync(file, at as usize) {
                 assert!(next > at as usize, "resync moves forward");
-                assert!(segment::check_frame(file, next).is_ok(), "resync lands on a valid frame");
+                assert!(
+                    segment::check_frame(file, next).is_ok(),
+                    "resync lands on a valid frame"
+                );
             }
         }
     }
@@ -67,7 +86,11 @@ pub fn block_body_decode(data: &[u8]) {
     let Some((&selector, raw)) = data.split_first() else {
         return;
     };
-    let version = if selector & 0x80 == 0 { VERSION_ROWS } else { VERSION_COLUMNAR };
+    let version = if selector & 0x80 == 0 {
+        VERSION_ROWS
+    } else {
+        VERSION_COLUMNAR
+    };
     let count = u32::from(selector & 0x7f) + 1;
     let Ok(body) = zstd::bulk::compress(raw, 1) else {
         return;
@@ -96,13 +119,30 @@ pub fn block_body_decode(data: &[u8]) {
 /// Whatever decodes must agree with its header and survive a re-encode unchanged.
 fn check_block(b: &block::Block) {
     let h = &b.header;
-    assert_eq!(b.records.len(), h.count as usize, "record count matches the header");
-    assert!(b.records.iter().all(|r| (h.min_ts..=h.max_ts).contains(&r.ts)), "ts within header range");
-    let opts = block::EncodeOptions { version: h.version, flags: h.flags, zstd_level: 1 };
+    assert_eq!(
+        b.records.len(),
+        h.count as usize,
+        "record count matches the header"
+    );
+    assert!(
+        b.records
+            .iter()
+            .all(|r| (h.min_ts..=h.max_ts).contains(&r.ts)),
+        "ts within header range"
+    );
+    let opts = block::EncodeOptions {
+        version: h.version,
+        flags: h.flags,
+        zstd_level: 1,
+    };
     let again = block::encode_block_with(&opts, h.epoch, h.first_seq, &b.records)
         .expect("decoded records re-encode");
-    let back = block::decode_block(&again, &DecodeLimits::default()).expect("re-encoded block decodes");
-    assert_eq!(back.records, b.records, "decode(encode(records)) == records");
+    let back =
+        block::decode_block(&again, &DecodeLimits::default()).expect("re-encoded block decodes");
+    assert_eq!(
+        back.records, b.records,
+        "decode(encode(records)) == records"
+    );
 }
 
 /// The NDJSON parser: errors point inside the input; successes write back and re-parse to
@@ -111,7 +151,12 @@ pub fn ndjson_parse(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    match parse::parse_ndjson_with(text, &ParseOptions { default_ts: Some(0) }) {
+    match parse::parse_ndjson_with(
+        text,
+        &ParseOptions {
+            default_ts: Some(0),
+        },
+    ) {
         Ok(records) => {
             check_records(&records);
             let written = parse::write_ndjson(&records).expect("parsed floats are finite");
@@ -127,11 +172,19 @@ pub fn line_parse(data: &[u8]) {
     let Ok(text) = std::str::from_utf8(data) else {
         return;
     };
-    match parse::parse_line_protocol(text, &ParseOptions { default_ts: Some(0) }) {
+    match parse::parse_line_protocol(
+        text,
+        &ParseOptions {
+            default_ts: Some(0),
+        },
+    ) {
         Ok(lines) => {
             for l in &lines {
                 assert!(!l.measurement.is_empty(), "measurement is never empty");
-                assert!(!l.record.fields.is_empty(), "line protocol records have fields");
+                assert!(
+                    !l.record.fields.is_empty(),
+                    "line protocol records have fields"
+                );
             }
             let records: Vec<Record> = lines.into_iter().map(|l| l.record).collect();
             check_records(&records);
@@ -146,7 +199,10 @@ fn check_records(records: &[Record]) {
         assert!(r.fields.len() <= FIELDS_MAX, "field limit holds");
         for (i, (name, value)) in r.fields.iter().enumerate() {
             assert!(!name.is_empty(), "field names are never empty");
-            assert!(r.fields[..i].iter().all(|(n, _)| n != name), "field names are unique");
+            assert!(
+                r.fields[..i].iter().all(|(n, _)| n != name),
+                "field names are unique"
+            );
             if let Value::F64(v) = value {
                 assert!(v.is_finite(), "parsers only produce finite floats");
             }
@@ -156,7 +212,14 @@ fn check_records(records: &[Record]) {
 
 fn check_error_position(text: &str, e: &parse::ParseError) {
     let lines = text.split('\n').count();
-    assert!(e.line >= 1 && e.line <= lines, "error line {} within 1..={lines}", e.line);
+    assert!(
+        e.line >= 1 && e.line <= lines,
+        "error line {} within 1..={lines}",
+        e.line
+    );
     assert!(e.column >= 1, "columns are 1-based");
-    assert!(!e.expected.is_empty() && !e.found.is_empty(), "errors say what and where");
+    assert!(
+        !e.expected.is_empty() && !e.found.is_empty(),
+        "errors say what and where"
+    );
 }

@@ -39,7 +39,10 @@ pub fn segment_header() -> [u8; SEGMENT_HEADER_LEN] {
 /// Returns the 8-byte frame header for `block`.
 pub fn frame_header(block: &[u8]) -> [u8; FRAME_HEADER_LEN] {
     let len = u32::try_from(block.len()).expect("block larger than 4 GiB");
-    assert!(len <= FRAME_BYTES_MAX, "block of {len} bytes exceeds FRAME_BYTES_MAX");
+    assert!(
+        len <= FRAME_BYTES_MAX,
+        "block of {len} bytes exceeds FRAME_BYTES_MAX"
+    );
     let mut h = [0u8; FRAME_HEADER_LEN];
     h[..4].copy_from_slice(&len.to_le_bytes());
     h[4..].copy_from_slice(&crc32c::crc32c(block).to_le_bytes());
@@ -154,13 +157,20 @@ pub fn scan_frames(bytes: &[u8], start: usize) -> Scan {
         }
         match check_frame(bytes, pos) {
             Ok(len) => {
-                frames.push(FrameRef { offset: pos as u64, len });
+                frames.push(FrameRef {
+                    offset: pos as u64,
+                    len,
+                });
                 pos += FRAME_HEADER_LEN + len as usize;
             }
             Err(f) => break Some((pos as u64, f)),
         }
     };
-    Scan { frames, valid_len: pos as u64, fault }
+    Scan {
+        frames,
+        valid_len: pos as u64,
+        fault,
+    }
 }
 
 /// Checks the frame at `pos`, returning the block length. A `pos` past the end is a short
@@ -224,9 +234,15 @@ mod tests {
     #[test]
     fn out_of_range_positions_are_faults_not_panics() {
         let seg = segment_with(&[b"TRBKone"]);
-        assert_eq!(check_frame(&seg, seg.len() + 5), Err(FrameFault::ShortFrameHeader));
+        assert_eq!(
+            check_frame(&seg, seg.len() + 5),
+            Err(FrameFault::ShortFrameHeader)
+        );
         let s = scan_frames(&seg, seg.len() + 5);
-        assert_eq!((s.frames.len(), s.fault.map(|f| f.1)), (0, Some(FrameFault::ShortFrameHeader)));
+        assert_eq!(
+            (s.frames.len(), s.fault.map(|f| f.1)),
+            (0, Some(FrameFault::ShortFrameHeader))
+        );
         assert_eq!(resync(&seg, usize::MAX), None);
         let f = scan(&seg).unwrap().frames[0];
         assert_eq!(f.block(&seg), Some(&b"TRBKone"[..]));

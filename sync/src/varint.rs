@@ -59,11 +59,17 @@ impl<'a> Reader<'a> {
     }
 
     fn err(&self, what: &'static str) -> ReadError {
-        ReadError { offset: self.pos, what }
+        ReadError {
+            offset: self.pos,
+            what,
+        }
     }
 
     pub fn byte(&mut self) -> Result<u8, ReadError> {
-        let b = *self.buf.get(self.pos).ok_or(self.err("unexpected end of input"))?;
+        let b = *self
+            .buf
+            .get(self.pos)
+            .ok_or(self.err("unexpected end of input"))?;
         self.pos += 1;
         Ok(b)
     }
@@ -114,7 +120,10 @@ impl<'a> Reader<'a> {
         let b = self.bytes()?;
         std::str::from_utf8(b)
             .map(str::to_owned)
-            .map_err(|_| ReadError { offset: start, what: "string is not UTF-8" })
+            .map_err(|_| ReadError {
+                offset: start,
+                what: "string is not UTF-8",
+            })
     }
 }
 

@@ -51,8 +51,10 @@ fn v2_fixture_reads() {
     }
     let seg = std::fs::read(dir().join("blocks.seg")).expect("fixture segment; see the file docs");
     let text = std::fs::read_to_string(dir().join("records.ndjson")).unwrap();
-    let want: Vec<Record> =
-        text.lines().map(|l| from_exact_json(&serde_json::from_str(l).unwrap()).unwrap()).collect();
+    let want: Vec<Record> = text
+        .lines()
+        .map(|l| from_exact_json(&serde_json::from_str(l).unwrap()).unwrap())
+        .collect();
     let scan = segment::scan(&seg).unwrap();
     assert!(scan.fault.is_none(), "{:?}", scan.fault);
     assert_eq!(scan.frames.len(), 3);

@@ -19,7 +19,10 @@ fn corpus_dir() -> PathBuf {
 }
 
 fn framed(records: &[Record], tuning: &Tuning) -> Vec<u8> {
-    let mut out = u16::try_from(records.len()).expect("seed sets are small").to_le_bytes().to_vec();
+    let mut out = u16::try_from(records.len())
+        .expect("seed sets are small")
+        .to_le_bytes()
+        .to_vec();
     out.extend(columnar::encode_with(records, tuning).expect("encode"));
     out
 }
@@ -30,17 +33,42 @@ fn seeds() -> Vec<(String, Vec<u8>)> {
             key: format!("k{}", i % 4),
             ts: i * 1000,
             fields: vec![
-                ("state".into(), Value::Str(["idle", "run", "fault"][i as usize % 3].into())),
+                (
+                    "state".into(),
+                    Value::Str(["idle", "run", "fault"][i as usize % 3].into()),
+                ),
                 ("blob".into(), Value::Bytes(vec![i as u8; (i % 5) as usize])),
             ],
         })
         .collect();
-    let sets = [("telemetry", telemetry(4, 12)), ("odd", odd_records()), ("strings", strings)];
+    let sets = [
+        ("telemetry", telemetry(4, 12)),
+        ("odd", odd_records()),
+        ("strings", strings),
+    ];
     let tunings = [
         ("auto", Tuning::default()),
-        ("gorilla", Tuning { floats: FloatChoice::Gorilla, ..Tuning::default() }),
-        ("raw", Tuning { floats: FloatChoice::Raw, ..Tuning::default() }),
-        ("global", Tuning { per_key: false, ..Tuning::default() }),
+        (
+            "gorilla",
+            Tuning {
+                floats: FloatChoice::Gorilla,
+                ..Tuning::default()
+            },
+        ),
+        (
+            "raw",
+            Tuning {
+                floats: FloatChoice::Raw,
+                ..Tuning::default()
+            },
+        ),
+        (
+            "global",
+            Tuning {
+                per_key: false,
+                ..Tuning::default()
+            },
+        ),
     ];
     let mut out = Vec::new();
     for (set, records) in &sets {
@@ -68,14 +96,22 @@ fn corpus_replays_without_panics() {
         .map(|e| e.unwrap().path())
         .collect();
     files.sort();
-    assert!(files.len() >= 20, "corpus at {} has only {} inputs", dir.display(), files.len());
+    assert!(
+        files.len() >= 20,
+        "corpus at {} has only {} inputs",
+        dir.display(),
+        files.len()
+    );
     for path in &files {
         let data = std::fs::read(path).unwrap();
         columnar::fuzz_decode(&data);
         let name = path.file_name().unwrap().to_string_lossy();
         if name.starts_with("seed-valid-") {
             let count = u32::from(u16::from_le_bytes([data[0], data[1]]));
-            assert!(columnar::decode(&data[2..], count).is_ok(), "{name} must decode");
+            assert!(
+                columnar::decode(&data[2..], count).is_ok(),
+                "{name} must decode"
+            );
         }
     }
 }
@@ -84,13 +120,23 @@ fn corpus_replays_without_panics() {
 fn seeds_on_disk_match_the_current_encoder_or_still_decode() {
     // Seeds are inputs, not golden outputs: an improved encoder may write different bytes, but
     // every checked-in valid seed must keep decoding to the records it was made from.
-    for (name, bytes) in seeds().into_iter().filter(|(n, _)| n.starts_with("seed-valid-")) {
+    for (name, bytes) in seeds()
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("seed-valid-"))
+    {
         let path = corpus_dir().join(&name);
         let Ok(on_disk) = std::fs::read(&path) else {
-            panic!("missing seed {}; run with TRIBUTARY_WRITE_FIXTURES=1", path.display());
+            panic!(
+                "missing seed {}; run with TRIBUTARY_WRITE_FIXTURES=1",
+                path.display()
+            );
         };
         let count = u32::from(u16::from_le_bytes([bytes[0], bytes[1]]));
         let want = columnar::decode(&bytes[2..], count).unwrap();
-        assert_eq!(columnar::decode(&on_disk[2..], count).unwrap(), want, "{name}");
+        assert_eq!(
+            columnar::decode(&on_disk[2..], count).unwrap(),
+            want,
+            "{name}"
+        );
     }
 }

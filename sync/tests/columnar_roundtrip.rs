@@ -12,12 +12,30 @@ use sync::columnar::{self, ColumnarError, FloatChoice, Tuning};
 use sync::{Record, Value};
 
 const TUNINGS: [Tuning; 6] = [
-    Tuning { floats: FloatChoice::Auto, per_key: true },
-    Tuning { floats: FloatChoice::Scaled, per_key: true },
-    Tuning { floats: FloatChoice::Gorilla, per_key: true },
-    Tuning { floats: FloatChoice::Raw, per_key: true },
-    Tuning { floats: FloatChoice::Auto, per_key: false },
-    Tuning { floats: FloatChoice::Gorilla, per_key: false },
+    Tuning {
+        floats: FloatChoice::Auto,
+        per_key: true,
+    },
+    Tuning {
+        floats: FloatChoice::Scaled,
+        per_key: true,
+    },
+    Tuning {
+        floats: FloatChoice::Gorilla,
+        per_key: true,
+    },
+    Tuning {
+        floats: FloatChoice::Raw,
+        per_key: true,
+    },
+    Tuning {
+        floats: FloatChoice::Auto,
+        per_key: false,
+    },
+    Tuning {
+        floats: FloatChoice::Gorilla,
+        per_key: false,
+    },
 ];
 
 fn through_block(records: &[Record]) -> Vec<Record> {
@@ -65,19 +83,21 @@ fn record() -> impl Strategy<Value = Record> {
         proptest::sample::select(vec!["a", "b", "truck-0001/engine", ""]).prop_map(String::from),
         "\\PC{0,12}"
     ];
-    let ts =
-        prop_oneof![any::<i64>(), (0i64..100_000).prop_map(|x| 1_764_374_400_000_000_000 + x * 1_000_000)];
-    (key, ts, proptest::collection::vec((name, value()), 0..8)).prop_map(|(key, ts, fields)| Record {
-        key,
-        ts,
-        fields,
-    })
+    let ts = prop_oneof![
+        any::<i64>(),
+        (0i64..100_000).prop_map(|x| 1_764_374_400_000_000_000 + x * 1_000_000)
+    ];
+    (key, ts, proptest::collection::vec((name, value()), 0..8))
+        .prop_map(|(key, ts, fields)| Record { key, ts, fields })
 }
 
 /// 256 cases per property in CI; `TRIBUTARY_SOAK=1` runs 20,000.
 fn config() -> ProptestConfig {
     let soak = std::env::var("TRIBUTARY_SOAK").as_deref() == Ok("1");
-    ProptestConfig { cases: if soak { 20_000 } else { 256 }, ..ProptestConfig::default() }
+    ProptestConfig {
+        cases: if soak { 20_000 } else { 256 },
+        ..ProptestConfig::default()
+    }
 }
 
 proptest! {
@@ -147,8 +167,12 @@ fn odd_records_round_trip_bit_exactly() {
 #[test]
 fn telemetry_is_far_smaller_than_v1() {
     let records = telemetry(20, 200);
-    let v1 = block::encode_block(VERSION_ROWS, 1, 0, &records).unwrap().len();
-    let v2 = block::encode_block(VERSION_COLUMNAR, 1, 0, &records).unwrap().len();
+    let v1 = block::encode_block(VERSION_ROWS, 1, 0, &records)
+        .unwrap()
+        .len();
+    let v2 = block::encode_block(VERSION_COLUMNAR, 1, 0, &records)
+        .unwrap()
+        .len();
     assert!(v2 * 4 < v1, "v2 {v2} bytes, v1 {v1} bytes");
     assert_eq!(through_block(&records), records);
 }
@@ -158,8 +182,18 @@ fn decimals_are_chosen_over_gorilla_on_telemetry() {
     let records = telemetry(10, 100);
     let size = |t: &Tuning| columnar::encode_with(&records, t).unwrap().len();
     let auto = size(&Tuning::default());
-    assert!(auto <= size(&Tuning { floats: FloatChoice::Gorilla, ..Tuning::default() }));
-    assert!(auto <= size(&Tuning { floats: FloatChoice::Raw, ..Tuning::default() }));
+    assert!(
+        auto <= size(&Tuning {
+            floats: FloatChoice::Gorilla,
+            ..Tuning::default()
+        })
+    );
+    assert!(
+        auto <= size(&Tuning {
+            floats: FloatChoice::Raw,
+            ..Tuning::default()
+        })
+    );
 }
 
 #[test]
@@ -169,7 +203,10 @@ fn a_wrong_record_count_is_an_error() {
     let n = records.len() as u32;
     assert!(columnar::decode(&body, n - 1).is_err());
     assert!(columnar::decode(&body, n + 1).is_err());
-    assert!(matches!(columnar::decode(&body, u32::MAX), Err(ColumnarError::CountExceedsBody { .. })));
+    assert!(matches!(
+        columnar::decode(&body, u32::MAX),
+        Err(ColumnarError::CountExceedsBody { .. })
+    ));
 }
 
 #[test]
@@ -179,7 +216,10 @@ fn every_truncation_and_every_byte_flip_is_handled() {
     let body = columnar::encode(&records).unwrap();
     let n = records.len() as u32;
     for len in 0..body.len() {
-        assert!(columnar::decode(&body[..len], n).is_err(), "truncated to {len} bytes");
+        assert!(
+            columnar::decode(&body[..len], n).is_err(),
+            "truncated to {len} bytes"
+        );
     }
     for at in 0..body.len() {
         for bit in [0x01u8, 0x80] {
@@ -197,23 +237,37 @@ fn damaged_v2_block_is_a_block_error() {
     let mut bytes = block::encode_block(VERSION_COLUMNAR, 1, 0, &records).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
-    assert!(matches!(block::decode_block(&bytes, &DecodeLimits::default()), Err(BlockError::BodyChecksum)));
+    assert!(matches!(
+        block::decode_block(&bytes, &DecodeLimits::default()),
+        Err(BlockError::BodyChecksum)
+    ));
 }
 
 #[test]
 fn repeated_field_names_within_a_record_round_trip() {
     // Names should be unique within a record, but a producer that breaks that must not get a
     // block its own reader refuses: one record, more distinct strings than records.
-    let fields = (0..5).map(|i| ("s".to_string(), Value::Str(format!("v{i}")))).collect();
-    let records = vec![Record { key: "k".into(), ts: 1, fields }];
+    let fields = (0..5)
+        .map(|i| ("s".to_string(), Value::Str(format!("v{i}"))))
+        .collect();
+    let records = vec![Record {
+        key: "k".into(),
+        ts: 1,
+        fields,
+    }];
     assert_eq!(through_block(&records), records);
     check_every_tuning(&records);
 }
 
 #[test]
 fn records_without_fields_and_one_key_round_trip() {
-    let records: Vec<Record> =
-        (0..50).map(|i| Record { key: "k".into(), ts: i * 3, fields: vec![] }).collect();
+    let records: Vec<Record> = (0..50)
+        .map(|i| Record {
+            key: "k".into(),
+            ts: i * 3,
+            fields: vec![],
+        })
+        .collect();
     assert_eq!(through_block(&records), records);
 }
 
@@ -229,7 +283,12 @@ fn many_keys_times_many_columns_stay_within_the_state_budget() {
                 key: format!("k{k}"),
                 ts: k * 1_000_000_007 + i / 2500,
                 fields: (0..12)
-                    .map(|c| (format!("f{c}"), Value::I64(k * 1_000_003 * (c + 1) + i / 2500)))
+                    .map(|c| {
+                        (
+                            format!("f{c}"),
+                            Value::I64(k * 1_000_003 * (c + 1) + i / 2500),
+                        )
+                    })
                     .collect(),
             }
         })
@@ -241,5 +300,8 @@ fn many_keys_times_many_columns_stay_within_the_state_budget() {
 fn a_huge_declared_count_fails_without_allocating_it() {
     // A tiny body claiming a million records must be refused up front.
     let body = [0u8, 1, 1, b'a', 0, 0, 0, 0, 0, 0, 0];
-    assert!(matches!(columnar::decode(&body, 1 << 20), Err(ColumnarError::CountExceedsBody { .. })));
+    assert!(matches!(
+        columnar::decode(&body, 1 << 20),
+        Err(ColumnarError::CountExceedsBody { .. })
+    ));
 }

@@ -34,14 +34,23 @@ fn flip(bytes: &[u8], bit: usize) -> Vec<u8> {
 #[test]
 fn every_bit_of_a_block_is_protected() {
     let recs = records(0, 4);
-    let opts = EncodeOptions { flags: FLAG_BATCH_CONTINUES, ..EncodeOptions::default() };
+    let opts = EncodeOptions {
+        flags: FLAG_BATCH_CONTINUES,
+        ..EncodeOptions::default()
+    };
     let good = block::encode_block_with(&opts, 42, 7, &recs).unwrap();
     let limits = DecodeLimits::default();
     assert_eq!(block::decode_block(&good, &limits).unwrap().records, recs);
     for bit in 0..good.len() * 8 {
         let bad = flip(&good, bit);
-        assert!(block::verify_block(&bad, &limits).is_err(), "bit {bit}: verify_block accepted it");
-        assert!(block::decode_block(&bad, &limits).is_err(), "bit {bit}: decode_block accepted it");
+        assert!(
+            block::verify_block(&bad, &limits).is_err(),
+            "bit {bit}: verify_block accepted it"
+        );
+        assert!(
+            block::decode_block(&bad, &limits).is_err(),
+            "bit {bit}: decode_block accepted it"
+        );
     }
 }
 
@@ -60,19 +69,32 @@ fn every_bit_of_a_segment_is_protected() {
     for bit in 0..seg.len() * 8 {
         let bad = flip(&seg, bit);
         let Ok(scan) = segment::scan(&bad) else {
-            assert!(bit < SEGMENT_HEADER_LEN * 8, "bit {bit}: header error for a flip outside the header");
+            assert!(
+                bit < SEGMENT_HEADER_LEN * 8,
+                "bit {bit}: header error for a flip outside the header"
+            );
             continue;
         };
-        let (at, _) = scan.fault.unwrap_or_else(|| panic!("bit {bit}: flip went unnoticed"));
+        let (at, _) = scan
+            .fault
+            .unwrap_or_else(|| panic!("bit {bit}: flip went unnoticed"));
         // Everything kept before the fault is exactly what was written.
-        assert_eq!(scan.frames[..], full.frames[..scan.frames.len()], "bit {bit}");
+        assert_eq!(
+            scan.frames[..],
+            full.frames[..scan.frames.len()],
+            "bit {bit}"
+        );
         for (frame, recs) in scan.frames.iter().zip(&batches) {
             let decoded = block::decode_block(frame.block(&bad).unwrap(), &limits).unwrap();
             assert_eq!(&decoded.records, recs, "bit {bit}");
         }
         // The damaged frame is the one that holds the bit; the frames after it are still
         // found by resync, so one bad block is quarantined without losing its successors.
-        let hit = full.frames.iter().position(|f| (bit / 8) < f.end() as usize).unwrap();
+        let hit = full
+            .frames
+            .iter()
+            .position(|f| (bit / 8) < f.end() as usize)
+            .unwrap();
         assert_eq!(at, full.frames[hit].offset, "bit {bit}");
         let next = full.frames.get(hit + 1).map(|f| f.offset as usize);
         assert_eq!(segment::resync(&bad, at as usize), next, "bit {bit}");

@@ -7,11 +7,13 @@
 //! `fixtures/vN/`, it does not regenerate old ones.
 
 use serde_json::json;
-use sync::block::{self, BlockHeader, DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUES, VERSION_ROWS};
+use std::path::PathBuf;
+use sync::block::{
+    self, BlockHeader, DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUES, VERSION_ROWS,
+};
 use sync::parse::{parse_ndjson, write_ndjson};
 use sync::segment;
 use sync::{Record, Value};
-use std::path::PathBuf;
 
 const EPOCH: u64 = 0x0123_4567_89ab_cdef;
 const FIRST_SEQ: u64 = 1000;
@@ -31,7 +33,10 @@ fn v1_blocks() -> Vec<(u8, Vec<Record>)> {
             ("engine_temp_c".into(), Value::F64(71.28 + i as f64 / 4.0)),
             ("odometer_m".into(), Value::I64(12_345 + i * 17)),
             ("ignition".into(), Value::Bool(i % 2 == 0)),
-            ("note".into(), Value::Str(if i == 0 { "x".into() } else { String::new() })),
+            (
+                "note".into(),
+                Value::Str(if i == 0 { "x".into() } else { String::new() }),
+            ),
         ],
     };
     let odd = vec![
@@ -46,11 +51,22 @@ fn v1_blocks() -> Vec<(u8, Vec<Record>)> {
                 ("i_max".into(), Value::I64(i64::MAX)),
                 ("bytes".into(), Value::Bytes(vec![0, 1, 2, 254, 255])),
                 ("empty_bytes".into(), Value::Bytes(vec![])),
-                ("quote\"s".into(), Value::Str("line\nbreak\t\"q\" \\".into())),
+                (
+                    "quote\"s".into(),
+                    Value::Str("line\nbreak\t\"q\" \\".into()),
+                ),
             ],
         },
-        Record { key: "k".into(), ts: i64::MAX, fields: vec![("only".into(), Value::Bool(false))] },
-        Record { key: "k".into(), ts: 0, fields: vec![] },
+        Record {
+            key: "k".into(),
+            ts: i64::MAX,
+            fields: vec![("only".into(), Value::Bool(false))],
+        },
+        Record {
+            key: "k".into(),
+            ts: 0,
+            fields: vec![],
+        },
     ];
     vec![
         (0, (0..5).map(telemetry).collect()),
@@ -78,14 +94,21 @@ fn write_v1_fixtures() {
         // Without the variable this only checks that the generator above still describes
         // the checked-in files, so the two cannot drift apart unnoticed.
         let on_disk = std::fs::read_to_string(dir().join("records.ndjson")).unwrap();
-        assert_eq!(on_disk, ndjson, "the v1 fixture generator no longer matches the files");
+        assert_eq!(
+            on_disk, ndjson,
+            "the v1 fixture generator no longer matches the files"
+        );
         return;
     }
     let mut seg = segment::segment_header().to_vec();
     let mut headers = Vec::new();
     let mut seq = FIRST_SEQ;
     for (flags, recs) in &blocks {
-        let opts = EncodeOptions { version: VERSION_ROWS, flags: *flags, ..EncodeOptions::default() };
+        let opts = EncodeOptions {
+            version: VERSION_ROWS,
+            flags: *flags,
+            ..EncodeOptions::default()
+        };
         let bytes = block::encode_block_with(&opts, EPOCH, seq, recs).unwrap();
         headers.push(header_json(&block::decode_header(&bytes).unwrap()));
         seg.extend_from_slice(&segment::encode_frame(&bytes));
@@ -101,7 +124,8 @@ fn write_v1_fixtures() {
 #[test]
 fn v1_fixtures_still_decode() {
     let seg = std::fs::read(dir().join("segment.trseg")).unwrap();
-    let expected = parse_ndjson(&std::fs::read_to_string(dir().join("records.ndjson")).unwrap()).unwrap();
+    let expected =
+        parse_ndjson(&std::fs::read_to_string(dir().join("records.ndjson")).unwrap()).unwrap();
     let headers: Vec<serde_json::Value> =
         serde_json::from_str(&std::fs::read_to_string(dir().join("blocks.json")).unwrap()).unwrap();
 
@@ -119,6 +143,9 @@ fn v1_fixtures_still_decode() {
         records.extend(b.records);
     }
     assert_eq!(records, expected);
-    let flags: Vec<u8> = headers.iter().map(|h| h["flags"].as_u64().unwrap() as u8).collect();
+    let flags: Vec<u8> = headers
+        .iter()
+        .map(|h| h["flags"].as_u64().unwrap() as u8)
+        .collect();
     assert_eq!(flags, [0, 0, FLAG_BATCH_CONTINUES, 0]);
 }

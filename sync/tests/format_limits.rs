@@ -11,7 +11,11 @@ use std::io::Write;
 use sync::block::{self, BlockError, BlockHeader, DecodeLimits, HEADER_LEN, VERSION_ROWS};
 use sync::varint;
 
-const LIMITS: DecodeLimits = DecodeLimits { raw_bytes_max: 8 << 20, records_max: 1 << 20, body_bytes_max: 8 << 20 };
+const LIMITS: DecodeLimits = DecodeLimits {
+    raw_bytes_max: 8 << 20,
+    records_max: 1 << 20,
+    body_bytes_max: 8 << 20,
+};
 const BOMB_BYTES: u64 = 1 << 30;
 
 /// A block with correct header and body checksums around `body`, whatever its claims.
@@ -63,14 +67,26 @@ fn reset_peak_rss() -> bool {
 fn zstd_bombs_are_rejected_with_bounded_memory() {
     let undeclared = zeros_bomb(false);
     let declared = zeros_bomb(true);
-    assert!(undeclared.len() < 1 << 20 && declared.len() < 1 << 20, "bombs should be small");
+    assert!(
+        undeclared.len() < 1 << 20 && declared.len() < 1 << 20,
+        "bombs should be small"
+    );
     let cases = [
         // The header claims a huge raw size: refused before any decompression.
         ("huge raw_len claimed", forge(&undeclared, u32::MAX, 0, 1)),
         // The header claims a small raw size, the body really holds 1 GiB.
-        ("1 GiB behind a 1 MiB claim", forge(&undeclared, 1 << 20, 0, 1)),
-        ("1 GiB declared in the zstd frame", forge(&declared, 1 << 20, 0, 1)),
-        ("1 GiB at the raw limit", forge(&undeclared, LIMITS.raw_bytes_max, 0, 1)),
+        (
+            "1 GiB behind a 1 MiB claim",
+            forge(&undeclared, 1 << 20, 0, 1),
+        ),
+        (
+            "1 GiB declared in the zstd frame",
+            forge(&declared, 1 << 20, 0, 1),
+        ),
+        (
+            "1 GiB at the raw limit",
+            forge(&undeclared, LIMITS.raw_bytes_max, 0, 1),
+        ),
     ];
     let baseline_kib = status_kib("VmRSS:").unwrap_or(0);
     let measured = reset_peak_rss();
@@ -79,8 +95,14 @@ fn zstd_bombs_are_rejected_with_bounded_memory() {
         assert!(r.is_err(), "{name}: decoded");
         eprintln!("{name}: {}", r.unwrap_err());
     }
-    assert!(matches!(block::decode_block(&cases[0].1, &LIMITS), Err(BlockError::RawTooLarge { .. })));
-    assert!(matches!(block::decode_block(&cases[1].1, &LIMITS), Err(BlockError::Decompress(_))));
+    assert!(matches!(
+        block::decode_block(&cases[0].1, &LIMITS),
+        Err(BlockError::RawTooLarge { .. })
+    ));
+    assert!(matches!(
+        block::decode_block(&cases[1].1, &LIMITS),
+        Err(BlockError::Decompress(_))
+    ));
     if measured {
         let peak_kib = status_kib("VmHWM:").unwrap();
         let grown_mib = peak_kib.saturating_sub(baseline_kib) / 1024;
@@ -96,13 +118,25 @@ fn claimed_sizes_beyond_limits_are_refused_before_work() {
     let body = zstd::bulk::compress(&[0u8; 16], 1).unwrap();
     let raw_crc = crc32c::crc32c(&[0u8; 16]);
     let over_records = forge(&body, 16, raw_crc, LIMITS.records_max + 1);
-    assert!(matches!(block::decode_block(&over_records, &LIMITS), Err(BlockError::TooManyRecords { .. })));
-    let tight = DecodeLimits { body_bytes_max: body.len() as u32 - 1, ..LIMITS };
-    assert!(matches!(block::decode_block(&forge(&body, 16, raw_crc, 1), &tight), Err(BlockError::BodyTooLarge { .. })));
+    assert!(matches!(
+        block::decode_block(&over_records, &LIMITS),
+        Err(BlockError::TooManyRecords { .. })
+    ));
+    let tight = DecodeLimits {
+        body_bytes_max: body.len() as u32 - 1,
+        ..LIMITS
+    };
+    assert!(matches!(
+        block::decode_block(&forge(&body, 16, raw_crc, 1), &tight),
+        Err(BlockError::BodyTooLarge { .. })
+    ));
     // A header whose body length runs past the bytes given is truncation, not an allocation.
     let mut short = forge(&body, 16, raw_crc, 1);
     short.truncate(HEADER_LEN + 1);
-    assert!(matches!(block::decode_block(&short, &LIMITS), Err(BlockError::Truncated { .. })));
+    assert!(matches!(
+        block::decode_block(&short, &LIMITS),
+        Err(BlockError::Truncated { .. })
+    ));
 }
 
 /// Raw bodies that claim more than they hold; each is wrapped in a valid block.
@@ -119,7 +153,16 @@ fn body_length_claims_are_bounded_by_the_body() {
     varint::put_i64(&mut raw, 0);
     varint::put_u64(&mut raw, 1 << 62);
     let r = block::decode_block(&forge_raw(&raw, 1), &LIMITS);
-    assert!(matches!(r, Err(BlockError::Body { what: "field count exceeds body", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(BlockError::Body {
+                what: "field count exceeds body",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 
     // A key claiming 2^40 bytes.
     let mut raw = Vec::new();
@@ -144,18 +187,40 @@ fn body_length_claims_are_bounded_by_the_body() {
     varint::put_bytes(&mut raw, b"b");
     raw.extend_from_slice(&[2, 7]);
     let r = block::decode_block(&forge_raw(&raw, 1), &LIMITS);
-    assert!(matches!(r, Err(BlockError::Body { what: "bool byte is not 0 or 1", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(BlockError::Body {
+                what: "bool byte is not 0 or 1",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     raw.pop();
     raw.push(1);
     assert!(block::decode_block(&forge_raw(&raw, 1), &LIMITS).is_ok());
     raw.push(0);
     let r = block::decode_block(&forge_raw(&raw, 1), &LIMITS);
-    assert!(matches!(r, Err(BlockError::Body { what: "trailing bytes after last record", .. })), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(BlockError::Body {
+                what: "trailing bytes after last record",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
 }
 
 #[test]
 fn header_claims_must_match_the_records() {
-    let rec = sync::Record { key: "k".into(), ts: 50, fields: vec![] };
+    let rec = sync::Record {
+        key: "k".into(),
+        ts: 50,
+        fields: vec![],
+    };
     let good = block::encode_block(VERSION_ROWS, 1, 0, std::slice::from_ref(&rec)).unwrap();
     let mut h = block::decode_header(&good).unwrap();
     let body = &good[HEADER_LEN..];
@@ -163,10 +228,20 @@ fn header_claims_must_match_the_records() {
     let mut bad = block::write_header(&h).to_vec();
     bad.extend_from_slice(body);
     // min_ts > max_ts is caught by the header check alone.
-    assert!(matches!(block::decode_header(&bad), Err(BlockError::BadTsRange { .. })));
+    assert!(matches!(
+        block::decode_header(&bad),
+        Err(BlockError::BadTsRange { .. })
+    ));
     h.min_ts = 0;
     h.max_ts = 49;
     let mut bad = block::write_header(&h).to_vec();
     bad.extend_from_slice(body);
-    assert!(matches!(block::decode_block(&bad, &LIMITS), Err(BlockError::TsOutOfRange { index: 0, ts: 50, .. })));
+    assert!(matches!(
+        block::decode_block(&bad, &LIMITS),
+        Err(BlockError::TsOutOfRange {
+            index: 0,
+            ts: 50,
+            ..
+        })
+    ));
 }

@@ -13,7 +13,11 @@ use sync::segment;
 use sync::{Record, Value};
 
 fn cases() -> u32 {
-    if std::env::var_os("TRIBUTARY_SOAK").is_some() { 10_000 } else { 256 }
+    if std::env::var_os("TRIBUTARY_SOAK").is_some() {
+        10_000
+    } else {
+        256
+    }
 }
 
 fn text() -> impl Strategy<Value = String> {
@@ -43,7 +47,14 @@ fn f64_any() -> impl Strategy<Value = f64> {
 }
 
 fn i64_any() -> impl Strategy<Value = i64> {
-    prop_oneof![any::<i64>(), Just(i64::MIN), Just(i64::MAX), Just(0), Just(-1), -1000i64..1000]
+    prop_oneof![
+        any::<i64>(),
+        Just(i64::MIN),
+        Just(i64::MAX),
+        Just(0),
+        Just(-1),
+        -1000i64..1000
+    ]
 }
 
 fn value() -> impl Strategy<Value = Value> {
@@ -57,7 +68,11 @@ fn value() -> impl Strategy<Value = Value> {
 }
 
 fn record() -> impl Strategy<Value = Record> {
-    (text(), i64_any(), prop::collection::vec((text(), value()), 0..8))
+    (
+        text(),
+        i64_any(),
+        prop::collection::vec((text(), value()), 0..8),
+    )
         .prop_map(|(key, ts, fields)| Record { key, ts, fields })
 }
 
@@ -71,8 +86,15 @@ fn first_seq(n: usize) -> impl Strategy<Value = u64> {
 }
 
 fn options() -> impl Strategy<Value = EncodeOptions> {
-    (any::<u8>(), prop_oneof![Just(-5), Just(1), Just(3), Just(19)])
-        .prop_map(|(flags, zstd_level)| EncodeOptions { version: VERSION_ROWS, flags, zstd_level })
+    (
+        any::<u8>(),
+        prop_oneof![Just(-5), Just(1), Just(3), Just(19)],
+    )
+        .prop_map(|(flags, zstd_level)| EncodeOptions {
+            version: VERSION_ROWS,
+            flags,
+            zstd_level,
+        })
 }
 
 fn block_case() -> impl Strategy<Value = (EncodeOptions, u64, u64, Vec<Record>)> {
@@ -129,8 +151,15 @@ proptest! {
 
 #[test]
 fn empty_and_overflowing_blocks_are_refused() {
-    let r = Record { key: "k".into(), ts: 0, fields: vec![] };
-    assert!(matches!(block::encode_block(VERSION_ROWS, 1, 0, &[]), Err(block::EncodeError::Empty)));
+    let r = Record {
+        key: "k".into(),
+        ts: 0,
+        fields: vec![],
+    };
+    assert!(matches!(
+        block::encode_block(VERSION_ROWS, 1, 0, &[]),
+        Err(block::EncodeError::Empty)
+    ));
     let two = [r.clone(), r.clone()];
     assert!(matches!(
         block::encode_block(VERSION_ROWS, 1, u64::MAX, &two),

@@ -25,7 +25,10 @@ fn small_segment() -> (Vec<u8>, Vec<Vec<Record>>) {
             })
             .collect();
         let flags = if b == 2 { FLAG_BATCH_CONTINUES } else { 0 };
-        let opts = EncodeOptions { flags, ..EncodeOptions::default() };
+        let opts = EncodeOptions {
+            flags,
+            ..EncodeOptions::default()
+        };
         let bytes = block::encode_block_with(&opts, 0xfeed, seq, &recs).unwrap();
         seg.extend_from_slice(&segment::encode_frame(&bytes));
         seq += n as u64;
@@ -44,13 +47,24 @@ fn every_truncation_keeps_exactly_the_complete_frames() {
     for cut in 0..=seg.len() {
         let torn = &seg[..cut];
         if cut < SEGMENT_HEADER_LEN {
-            assert_eq!(segment::scan(torn), Err(SegmentError::ShortHeader(cut)), "cut {cut}");
+            assert_eq!(
+                segment::scan(torn),
+                Err(SegmentError::ShortHeader(cut)),
+                "cut {cut}"
+            );
             continue;
         }
         let s = segment::scan(torn).unwrap();
-        let complete: Vec<_> = full.frames.iter().copied().filter(|f| f.end() as usize <= cut).collect();
+        let complete: Vec<_> = full
+            .frames
+            .iter()
+            .copied()
+            .filter(|f| f.end() as usize <= cut)
+            .collect();
         assert_eq!(s.frames, complete, "cut {cut}");
-        let valid_len = complete.last().map_or(SEGMENT_HEADER_LEN as u64, |f| f.end());
+        let valid_len = complete
+            .last()
+            .map_or(SEGMENT_HEADER_LEN as u64, |f| f.end());
         assert_eq!(s.valid_len, valid_len, "cut {cut}");
         let partial = cut as u64 - valid_len;
         match s.fault {
@@ -61,14 +75,18 @@ fn every_truncation_keeps_exactly_the_complete_frames() {
                 if partial < FRAME_HEADER_LEN as u64 {
                     assert_eq!(fault, FrameFault::ShortFrameHeader, "cut {cut}");
                 } else {
-                    assert!(matches!(fault, FrameFault::ShortBlock { .. }), "cut {cut}: {fault:?}");
+                    assert!(
+                        matches!(fault, FrameFault::ShortBlock { .. }),
+                        "cut {cut}: {fault:?}"
+                    );
                 }
                 // A torn tail holds no later valid frame: recovery may truncate it.
                 assert_eq!(segment::resync(torn, at as usize), None, "cut {cut}");
             }
         }
         for (frame, recs) in s.frames.iter().zip(&batches) {
-            let b = block::decode_block(frame.block(torn).unwrap(), &DecodeLimits::default()).unwrap();
+            let b =
+                block::decode_block(frame.block(torn).unwrap(), &DecodeLimits::default()).unwrap();
             assert_eq!(&b.records, recs, "cut {cut}");
         }
     }

@@ -21,13 +21,16 @@ const TARGETS: [(&str, Target); 5] = [
 ];
 
 fn corpus_dir(target: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus").join(target)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("fuzz/corpus")
+        .join(target)
 }
 
 #[test]
 fn every_corpus_file_passes_its_target() {
     for (name, run) in TARGETS {
-        let entries = std::fs::read_dir(corpus_dir(name)).unwrap_or_else(|e| panic!("corpus of {name}: {e}"));
+        let entries =
+            std::fs::read_dir(corpus_dir(name)).unwrap_or_else(|e| panic!("corpus of {name}: {e}"));
         let mut files = 0;
         for entry in entries {
             let path = entry.unwrap().path();
@@ -49,20 +52,42 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
     let frames_only = seg[segment::SEGMENT_HEADER_LEN..].to_vec();
     let mut seeds = vec![
         ("segment_scan", "fixture_v1.trseg", seg.clone()),
-        ("segment_scan", "torn_tail.trseg", seg[..seg.len() - 7].to_vec()),
-        ("segment_scan", "header_only.trseg", segment::segment_header().to_vec()),
+        (
+            "segment_scan",
+            "torn_tail.trseg",
+            seg[..seg.len() - 7].to_vec(),
+        ),
+        (
+            "segment_scan",
+            "header_only.trseg",
+            segment::segment_header().to_vec(),
+        ),
         ("segment_scan", "frames_only.bin", frames_only),
-        ("block_decode", "truncated.trbk", blocks[0][..blocks[0].len() / 2].to_vec()),
+        (
+            "block_decode",
+            "truncated.trbk",
+            blocks[0][..blocks[0].len() / 2].to_vec(),
+        ),
     ];
     for (i, b) in blocks.iter().enumerate() {
-        let name: &'static str = ["v1_block0.trbk", "v1_block1.trbk", "v1_block2.trbk", "v1_block3.trbk"][i];
+        let name: &'static str = [
+            "v1_block0.trbk",
+            "v1_block1.trbk",
+            "v1_block2.trbk",
+            "v1_block3.trbk",
+        ][i];
         seeds.push(("block_decode", name, b.to_vec()));
         // The body target takes a selector byte (version bit, count-1) and a raw body.
         let h = block::decode_header(b).unwrap();
         let raw = zstd::bulk::decompress(&b[block::HEADER_LEN..], h.raw_len as usize).unwrap();
         let mut input = vec![(h.count - 1) as u8 & 0x7f];
         input.extend_from_slice(&raw);
-        let name: &'static str = ["v1_body0.bin", "v1_body1.bin", "v1_body2.bin", "v1_body3.bin"][i];
+        let name: &'static str = [
+            "v1_body0.bin",
+            "v1_body1.bin",
+            "v1_body2.bin",
+            "v1_body3.bin",
+        ][i];
         seeds.push(("block_body_decode", name, input));
     }
     let ndjson = std::fs::read(fixture.join("records.ndjson")).unwrap();
@@ -104,8 +129,14 @@ fn write_seed_corpus() {
             std::fs::create_dir_all(corpus_dir(target)).unwrap();
             std::fs::write(&path, &data).unwrap();
         } else {
-            let on_disk = std::fs::read(&path).unwrap_or_else(|e| panic!("seed {}: {e}", path.display()));
-            assert_eq!(on_disk, data, "seed {} differs from its generator", path.display());
+            let on_disk =
+                std::fs::read(&path).unwrap_or_else(|e| panic!("seed {}: {e}", path.display()));
+            assert_eq!(
+                on_disk,
+                data,
+                "seed {} differs from its generator",
+                path.display()
+            );
         }
     }
 }

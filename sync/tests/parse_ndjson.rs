@@ -4,7 +4,9 @@
 //! The rendering is deliberately compact and type-explicit (`12i` is an i64, `12.0` an f64), so
 //! a change in typing or in an error position shows up as a one-line diff.
 
-use sync::parse::{FIELDS_MAX, LINE_BYTES_MAX, ParseOptions, parse_ndjson, parse_ndjson_with, write_ndjson};
+use sync::parse::{
+    FIELDS_MAX, LINE_BYTES_MAX, ParseOptions, parse_ndjson, parse_ndjson_with, write_ndjson,
+};
 use sync::{Record, Value};
 
 fn render_value(v: &Value) -> String {
@@ -13,7 +15,10 @@ fn render_value(v: &Value) -> String {
         Value::I64(i) => format!("{i}i"),
         Value::Bool(b) => b.to_string(),
         Value::Str(s) => format!("{s:?}"),
-        Value::Bytes(b) => format!("0x{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>()),
+        Value::Bytes(b) => format!(
+            "0x{}",
+            b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+        ),
     }
 }
 
@@ -21,7 +26,11 @@ fn render(records: &[Record]) -> String {
     let lines: Vec<String> = records
         .iter()
         .map(|r| {
-            let fields: Vec<String> = r.fields.iter().map(|(n, v)| format!("{n}={}", render_value(v))).collect();
+            let fields: Vec<String> = r
+                .fields
+                .iter()
+                .map(|(n, v)| format!("{n}={}", render_value(v)))
+                .collect();
             format!("{} @{} {}", r.key, r.ts, fields.join(" "))
         })
         .collect();
@@ -52,7 +61,10 @@ fn canonical_shape() {
 fn layout_is_free() {
     let cases = [
         // Member order, whitespace, CRLF and blank lines.
-        ("\n  { \"fields\" : { \"a\" : -0.0 } , \"ts\" : -5 , \"key\" : \"k\" }\r\n\n\t\n", "k @-5 a=-0.0"),
+        (
+            "\n  { \"fields\" : { \"a\" : -0.0 } , \"ts\" : -5 , \"key\" : \"k\" }\r\n\n\t\n",
+            "k @-5 a=-0.0",
+        ),
         (
             "{\"key\":\"a\",\"ts\":1,\"fields\":{\"x\":1}}\n{\"key\":\"b\",\"ts\":2,\"fields\":{\"x\":2}}",
             "a @1 x=1i\nb @2 x=2i",
@@ -96,7 +108,10 @@ fn numbers_are_typed_and_exact() {
 #[test]
 fn strings_bytes_and_bools() {
     let cases = [
-        (r#""a\"b\\c\/d\n\t\u00e9\ud83d\ude00""#, r#"s="a\"b\\c/d\n\té😀""#),
+        (
+            r#""a\"b\\c\/d\n\t\u00e9\ud83d\ude00""#,
+            r#"s="a\"b\\c/d\n\té😀""#,
+        ),
         (r#""""#, r#"s="""#),
         (r#""ünï""#, r#"s="ünï""#),
         (r#"{"$bytes":"AQID"}"#, "s=0x010203"),
@@ -114,9 +129,15 @@ fn strings_bytes_and_bools() {
 
 #[test]
 fn default_timestamp_applies_only_when_ts_is_missing_or_null() {
-    let opts = ParseOptions { default_ts: Some(77) };
+    let opts = ParseOptions {
+        default_ts: Some(77),
+    };
     check_with(r#"{"key":"k","fields":{"a":1}}"#, &opts, "k @77 a=1i");
-    check_with(r#"{"key":"k","ts":null,"fields":{"a":1}}"#, &opts, "k @77 a=1i");
+    check_with(
+        r#"{"key":"k","ts":null,"fields":{"a":1}}"#,
+        &opts,
+        "k @77 a=1i",
+    );
     check_with(r#"{"key":"k","ts":5,"fields":{"a":1}}"#, &opts, "k @5 a=1i");
     // A record may carry no fields at all: an event marker.
     check_with(r#"{"key":"k","fields":{ }}"#, &opts, "k @77 ");
@@ -128,15 +149,24 @@ fn errors_name_line_column_expected_and_found() {
     let cases = [
         // The example from the docs: the third line's "ts" is a string.
         (
-            format!("{ok}\n{ok}\n{}", r#"{"key":"k","ts":"abc","fields":{"a":1}}"#),
+            format!(
+                "{ok}\n{ok}\n{}",
+                r#"{"key":"k","ts":"abc","fields":{"a":1}}"#
+            ),
             r#"line 3, column 17: expected a number for "ts", found "abc""#,
         ),
         (
             r#"{"key":"k","fields":{"a":1}}"#.into(),
             r#"line 1, column 28: expected a "ts" member (nanoseconds since the Unix epoch), found }"#,
         ),
-        (r#"{"ts":1,"fields":{"a":1}}"#.into(), r#"line 1, column 25: expected a "key" member, found }"#),
-        (r#"{"key":"k","ts":1}"#.into(), r#"line 1, column 18: expected a "fields" member, found }"#),
+        (
+            r#"{"ts":1,"fields":{"a":1}}"#.into(),
+            r#"line 1, column 25: expected a "key" member, found }"#,
+        ),
+        (
+            r#"{"key":"k","ts":1}"#.into(),
+            r#"line 1, column 18: expected a "fields" member, found }"#,
+        ),
         (
             r#"{"key":"k","ts":1,"fields":{"gps":{"lat":1}}}"#.into(),
             r#"line 1, column 35: expected a number, string, bool or {"$bytes":"<base64>"} for field "gps" (nested objects must be flattened), found an object"#,
@@ -213,18 +243,30 @@ fn errors_name_line_column_expected_and_found() {
             r#"{"key":"k\u12","ts":1,"fields":{"a":1}}"#.into(),
             r#"line 1, column 10: expected a \uXXXX escape of a valid character, found \u12""#,
         ),
-        (r#"{"key":"k"#.into(), r#"line 1, column 10: expected a closing '"' ending the string, found end of line"#),
+        (
+            r#"{"key":"k"#.into(),
+            r#"line 1, column 10: expected a closing '"' ending the string, found end of line"#,
+        ),
         (
             "{\"key\":\"a\tb\",\"ts\":1,\"fields\":{\"a\":1}}".into(),
             r#"line 1, column 10: expected a control character escaped as \u00XX, found the control character U+0009"#,
         ),
-        (format!("{ok} x"), "line 1, column 37: expected end of line after the object, found x"),
+        (
+            format!("{ok} x"),
+            "line 1, column 37: expected end of line after the object, found x",
+        ),
         (
             "[1]".into(),
             r#"line 1, column 1: expected a JSON object {"key":..,"ts":..,"fields":{..}}, found an array"#,
         ),
-        (r#"{"key":"","ts":1,"fields":{"a":1}}"#.into(), r#"line 1, column 8: expected a non-empty string for "key", found """#),
-        (r#"{"key":7,"ts":1,"fields":{"a":1}}"#.into(), r#"line 1, column 8: expected a string for "key", found 7"#),
+        (
+            r#"{"key":"","ts":1,"fields":{"a":1}}"#.into(),
+            r#"line 1, column 8: expected a non-empty string for "key", found """#,
+        ),
+        (
+            r#"{"key":7,"ts":1,"fields":{"a":1}}"#.into(),
+            r#"line 1, column 8: expected a string for "key", found 7"#,
+        ),
         (
             r#"{"key":"k","ts":1,"fields":{"b":{"$bytes":"AQJ"}}}"#.into(),
             r#"line 1, column 43: expected standard base64 for field "b", found "AQJ""#,
@@ -233,7 +275,10 @@ fn errors_name_line_column_expected_and_found() {
             r#"{"key":"k","ts":1,"fields":{"b":{"$bytes":"AQ==","x":1}}}"#.into(),
             r#"line 1, column 49: expected '}' closing the "$bytes" object, found ,"#,
         ),
-        (r#"{"key":"k" "ts":1}"#.into(), r#"line 1, column 12: expected ',' or '}', found "ts""#),
+        (
+            r#"{"key":"k" "ts":1}"#.into(),
+            r#"line 1, column 12: expected ',' or '}', found "ts""#,
+        ),
         (
             r#"{"key":"k","ts":1,"fields":[1]}"#.into(),
             r#"line 1, column 28: expected an object for "fields", found an array"#,
@@ -246,14 +291,20 @@ fn errors_name_line_column_expected_and_found() {
             r#"{"key":"k","ts":1,"fields":{"a":1 "b":2}}"#.into(),
             r#"line 1, column 35: expected ',' or '}' in "fields", found "b""#,
         ),
-        (r#"{key:1}"#.into(), r#"line 1, column 2: expected a member name ("key", "ts" or "fields"), found key"#),
+        (
+            r#"{key:1}"#.into(),
+            r#"line 1, column 2: expected a member name ("key", "ts" or "fields"), found key"#,
+        ),
         (
             // Columns count characters, not bytes.
             r#"{"key":"ééé","ts":"x","fields":{"a":1}}"#.into(),
             r#"line 1, column 19: expected a number for "ts", found "x""#,
         ),
         (
-            format!("{ok}\r\n\r\n{}", r#"{"key":"k","ts":1,"fields":{"a":true,"b":fals}}"#),
+            format!(
+                "{ok}\r\n\r\n{}",
+                r#"{"key":"k","ts":1,"fields":{"a":true,"b":fals}}"#
+            ),
             r#"line 3, column 42: expected a number, string, bool or {"$bytes":"<base64>"} for field "b", found fals"#,
         ),
     ];
@@ -264,7 +315,9 @@ fn errors_name_line_column_expected_and_found() {
             Err(e) => e.to_string(),
         };
         if actual != expected {
-            mismatches.push(format!("input:    {input}\nexpected: {expected}\nactual:   {actual}"));
+            mismatches.push(format!(
+                "input:    {input}\nexpected: {expected}\nactual:   {actual}"
+            ));
         }
     }
     assert!(mismatches.is_empty(), "{}", mismatches.join("\n\n"));
@@ -272,18 +325,41 @@ fn errors_name_line_column_expected_and_found() {
 
 #[test]
 fn limits_are_named_errors() {
-    let long = format!(r#"{{"key":"k","ts":1,"fields":{{"s":"{}"}}}}"#, "x".repeat(LINE_BYTES_MAX));
+    let long = format!(
+        r#"{{"key":"k","ts":1,"fields":{{"s":"{}"}}}}"#,
+        "x".repeat(LINE_BYTES_MAX)
+    );
     let e = parse_ndjson(&long).unwrap_err();
     assert_eq!((e.line, e.column), (1, LINE_BYTES_MAX + 1));
-    assert_eq!(e.expected, format!("a line of at most {LINE_BYTES_MAX} bytes"));
+    assert_eq!(
+        e.expected,
+        format!("a line of at most {LINE_BYTES_MAX} bytes")
+    );
 
-    let fields = |n: usize| (0..n).map(|i| format!(r#""f{i}":{i}"#)).collect::<Vec<_>>().join(",");
-    let at_limit = format!(r#"{{"key":"k","ts":1,"fields":{{{}}}}}"#, fields(FIELDS_MAX));
+    let fields = |n: usize| {
+        (0..n)
+            .map(|i| format!(r#""f{i}":{i}"#))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    let at_limit = format!(
+        r#"{{"key":"k","ts":1,"fields":{{{}}}}}"#,
+        fields(FIELDS_MAX)
+    );
     assert_eq!(parse_ndjson(&at_limit).unwrap()[0].fields.len(), FIELDS_MAX);
-    let over = format!(r#"{{"key":"k","ts":1,"fields":{{{}}}}}"#, fields(FIELDS_MAX + 1));
+    let over = format!(
+        r#"{{"key":"k","ts":1,"fields":{{{}}}}}"#,
+        fields(FIELDS_MAX + 1)
+    );
     let e = parse_ndjson(&over).unwrap_err();
-    assert_eq!(e.expected, format!("at most {FIELDS_MAX} fields in a record"));
-    assert_eq!(e.column, over.find(&format!(r#""f{FIELDS_MAX}""#)).unwrap() + 1);
+    assert_eq!(
+        e.expected,
+        format!("at most {FIELDS_MAX} fields in a record")
+    );
+    assert_eq!(
+        e.column,
+        over.find(&format!(r#""f{FIELDS_MAX}""#)).unwrap() + 1
+    );
 }
 
 #[test]
@@ -294,7 +370,10 @@ fn error_serialises_as_json() {
     assert_eq!(json["column"], 17);
     assert_eq!(json["expected"], r#"a number for "ts""#);
     assert_eq!(json["found"], r#""abc""#);
-    assert_eq!(json["error"], r#"line 1, column 17: expected a number for "ts", found "abc""#);
+    assert_eq!(
+        json["error"],
+        r#"line 1, column 17: expected a number for "ts", found "abc""#
+    );
     let derived = serde_json::to_value(&e).unwrap();
     assert_eq!(derived["column"], 17);
 }
@@ -318,7 +397,11 @@ fn writer_is_the_inverse_of_the_parser() {
     }];
     let text = write_ndjson(&records).unwrap();
     assert_eq!(parse_ndjson(&text).unwrap(), records);
-    let nan = vec![Record { key: "k".into(), ts: 0, fields: vec![("x".into(), Value::F64(f64::NAN))] }];
+    let nan = vec![Record {
+        key: "k".into(),
+        ts: 0,
+        fields: vec![("x".into(), Value::F64(f64::NAN))],
+    }];
     assert!(write_ndjson(&nan).is_err());
 }
 

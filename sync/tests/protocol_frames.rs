@@ -9,11 +9,12 @@
 use std::path::PathBuf;
 use sync::block::{self, VERSION_ROWS};
 use sync::protocol::frame::{
-    self, BacklogEntry, ErrorFrame, FrameBuffer, Hello, LaneWelcome, Welcome, frame_len, hello_versions,
+    self, BacklogEntry, ErrorFrame, FrameBuffer, Hello, LaneWelcome, Welcome, frame_len,
+    hello_versions,
 };
 use sync::protocol::{
-    Backlog, ErrorCode, Frame, FrameError, GapMarker, GapReason, Instant, LaneAnnounce, Marks, Receiver,
-    ReceiverConfig, ReceiverEvent, Sender, SenderConfig, SenderEvent,
+    Backlog, ErrorCode, Frame, FrameError, GapMarker, GapReason, Instant, LaneAnnounce, Marks,
+    Receiver, ReceiverConfig, ReceiverEvent, Sender, SenderConfig, SenderEvent,
 };
 use sync::{Record, Value};
 
@@ -22,7 +23,10 @@ fn records() -> Vec<Record> {
         .map(|i| Record {
             key: format!("truck-0042/engine{i}"),
             ts: 1_764_374_400_000_000_000 + i,
-            fields: vec![("temp_c".into(), Value::F64(71.25)), ("rpm".into(), Value::I64(1800 + i))],
+            fields: vec![
+                ("temp_c".into(), Value::F64(71.25)),
+                ("rpm".into(), Value::I64(1800 + i)),
+            ],
         })
         .collect()
 }
@@ -34,8 +38,17 @@ fn lane() -> LaneAnnounce {
         first_seq: 1,
         last_seq: 120,
         acked_seq: 100,
-        backlog: Backlog { blocks: 3, bytes: 4096, oldest_unsent_ts: Some(1_764_374_400_000_000_000) },
-        gaps: vec![GapMarker { first_seq: 10, last_seq: 19, reason: GapReason::DiskFull, count: 10 }],
+        backlog: Backlog {
+            blocks: 3,
+            bytes: 4096,
+            oldest_unsent_ts: Some(1_764_374_400_000_000_000),
+        },
+        gaps: vec![GapMarker {
+            first_seq: 10,
+            last_seq: 19,
+            reason: GapReason::DiskFull,
+            count: 10,
+        }],
     }
 }
 
@@ -45,7 +58,12 @@ fn samples() -> Vec<(&'static str, Frame)> {
     vec![
         (
             "hello",
-            Frame::Hello(Hello { version_min: 1, version_max: 1, current_epoch: 7, lanes: vec![lane()] }),
+            Frame::Hello(Hello {
+                version_min: 1,
+                version_max: 1,
+                current_epoch: 7,
+                lanes: vec![lane()],
+            }),
         ),
         (
             "welcome",
@@ -57,32 +75,73 @@ fn samples() -> Vec<(&'static str, Frame)> {
                 lanes: vec![(
                     "telemetry".into(),
                     7,
-                    LaneWelcome { durable_seq: 100, tiered_seq: 90, resume_from: 95 },
+                    LaneWelcome {
+                        durable_seq: 100,
+                        tiered_seq: 90,
+                        resume_from: 95,
+                    },
                 )],
             }),
         ),
-        ("block", Frame::Block { stream: "telemetry".into(), block }),
+        (
+            "block",
+            Frame::Block {
+                stream: "telemetry".into(),
+                block,
+            },
+        ),
         (
             "gap",
             Frame::Gap {
                 stream: "telemetry".into(),
                 epoch: 7,
-                gap: GapMarker { first_seq: 121, last_seq: 130, reason: GapReason::Corrupt, count: 10 },
+                gap: GapMarker {
+                    first_seq: 121,
+                    last_seq: 130,
+                    reason: GapReason::Corrupt,
+                    count: 10,
+                },
             },
         ),
-        ("ack", Frame::Ack { stream: "telemetry".into(), epoch: 7, durable_seq: 104, tiered_seq: 90 }),
+        (
+            "ack",
+            Frame::Ack {
+                stream: "telemetry".into(),
+                epoch: 7,
+                durable_seq: 104,
+                tiered_seq: 90,
+            },
+        ),
         (
             "backlog",
             Frame::Backlog(vec![
-                BacklogEntry { stream: "telemetry".into(), epoch: 7, backlog: lane().backlog },
-                BacklogEntry { stream: "status".into(), epoch: 7, backlog: Backlog::default() },
+                BacklogEntry {
+                    stream: "telemetry".into(),
+                    epoch: 7,
+                    backlog: lane().backlog,
+                },
+                BacklogEntry {
+                    stream: "status".into(),
+                    epoch: 7,
+                    backlog: Backlog::default(),
+                },
             ]),
         ),
         ("ping", Frame::Ping),
-        ("verdict", Frame::Verdict { stream: "telemetry".into(), epoch: 6, matched_through: 55 }),
+        (
+            "verdict",
+            Frame::Verdict {
+                stream: "telemetry".into(),
+                epoch: 6,
+                matched_through: 55,
+            },
+        ),
         (
             "error",
-            Frame::Error(ErrorFrame { code: ErrorCode::ConflictFenced, message: "seqs 1..=4 differ".into() }),
+            Frame::Error(ErrorFrame {
+                code: ErrorCode::ConflictFenced,
+                message: "seqs 1..=4 differ".into(),
+            }),
         ),
     ]
 }
@@ -94,7 +153,11 @@ fn every_frame_round_trips() {
     for (name, f) in samples() {
         let bytes = f.encode();
         assert_eq!(Frame::decode(&bytes, MAX).unwrap(), f, "{name}");
-        assert_eq!(frame_len(&bytes, MAX).unwrap(), bytes.len() - frame::LEN_PREFIX, "{name}");
+        assert_eq!(
+            frame_len(&bytes, MAX).unwrap(),
+            bytes.len() - frame::LEN_PREFIX,
+            "{name}"
+        );
     }
 }
 
@@ -104,7 +167,10 @@ fn every_truncation_errors_cleanly() {
         let bytes = f.encode();
         for n in 0..bytes.len() {
             // Length prefix intact, bytes missing: always an error.
-            assert!(Frame::decode(&bytes[..n], MAX).is_err(), "{name} cut at {n}");
+            assert!(
+                Frame::decode(&bytes[..n], MAX).is_err(),
+                "{name} cut at {n}"
+            );
             // Length prefix rewritten to match: the payload itself is short.
             if n <= frame::LEN_PREFIX {
                 continue;
@@ -115,7 +181,10 @@ fn every_truncation_errors_cleanly() {
             match (Frame::decode(&cut, MAX), &f) {
                 // A Block's payload ends with the block: a short one is caught by its checksum.
                 (Ok(Frame::Block { block, .. }), Frame::Block { .. }) => {
-                    assert!(block::verify_block(&block, &Default::default()).is_err(), "{name} cut at {n}");
+                    assert!(
+                        block::verify_block(&block, &Default::default()).is_err(),
+                        "{name} cut at {n}"
+                    );
                 }
                 (Ok(other), _) => panic!("{name} cut at {n} decoded as {other:?}"),
                 (Err(_), _) => {}
@@ -127,8 +196,14 @@ fn every_truncation_errors_cleanly() {
 #[test]
 fn oversize_frame_is_rejected_from_its_prefix() {
     let prefix = (MAX + 1).to_le_bytes();
-    assert!(matches!(frame_len(&prefix, MAX), Err(FrameError::TooLarge { .. })));
-    assert!(matches!(frame_len(&0u32.to_le_bytes(), MAX), Err(FrameError::Empty)));
+    assert!(matches!(
+        frame_len(&prefix, MAX),
+        Err(FrameError::TooLarge { .. })
+    ));
+    assert!(matches!(
+        frame_len(&0u32.to_le_bytes(), MAX),
+        Err(FrameError::Empty)
+    ));
     // The stream splitter refuses after 4 bytes, without buffering what the prefix announced.
     let mut buf = FrameBuffer::new(1024);
     buf.push(&u32::MAX.to_le_bytes());
@@ -188,7 +263,16 @@ fn version_1_fixtures_still_decode() {
         let got = Frame::decode(&bytes, MAX).unwrap_or_else(|e| panic!("{name}: {e}"));
         match (&got, &expected) {
             // zstd output may change between library versions; the records may not.
-            (Frame::Block { stream: a, block: x }, Frame::Block { stream: b, block: y }) => {
+            (
+                Frame::Block {
+                    stream: a,
+                    block: x,
+                },
+                Frame::Block {
+                    stream: b,
+                    block: y,
+                },
+            ) => {
                 assert_eq!(a, b);
                 let (x, y) = (
                     block::decode_block(x, &Default::default()).unwrap(),
@@ -210,10 +294,17 @@ fn version_1_fixtures_still_decode() {
 fn unsupported_version_is_refused_with_its_code() {
     let now = Instant::ZERO;
     let mut rx = Receiver::new("dev".into(), ReceiverConfig::default(), now);
-    let hello = Hello { version_min: 2, version_max: 3, current_epoch: 1, lanes: vec![] };
+    let hello = Hello {
+        version_min: 2,
+        version_max: 3,
+        current_epoch: 1,
+        lanes: vec![],
+    };
     rx.handle_frame(now, &Frame::Hello(hello).encode());
     let t = rx.poll_transmit().expect("error frame");
-    let Frame::Error(e) = Frame::decode(&t.frame, MAX).unwrap() else { panic!("not an Error frame") };
+    let Frame::Error(e) = Frame::decode(&t.frame, MAX).unwrap() else {
+        panic!("not an Error frame")
+    };
     assert_eq!(e.code, ErrorCode::UnsupportedVersion);
     assert!(rx.is_closed());
     assert!(
@@ -234,17 +325,28 @@ fn future_hello_with_unknown_body_is_still_refused_by_version() {
     assert_eq!(hello_versions(&bytes), Some((5, 9)));
     let mut rx = Receiver::new("dev".into(), ReceiverConfig::default(), Instant::ZERO);
     rx.handle_frame(Instant::ZERO, &bytes);
-    let Frame::Error(e) = Frame::decode(&rx.poll_transmit().unwrap().frame, MAX).unwrap() else { panic!() };
+    let Frame::Error(e) = Frame::decode(&rx.poll_transmit().unwrap().frame, MAX).unwrap() else {
+        panic!()
+    };
     assert_eq!(e.code, ErrorCode::UnsupportedVersion);
 }
 
 #[test]
 fn oversize_frame_closes_the_connection() {
-    let config = ReceiverConfig { frame_bytes_max: 64, ..ReceiverConfig::default() };
+    let config = ReceiverConfig {
+        frame_bytes_max: 64,
+        ..ReceiverConfig::default()
+    };
     let mut rx = Receiver::new("dev".into(), config, Instant::ZERO);
-    let big = Frame::Block { stream: "telemetry".into(), block: vec![0; 100] }.encode();
+    let big = Frame::Block {
+        stream: "telemetry".into(),
+        block: vec![0; 100],
+    }
+    .encode();
     rx.handle_frame(Instant::ZERO, &big);
-    let Frame::Error(e) = Frame::decode(&rx.poll_transmit().unwrap().frame, MAX).unwrap() else { panic!() };
+    let Frame::Error(e) = Frame::decode(&rx.poll_transmit().unwrap().frame, MAX).unwrap() else {
+        panic!()
+    };
     assert_eq!(e.code, ErrorCode::FrameTooLarge);
     assert!(rx.is_closed());
 }
@@ -253,27 +355,67 @@ fn oversize_frame_closes_the_connection() {
 fn handshake_then_block_commit_then_ack() {
     let t0 = Instant::from_nanos(1);
     let block = block::encode_block(VERSION_ROWS, 7, 1, &records()).unwrap();
-    let announce = LaneAnnounce { first_seq: 1, last_seq: 3, acked_seq: 0, gaps: vec![], ..lane() };
+    let announce = LaneAnnounce {
+        first_seq: 1,
+        last_seq: 3,
+        acked_seq: 0,
+        gaps: vec![],
+        ..lane()
+    };
     let mut tx = Sender::new(SenderConfig::default(), 7, vec![announce], t0).unwrap();
     let mut rx = Receiver::new("dev".into(), ReceiverConfig::default(), t0);
     rx.handle_frame(t0, &tx.poll_transmit().unwrap().frame);
-    assert!(matches!(rx.poll_event(), Some(ReceiverEvent::NeedMarks { current_epoch: 7, .. })));
+    assert!(matches!(
+        rx.poll_event(),
+        Some(ReceiverEvent::NeedMarks {
+            current_epoch: 7,
+            ..
+        })
+    ));
     rx.marks_loaded(t0, Marks::default());
-    assert!(matches!(rx.poll_event(), Some(ReceiverEvent::Established { version: 1, .. })));
+    assert!(matches!(
+        rx.poll_event(),
+        Some(ReceiverEvent::Established { version: 1, .. })
+    ));
     tx.handle_frame(t0, &rx.poll_transmit().unwrap().frame);
-    assert!(matches!(tx.poll_event(), Some(SenderEvent::Established { version: 1, .. })));
-    let Some(SenderEvent::WantBlocks { after_seq: 0, .. }) = tx.poll_event() else { panic!("no WantBlocks") };
-    tx.supply_blocks(t0, "telemetry", 7, vec![block.clone()]).unwrap();
+    assert!(matches!(
+        tx.poll_event(),
+        Some(SenderEvent::Established { version: 1, .. })
+    ));
+    let Some(SenderEvent::WantBlocks { after_seq: 0, .. }) = tx.poll_event() else {
+        panic!("no WantBlocks")
+    };
+    tx.supply_blocks(t0, "telemetry", 7, vec![block.clone()])
+        .unwrap();
     rx.handle_frame(t0, &tx.poll_transmit().unwrap().frame);
-    let Some(ReceiverEvent::Commit { item, .. }) = rx.poll_event() else { panic!("no Commit") };
+    let Some(ReceiverEvent::Commit { item, .. }) = rx.poll_event() else {
+        panic!("no Commit")
+    };
     assert_eq!(item.last_seq(), 3);
-    assert!(rx.poll_transmit().is_none(), "no Ack before the driver reports durability");
+    assert!(
+        rx.poll_transmit().is_none(),
+        "no Ack before the driver reports durability"
+    );
     rx.committed(t0, "telemetry", 7, 3, 0);
     tx.handle_frame(t0, &rx.poll_transmit().unwrap().frame);
-    assert!(matches!(tx.poll_event(), Some(SenderEvent::Acked { durable_seq: 3, tiered_seq: 0, .. })));
+    assert!(matches!(
+        tx.poll_event(),
+        Some(SenderEvent::Acked {
+            durable_seq: 3,
+            tiered_seq: 0,
+            ..
+        })
+    ));
     assert_eq!(tx.inflight_bytes(), 0);
     // A tiered-only update later.
     rx.update_tiered(t0, "telemetry", 7, 3);
     tx.handle_frame(t0, &rx.poll_transmit().unwrap().frame);
-    assert!(matches!(tx.poll_event(), Some(SenderEvent::Acked { durable_seq: 3, tiered_seq: 3, .. })));
+    assert!(matches!(
+        tx.poll_event(),
+        Some(SenderEvent::Acked {
+            durable_seq: 3,
+            tiered_seq: 3,
+            ..
+        })
+    ));
 }

@@ -22,8 +22,8 @@ use std::time::Duration;
 use sync::block::{self, VERSION_ROWS};
 use sync::protocol::{
     Backlog, CommitItem, ErrorCode, GapMarker, GapReason, Instant, LaneAnnounce, LaneMarks, Marks,
-    MarksQuery, RangeChecksum, Receiver, ReceiverConfig, ReceiverEvent, Sender, SenderConfig, SenderEvent,
-    Timeouts, TransmitKind,
+    MarksQuery, RangeChecksum, Receiver, ReceiverConfig, ReceiverEvent, Sender, SenderConfig,
+    SenderEvent, Timeouts, TransmitKind,
 };
 use sync::{Record, Value};
 
@@ -83,7 +83,11 @@ struct Edge {
 
 impl Edge {
     fn lane(&mut self, stream: &str, epoch: u64) -> usize {
-        if let Some(i) = self.lanes.iter().position(|l| l.stream == stream && l.epoch == epoch) {
+        if let Some(i) = self
+            .lanes
+            .iter()
+            .position(|l| l.stream == stream && l.epoch == epoch)
+        {
             return i;
         }
         self.lanes.push(EdgeLane {
@@ -102,7 +106,8 @@ impl Edge {
         self.lanes
             .iter()
             .map(|l| {
-                let unacked: Vec<&StoredBlock> = l.blocks.iter().filter(|b| b.last > l.acked).collect();
+                let unacked: Vec<&StoredBlock> =
+                    l.blocks.iter().filter(|b| b.last > l.acked).collect();
                 LaneAnnounce {
                     stream: l.stream.clone(),
                     epoch: l.epoch,
@@ -147,9 +152,17 @@ struct Hub {
 }
 
 impl Hub {
-    fn marks_for(&self, current_epoch: u64, queries: &[MarksQuery], hello: bool, cap: usize) -> Marks {
-        let mut lanes: Vec<LaneMarks> =
-            queries.iter().map(|q| self.lane_marks(&q.stream, q.epoch, q.checksums_from, cap)).collect();
+    fn marks_for(
+        &self,
+        current_epoch: u64,
+        queries: &[MarksQuery],
+        hello: bool,
+        cap: usize,
+    ) -> Marks {
+        let mut lanes: Vec<LaneMarks> = queries
+            .iter()
+            .map(|q| self.lane_marks(&q.stream, q.epoch, q.checksums_from, cap))
+            .collect();
         if hello {
             for (s, e) in self.marks.keys() {
                 if *e == current_epoch && !queries.iter().any(|q| &q.stream == s && q.epoch == *e) {
@@ -166,8 +179,12 @@ impl Hub {
         let key = (stream.to_owned(), epoch);
         let (durable_seq, tiered_seq) = self.marks.get(&key).copied().unwrap_or((0, 0));
         let all = self.ranges.get(&key).cloned().unwrap_or_default();
-        let mut ranges: Vec<RangeChecksum> =
-            all.iter().filter(|r| r.last_seq >= from).take(cap - 1).copied().collect();
+        let mut ranges: Vec<RangeChecksum> = all
+            .iter()
+            .filter(|r| r.last_seq >= from)
+            .take(cap - 1)
+            .copied()
+            .collect();
         if let Some(last) = all.last()
             && ranges.last() != Some(last)
         {
@@ -180,7 +197,14 @@ impl Hub {
             .map(|(_, _, g)| (g.first_seq, g.last_seq))
             .take(cap)
             .collect();
-        LaneMarks { stream: stream.to_owned(), epoch, durable_seq, tiered_seq, ranges, gaps }
+        LaneMarks {
+            stream: stream.to_owned(),
+            epoch,
+            durable_seq,
+            tiered_seq,
+            ranges,
+            gaps,
+        }
     }
 
     /// Group commit: "fsync" the pending appends and commit their marks in one step.
@@ -190,7 +214,13 @@ impl Hub {
             let key = (stream.clone(), epoch);
             let mark = self.marks.entry(key.clone()).or_insert((0, 0));
             match item {
-                CommitItem::Block { skip_through, records, checksum, header, .. } => {
+                CommitItem::Block {
+                    skip_through,
+                    records,
+                    checksum,
+                    header,
+                    ..
+                } => {
                     assert_eq!(
                         skip_through, mark.0,
                         "commit of {stream}/{epoch} not contiguous with the mark"
@@ -285,7 +315,10 @@ impl World {
             6..=7 => Scenario::Restore,
             _ => Scenario::Clone,
         };
-        let timeouts = Timeouts { idle: Duration::from_secs(2), keepalive: Duration::from_millis(500) };
+        let timeouts = Timeouts {
+            idle: Duration::from_secs(2),
+            keepalive: Duration::from_millis(500),
+        };
         let window_bytes = rng.random_range(2_000..40_000);
         let window_items = rng.random_range(1..16);
         let rcfg = ReceiverConfig {
@@ -304,7 +337,11 @@ impl World {
             ..SenderConfig::default()
         };
         let epoch = rng.random_range(1..5);
-        let edge = Edge { writer: 0, current_epoch: epoch, lanes: Vec::new() };
+        let edge = Edge {
+            writer: 0,
+            current_epoch: epoch,
+            lanes: Vec::new(),
+        };
         World {
             seed,
             rng,
@@ -392,18 +429,34 @@ impl World {
             let r = Record {
                 key: format!("{stream}/k{}", id % 3),
                 ts: self.now.as_nanos() as i64,
-                fields: vec![("id".into(), Value::I64(id)), ("w".into(), Value::I64(w as i64))],
+                fields: vec![
+                    ("id".into(), Value::I64(id)),
+                    ("w".into(), Value::I64(w as i64)),
+                ],
             };
-            self.hist.records.insert(id, (w, stream.to_owned(), r.clone()));
-            self.hist.keys.entry((stream.to_owned(), epoch, first + k as u64)).or_default().insert(id);
+            self.hist
+                .records
+                .insert(id, (w, stream.to_owned(), r.clone()));
+            self.hist
+                .keys
+                .entry((stream.to_owned(), epoch, first + k as u64))
+                .or_default()
+                .insert(id);
             records.push(r);
         }
         let bytes = block::encode_block(VERSION_ROWS, epoch, first, &records).expect("encode");
         let lane = &mut edge.lanes[li];
         lane.next_seq += n as u64;
-        lane.blocks.push(StoredBlock { first, last: first + n as u64 - 1, bytes: bytes.clone(), records });
+        lane.blocks.push(StoredBlock {
+            first,
+            last: first + n as u64 - 1,
+            bytes: bytes.clone(),
+            records,
+        });
         if let Some(s) = self.session.as_mut().filter(|s| s.writer == w) {
-            s.sender.offer_block(self.now, stream, bytes).expect("offer");
+            s.sender
+                .offer_block(self.now, stream, bytes)
+                .expect("offer");
         }
     }
 
@@ -416,7 +469,14 @@ impl World {
         }
         let li = self.rng.random_range(0..edge.lanes.len());
         let lane = &mut edge.lanes[li];
-        let Some(b) = lane.blocks.first().filter(|b| b.first > lane.acked).cloned() else { return };
+        let Some(b) = lane
+            .blocks
+            .first()
+            .filter(|b| b.first > lane.acked)
+            .cloned()
+        else {
+            return;
+        };
         lane.blocks.remove(0);
         let gap = GapMarker {
             first_seq: b.first,
@@ -430,7 +490,9 @@ impl World {
         }
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         if let Some(s) = self.session.as_mut().filter(|s| s.writer == w) {
-            s.sender.offer_gap(self.now, &stream, epoch, gap).expect("gap");
+            s.sender
+                .offer_gap(self.now, &stream, epoch, gap)
+                .expect("gap");
         }
     }
 
@@ -444,8 +506,13 @@ impl World {
 
     fn connect(&mut self, w: usize) {
         let edge = &self.edges[w];
-        let mut sender =
-            Sender::new(self.scfg.clone(), edge.current_epoch, edge.announce(), self.now).expect("sender");
+        let mut sender = Sender::new(
+            self.scfg.clone(),
+            edge.current_epoch,
+            edge.announce(),
+            self.now,
+        )
+        .expect("sender");
         for (k, s) in STREAMS.iter().enumerate() {
             sender.set_priority(s, ((k as u64 * 7 + self.seed) % 3) as u8);
         }
@@ -482,7 +549,9 @@ impl World {
     fn deliver_to_hub(&mut self) {
         let now = self.now;
         let pick_data = self.rng.random_bool(0.5);
-        let Some(s) = self.session.as_mut() else { return };
+        let Some(s) = self.session.as_mut() else {
+            return;
+        };
         let frame = if (pick_data || s.to_hub_ctrl.is_empty()) && !s.to_hub_data.is_empty() {
             let i = self.rng.random_range(0..s.to_hub_data.len());
             s.to_hub_data.swap_remove(i)
@@ -496,7 +565,9 @@ impl World {
 
     fn deliver_to_edge(&mut self) {
         let now = self.now;
-        let Some(s) = self.session.as_mut() else { return };
+        let Some(s) = self.session.as_mut() else {
+            return;
+        };
         if let Some(f) = s.to_edge.pop_front() {
             s.sender.handle_frame(now, &f);
         }
@@ -504,7 +575,9 @@ impl World {
 
     /// Replays old block frames the hub already committed, as a resend after reconnect.
     fn inject_replays(&mut self) {
-        let Some(s) = self.session.as_mut() else { return };
+        let Some(s) = self.session.as_mut() else {
+            return;
+        };
         if s.replays_injected || !s.receiver.is_established() {
             return;
         }
@@ -515,7 +588,11 @@ impl World {
                 break;
             }
             let (stream, epoch, last, frame) = &old[self.rng.random_range(0..old.len())];
-            let mark = self.hub.marks.get(&(stream.clone(), *epoch)).map_or(0, |m| m.0);
+            let mark = self
+                .hub
+                .marks
+                .get(&(stream.clone(), *epoch))
+                .map_or(0, |m| m.0);
             if *last <= mark {
                 s.to_hub_data.push(frame.clone());
                 self.stats.replays += 1;
@@ -526,7 +603,9 @@ impl World {
     fn answer_marks(&mut self) {
         let now = self.now;
         let cap = self.rcfg.checksum_ranges_max;
-        let Some(s) = self.session.as_mut() else { return };
+        let Some(s) = self.session.as_mut() else {
+            return;
+        };
         if let Some((cur, q, hello)) = s.queries.pop_front() {
             let marks = self.hub.marks_for(cur, &q, hello, cap);
             s.receiver.marks_loaded(now, marks);
@@ -561,7 +640,9 @@ impl World {
 
     fn timers(&mut self) {
         let now = self.now;
-        let Some(s) = self.session.as_mut() else { return };
+        let Some(s) = self.session.as_mut() else {
+            return;
+        };
         if s.sender.poll_timeout().is_some_and(|t| now >= t) {
             s.sender.handle_timeout(now);
         }
@@ -573,7 +654,9 @@ impl World {
     /// Drains both machines until neither has anything left to say.
     fn pump(&mut self) {
         loop {
-            let Some(s) = self.session.as_mut() else { return };
+            let Some(s) = self.session.as_mut() else {
+                return;
+            };
             let mut sender_events = Vec::new();
             let mut receiver_events = Vec::new();
             let mut progress = false;
@@ -625,17 +708,26 @@ impl World {
     }
 
     fn on_receiver_event(&mut self, e: ReceiverEvent) {
-        if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() && !matches!(e, ReceiverEvent::Commit { .. }) {
+        if std::env::var("TRIBUTARY_SIM_TRACE").is_ok()
+            && !matches!(e, ReceiverEvent::Commit { .. })
+        {
             eprintln!("{:?} hub: {e:?}", self.now);
         }
         match e {
-            ReceiverEvent::NeedMarks { current_epoch, lanes } => {
+            ReceiverEvent::NeedMarks {
+                current_epoch,
+                lanes,
+            } => {
                 if let Some(s) = self.session.as_mut() {
                     let hello = !s.receiver.is_established();
                     s.queries.push_back((current_epoch, lanes, hello));
                 }
             }
-            ReceiverEvent::Commit { stream, epoch, item } => {
+            ReceiverEvent::Commit {
+                stream,
+                epoch,
+                item,
+            } => {
                 self.hub.pending.push((stream, epoch, item));
             }
             ReceiverEvent::Fenced { .. } => {
@@ -660,13 +752,24 @@ impl World {
         if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() {
             eprintln!("{:?} edge: {e:?}", self.now);
         }
-        let Some(w) = self.session.as_ref().map(|s| s.writer) else { return };
+        let Some(w) = self.session.as_ref().map(|s| s.writer) else {
+            return;
+        };
         match e {
-            SenderEvent::WantBlocks { stream, epoch, after_seq, bytes_max } => {
+            SenderEvent::WantBlocks {
+                stream,
+                epoch,
+                after_seq,
+                bytes_max,
+            } => {
                 let edge = &self.edges[w];
                 let mut out = Vec::new();
                 let mut bytes = 0u64;
-                if let Some(l) = edge.lanes.iter().find(|l| l.stream == stream && l.epoch == epoch) {
+                if let Some(l) = edge
+                    .lanes
+                    .iter()
+                    .find(|l| l.stream == stream && l.epoch == epoch)
+                {
                     for b in l.blocks.iter().filter(|b| b.last > after_seq) {
                         if !out.is_empty() && bytes + b.bytes.len() as u64 > bytes_max {
                             break;
@@ -677,10 +780,17 @@ impl World {
                 }
                 let now = self.now;
                 if let Some(s) = self.session.as_mut() {
-                    s.sender.supply_blocks(now, &stream, epoch, out).expect("supply");
+                    s.sender
+                        .supply_blocks(now, &stream, epoch, out)
+                        .expect("supply");
                 }
             }
-            SenderEvent::Acked { stream, epoch, durable_seq, tiered_seq } => {
+            SenderEvent::Acked {
+                stream,
+                epoch,
+                durable_seq,
+                tiered_seq,
+            } => {
                 let edge = &mut self.edges[w];
                 let li = edge.lane(&stream, epoch);
                 let lane = &mut edge.lanes[li];
@@ -691,8 +801,10 @@ impl World {
             SenderEvent::MintEpoch { epoch_min, rekey } => self.mint(w, epoch_min, rekey),
             SenderEvent::Closed(reason) => {
                 assert!(
-                    !matches!(reason.code, ErrorCode::ProtocolViolation | ErrorCode::BadBlock)
-                        || reason.by_peer,
+                    !matches!(
+                        reason.code,
+                        ErrorCode::ProtocolViolation | ErrorCode::BadBlock
+                    ) || reason.by_peer,
                     "edge closed with {reason:?}"
                 );
                 self.disconnect();
@@ -722,8 +834,14 @@ impl World {
                 let split = (rk.from_seq.max(b.first) - b.first) as usize;
                 if split > 0 {
                     let recs = b.records[..split].to_vec();
-                    let bytes = block::encode_block(VERSION_ROWS, rk.epoch, b.first, &recs).expect("encode");
-                    kept.push(StoredBlock { first: b.first, last: rk.from_seq - 1, bytes, records: recs });
+                    let bytes = block::encode_block(VERSION_ROWS, rk.epoch, b.first, &recs)
+                        .expect("encode");
+                    kept.push(StoredBlock {
+                        first: b.first,
+                        last: rk.from_seq - 1,
+                        bytes,
+                        records: recs,
+                    });
                 }
                 moved.push(b.records[split..].to_vec());
             }
@@ -733,7 +851,8 @@ impl World {
             for recs in moved {
                 let lane = &mut edge.lanes[ni];
                 let first = lane.next_seq;
-                let bytes = block::encode_block(VERSION_ROWS, new_epoch, first, &recs).expect("encode");
+                let bytes =
+                    block::encode_block(VERSION_ROWS, new_epoch, first, &recs).expect("encode");
                 for (k, r) in recs.iter().enumerate() {
                     self.hist
                         .keys
@@ -767,8 +886,12 @@ impl World {
             if self.hub.fenced {
                 return;
             }
-            let pending: Vec<usize> = (0..self.edges.len()).filter(|&w| !self.converged(w)).collect();
-            let Some(&w) = pending.get(round % pending.len().max(1)) else { return };
+            let pending: Vec<usize> = (0..self.edges.len())
+                .filter(|&w| !self.converged(w))
+                .collect();
+            let Some(&w) = pending.get(round % pending.len().max(1)) else {
+                return;
+            };
             self.disconnect();
             self.connect(w);
             if std::env::var("TRIBUTARY_SIM_TRACE").is_ok() {
@@ -789,7 +912,9 @@ impl World {
         self.timers();
         self.pump();
         for _ in 0..200 {
-            let Some(s) = self.session.as_ref() else { return };
+            let Some(s) = self.session.as_ref() else {
+                return;
+            };
             let busy = !s.to_hub_ctrl.is_empty()
                 || !s.to_hub_data.is_empty()
                 || !s.to_edge.is_empty()
@@ -840,7 +965,10 @@ impl World {
                 // never gets here.
                 let shadowed = allow_shadowed
                     && self.scenario != Scenario::Plain
-                    && self.hub.keys.contains(&(lane.stream.clone(), lane.epoch, seq));
+                    && self
+                        .hub
+                        .keys
+                        .contains(&(lane.stream.clone(), lane.epoch, seq));
                 if !lost && !shadowed {
                     return Some((lane.stream.clone(), lane.epoch, id_of(r)));
                 }
@@ -857,7 +985,10 @@ impl World {
             for lane in &edge.lanes {
                 for (seq, r) in lane.blocks.iter().flat_map(|b| (b.first..).zip(&b.records)) {
                     if !ids.contains_key(&id_of(r))
-                        && self.hub.keys.contains(&(lane.stream.clone(), lane.epoch, seq))
+                        && self
+                            .hub
+                            .keys
+                            .contains(&(lane.stream.clone(), lane.epoch, seq))
                     {
                         n += 1;
                     }
@@ -872,8 +1003,13 @@ impl World {
         for (id, n) in &ids {
             if *n != 1 {
                 self.dump();
-                let at: Vec<_> =
-                    self.hub.store.iter().filter(|x| id_of(&x.3) == *id).map(|x| (&x.0, x.1, x.2)).collect();
+                let at: Vec<_> = self
+                    .hub
+                    .store
+                    .iter()
+                    .filter(|x| id_of(&x.3) == *id)
+                    .map(|x| (&x.0, x.1, x.2))
+                    .collect();
                 eprintln!("id {id} at {at:?}");
             }
             assert_eq!(*n, 1, "record id {id} stored {n} times");
@@ -888,7 +1024,11 @@ impl World {
         // limit), so its order is checked only within an epoch.
         let mut last: HashMap<(usize, String, u64), i64> = HashMap::new();
         for (stream, epoch, _, r) in &self.hub.store {
-            let epoch = if self.scenario == Scenario::Clone { *epoch } else { 0 };
+            let epoch = if self.scenario == Scenario::Clone {
+                *epoch
+            } else {
+                0
+            };
             let (w, _, _) = &self.hist.records[&id_of(r)];
             let prev = last.insert((*w, stream.clone(), epoch), id_of(r));
             assert!(
@@ -900,7 +1040,10 @@ impl World {
         // Nothing acknowledged is missing.
         for (s, e, q) in &self.hist.acked {
             let mark = self.hub.marks.get(&(s.clone(), *e)).map_or(0, |m| m.0);
-            assert!(mark >= *q, "acknowledged {s}/{e} through {q}, hub mark is {mark}");
+            assert!(
+                mark >= *q,
+                "acknowledged {s}/{e} through {q}, hub mark is {mark}"
+            );
         }
         if self.hub.fenced {
             let conflict = self.hist.keys.values().any(|ids| {
@@ -908,7 +1051,10 @@ impl World {
                 let first = contents.next();
                 contents.any(|c| Some(c) != first)
             });
-            assert!(conflict, "fenced without two different records under one (stream, epoch, seq)");
+            assert!(
+                conflict,
+                "fenced without two different records under one (stream, epoch, seq)"
+            );
             return;
         }
         for w in 0..self.edges.len() {
@@ -922,7 +1068,10 @@ impl World {
 
 impl World {
     fn dump(&self) {
-        eprintln!("scenario {:?} restored {} stats {:?}", self.scenario, self.restored, self.stats);
+        eprintln!(
+            "scenario {:?} restored {} stats {:?}",
+            self.scenario, self.restored, self.stats
+        );
         for e in &self.edges {
             eprintln!("edge {} current epoch {}", e.writer, e.current_epoch);
             for l in &e.lanes {
@@ -968,7 +1117,11 @@ fn seeded_runs_converge_exactly_once() {
         eprintln!("seed {seed}: {scenario:?} {stats:?}");
         return;
     }
-    let runs: u64 = if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") { 20_000 } else { 1_000 };
+    let runs: u64 = if std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1") {
+        20_000
+    } else {
+        1_000
+    };
     let mut totals = Stats::default();
     let mut by_scenario: HashMap<String, u64> = HashMap::new();
     for seed in 0..runs {
@@ -1004,5 +1157,8 @@ fn seeded_runs_converge_exactly_once() {
     assert!(totals.mints > 0, "no run exercised epoch minting");
     assert!(totals.fences > 0, "no run exercised fencing");
     assert!(totals.hub_crashes > 0 && totals.disconnects > 0 && totals.replays > 0);
-    assert!(totals.shadowed * 1000 <= totals.records, "too many unverifiable overlaps: {totals:?}");
+    assert!(
+        totals.shadowed * 1000 <= totals.records,
+        "too many unverifiable overlaps: {totals:?}"
+    );
 }

@@ -14,21 +14,43 @@ fn run(bin: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.output().unwrap_or_else(|e| panic!("running {bin}: {e}"))
+    cmd.output()
+        .unwrap_or_else(|e| panic!("running {bin}: {e}"))
 }
 
 /// A fleet CA with one device certificate, written by the real `core-hub pki` commands.
 fn pki(dir: &Path, device: &str) -> PathBuf {
     let pki = dir.join("pki");
     let out = dir.join(device);
-    let init = run("core-hub", &["pki", "init", "--dir", pki.to_str().unwrap()], &[]);
-    assert!(init.status.success(), "pki init: {}", String::from_utf8_lossy(&init.stderr));
-    let issue = run(
+    let init = run(
         "core-hub",
-        &["pki", "issue", "--dir", pki.to_str().unwrap(), "--device", device, "--out", out.to_str().unwrap()],
+        &["pki", "init", "--dir", pki.to_str().unwrap()],
         &[],
     );
-    assert!(issue.status.success(), "pki issue: {}", String::from_utf8_lossy(&issue.stderr));
+    assert!(
+        init.status.success(),
+        "pki init: {}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    let issue = run(
+        "core-hub",
+        &[
+            "pki",
+            "issue",
+            "--dir",
+            pki.to_str().unwrap(),
+            "--device",
+            device,
+            "--out",
+            out.to_str().unwrap(),
+        ],
+        &[],
+    );
+    assert!(
+        issue.status.success(),
+        "pki issue: {}",
+        String::from_utf8_lossy(&issue.stderr)
+    );
     out
 }
 
@@ -52,8 +74,16 @@ fn write_config(dir: &Path, data_dir: &Path, ca: &Path, device: &Path, extra: &s
 }
 
 fn doctor(config: &Path, env: &[(&str, &str)]) -> (bool, String) {
-    let out = run("edge-agent", &["doctor", "--config", config.to_str().unwrap()], env);
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let out = run(
+        "edge-agent",
+        &["doctor", "--config", config.to_str().unwrap()],
+        env,
+    );
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out.status.success(), text)
 }
 
@@ -72,12 +102,21 @@ fn certificate_from_another_ca_is_named_with_its_fix() {
     let dir = tempfile::tempdir().unwrap();
     let fleet_a = pki(&dir.path().join("a"), "dev-1");
     let fleet_b = pki(&dir.path().join("b"), "dev-1");
-    let cfg = write_config(dir.path(), &dir.path().join("data"), &fleet_a.join("ca.pem"), &fleet_b, "");
+    let cfg = write_config(
+        dir.path(),
+        &dir.path().join("data"),
+        &fleet_a.join("ca.pem"),
+        &fleet_b,
+        "",
+    );
     let (ok, text) = doctor(&cfg, &[]);
     assert!(!ok, "doctor must fail:\n{text}");
     let line = finding(&text, "certificate");
     assert!(line.starts_with("FAIL"), "{line}");
-    assert!(line.contains("not accepted") && line.contains("fix:") && line.contains("pki issue"), "{line}");
+    assert!(
+        line.contains("not accepted") && line.contains("fix:") && line.contains("pki issue"),
+        "{line}"
+    );
     // The hub is not running either; that is reported separately and does not hide the cause.
     assert!(finding(&text, "hub").starts_with("FAIL"));
 }
@@ -86,11 +125,22 @@ fn certificate_from_another_ca_is_named_with_its_fix() {
 fn clock_at_1970_is_named_and_certificates_still_verify() {
     let dir = tempfile::tempdir().unwrap();
     let device = pki(dir.path(), "dev-1");
-    let cfg = write_config(dir.path(), &dir.path().join("data"), &device.join("ca.pem"), &device, "");
+    let cfg = write_config(
+        dir.path(),
+        &dir.path().join("data"),
+        &device.join("ca.pem"),
+        &device,
+        "",
+    );
     let (ok, text) = doctor(&cfg, &[("TRIBUTARY_DOCTOR_NOW_UNIX", "0")]);
     assert!(!ok, "{text}");
     let clock = finding(&text, "clock");
-    assert!(clock.starts_with("FAIL") && clock.contains("before this binary was built") && clock.contains("NTP"), "{clock}");
+    assert!(
+        clock.starts_with("FAIL")
+            && clock.contains("before this binary was built")
+            && clock.contains("NTP"),
+        "{clock}"
+    );
     // Validity is checked at max(now, build time): a board at 1970 still has a valid certificate.
     assert!(finding(&text, "certificate").starts_with("ok"), "{text}");
 }
@@ -103,11 +153,22 @@ fn unreachable_broker_is_named_with_its_fix() {
     let source = format!(
         "[[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{closed}\"\ntopics = [\"sensors/#\"]\nstream = \"telemetry\"\n"
     );
-    let cfg = write_config(dir.path(), &dir.path().join("data"), &device.join("ca.pem"), &device, &source);
+    let cfg = write_config(
+        dir.path(),
+        &dir.path().join("data"),
+        &device.join("ca.pem"),
+        &device,
+        &source,
+    );
     let (ok, text) = doctor(&cfg, &[]);
     assert!(!ok, "{text}");
     let broker = finding(&text, "broker");
-    assert!(broker.starts_with("FAIL") && broker.contains(&closed.to_string()) && broker.contains("fix:"), "{broker}");
+    assert!(
+        broker.starts_with("FAIL")
+            && broker.contains(&closed.to_string())
+            && broker.contains("fix:"),
+        "{broker}"
+    );
 }
 
 /// A tmpfs of 64 KiB, filled to the last byte, unmounted on drop.
@@ -118,8 +179,15 @@ struct FullDisk {
 impl FullDisk {
     fn new(at: PathBuf) -> FullDisk {
         std::fs::create_dir_all(&at).unwrap();
-        let st = Command::new("mount").args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"]).arg(&at).status().unwrap();
-        assert!(st.success(), "mounting a tmpfs needs root (CI runs as root)");
+        let st = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=64k", "tmpfs"])
+            .arg(&at)
+            .status()
+            .unwrap();
+        assert!(
+            st.success(),
+            "mounting a tmpfs needs root (CI runs as root)"
+        );
         let disk = FullDisk { mount: at };
         // Fill it: dd stops with ENOSPC, which is the point.
         let _ = Command::new("dd")

@@ -39,7 +39,10 @@ fn faked_clock(spec_file: &Path, spec: &str) -> Vec<(String, String)> {
     std::fs::write(spec_file, spec).unwrap();
     vec![
         ("LD_PRELOAD".into(), libfaketime().display().to_string()),
-        ("FAKETIME_TIMESTAMP_FILE".into(), spec_file.display().to_string()),
+        (
+            "FAKETIME_TIMESTAMP_FILE".into(),
+            spec_file.display().to_string(),
+        ),
         ("FAKETIME_NO_CACHE".into(), "1".into()),
         ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
     ]
@@ -47,16 +50,29 @@ fn faked_clock(spec_file: &Path, spec: &str) -> Vec<(String, String)> {
 
 /// Records stamped with the real time, which is after the agent was built: plausible.
 fn batch(tag: &str, from: u64, n: u64) -> Vec<SentRecord> {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as i64;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as i64;
     (from..from + n)
-        .map(|i| SentRecord::new(format!("k{}", i % 3), now + i as i64, json!({ "tag": tag, "i": i })))
+        .map(|i| {
+            SentRecord::new(
+                format!("k{}", i % 3),
+                now + i as i64,
+                json!({ "tag": tag, "i": i }),
+            )
+        })
         .collect()
 }
 
 /// An NDJSON body without `ts`: such records get the agent's receive time, its (faked) clock.
 fn undated_body(from: u64, n: u64) -> String {
     (from..from + n)
-        .map(|i| json!({ "key": format!("k{}", i % 3), "fields": { "tag": "undated", "i": i } }).to_string() + "\n")
+        .map(|i| {
+            json!({ "key": format!("k{}", i % 3), "fields": { "tag": "undated", "i": i } })
+                .to_string()
+                + "\n"
+        })
         .collect()
 }
 
@@ -85,18 +101,33 @@ fn agent_with_a_clock_at_1970_connects_and_ships_exactly_once() -> Result<()> {
     post_all(&producer, &mut ledger, &batch("dated", 0, 300))?;
     // Event times taken from a clock at 1970 are stored as given, and flagged.
     let path = format!("/v1/streams/{STREAM}/records");
-    let response = tributary_tests::http::post_ndjson(spec.http, &path, undated_body(300, 200).as_bytes())?;
+    let response =
+        tributary_tests::http::post_ndjson(spec.http, &path, undated_body(300, 200).as_bytes())?;
     assert_eq!(response.status, 200, "{}", response.text());
     let status = cluster::wait_caught_up(spec.http, WAIT)?;
-    assert_eq!(cluster::link(&status), "up", "a board at 1970 must still connect: {status}");
+    assert_eq!(
+        cluster::link(&status),
+        "up",
+        "a board at 1970 must still connect: {status}"
+    );
     let flagged = cluster::fetch_metric(spec.http, "tributary_edge_implausible_ts_records_total")?;
-    assert_eq!(flagged, 200.0, "records stamped at 1970 must be counted as implausible");
+    assert_eq!(
+        flagged, 200.0,
+        "records stamped at 1970 must be counted as implausible"
+    );
     let held = cluster::read_stream(hub_spec.http, STREAM)?;
     assert_eq!(held.len(), 500, "the hub holds every record once");
-    let undated_ts: Vec<i64> = held.iter().filter(|r| r.fields["tag"] == "undated").map(|r| r.ts).collect();
+    let undated_ts: Vec<i64> = held
+        .iter()
+        .filter(|r| r.fields["tag"] == "undated")
+        .map(|r| r.ts)
+        .collect();
     assert_eq!(undated_ts.len(), 200);
     let year_1971_ns = 31_536_000_000_000_000i64 * 2;
-    assert!(undated_ts.iter().all(|&ts| ts > 0 && ts < year_1971_ns), "receive time is the 1970 clock, stored as given");
+    assert!(
+        undated_ts.iter().all(|&ts| ts > 0 && ts < year_1971_ns),
+        "receive time is the 1970 clock, stored as given"
+    );
     let dated = held.into_iter().filter(|r| r.fields["tag"] == "dated");
     ledger.check_streams(&[STREAM], dated).assert_ok();
     Ok(())
@@ -123,20 +154,42 @@ fn clock_jumping_a_day_each_way_reorders_drops_and_dedupes_nothing() -> Result<(
         let records = batch("same", 0, 250);
         post_all(&producer, &mut ledger, &records)?;
         // One record stamped by the agent's clock per phase proves the jump took effect.
-        let response = tributary_tests::http::post_ndjson(spec.http, &path, undated_body(phase as u64, 1).as_bytes())?;
+        let response = tributary_tests::http::post_ndjson(
+            spec.http,
+            &path,
+            undated_body(phase as u64, 1).as_bytes(),
+        )?;
         assert_eq!(response.status, 200, "{}", response.text());
     }
     let status = cluster::wait_caught_up(spec.http, WAIT)?;
     assert_eq!(cluster::link(&status), "up", "{status}");
     let held = cluster::read_stream(hub_spec.http, STREAM)?;
-    assert_eq!(held.len(), 1004, "identical content at different seqs is never deduplicated");
+    assert_eq!(
+        held.len(),
+        1004,
+        "identical content at different seqs is never deduplicated"
+    );
     let seqs: Vec<u64> = held.iter().map(|r| r.seq).collect();
-    assert_eq!(seqs, (1..=1004).collect::<Vec<_>>(), "hub order is seq order across the clock jumps");
-    let stamps: Vec<i64> = held.iter().filter(|r| r.fields["tag"] == "undated").map(|r| r.ts).collect();
+    assert_eq!(
+        seqs,
+        (1..=1004).collect::<Vec<_>>(),
+        "hub order is seq order across the clock jumps"
+    );
+    let stamps: Vec<i64> = held
+        .iter()
+        .filter(|r| r.fields["tag"] == "undated")
+        .map(|r| r.ts)
+        .collect();
     let day_ns = 86_400_000_000_000i64;
     let near = |a: i64, b: i64| (a - b).abs() < day_ns / 4;
-    assert!(near(stamps[1] - stamps[0], day_ns), "the clock jumped a day forward: {stamps:?}");
-    assert!(near(stamps[2] - stamps[0], -day_ns), "then a day back: {stamps:?}");
+    assert!(
+        near(stamps[1] - stamps[0], day_ns),
+        "the clock jumped a day forward: {stamps:?}"
+    );
+    assert!(
+        near(stamps[2] - stamps[0], -day_ns),
+        "then a day back: {stamps:?}"
+    );
     assert!(near(stamps[3], stamps[0]), "then returned: {stamps:?}");
     let same = held.into_iter().filter(|r| r.fields["tag"] == "same");
     ledger.check_streams(&[STREAM], same).assert_ok();

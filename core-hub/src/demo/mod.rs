@@ -547,7 +547,7 @@ async fn wait_drained(fleet: &Fleet) -> Result<()> {
                 pending.join("; ")
             );
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 

@@ -52,11 +52,21 @@ pub fn doctor(config_path: &Path) -> anyhow::Result<()> {
     let mut r = Report { failed: 0 };
     let cfg = match EdgeConfig::load(config_path) {
         Ok(cfg) => {
-            r.line(Level::Ok, "config", &format!("{} parses", config_path.display()), None);
+            r.line(
+                Level::Ok,
+                "config",
+                &format!("{} parses", config_path.display()),
+                None,
+            );
             cfg
         }
         Err(e) => {
-            r.line(Level::Fail, "config", &e.to_string(), Some("correct the key named above"));
+            r.line(
+                Level::Fail,
+                "config",
+                &e.to_string(),
+                Some("correct the key named above"),
+            );
             anyhow::bail!("1 check failed: the config could not be read");
         }
     };
@@ -64,7 +74,9 @@ pub fn doctor(config_path: &Path) -> anyhow::Result<()> {
     check_disk(&mut r, &cfg);
     check_certificates(&mut r, &cfg, now);
     check_broker(&mut r, &cfg);
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     runtime.block_on(check_hub(&mut r, &cfg));
     if r.failed > 0 {
         anyhow::bail!("{} check(s) failed", r.failed);
@@ -74,10 +86,15 @@ pub fn doctor(config_path: &Path) -> anyhow::Result<()> {
 }
 
 fn wall_clock() -> u64 {
-    if let Some(fake) = std::env::var("TRIBUTARY_DOCTOR_NOW_UNIX").ok().and_then(|s| s.parse().ok()) {
+    if let Some(fake) = std::env::var("TRIBUTARY_DOCTOR_NOW_UNIX")
+        .ok()
+        .and_then(|s| s.parse().ok())
+    {
         return fake;
     }
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// The clock must not be older than the binary. TLS still works then (validity is checked at
@@ -93,14 +110,23 @@ fn check_clock(r: &mut Report) -> u64 {
             Some("set the clock: enable NTP (systemd-timesyncd or chrony) or fit an RTC; records stamped with receive time are wrong until then"),
         );
     } else {
-        r.line(Level::Ok, "clock", "the clock is later than the build time", None);
+        r.line(
+            Level::Ok,
+            "clock",
+            "the clock is later than the build time",
+            None,
+        );
     }
     now
 }
 
 fn check_disk(r: &mut Report, cfg: &EdgeConfig) {
     let dir = &cfg.data_dir;
-    let probe_dir = if dir.exists() { dir.clone() } else { dir.parent().map(Path::to_path_buf).unwrap_or_default() };
+    let probe_dir = if dir.exists() {
+        dir.clone()
+    } else {
+        dir.parent().map(Path::to_path_buf).unwrap_or_default()
+    };
     let probe = probe_dir.join(format!(".doctor-{}", std::process::id()));
     if let Err(e) = std::fs::write(&probe, b"probe").and_then(|_| std::fs::remove_file(&probe)) {
         r.line(
@@ -144,10 +170,19 @@ fn free_bytes(dir: &Path) -> Option<u64> {
 
 fn check_certificates(r: &mut Report, cfg: &EdgeConfig, now: u64) {
     let Some(tls) = &cfg.tls else {
-        r.line(Level::Ok, "certificate", "no [tls]: replication is not configured", None);
+        r.line(
+            Level::Ok,
+            "certificate",
+            "no [tls]: replication is not configured",
+            None,
+        );
         return;
     };
-    let paths = TlsPaths { ca: tls.ca.clone(), cert: tls.cert.clone(), key: tls.key.clone() };
+    let paths = TlsPaths {
+        ca: tls.ca.clone(),
+        cert: tls.cert.clone(),
+        key: tls.key.clone(),
+    };
     if let Err(e) = link::client_config(&paths) {
         r.line(Level::Fail, "certificate", &e.to_string(), Some("re-issue with `core-hub pki issue --dir PKI --device ID --out DIR` and point [tls] at the files"));
         return;
@@ -166,34 +201,60 @@ fn check_certificates(r: &mut Report, cfg: &EdgeConfig, now: u64) {
 /// Verifies the device certificate against the configured CA, as the hub will.
 fn verify_chain(paths: &TlsPaths, now: u64) -> Result<(), String> {
     let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
-    let ca = CertificateDer::from_pem_slice(&read(&paths.ca)?).map_err(|e| format!("{}: {e}", paths.ca.display()))?;
-    let leaf =
-        CertificateDer::from_pem_slice(&read(&paths.cert)?).map_err(|e| format!("{}: {e}", paths.cert.display()))?;
+    let ca = CertificateDer::from_pem_slice(&read(&paths.ca)?)
+        .map_err(|e| format!("{}: {e}", paths.ca.display()))?;
+    let leaf = CertificateDer::from_pem_slice(&read(&paths.cert)?)
+        .map_err(|e| format!("{}: {e}", paths.cert.display()))?;
     let mut roots = rustls::RootCertStore::empty();
-    roots.add(ca).map_err(|e| format!("{}: {e}", paths.ca.display()))?;
+    roots
+        .add(ca)
+        .map_err(|e| format!("{}: {e}", paths.ca.display()))?;
     let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(std::sync::Arc::new(roots), provider)
-        .build()
-        .map_err(|e| e.to_string())?;
+    let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+        std::sync::Arc::new(roots),
+        provider,
+    )
+    .build()
+    .map_err(|e| e.to_string())?;
     let at = UnixTime::since_unix_epoch(Duration::from_secs(now)).max(link::build_time());
-    verifier
-        .verify_client_cert(&leaf, &[], at)
-        .map_err(|e| format!("{} is not accepted by {}: {e}", paths.cert.display(), paths.ca.display()))?;
+    verifier.verify_client_cert(&leaf, &[], at).map_err(|e| {
+        format!(
+            "{} is not accepted by {}: {e}",
+            paths.cert.display(),
+            paths.ca.display()
+        )
+    })?;
     Ok(())
 }
 
 fn check_broker(r: &mut Report, cfg: &EdgeConfig) {
     for source in &cfg.sources {
-        let SourceConfig::Mqtt(m) = source else { continue };
-        let hostport = m.url.split("://").nth(1).unwrap_or(&m.url).trim_end_matches('/');
-        let hostport = if hostport.contains(':') { hostport.to_owned() } else { format!("{hostport}:1883") };
+        let SourceConfig::Mqtt(m) = source else {
+            continue;
+        };
+        let hostport = m
+            .url
+            .split("://")
+            .nth(1)
+            .unwrap_or(&m.url)
+            .trim_end_matches('/');
+        let hostport = if hostport.contains(':') {
+            hostport.to_owned()
+        } else {
+            format!("{hostport}:1883")
+        };
         let reached = hostport
             .to_socket_addrs()
             .ok()
             .and_then(|mut a| a.next())
             .and_then(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(2)).ok());
         match reached {
-            Some(_) => r.line(Level::Ok, "broker", &format!("{} accepts connections", m.url), None),
+            Some(_) => r.line(
+                Level::Ok,
+                "broker",
+                &format!("{} accepts connections", m.url),
+                None,
+            ),
             None => r.line(
                 Level::Fail,
                 "broker",
@@ -206,10 +267,19 @@ fn check_broker(r: &mut Report, cfg: &EdgeConfig) {
 
 async fn check_hub(r: &mut Report, cfg: &EdgeConfig) {
     let (Some(hub), Some(tls)) = (&cfg.hub, &cfg.tls) else {
-        r.line(Level::Ok, "hub", "no [hub]: the agent records locally only", None);
+        r.line(
+            Level::Ok,
+            "hub",
+            "no [hub]: the agent records locally only",
+            None,
+        );
         return;
     };
-    let paths = TlsPaths { ca: tls.ca.clone(), cert: tls.cert.clone(), key: tls.key.clone() };
+    let paths = TlsPaths {
+        ca: tls.ca.clone(),
+        cert: tls.cert.clone(),
+        key: tls.key.clone(),
+    };
     let result = async {
         let addr = tokio::net::lookup_host(&hub.addr)
             .await
@@ -217,8 +287,11 @@ async fn check_hub(r: &mut Report, cfg: &EdgeConfig) {
             .next()
             .ok_or_else(|| format!("{} resolves to no address", hub.addr))?;
         let client = link::client_config(&paths).map_err(|e| e.to_string())?;
-        let endpoint = link::client_endpoint("0.0.0.0:0".parse().expect("literal")).map_err(|e| e.to_string())?;
-        let connecting = endpoint.connect_with(client, addr, &hub.server_name).map_err(|e| e.to_string())?;
+        let endpoint = link::client_endpoint("0.0.0.0:0".parse().expect("literal"))
+            .map_err(|e| e.to_string())?;
+        let connecting = endpoint
+            .connect_with(client, addr, &hub.server_name)
+            .map_err(|e| e.to_string())?;
         let conn = tokio::time::timeout(Duration::from_secs(5), connecting)
             .await
             .map_err(|_| format!("no answer from {addr} within 5 s"))?

@@ -10,8 +10,8 @@ use edge_agent::config::{EdgeConfig, fsync_name};
 use edge_agent::http::status::LinkState;
 use edge_agent::http::{self, AppState};
 use edge_agent::link::TlsPaths;
-use edge_agent::replicator::{self, LinkStatus, ReplicatorConfig};
 use edge_agent::log::{Log, LogHandle};
+use edge_agent::replicator::{self, LinkStatus, ReplicatorConfig};
 use edge_agent::storage::RealStorage;
 use tracing::info;
 
@@ -51,18 +51,30 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
     // MQTT and other sources: `/healthz` stays 503 until their subscriptions are granted.
     edge_agent::sources::spawn_all(cfg, app.ingest.clone(), app.sources.clone())?;
     if let (Some(hub), Some(tls)) = (&cfg.hub, &cfg.tls) {
-        let paths = TlsPaths { ca: tls.ca.clone(), cert: tls.cert.clone(), key: tls.key.clone() };
+        let paths = TlsPaths {
+            ca: tls.ca.clone(),
+            cert: tls.cert.clone(),
+            key: tls.key.clone(),
+        };
         let mut rcfg = ReplicatorConfig::new(hub.addr.clone(), hub.server_name.clone(), paths);
         rcfg.backoff_max = hub.backoff_max;
         rcfg.bandwidth_bytes_per_s = hub.bandwidth_bytes_per_s;
-        rcfg.priorities = cfg.streams.iter().map(|s| (s.name.clone(), s.priority)).collect();
+        rcfg.priorities = cfg
+            .streams
+            .iter()
+            .map(|s| (s.name.clone(), s.priority))
+            .collect();
         let status = Arc::new(LinkStatus::default());
         let _ = app.replication.set(status.clone());
         let mut up = status.subscribe_up();
         let app_link = app.clone();
         tokio::spawn(async move {
             while up.changed().await.is_ok() {
-                let state = if *up.borrow() { LinkState::Up } else { LinkState::Down };
+                let state = if *up.borrow() {
+                    LinkState::Up
+                } else {
+                    LinkState::Down
+                };
                 *app_link.link.write().unwrap_or_else(|e| e.into_inner()) = state;
             }
         });

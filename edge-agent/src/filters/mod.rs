@@ -85,10 +85,17 @@ pub enum StageSpec {
     /// its key. Records without the field, or with a non-numeric one, pass (counted).
     Deadband { field: String, threshold: f64 },
     /// One record per key per `interval_ns`.
-    Downsample { interval_ns: i64, mode: DownsampleMode },
+    Downsample {
+        interval_ns: i64,
+        mode: DownsampleMode,
+    },
     /// Per key, per tumbling `interval_ns` window of `field`: one record at the window's start
     /// with fields `<field>.<agg>`. Records without a numeric `field` are counted and skipped.
-    Window { interval_ns: i64, field: String, aggs: Vec<Agg> },
+    Window {
+        interval_ns: i64,
+        field: String,
+        aggs: Vec<Agg>,
+    },
     /// Keeps only these fields, renamed when a new name is given.
     Project(Vec<(String, Option<String>)>),
 }
@@ -156,11 +163,16 @@ impl Pipeline {
                     aggs,
                 } => {
                     if *interval_ns <= 0 || aggs.is_empty() {
-                        return Err(bad("window needs a positive interval and at least one aggregate".into()));
+                        return Err(bad(
+                            "window needs a positive interval and at least one aggregate".into(),
+                        ));
                     }
                     Box::new(Window {
                         interval: *interval_ns,
-                        names: aggs.iter().map(|a| format!("{field}.{}", a.name())).collect(),
+                        names: aggs
+                            .iter()
+                            .map(|a| format!("{field}.{}", a.name()))
+                            .collect(),
                         field: field.clone(),
                         aggs: aggs.clone(),
                         open: HashMap::new(),
@@ -326,7 +338,11 @@ impl Stage for Downsample {
             _ => {
                 let mut sums = Vec::new();
                 Downsample::add(&mut sums, &r);
-                let new = OpenInterval { start, last: r, sums };
+                let new = OpenInterval {
+                    start,
+                    last: r,
+                    sums,
+                };
                 if let Some(closed) = self.open.insert(new.last.key.clone(), new) {
                     self.emit(closed, out);
                 }

@@ -96,7 +96,9 @@ fn lex(text: &str) -> Result<Vec<(usize, Tok)>, PredicateError> {
             }
             b'-' | b'0'..=b'9' => {
                 i += 1;
-                while i < b.len() && (b[i].is_ascii_digit() || matches!(b[i], b'.' | b'e' | b'E' | b'+' | b'-')) {
+                while i < b.len()
+                    && (b[i].is_ascii_digit() || matches!(b[i], b'.' | b'e' | b'E' | b'+' | b'-'))
+                {
                     i += 1;
                 }
                 Tok::Num(text[start..i].parse().map_err(|_| PredicateError {
@@ -196,7 +198,9 @@ impl Parser {
                 return self.err("expected )");
             }
             self.pos += 1;
-            return Ok(Box::new(move |r, _| r.fields.iter().any(|(n, _)| *n == field)));
+            return Ok(Box::new(move |r, _| {
+                r.fields.iter().any(|(n, _)| *n == field)
+            }));
         }
         let Some(Tok::Op(op)) = self.peek().cloned() else {
             return self.err("expected == != < <= > >=");

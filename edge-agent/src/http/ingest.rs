@@ -98,11 +98,15 @@ impl Drop for KeyClaim {
 /// Why an idempotent ingest failed.
 #[derive(Debug, Error)]
 pub enum IdempotencyError {
-    #[error("the Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters")]
+    #[error(
+        "the Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters"
+    )]
     BadKey,
     #[error("a request with this Idempotency-Key is still being served: retry after it answered")]
     InProgress,
-    #[error("this Idempotency-Key was used before with a different body: use a new key for a new batch")]
+    #[error(
+        "this Idempotency-Key was used before with a different body: use a new key for a new batch"
+    )]
     BodyMismatch,
     #[error("the idempotency key store ({path}) failed: {message}")]
     Store { path: String, message: String },
@@ -120,7 +124,9 @@ struct KeyStore {
 
 impl std::fmt::Debug for KeyStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KeyStore").field("path", &self.path).finish_non_exhaustive()
+        f.debug_struct("KeyStore")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
     }
 }
 
@@ -302,7 +308,10 @@ impl Ingest {
         let row = answer.clone();
         let (s, k, digest) = (claim.stream.clone(), claim.key.clone(), claim.body_digest);
         let stored = tokio::task::spawn_blocking(move || {
-            let n = keys.stored.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            let n = keys
+                .stored
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                + 1;
             keys.with(|c| {
                 let now = now_ns();
                 c.execute(
@@ -343,7 +352,10 @@ impl Ingest {
         records: Vec<Record>,
     ) -> Result<AppendAck, AppendError> {
         let count = records.len() as u64;
-        let implausible = records.iter().filter(|r| implausible_ts(r.ts, now_ns())).count() as u64;
+        let implausible = records
+            .iter()
+            .filter(|r| implausible_ts(r.ts, now_ns()))
+            .count() as u64;
         let result = self.log.append(stream, records).await;
         match &result {
             Ok(_) => {
@@ -559,7 +571,10 @@ pub const TS_FUTURE_SLACK_NS: i64 = 86_400_000_000_000;
 /// before this binary was built, or more than a day ahead of the clock, is counted on
 /// `/metrics` so that a device with a bad clock is visible.
 pub fn implausible_ts(ts: i64, now_ns: i64) -> bool {
-    let built_ns = crate::link::BUILD_UNIX.parse::<i64>().unwrap_or(0).saturating_mul(1_000_000_000);
+    let built_ns = crate::link::BUILD_UNIX
+        .parse::<i64>()
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000);
     // A clock behind the build time is itself wrong; judge the future against the later of the two.
     ts < built_ns || ts > now_ns.max(built_ns).saturating_add(TS_FUTURE_SLACK_NS)
 }

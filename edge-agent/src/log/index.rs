@@ -157,7 +157,10 @@ pub(crate) struct Shared {
 
 impl Shared {
     pub(crate) fn new(storage: Arc<dyn Storage>, state: SharedState) -> Shared {
-        let epoch = *state.epochs.last().expect("recovery always yields an epoch");
+        let epoch = *state
+            .epochs
+            .last()
+            .expect("recovery always yields an epoch");
         let (durable_tx, _) = watch::channel(0);
         Shared {
             storage,
@@ -210,17 +213,27 @@ impl Shared {
     }
 
     pub(crate) fn gaps(&self, stream: &str) -> Vec<Gap> {
-        self.lock().streams.get(stream).map(|s| s.gaps.clone()).unwrap_or_default()
+        self.lock()
+            .streams
+            .get(stream)
+            .map(|s| s.gaps.clone())
+            .unwrap_or_default()
     }
 
     pub(crate) fn epochs_held(&self, stream: &str) -> Vec<(u64, u64, u64)> {
         let s = self.lock();
-        let Some(st) = s.streams.get(stream) else { return Vec::new() };
+        let Some(st) = s.streams.get(stream) else {
+            return Vec::new();
+        };
         let mut out: Vec<(u64, u64, u64)> = Vec::new();
         for e in &s.epochs {
             let moved = st.moved.get(e).map_or(u64::MAX, |m| m - 1);
             let durable = st.durable.get(e).copied().unwrap_or(0).min(moved);
-            let mut blocks = st.segments.iter().filter(|g| g.epoch == *e).flat_map(|g| g.blocks.iter());
+            let mut blocks = st
+                .segments
+                .iter()
+                .filter(|g| g.epoch == *e)
+                .flat_map(|g| g.blocks.iter());
             let Some(first) = blocks.next() else { continue };
             if first.first_seq > durable {
                 continue;
@@ -233,8 +246,16 @@ impl Shared {
     pub(crate) fn status(&self, names: &[String]) -> LogStatus {
         let s = self.lock();
         let epoch = *s.epochs.last().expect("an epoch");
-        let streams = names.iter().filter_map(|n| s.streams.get(n).map(|st| stream_status(n, epoch, st))).collect();
-        LogStatus { epoch, streams, disk_bytes: s.disk_bytes, poisoned: s.poisoned.clone() }
+        let streams = names
+            .iter()
+            .filter_map(|n| s.streams.get(n).map(|st| stream_status(n, epoch, st)))
+            .collect();
+        LogStatus {
+            epoch,
+            streams,
+            disk_bytes: s.disk_bytes,
+            poisoned: s.poisoned.clone(),
+        }
     }
 
     /// Finds the durable blocks to read, then reads them without holding the lock. A segment
@@ -253,8 +274,11 @@ impl Shared {
                 Ok(blocks) => return Ok(blocks),
                 Err(ReadError::Io { path, error }) => {
                     attempts += 1;
-                    let still_there =
-                        self.lock().streams.get(stream).is_some_and(|st| st.segments.iter().any(|g| g.path == path));
+                    let still_there = self
+                        .lock()
+                        .streams
+                        .get(stream)
+                        .is_some_and(|st| st.segments.iter().any(|g| g.path == path));
                     if still_there || attempts >= 3 {
                         return Err(ReadError::Io { path, error });
                     }
@@ -272,7 +296,10 @@ impl Shared {
         bytes_max: usize,
     ) -> Result<Vec<(PathBuf, Vec<BlockRef>)>, ReadError> {
         let s = self.lock();
-        let st = s.streams.get(stream).ok_or_else(|| ReadError::UnknownStream(stream.to_string()))?;
+        let st = s
+            .streams
+            .get(stream)
+            .ok_or_else(|| ReadError::UnknownStream(stream.to_string()))?;
         let durable = st.durable.get(&epoch).copied().unwrap_or(0);
         let mut plan: Vec<(PathBuf, Vec<BlockRef>)> = Vec::new();
         let mut total = 0usize;
@@ -297,16 +324,25 @@ impl Shared {
         Ok(plan)
     }
 
-    fn execute_read(&self, plan: &[(PathBuf, Vec<BlockRef>)]) -> Result<Vec<StoredBlock>, ReadError> {
+    fn execute_read(
+        &self,
+        plan: &[(PathBuf, Vec<BlockRef>)],
+    ) -> Result<Vec<StoredBlock>, ReadError> {
         let mut out = Vec::new();
         let limits = DecodeLimits::default();
         for (path, blocks) in plan {
             let start = blocks[0].offset;
-            let end = blocks.last().map(|b| b.offset + b.frame_bytes()).expect("non-empty");
+            let end = blocks
+                .last()
+                .map(|b| b.offset + b.frame_bytes())
+                .expect("non-empty");
             let buf = self
                 .storage
                 .read_at(path, start, (end - start) as usize)
-                .map_err(|e| ReadError::Io { path: path.clone(), error: e.to_string() })?;
+                .map_err(|e| ReadError::Io {
+                    path: path.clone(),
+                    error: e.to_string(),
+                })?;
             for b in blocks {
                 let at = (b.offset - start) as usize + FRAME_HEADER_LEN;
                 let bytes = buf[at..at + b.len as usize].to_vec();
@@ -316,7 +352,10 @@ impl Shared {
                     offset: b.offset,
                     error: e.to_string(),
                 })?;
-                assert_eq!(header.first_seq, b.first_seq, "index and block header disagree");
+                assert_eq!(
+                    header.first_seq, b.first_seq,
+                    "index and block header disagree"
+                );
                 out.push(StoredBlock { header, bytes });
             }
         }
@@ -331,7 +370,11 @@ fn stream_status(name: &str, epoch: u64, st: &StreamIndex) -> StreamStatus {
         let durable = st.durable.get(&seg.epoch).copied().unwrap_or(0);
         let acked = st.acks.get(&seg.epoch).map_or(0, |a| a.0);
         let moved = st.moved.get(&seg.epoch).copied().unwrap_or(u64::MAX);
-        for b in seg.blocks.iter().filter(|b| b.last_seq() > acked && b.last_seq() <= durable && b.first_seq < moved) {
+        for b in seg
+            .blocks
+            .iter()
+            .filter(|b| b.last_seq() > acked && b.last_seq() <= durable && b.first_seq < moved)
+        {
             backlog_bytes += b.frame_bytes();
             backlog_blocks += 1;
             oldest = Some(oldest.map_or(b.min_ts, |o| o.min(b.min_ts)));

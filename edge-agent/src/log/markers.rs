@@ -11,7 +11,9 @@ use super::index::{Gap, GapReason};
 use crate::storage::{Storage, WriteFile};
 use std::io;
 use std::path::{Path, PathBuf};
-use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, frame_header, scan_frames, segment_header};
+use sync::segment::{
+    FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, frame_header, scan_frames, segment_header,
+};
 
 pub(crate) const EPOCHS_FILE: &str = "epochs.log";
 pub(crate) const GAPS_FILE: &str = "gaps.log";
@@ -34,7 +36,11 @@ pub(crate) fn read_entries(storage: &dyn Storage, path: &Path) -> io::Result<(Ve
         return Ok((Vec::new(), lost));
     }
     let scan = scan_frames(&bytes, SEGMENT_HEADER_LEN);
-    let entries = scan.frames.iter().map(|f| bytes[f.block_offset() as usize..f.end() as usize].to_vec()).collect();
+    let entries = scan
+        .frames
+        .iter()
+        .map(|f| bytes[f.block_offset() as usize..f.end() as usize].to_vec())
+        .collect();
     let cut = bytes.len() as u64 - scan.valid_len;
     if cut > 0 {
         storage.truncate(path, scan.valid_len)?;
@@ -142,7 +148,13 @@ pub(crate) fn decode_gap(e: &[u8]) -> Option<Gap> {
         1 => GapReason::Corrupt,
         _ => return None,
     };
-    let g = Gap { epoch: u(0), first_seq: u(8), last_seq: u(16), records: u(24), reason };
+    let g = Gap {
+        epoch: u(0),
+        first_seq: u(8),
+        last_seq: u(16),
+        records: u(24),
+        reason,
+    };
     (g.first_seq >= 1 && g.first_seq <= g.last_seq).then_some(g)
 }
 
@@ -156,7 +168,13 @@ mod tests {
         let m = MemStorage::with_seed(3);
         m.create_dir_all(Path::new("/s")).unwrap();
         let p = Path::new("/s/gaps.log");
-        let g = Gap { epoch: 9, first_seq: 3, last_seq: 7, records: 5, reason: GapReason::Corrupt };
+        let g = Gap {
+            epoch: 9,
+            first_seq: 3,
+            last_seq: 7,
+            records: 5,
+            reason: GapReason::Corrupt,
+        };
         let mut f = MarkerFile::open(&m, p).unwrap();
         f.append(&[encode_gap(&g), encode_gap(&g)]).unwrap();
         drop(f);

@@ -176,7 +176,9 @@ pub enum AppendError {
     Full { retry_after: Duration },
     #[error("storage failed while writing this batch: {0}")]
     Storage(String),
-    #[error("the local log is poisoned after a storage failure and refuses writes until reopened: {0}")]
+    #[error(
+        "the local log is poisoned after a storage failure and refuses writes until reopened: {0}"
+    )]
     Poisoned(String),
     #[error("the local log is shut down")]
     Closed,
@@ -190,7 +192,11 @@ pub enum ReadError {
     #[error("reading {path}: {error}")]
     Io { path: PathBuf, error: String },
     #[error("block at {path}:{offset} failed verification: {error}")]
-    Corrupt { path: PathBuf, offset: u64, error: String },
+    Corrupt {
+        path: PathBuf,
+        offset: u64,
+        error: String,
+    },
 }
 
 /// Why [`LogHandle::set_acked`] failed.
@@ -266,7 +272,10 @@ pub struct Log;
 
 impl Log {
     /// Recovers the data directory and starts the writer thread.
-    pub fn open(cfg: LogConfig, storage: Arc<dyn Storage>) -> Result<(LogHandle, RecoveryReport), OpenError> {
+    pub fn open(
+        cfg: LogConfig,
+        storage: Arc<dyn Storage>,
+    ) -> Result<(LogHandle, RecoveryReport), OpenError> {
         validate(&cfg)?;
         let catalog_path = match &cfg.catalog {
             CatalogLocation::InDataDir => Some(cfg.data_dir.join("catalog.db")),
@@ -286,14 +295,30 @@ impl Log {
         recovery::log_report(&report);
         let (tx, rx) = mpsc::sync_channel(cfg.queue_batches_max);
         let shared = Arc::new(Shared::new(storage.clone(), rec.state));
-        let stream_ids: HashMap<String, usize> = cfg.streams.iter().enumerate().map(|(i, s)| (s.clone(), i)).collect();
+        let stream_ids: HashMap<String, usize> = cfg
+            .streams
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.clone(), i))
+            .collect();
         let w = writer::Writer::new(cfg.clone(), shared.clone(), rec.catalog, rec.writer_streams);
         let thread = std::thread::Builder::new()
             .name("tributary-log-writer".into())
             .spawn(move || w.run(rx))
             .map_err(OpenError::Thread)?;
-        let inner = HandleInner { tx, shared, stream_ids, cfg, thread: Mutex::new(Some(thread)) };
-        Ok((LogHandle { inner: Arc::new(inner) }, report))
+        let inner = HandleInner {
+            tx,
+            shared,
+            stream_ids,
+            cfg,
+            thread: Mutex::new(Some(thread)),
+        };
+        Ok((
+            LogHandle {
+                inner: Arc::new(inner),
+            },
+            report,
+        ))
     }
 }
 
@@ -307,7 +332,9 @@ fn validate(cfg: &LogConfig) -> Result<(), OpenError> {
     }
     for (i, s) in cfg.streams.iter().enumerate() {
         if !valid_stream_name(s) {
-            return bad(format!("stream name {s:?} must match [A-Za-z0-9_.-]{{1,64}}"));
+            return bad(format!(
+                "stream name {s:?} must match [A-Za-z0-9_.-]{{1,64}}"
+            ));
         }
         if s == "." || s == ".." {
             return bad(format!("stream name {s:?} is reserved"));
@@ -317,18 +344,29 @@ fn validate(cfg: &LogConfig) -> Result<(), OpenError> {
         }
     }
     if cfg.segment_bytes_max < 1024 {
-        return bad(format!("segment_bytes_max {} is below 1024", cfg.segment_bytes_max));
+        return bad(format!(
+            "segment_bytes_max {} is below 1024",
+            cfg.segment_bytes_max
+        ));
     }
     if cfg.block_records_max == 0 || cfg.block_records_max > 1 << 20 {
-        return bad(format!("block_records_max {} must be in 1..=1048576", cfg.block_records_max));
+        return bad(format!(
+            "block_records_max {} must be in 1..=1048576",
+            cfg.block_records_max
+        ));
     }
     if cfg.block_bytes_max == 0 || cfg.block_bytes_max > 64 << 20 {
-        return bad(format!("block_bytes_max {} must be in 1..=64MiB", cfg.block_bytes_max));
+        return bad(format!(
+            "block_bytes_max {} must be in 1..=64MiB",
+            cfg.block_bytes_max
+        ));
     }
     if cfg.queue_batches_max == 0 {
         return bad("queue_batches_max must be at least 1".into());
     }
-    if cfg.block_version != sync::block::VERSION_ROWS && cfg.block_version != sync::block::VERSION_COLUMNAR {
+    if cfg.block_version != sync::block::VERSION_ROWS
+        && cfg.block_version != sync::block::VERSION_COLUMNAR
+    {
         return bad(format!("block_version {} is not 1 or 2", cfg.block_version));
     }
     if let FsyncPolicy::Interval(d) = cfg.fsync
@@ -341,7 +379,9 @@ fn validate(cfg: &LogConfig) -> Result<(), OpenError> {
 
 /// True for names matching `[A-Za-z0-9_.-]{1,64}`.
 pub fn valid_stream_name(s: &str) -> bool {
-    (1..=64).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
+    (1..=64).contains(&s.len())
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
 }
 
 /// The largest single record accepted (approximate bytes), well under the frame limit.
@@ -377,9 +417,13 @@ struct HandleInner {
 impl std::fmt::Debug for Msg {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Msg::Append { stream, records, .. } => write!(f, "Append(stream {stream}, {} records)", records.len()),
+            Msg::Append {
+                stream, records, ..
+            } => write!(f, "Append(stream {stream}, {} records)", records.len()),
             Msg::Wake => f.write_str("Wake"),
-            Msg::Mint { epoch_min, rekey, .. } => write!(f, "Mint(>= {epoch_min}, {} rekeys)", rekey.len()),
+            Msg::Mint {
+                epoch_min, rekey, ..
+            } => write!(f, "Mint(>= {epoch_min}, {} rekeys)", rekey.len()),
             Msg::Shutdown(_) => f.write_str("Shutdown"),
         }
     }
@@ -415,24 +459,43 @@ pub struct LogHandle {
 
 impl LogHandle {
     fn precheck(&self, stream: &str, records: &[Record]) -> Result<usize, AppendError> {
-        let id = *self.inner.stream_ids.get(stream).ok_or_else(|| AppendError::UnknownStream(stream.to_string()))?;
+        let id = *self
+            .inner
+            .stream_ids
+            .get(stream)
+            .ok_or_else(|| AppendError::UnknownStream(stream.to_string()))?;
         if records.is_empty() {
             return Err(AppendError::EmptyBatch);
         }
         if let Some(msg) = self.inner.shared.poisoned() {
             return Err(AppendError::Poisoned(msg));
         }
-        if let Some(big) = records.iter().map(Record::approx_bytes).find(|b| *b > RECORD_BYTES_MAX) {
-            return Err(AppendError::RecordTooLarge { bytes: big, max: RECORD_BYTES_MAX });
+        if let Some(big) = records
+            .iter()
+            .map(Record::approx_bytes)
+            .find(|b| *b > RECORD_BYTES_MAX)
+        {
+            return Err(AppendError::RecordTooLarge {
+                bytes: big,
+                max: RECORD_BYTES_MAX,
+            });
         }
         Ok(id)
     }
 
     /// Appends one batch atomically; resolves once it is durable under the fsync policy.
-    pub async fn append(&self, stream: &str, records: Vec<Record>) -> Result<AppendAck, AppendError> {
+    pub async fn append(
+        &self,
+        stream: &str,
+        records: Vec<Record>,
+    ) -> Result<AppendAck, AppendError> {
         let id = self.precheck(stream, &records)?;
         let (reply, rx) = oneshot::channel();
-        let mut msg = Msg::Append { stream: id, records, reply };
+        let mut msg = Msg::Append {
+            stream: id,
+            records,
+            reply,
+        };
         loop {
             // Register for "queue has room" before retrying, so a wakeup cannot be missed.
             let notified = self.inner.shared.queue_space.notified();
@@ -451,10 +514,21 @@ impl LogHandle {
     }
 
     /// As [`LogHandle::append`], blocking the calling thread. Do not call from async code.
-    pub fn append_blocking(&self, stream: &str, records: Vec<Record>) -> Result<AppendAck, AppendError> {
+    pub fn append_blocking(
+        &self,
+        stream: &str,
+        records: Vec<Record>,
+    ) -> Result<AppendAck, AppendError> {
         let id = self.precheck(stream, &records)?;
         let (reply, rx) = oneshot::channel();
-        self.inner.tx.send(Msg::Append { stream: id, records, reply }).map_err(|_| AppendError::Closed)?;
+        self.inner
+            .tx
+            .send(Msg::Append {
+                stream: id,
+                records,
+                reply,
+            })
+            .map_err(|_| AppendError::Closed)?;
         rx.blocking_recv().map_err(|_| AppendError::Closed)?
     }
 
@@ -478,17 +552,27 @@ impl LogHandle {
         after_seq: u64,
         bytes_max: usize,
     ) -> Result<Vec<StoredBlock>, ReadError> {
-        self.inner.shared.read_blocks(stream, epoch, after_seq, bytes_max)
+        self.inner
+            .shared
+            .read_blocks(stream, epoch, after_seq, bytes_max)
     }
 
     /// Records the hub's acknowledgements for `(stream, epoch)`. Marks only move forward.
     /// Persisted to the catalog by the writer (batched); segments fully covered by
     /// `tiered_seq` are then deleted.
-    pub fn set_acked(&self, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) -> Result<(), AckError> {
+    pub fn set_acked(
+        &self,
+        stream: &str,
+        epoch: u64,
+        durable_seq: u64,
+        tiered_seq: u64,
+    ) -> Result<(), AckError> {
         if !self.inner.stream_ids.contains_key(stream) {
             return Err(AckError::UnknownStream(stream.to_string()));
         }
-        self.inner.shared.set_acked(stream, epoch, durable_seq, tiered_seq);
+        self.inner
+            .shared
+            .set_acked(stream, epoch, durable_seq, tiered_seq);
         match self.inner.tx.try_send(Msg::Wake) {
             // A full queue means the writer is busy and will see the dirty acks on its next pass.
             Ok(()) | Err(TrySendError::Full(_)) => Ok(()),
@@ -526,10 +610,18 @@ impl LogHandle {
     /// copies of one stream are written as one batch (all or nothing across a crash) and fsynced
     /// before this returns; the moved records then no longer count as backlog of their old lane,
     /// are not announced by [`LogHandle::epochs_held`], and retention may delete them.
-    pub fn mint_epoch_rekey(&self, epoch_min: u64, rekey: &[sync::protocol::Rekey]) -> Result<u64, MintError> {
+    pub fn mint_epoch_rekey(
+        &self,
+        epoch_min: u64,
+        rekey: &[sync::protocol::Rekey],
+    ) -> Result<u64, MintError> {
         let mut moves = Vec::with_capacity(rekey.len());
         for r in rekey {
-            let id = *self.inner.stream_ids.get(&r.stream).ok_or_else(|| MintError::UnknownStream(r.stream.clone()))?;
+            let id = *self
+                .inner
+                .stream_ids
+                .get(&r.stream)
+                .ok_or_else(|| MintError::UnknownStream(r.stream.clone()))?;
             moves.push((id, r.epoch, r.from_seq.max(1)));
         }
         self.mint_with(epoch_min, moves)
@@ -537,7 +629,14 @@ impl LogHandle {
 
     fn mint_with(&self, epoch_min: u64, rekey: Vec<(usize, u64, u64)>) -> Result<u64, MintError> {
         let (reply, rx) = mpsc::channel();
-        self.inner.tx.send(Msg::Mint { epoch_min, rekey, reply }).map_err(|_| MintError::Closed)?;
+        self.inner
+            .tx
+            .send(Msg::Mint {
+                epoch_min,
+                rekey,
+                reply,
+            })
+            .map_err(|_| MintError::Closed)?;
         rx.recv().map_err(|_| MintError::Closed)?
     }
 

@@ -74,14 +74,22 @@ pub(crate) fn recover(
     cat_open: CatalogOpen,
 ) -> Result<Recovered, OpenError> {
     let streams_dir = cfg.data_dir.join("streams");
-    let mut cx = Ctx { storage, qdir: cfg.data_dir.join("quarantine"), report: RecoveryReport::default() };
+    let mut cx = Ctx {
+        storage,
+        qdir: cfg.data_dir.join("quarantine"),
+        report: RecoveryReport::default(),
+    };
     for d in [&cfg.data_dir, &streams_dir, &cx.qdir] {
-        storage.create_dir_all(d).map_err(io_err("create_dir_all", d))?;
+        storage
+            .create_dir_all(d)
+            .map_err(io_err("create_dir_all", d))?;
     }
     let mut files = Vec::new();
     for name in &cfg.streams {
         let dir = streams_dir.join(name);
-        storage.create_dir_all(&dir).map_err(io_err("create_dir_all", &dir))?;
+        storage
+            .create_dir_all(&dir)
+            .map_err(io_err("create_dir_all", &dir))?;
         files.push(list_segments(&cx, &dir)?);
     }
     for d in [&cfg.data_dir, &streams_dir] {
@@ -94,7 +102,10 @@ pub(crate) fn recover(
     if let Some(why) = &cat_open.corrupt_reason {
         tracing::warn!(reason = %why, moved_to = ?cat_open.moved_aside, "catalog was corrupt; rebuilding it from the segment files");
     }
-    let mut state = SharedState { epochs: epochs.clone(), ..SharedState::default() };
+    let mut state = SharedState {
+        epochs: epochs.clone(),
+        ..SharedState::default()
+    };
     let mut inits = Vec::new();
     let acks = catalog.acks().unwrap_or_default();
     for (name, segs) in cfg.streams.iter().zip(files) {
@@ -114,7 +125,12 @@ pub(crate) fn recover(
     }
     sync_catalog(&mut catalog, &state)?;
     cx.report.epoch = *epochs.last().expect("an epoch");
-    Ok(Recovered { state, catalog, writer_streams: inits, report: cx.report })
+    Ok(Recovered {
+        state,
+        catalog,
+        writer_streams: inits,
+        report: cx.report,
+    })
 }
 
 /// Lists a stream directory's segments, removing leftover `.tmp` files of interrupted rewrites.
@@ -128,9 +144,16 @@ fn list_segments(cx: &Ctx<'_>, dir: &Path) -> Result<Vec<SegFile>, OpenError> {
             continue;
         }
         match parse_segment_name(&name) {
-            Some((epoch, first_seq)) => out.push(SegFile { epoch, first_seq, name, path }),
+            Some((epoch, first_seq)) => out.push(SegFile {
+                epoch,
+                first_seq,
+                name,
+                path,
+            }),
             None if name == GAPS_FILE => {}
-            None => tracing::warn!(file = %path.display(), "ignoring unexpected file in stream directory"),
+            None => {
+                tracing::warn!(file = %path.display(), "ignoring unexpected file in stream directory")
+            }
         }
     }
     Ok(out)
@@ -165,18 +188,26 @@ fn recover_epochs(
         rewrite = !epochs.is_empty();
     }
     let had_history = !epochs.is_empty();
-    let unknown: Vec<u64> = seg_epochs.iter().copied().filter(|e| !epochs.contains(e)).collect();
+    let unknown: Vec<u64> = seg_epochs
+        .iter()
+        .copied()
+        .filter(|e| !epochs.contains(e))
+        .collect();
     let ambiguous = epochs.is_empty() && unknown.len() > 1;
     if !unknown.is_empty() {
         // Epochs seen only in segment names are older than any recorded history.
-        tracing::warn!(?unknown, "segments of epochs missing from the epoch history");
+        tracing::warn!(
+            ?unknown,
+            "segments of epochs missing from the epoch history"
+        );
         epochs.splice(0..0, unknown);
         rewrite = true;
     }
     if epochs.is_empty() || ambiguous {
         // With several epochs and no record of their order, continuing any of them could reuse
         // seqs; a fresh epoch never does.
-        let e = mint(&epochs, 0).ok_or_else(|| OpenError::Config("no epoch left above the existing ones".into()))?;
+        let e = mint(&epochs, 0)
+            .ok_or_else(|| OpenError::Config("no epoch left above the existing ones".into()))?;
         epochs.push(e);
         cx.report.epoch_minted = true;
         rewrite = true;
@@ -198,7 +229,11 @@ pub(crate) fn mint(used: &[u64], min: u64) -> Option<u64> {
         Some(m) => m.checked_add(1)?.max(min),
         None => min.max(1),
     };
-    let span: u64 = if used.is_empty() && min == 0 { 1 << 62 } else { 1 << 32 };
+    let span: u64 = if used.is_empty() && min == 0 {
+        1 << 62
+    } else {
+        1 << 32
+    };
     let room = u64::MAX - floor;
     Some(floor + rng.random_range(0..=room.min(span - 1)))
 }
@@ -210,11 +245,16 @@ fn entropy() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     use std::io::Read;
     let mut b = [0u8; 8];
-    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok() {
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok()
+    {
         return u64::from_le_bytes(b);
     }
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     h.write_u128(now.as_nanos());
     h.write_u32(std::process::id());
     h.finish()
@@ -230,10 +270,13 @@ struct GapWriter<'a> {
 impl GapWriter<'_> {
     fn write(&mut self, g: &Gap) -> Result<(), OpenError> {
         if self.file.is_none() {
-            self.file = Some(MarkerFile::open(self.storage, &self.path).map_err(io_err("open", &self.path))?);
+            self.file = Some(
+                MarkerFile::open(self.storage, &self.path).map_err(io_err("open", &self.path))?,
+            );
         }
         let f = self.file.as_mut().expect("opened");
-        f.append(&[markers::encode_gap(g)]).map_err(io_err("append", &self.path))
+        f.append(&[markers::encode_gap(g)])
+            .map_err(io_err("append", &self.path))
     }
 }
 
@@ -247,7 +290,8 @@ fn recover_stream(
     let order = |e: u64| epochs.iter().position(|x| *x == e).unwrap_or(0);
     files.sort_by_key(|f| (order(f.epoch), f.first_seq));
     let gaps_path = dir.join(GAPS_FILE);
-    let (entries, cut) = markers::read_entries(cx.storage, &gaps_path).map_err(io_err("read", &gaps_path))?;
+    let (entries, cut) =
+        markers::read_entries(cx.storage, &gaps_path).map_err(io_err("read", &gaps_path))?;
     if cut > 0 {
         tracing::warn!(stream, bytes = cut, "gaps.log had a torn tail; truncated");
     }
@@ -261,11 +305,23 @@ fn recover_stream(
         let m = idx.moved.entry(epoch).or_insert(from_seq);
         *m = (*m).min(from_seq);
     }
-    let mut gw = GapWriter { storage: cx.storage, path: gaps_path, file: None };
+    let mut gw = GapWriter {
+        storage: cx.storage,
+        path: gaps_path,
+        file: None,
+    };
     for (i, f) in files.iter().enumerate() {
         let next = files.get(i + 1).filter(|n| n.epoch == f.epoch);
         let is_tail = next.is_none();
-        if let Some(seg) = recover_segment(cx, &mut gw, &mut idx, stream, f, is_tail, next.map(|n| n.first_seq))? {
+        if let Some(seg) = recover_segment(
+            cx,
+            &mut gw,
+            &mut idx,
+            stream,
+            f,
+            is_tail,
+            next.map(|n| n.first_seq),
+        )? {
             idx.segments.push(seg);
         }
     }
@@ -284,7 +340,13 @@ fn recover_stream(
     sync_tails(cx, &idx)?;
     let current = *epochs.last().expect("an epoch");
     let last_block = idx.durable.get(&current).copied().unwrap_or(0);
-    let last_gap = idx.gaps.iter().filter(|g| g.epoch == current).map(|g| g.last_seq).max().unwrap_or(0);
+    let last_gap = idx
+        .gaps
+        .iter()
+        .filter(|g| g.epoch == current)
+        .map(|g| g.last_seq)
+        .max()
+        .unwrap_or(0);
     idx.next_seq = last_block.max(last_gap) + 1;
     // Reopen the tail only if new blocks continue it; after a gap marker past its end (a lost
     // tail segment), the next block starts a new segment named after its first seq.
@@ -294,7 +356,11 @@ fn recover_stream(
         .rfind(|s| s.epoch == current)
         .filter(|s| s.last_seq().is_some_and(|l| l + 1 == idx.next_seq))
         .map(|s| (s.path.clone(), s.first_seq));
-    let init = StreamInit { dir: dir.to_path_buf(), next_seq: idx.next_seq, tail };
+    let init = StreamInit {
+        dir: dir.to_path_buf(),
+        next_seq: idx.next_seq,
+        tail,
+    };
     Ok((idx, init))
 }
 
@@ -311,19 +377,28 @@ fn recover_segment(
 ) -> Result<Option<SegIndex>, OpenError> {
     let bytes = cx.storage.read(&f.path).map_err(io_err("read", &f.path))?;
     if let Err(e) = segment::check_header(&bytes) {
-        return bad_header(cx, gw, idx, stream, f, &bytes, next_first, e.to_string()).map(|()| None);
+        return bad_header(cx, gw, idx, stream, f, &bytes, next_first, e.to_string())
+            .map(|()| None);
     }
     let walk = walk_frames(&bytes, f.epoch, is_tail);
     // Before the first block, the file name says where the segment's seqs start.
     let prev_last = f.first_seq.saturating_sub(1);
     let last_good_before = |start: u64, good: &[(FrameRef, BlockRef)]| {
-        good.iter().filter(|(fr, _)| fr.offset < start).map(|(_, b)| b.last_seq()).max()
+        good.iter()
+            .filter(|(fr, _)| fr.offset < start)
+            .map(|(_, b)| b.last_seq())
+            .max()
     };
     for &(start, end) in &walk.bad {
         let qpath = cx.qdir.join(format!("{stream}-{}-{start}.bad", f.name));
         write_quarantine(cx.storage, &qpath, &bytes[start as usize..end as usize])?;
         let before = last_good_before(start, &walk.good).unwrap_or(prev_last);
-        let after = walk.good.iter().find(|(fr, _)| fr.offset >= end).map(|(_, b)| b.first_seq).or(next_first);
+        let after = walk
+            .good
+            .iter()
+            .find(|(fr, _)| fr.offset >= end)
+            .map(|(_, b)| b.first_seq)
+            .or(next_first);
         let why = format!("corrupt bytes {start}..{end} of {}", f.path.display());
         if let Some(after) = after
             && after > before + 1
@@ -347,13 +422,20 @@ fn recover_segment(
     if let Some(off) = walk.torn {
         let removed = bytes.len() as u64 - off;
         let records = torn_records(&bytes[off as usize..]);
-        cx.storage.truncate(&f.path, off).map_err(io_err("truncate", &f.path))?;
+        cx.storage
+            .truncate(&f.path, off)
+            .map_err(io_err("truncate", &f.path))?;
         cx.report.truncated_bytes += removed;
         cx.report.truncated_records += records;
         tracing::warn!(stream, file = %f.path.display(), bytes = removed, records, "truncated torn tail");
     }
-    let mut seg =
-        SegIndex { epoch: f.epoch, first_seq: f.first_seq, path: f.path.clone(), bytes: 0, blocks: Vec::new() };
+    let mut seg = SegIndex {
+        epoch: f.epoch,
+        first_seq: f.first_seq,
+        path: f.path.clone(),
+        bytes: 0,
+        blocks: Vec::new(),
+    };
     if walk.bad.is_empty() {
         seg.bytes = walk.torn.unwrap_or(bytes.len() as u64);
         seg.blocks = walk.good.iter().map(|(_, b)| *b).collect();
@@ -374,7 +456,11 @@ struct Walk {
 
 fn walk_frames(bytes: &[u8], epoch: u64, is_tail: bool) -> Walk {
     let limits = DecodeLimits::default();
-    let mut w = Walk { good: Vec::new(), bad: Vec::new(), torn: None };
+    let mut w = Walk {
+        good: Vec::new(),
+        bad: Vec::new(),
+        torn: None,
+    };
     let mut pos = SEGMENT_HEADER_LEN;
     loop {
         let scan = segment::scan_frames(bytes, pos);
@@ -438,8 +524,12 @@ fn bad_header(
 ) -> Result<(), OpenError> {
     let dir = crate::storage::parent_dir(&f.path);
     if bytes.len() <= SEGMENT_HEADER_LEN && next_first.is_none() {
-        cx.storage.remove(&f.path).map_err(io_err("remove", &f.path))?;
-        cx.storage.sync_dir(&dir).map_err(io_err("sync_dir", &dir))?;
+        cx.storage
+            .remove(&f.path)
+            .map_err(io_err("remove", &f.path))?;
+        cx.storage
+            .sync_dir(&dir)
+            .map_err(io_err("sync_dir", &dir))?;
         cx.report.truncated_bytes += bytes.len() as u64;
         tracing::warn!(stream, file = %f.path.display(), "removed a segment whose creation was interrupted");
         return Ok(());
@@ -461,9 +551,15 @@ fn bad_header(
         }
     }
     let qpath = cx.qdir.join(format!("{stream}-{}", f.name));
-    cx.storage.rename(&f.path, &qpath).map_err(io_err("rename", &f.path))?;
-    cx.storage.sync_dir(&cx.qdir).map_err(io_err("sync_dir", &cx.qdir))?;
-    cx.storage.sync_dir(&dir).map_err(io_err("sync_dir", &dir))?;
+    cx.storage
+        .rename(&f.path, &qpath)
+        .map_err(io_err("rename", &f.path))?;
+    cx.storage
+        .sync_dir(&cx.qdir)
+        .map_err(io_err("sync_dir", &cx.qdir))?;
+    cx.storage
+        .sync_dir(&dir)
+        .map_err(io_err("sync_dir", &dir))?;
     idx.quarantined_blocks += 1;
     let why = format!("unreadable segment header ({why})");
     tracing::error!(stream, quarantine = %qpath.display(), "{why}; segment quarantined");
@@ -524,21 +620,39 @@ fn rewrite_segment(
 
 /// Drops a trailing run of `FLAG_BATCH_CONTINUES` blocks of one epoch: a batch whose last block
 /// never reached the disk was never acknowledged, and must not be half-visible.
-fn drop_incomplete_batch(cx: &mut Ctx<'_>, idx: &mut StreamIndex, epoch: u64) -> Result<(), OpenError> {
-    let last = idx.segments.iter().rev().filter(|s| s.epoch == epoch).find_map(SegIndex::last_seq);
+fn drop_incomplete_batch(
+    cx: &mut Ctx<'_>,
+    idx: &mut StreamIndex,
+    epoch: u64,
+) -> Result<(), OpenError> {
+    let last = idx
+        .segments
+        .iter()
+        .rev()
+        .filter(|s| s.epoch == epoch)
+        .find_map(SegIndex::last_seq);
     // A batch that continues into a gap marker (its later blocks were dropped by the budget or
     // quarantined) was complete; it is not the torn end of the log.
     if let Some(last) = last
-        && idx.gaps.iter().any(|g| g.epoch == epoch && g.first_seq <= last + 1 && last < g.last_seq)
+        && idx
+            .gaps
+            .iter()
+            .any(|g| g.epoch == epoch && g.first_seq <= last + 1 && last < g.last_seq)
     {
         return Ok(());
     }
     for seg in idx.segments.iter_mut().rev().filter(|s| s.epoch == epoch) {
-        let keep = seg.blocks.iter().rposition(|b| b.flags & FLAG_BATCH_CONTINUES == 0).map_or(0, |i| i + 1);
+        let keep = seg
+            .blocks
+            .iter()
+            .rposition(|b| b.flags & FLAG_BATCH_CONTINUES == 0)
+            .map_or(0, |i| i + 1);
         if keep < seg.blocks.len() {
             let cut = seg.blocks[keep].offset;
             let records: u64 = seg.blocks[keep..].iter().map(|b| u64::from(b.count)).sum();
-            cx.storage.truncate(&seg.path, cut).map_err(io_err("truncate", &seg.path))?;
+            cx.storage
+                .truncate(&seg.path, cut)
+                .map_err(io_err("truncate", &seg.path))?;
             cx.report.truncated_bytes += seg.bytes - cut;
             cx.report.truncated_records += records;
             tracing::warn!(file = %seg.path.display(), records, "dropped an incomplete trailing batch");
@@ -556,7 +670,11 @@ fn drop_incomplete_batch(cx: &mut Ctx<'_>, idx: &mut StreamIndex, epoch: u64) ->
 /// Deletes segments whose every block lies in a `Dropped` gap marker: the budget wrote the
 /// marker (fsynced) and lost power before the delete became durable. Finishing the drop keeps
 /// the marker and the data from both claiming the same seqs.
-fn finish_interrupted_drops(cx: &mut Ctx<'_>, idx: &mut StreamIndex, dir: &Path) -> Result<(), OpenError> {
+fn finish_interrupted_drops(
+    cx: &mut Ctx<'_>,
+    idx: &mut StreamIndex,
+    dir: &Path,
+) -> Result<(), OpenError> {
     let dropped = |epoch: u64, b: &BlockRef| {
         idx.gaps.iter().any(|g| {
             g.reason == GapReason::Dropped
@@ -583,10 +701,16 @@ fn finish_interrupted_drops(cx: &mut Ctx<'_>, idx: &mut StreamIndex, dir: &Path)
 }
 
 /// Removes segments that hold no block (an interrupted roll, or emptied by truncation).
-fn remove_empty_segments(cx: &mut Ctx<'_>, idx: &mut StreamIndex, dir: &Path) -> Result<(), OpenError> {
+fn remove_empty_segments(
+    cx: &mut Ctx<'_>,
+    idx: &mut StreamIndex,
+    dir: &Path,
+) -> Result<(), OpenError> {
     let mut removed = false;
     for seg in idx.segments.iter().filter(|s| s.blocks.is_empty()) {
-        cx.storage.remove(&seg.path).map_err(io_err("remove", &seg.path))?;
+        cx.storage
+            .remove(&seg.path)
+            .map_err(io_err("remove", &seg.path))?;
         cx.report.truncated_bytes += seg.bytes.saturating_sub(SEGMENT_HEADER_LEN as u64);
         removed = true;
     }
@@ -601,7 +725,10 @@ fn sync_tails(cx: &Ctx<'_>, idx: &StreamIndex) -> Result<(), OpenError> {
     let mut seen = BTreeSet::new();
     for seg in idx.segments.iter().rev() {
         if seen.insert(seg.epoch) {
-            let mut f = cx.storage.open_append(&seg.path).map_err(io_err("open", &seg.path))?;
+            let mut f = cx
+                .storage
+                .open_append(&seg.path)
+                .map_err(io_err("open", &seg.path))?;
             f.sync().map_err(io_err("sync", &seg.path))?;
         }
     }

@@ -18,7 +18,10 @@ use std::sync::Arc;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 use sync::Record;
-use sync::block::{DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUES, decode_block, decode_header, encode_block_with};
+use sync::block::{
+    DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUES, decode_block, decode_header,
+    encode_block_with,
+};
 use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, frame_header, segment_header};
 use tokio::sync::oneshot;
 
@@ -85,13 +88,22 @@ pub(crate) struct Writer {
 
 /// What a drain pass ended on.
 enum Control {
-    Mint { epoch_min: u64, rekey: Vec<(usize, u64, u64)>, reply: mpsc::Sender<Result<u64, MintError>> },
+    Mint {
+        epoch_min: u64,
+        rekey: Vec<(usize, u64, u64)>,
+        reply: mpsc::Sender<Result<u64, MintError>>,
+    },
     Shutdown(mpsc::Sender<()>),
     Disconnected,
 }
 
 impl Writer {
-    pub(crate) fn new(cfg: LogConfig, shared: Arc<Shared>, catalog: Catalog, inits: Vec<StreamInit>) -> Writer {
+    pub(crate) fn new(
+        cfg: LogConfig,
+        shared: Arc<Shared>,
+        catalog: Catalog,
+        inits: Vec<StreamInit>,
+    ) -> Writer {
         let (epoch, disk_bytes) = {
             let s = shared.lock();
             (*s.epochs.last().expect("an epoch"), s.disk_bytes)
@@ -118,7 +130,9 @@ impl Writer {
             .collect();
         let storage = shared.storage.clone();
         // An fsync long ago: the first append under `Interval` is synced at once.
-        let last_fsync = Instant::now().checked_sub(Duration::from_secs(3600)).unwrap_or_else(Instant::now);
+        let last_fsync = Instant::now()
+            .checked_sub(Duration::from_secs(3600))
+            .unwrap_or_else(Instant::now);
         Writer {
             cfg,
             shared,
@@ -144,7 +158,11 @@ impl Writer {
             self.tick(control.is_some());
             match control {
                 None => {}
-                Some(Control::Mint { epoch_min, rekey, reply }) => {
+                Some(Control::Mint {
+                    epoch_min,
+                    rekey,
+                    reply,
+                }) => {
                     let _ = reply.send(self.mint(epoch_min, &rekey));
                 }
                 Some(Control::Shutdown(reply)) => {
@@ -174,9 +192,23 @@ impl Writer {
         };
         for _ in 0..self.cfg.queue_batches_max {
             match msg {
-                Msg::Append { stream, records, reply } => self.on_append(stream, records, reply),
+                Msg::Append {
+                    stream,
+                    records,
+                    reply,
+                } => self.on_append(stream, records, reply),
                 Msg::Wake => {}
-                Msg::Mint { epoch_min, rekey, reply } => return Some(Control::Mint { epoch_min, rekey, reply }),
+                Msg::Mint {
+                    epoch_min,
+                    rekey,
+                    reply,
+                } => {
+                    return Some(Control::Mint {
+                        epoch_min,
+                        rekey,
+                        reply,
+                    });
+                }
                 Msg::Shutdown(r) => return Some(Control::Shutdown(r)),
             }
             msg = match rx.try_recv() {
@@ -187,20 +219,38 @@ impl Writer {
         }
         // The pass is full; handle the message already taken and leave the rest for the next.
         match msg {
-            Msg::Append { stream, records, reply } => self.on_append(stream, records, reply),
+            Msg::Append {
+                stream,
+                records,
+                reply,
+            } => self.on_append(stream, records, reply),
             Msg::Wake => {}
-            Msg::Mint { epoch_min, rekey, reply } => return Some(Control::Mint { epoch_min, rekey, reply }),
+            Msg::Mint {
+                epoch_min,
+                rekey,
+                reply,
+            } => {
+                return Some(Control::Mint {
+                    epoch_min,
+                    rekey,
+                    reply,
+                });
+            }
             Msg::Shutdown(r) => return Some(Control::Shutdown(r)),
         }
         None
     }
 
     fn next_deadline(&self) -> Option<Duration> {
-        let FsyncPolicy::Interval(every) = self.cfg.fsync else { return None };
+        let FsyncPolicy::Interval(every) = self.cfg.fsync else {
+            return None;
+        };
         let mut at: Option<Instant> = None;
         for st in &self.streams {
             if let Some(t) = st.pending_since {
-                at = Some(at.map_or(t + self.cfg.block_linger, |a| a.min(t + self.cfg.block_linger)));
+                at = Some(at.map_or(t + self.cfg.block_linger, |a| {
+                    a.min(t + self.cfg.block_linger)
+                }));
             }
         }
         if self.unsynced || !self.waiters.is_empty() {
@@ -219,7 +269,9 @@ impl Writer {
             // Acks that arrived in this same pass may free space: apply them before refusing.
             self.apply_acks();
             if self.would_exceed(&records) {
-                let _ = reply.send(Err(AppendError::Full { retry_after: FULL_RETRY_AFTER }));
+                let _ = reply.send(Err(AppendError::Full {
+                    retry_after: FULL_RETRY_AFTER,
+                }));
                 return;
             }
         }
@@ -237,8 +289,13 @@ impl Writer {
     /// The `block` policy's pre-check: would this batch, with everything not yet written, push
     /// the segment bytes over the budget? Uses uncompressed sizes, so it errs on the safe side.
     fn would_exceed(&self, records: &[Record]) -> bool {
-        let unwritten: u64 = self.streams.iter().map(|s| (s.pending_bytes + s.sealed_buf.len()) as u64).sum();
-        let batch: u64 = records.iter().map(|r| r.approx_bytes() as u64).sum::<u64>() + BLOCK_OVERHEAD_BYTES;
+        let unwritten: u64 = self
+            .streams
+            .iter()
+            .map(|s| (s.pending_bytes + s.sealed_buf.len()) as u64)
+            .sum();
+        let batch: u64 =
+            records.iter().map(|r| r.approx_bytes() as u64).sum::<u64>() + BLOCK_OVERHEAD_BYTES;
         self.disk_bytes + unwritten + batch > self.cfg.disk_bytes_max
     }
 
@@ -252,9 +309,15 @@ impl Writer {
         let first = st.next_seq;
         let last = first.checked_add(n - 1).ok_or("seq space exhausted")?;
         st.next_seq = last + 1;
-        let ack = AppendAck { stream: st.name.clone(), epoch: self.epoch, first_seq: first, last_seq: last };
+        let ack = AppendAck {
+            stream: st.name.clone(),
+            epoch: self.epoch,
+            first_seq: first,
+            last_seq: last,
+        };
         let fits = records.len() <= rec_max && bytes <= bytes_max;
-        let overflow = st.pending.len() + records.len() > rec_max || st.pending_bytes + bytes > bytes_max;
+        let overflow =
+            st.pending.len() + records.len() > rec_max || st.pending_bytes + bytes > bytes_max;
         if !st.pending.is_empty() && (!fits || overflow) {
             self.seal_pending(i)?;
         }
@@ -289,7 +352,11 @@ impl Writer {
                 return;
             }
         }
-        assert_eq!(st.pending_first + st.pending.len() as u64, first, "seqs must be contiguous");
+        assert_eq!(
+            st.pending_first + st.pending.len() as u64,
+            first,
+            "seqs must be contiguous"
+        );
         st.pending.extend(records);
         st.pending_bytes += bytes;
     }
@@ -311,17 +378,36 @@ impl Writer {
     }
 
     /// Encodes one block and frames it into the stream's write buffer.
-    fn seal(&mut self, i: usize, records: &[Record], first_seq: u64, flags: u8) -> Result<(), String> {
-        let opts = EncodeOptions { version: self.cfg.block_version, flags, zstd_level: self.cfg.zstd_level };
+    fn seal(
+        &mut self,
+        i: usize,
+        records: &[Record],
+        first_seq: u64,
+        flags: u8,
+    ) -> Result<(), String> {
+        let opts = EncodeOptions {
+            version: self.cfg.block_version,
+            flags,
+            zstd_level: self.cfg.zstd_level,
+        };
         let block = encode_block_with(&opts, self.epoch, first_seq, records)
             .map_err(|e| format!("sealing a block failed: {e}"))?;
         // Check what we are about to write, as the reader will check it after reading.
         let h = decode_header(&block).map_err(|e| format!("sealed block does not verify: {e}"))?;
-        assert!(h.first_seq == first_seq && h.count as usize == records.len(), "sealed header disagrees");
+        assert!(
+            h.first_seq == first_seq && h.count as usize == records.len(),
+            "sealed header disagrees"
+        );
         let st = &mut self.streams[i];
         st.sealed_buf.extend_from_slice(&frame_header(&block));
         st.sealed_buf.extend_from_slice(&block);
-        st.sealed.push(Sealed { len: block.len() as u32, first_seq, count: h.count, min_ts: h.min_ts, flags });
+        st.sealed.push(Sealed {
+            len: block.len() as u32,
+            first_seq,
+            count: h.count,
+            min_ts: h.min_ts,
+            flags,
+        });
         Ok(())
     }
 
@@ -340,7 +426,9 @@ impl Writer {
         let interval = matches!(self.cfg.fsync, FsyncPolicy::Interval(_));
         let will_sync = fsync_due && (self.unsynced || !self.waiters.is_empty());
         for i in 0..self.streams.len() {
-            let aged = self.streams[i].pending_since.is_some_and(|t| now.duration_since(t) >= self.cfg.block_linger);
+            let aged = self.streams[i]
+                .pending_since
+                .is_some_and(|t| now.duration_since(t) >= self.cfg.block_linger);
             if (!interval || force || will_sync || aged)
                 && let Err(why) = self.seal_pending(i)
             {
@@ -349,7 +437,10 @@ impl Writer {
         }
         for i in 0..self.streams.len() {
             if let Err(e) = self.write_stream(i) {
-                return self.poison(format!("writing stream {:?} failed: {e}", self.streams[i].name));
+                return self.poison(format!(
+                    "writing stream {:?} failed: {e}",
+                    self.streams[i].name
+                ));
             }
         }
         self.publish_next_seqs();
@@ -433,7 +524,11 @@ impl Writer {
         let mut s = self.shared.lock();
         s.disk_bytes = self.disk_bytes;
         let idx = s.streams.get_mut(&st.name).expect("configured stream");
-        let seg = idx.segments.iter_mut().rfind(|g| g.path == *path).expect("active segment is indexed");
+        let seg = idx
+            .segments
+            .iter_mut()
+            .rfind(|g| g.path == *path)
+            .expect("active segment is indexed");
         for b in blocks {
             let r = BlockRef {
                 offset,
@@ -444,7 +539,11 @@ impl Writer {
                 flags: b.flags,
             };
             if let Some(prev) = seg.blocks.last() {
-                assert_eq!(prev.last_seq() + 1, r.first_seq, "seqs within a segment are contiguous");
+                assert_eq!(
+                    prev.last_seq() + 1,
+                    r.first_seq,
+                    "seqs within a segment are contiguous"
+                );
             }
             offset += r.frame_bytes();
             seg.bytes = offset;
@@ -460,7 +559,12 @@ impl Writer {
         let st = &mut self.streams[i];
         if let Some((path, seg_first)) = st.tail.take() {
             let file = self.storage.open_append(&path)?;
-            st.active = Some(Active { file, path, first_seq: seg_first, dirty: false });
+            st.active = Some(Active {
+                file,
+                path,
+                first_seq: seg_first,
+                dirty: false,
+            });
             return Ok(());
         }
         self.create_segment(i, first_seq)
@@ -482,13 +586,30 @@ impl Writer {
             let epoch = self.epoch;
             let idx = s.streams.get_mut(&st.name).expect("configured stream");
             // Epochs are minted in order, so appending keeps segments in (epoch, seq) order.
-            idx.segments.push(SegIndex { epoch, first_seq, path: path.clone(), bytes: header, blocks: Vec::new() });
+            idx.segments.push(SegIndex {
+                epoch,
+                first_seq,
+                path: path.clone(),
+                bytes: header,
+                blocks: Vec::new(),
+            });
         }
-        let row = SegmentRow { stream: st.name.clone(), epoch: self.epoch, first_seq, last_seq: 0, bytes: header };
+        let row = SegmentRow {
+            stream: st.name.clone(),
+            epoch: self.epoch,
+            first_seq,
+            last_seq: 0,
+            bytes: header,
+        };
         if let Err(e) = self.catalog.upsert_segment(&row) {
             tracing::warn!(error = %e, "catalog: recording a new segment failed (it is rebuilt at open)");
         }
-        st.active = Some(Active { file, path, first_seq, dirty: false });
+        st.active = Some(Active {
+            file,
+            path,
+            first_seq,
+            dirty: false,
+        });
         Ok(())
     }
 
@@ -548,7 +669,11 @@ impl Writer {
         let mut best: Option<(i64, usize, &SegIndex)> = None;
         for (j, st) in self.streams.iter().enumerate() {
             let active = st.active.as_ref().map(|a| &a.path);
-            let Some(seg) = s.streams.get(&st.name).and_then(|idx| idx.segments.first().map(|g| (idx, g))) else {
+            let Some(seg) = s
+                .streams
+                .get(&st.name)
+                .and_then(|idx| idx.segments.first().map(|g| (idx, g)))
+            else {
                 continue;
             };
             let (idx, seg) = seg;
@@ -577,7 +702,10 @@ impl Writer {
         {
             let mut s = self.shared.lock();
             s.disk_bytes = self.disk_bytes;
-            let idx = s.streams.get_mut(&self.streams[j].name).expect("configured stream");
+            let idx = s
+                .streams
+                .get_mut(&self.streams[j].name)
+                .expect("configured stream");
             idx.segments.retain(|g| g.path != seg.path);
             idx.gaps.extend(gaps.iter().copied());
             idx.dropped_records += records;
@@ -605,7 +733,10 @@ impl Writer {
     fn append_markers(&mut self, j: usize, entries: &[Vec<u8>]) -> io::Result<()> {
         let st = &mut self.streams[j];
         if st.gaps.is_none() {
-            st.gaps = Some(MarkerFile::open(self.storage.as_ref(), &st.dir.join(GAPS_FILE))?);
+            st.gaps = Some(MarkerFile::open(
+                self.storage.as_ref(),
+                &st.dir.join(GAPS_FILE),
+            )?);
         }
         st.gaps.as_mut().expect("opened").append(entries)
     }
@@ -673,7 +804,10 @@ impl Writer {
                 return;
             }
             s.acks_dirty = false;
-            s.streams.iter().flat_map(|(n, st)| st.acks.iter().map(|(e, (d, t))| (n.clone(), *e, *d, *t))).collect()
+            s.streams
+                .iter()
+                .flat_map(|(n, st)| st.acks.iter().map(|(e, (d, t))| (n.clone(), *e, *d, *t)))
+                .collect()
         };
         if let Err(e) = self.catalog.set_acks(&acks) {
             tracing::warn!(error = %e, "catalog: storing acknowledgements failed");
@@ -699,7 +833,10 @@ impl Writer {
                         // Freed once tiered, or once moved into a newer epoch (rekey).
                         let tiered = idx.acks.get(&g.epoch).map_or(0, |a| a.1);
                         let moved = idx.moved.get(&g.epoch).copied().unwrap_or(u64::MAX);
-                        !g.blocks.is_empty() && g.blocks.iter().all(|b| b.last_seq() <= tiered || b.first_seq >= moved)
+                        !g.blocks.is_empty()
+                            && g.blocks
+                                .iter()
+                                .all(|b| b.last_seq() <= tiered || b.first_seq >= moved)
                     })
                     .cloned()
                     .collect()
@@ -718,7 +855,8 @@ impl Writer {
                 let mut s = self.shared.lock();
                 s.disk_bytes = self.disk_bytes;
                 let idx = s.streams.get_mut(&name).expect("configured stream");
-                idx.segments.retain(|g| !doomed.iter().any(|d| d.path == g.path));
+                idx.segments
+                    .retain(|g| !doomed.iter().any(|d| d.path == g.path));
             }
             for g in &doomed {
                 if let Err(e) = self.catalog.remove_segment(&name, g.epoch, g.first_seq) {
@@ -763,7 +901,10 @@ impl Writer {
         {
             let mut s = self.shared.lock();
             for &(i, old, from_seq) in rekey {
-                let idx = s.streams.get_mut(&self.streams[i].name).expect("configured stream");
+                let idx = s
+                    .streams
+                    .get_mut(&self.streams[i].name)
+                    .expect("configured stream");
                 let m = idx.moved.entry(old).or_insert(from_seq);
                 *m = (*m).min(from_seq);
             }
@@ -784,13 +925,16 @@ impl Writer {
         let mut held_back: Option<Vec<Record>> = None;
         let mut moved = 0u64;
         loop {
-            let blocks = self.shared.read_blocks(&name, old, after, 4 << 20).map_err(|e| e.to_string())?;
+            let blocks = self
+                .shared
+                .read_blocks(&name, old, after, 4 << 20)
+                .map_err(|e| e.to_string())?;
             if blocks.is_empty() {
                 break;
             }
             for b in blocks {
-                let block =
-                    decode_block(&b.bytes, &limits).map_err(|e| format!("reading {name} epoch {old:x}: {e}"))?;
+                let block = decode_block(&b.bytes, &limits)
+                    .map_err(|e| format!("reading {name} epoch {old:x}: {e}"))?;
                 after = block.header.last_seq();
                 let skip = from_seq.saturating_sub(block.header.first_seq) as usize;
                 let records: Vec<Record> = block.records.into_iter().skip(skip).collect();
@@ -805,7 +949,8 @@ impl Writer {
                 }
             }
             if self.streams[i].sealed_buf.len() > 8 << 20 {
-                self.write_stream(i).map_err(|e| format!("writing moved records failed: {e}"))?;
+                self.write_stream(i)
+                    .map_err(|e| format!("writing moved records failed: {e}"))?;
             }
         }
         if let Some(last) = held_back {
@@ -836,8 +981,8 @@ impl Writer {
         let epochs = self.shared.lock().epochs.clone();
         let epoch = recovery::mint(&epochs, epoch_min).ok_or(MintError::EpochSpace(epoch_min))?;
         let path = self.cfg.data_dir.join(EPOCHS_FILE);
-        let res =
-            MarkerFile::open(self.storage.as_ref(), &path).and_then(|mut f| f.append(&[markers::encode_epoch(epoch)]));
+        let res = MarkerFile::open(self.storage.as_ref(), &path)
+            .and_then(|mut f| f.append(&[markers::encode_epoch(epoch)]));
         if let Err(e) = res {
             let why = format!("writing {} failed: {e}", path.display());
             self.poison(why.clone());
@@ -929,7 +1074,11 @@ mod tests {
     use sync::Value;
 
     fn rec(i: usize, pad: usize) -> Record {
-        Record { key: format!("k{i}"), ts: i as i64, fields: vec![("v".into(), Value::Str("x".repeat(pad)))] }
+        Record {
+            key: format!("k{i}"),
+            ts: i as i64,
+            fields: vec![("v".into(), Value::Str("x".repeat(pad)))],
+        }
     }
 
     #[test]
@@ -945,7 +1094,14 @@ mod tests {
 
     #[test]
     fn runs_follow_contiguity() {
-        let b = |first_seq, count| BlockRef { offset: 0, len: 1, first_seq, count, min_ts: 0, flags: 0 };
+        let b = |first_seq, count| BlockRef {
+            offset: 0,
+            len: 1,
+            first_seq,
+            count,
+            min_ts: 0,
+            flags: 0,
+        };
         let seg = SegIndex {
             epoch: 7,
             first_seq: 1,
@@ -955,7 +1111,13 @@ mod tests {
         };
         let runs = contiguous_runs(&seg);
         assert_eq!(runs.len(), 2);
-        assert_eq!((runs[0].first_seq, runs[0].last_seq, runs[0].records), (1, 5, 5));
-        assert_eq!((runs[1].first_seq, runs[1].last_seq, runs[1].records), (10, 10, 1));
+        assert_eq!(
+            (runs[0].first_seq, runs[0].last_seq, runs[0].records),
+            (1, 5, 5)
+        );
+        assert_eq!(
+            (runs[1].first_seq, runs[1].last_seq, runs[1].records),
+            (10, 10, 1)
+        );
     }
 }

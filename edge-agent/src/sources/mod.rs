@@ -36,7 +36,9 @@ impl SourcesState {
             .count();
         SourcesState {
             mqtt_ready: (0..n).map(|_| AtomicBool::new(false)).collect(),
-            mqtt_stats: (0..n).map(|_| Arc::new(mqtt::MqttStats::default())).collect(),
+            mqtt_stats: (0..n)
+                .map(|_| Arc::new(mqtt::MqttStats::default()))
+                .collect(),
         }
     }
 
@@ -85,9 +87,11 @@ impl SourcesState {
             ("received", "MQTT PUBLISH packets received", |s| {
                 s.received.load(Ordering::Relaxed)
             }),
-            ("dup_received", "received with DUP set (redeliveries)", |s| {
-                s.dup_received.load(Ordering::Relaxed)
-            }),
+            (
+                "dup_received",
+                "received with DUP set (redeliveries)",
+                |s| s.dup_received.load(Ordering::Relaxed),
+            ),
             (
                 "duplicates_dropped",
                 "redeliveries recognised as already stored and not appended again",
@@ -96,21 +100,31 @@ impl SourcesState {
             ("records", "records appended", |s| {
                 s.records.load(Ordering::Relaxed)
             }),
-            ("bad_payloads", "payloads that did not parse (acked, not stored)", |s| {
-                s.bad_payloads.load(Ordering::Relaxed)
-            }),
-            ("topic_mismatches", "topics that did not match topic_template", |s| {
-                s.topic_mismatches.load(Ordering::Relaxed)
-            }),
-            ("bad_timestamps", "ts_field missing or unreadable: receive time used", |s| {
-                s.bad_timestamps.load(Ordering::Relaxed)
-            }),
+            (
+                "bad_payloads",
+                "payloads that did not parse (acked, not stored)",
+                |s| s.bad_payloads.load(Ordering::Relaxed),
+            ),
+            (
+                "topic_mismatches",
+                "topics that did not match topic_template",
+                |s| s.topic_mismatches.load(Ordering::Relaxed),
+            ),
+            (
+                "bad_timestamps",
+                "ts_field missing or unreadable: receive time used",
+                |s| s.bad_timestamps.load(Ordering::Relaxed),
+            ),
         ];
         for (name, help, get) in counters {
             let _ = writeln!(out, "# HELP tributary_edge_mqtt_{name}_total {help}");
             let _ = writeln!(out, "# TYPE tributary_edge_mqtt_{name}_total counter");
             for (i, s) in self.mqtt_stats.iter().enumerate() {
-                let _ = writeln!(out, "tributary_edge_mqtt_{name}_total{{source=\"{i}\"}} {}", get(s));
+                let _ = writeln!(
+                    out,
+                    "tributary_edge_mqtt_{name}_total{{source=\"{i}\"}} {}",
+                    get(s)
+                );
             }
         }
         out

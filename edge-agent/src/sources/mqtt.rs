@@ -237,7 +237,11 @@ impl MqttSource {
             match event {
                 Event::Incoming(Packet::ConnAck(ack)) => {
                     was_up = true;
-                    info!(source = self.index, session_present = ack.session_present, "mqtt connected");
+                    info!(
+                        source = self.index,
+                        session_present = ack.session_present,
+                        "mqtt connected"
+                    );
                     // Subscribing again on a resumed session is harmless and keeps the filters
                     // in step with the config.
                     if let Err(e) = client.subscribe_many(filters.to_vec()).await {
@@ -326,7 +330,8 @@ impl Writer {
                 continue;
             }
             let before = records.len();
-            self.mapper.map(&m.publish, m.received_ns, digest, &mut records);
+            self.mapper
+                .map(&m.publish, m.received_ns, digest, &mut records);
             if records.len() > before {
                 digests.push(digest);
             }
@@ -443,7 +448,9 @@ impl Dedupe {
                         break;
                     }
                 };
-                let Some(last_block) = blocks.last() else { break };
+                let Some(last_block) = blocks.last() else {
+                    break;
+                };
                 let next_after = last_block.header.last_seq();
                 if next_after <= after {
                     break;
@@ -472,7 +479,11 @@ impl Dedupe {
         for d in found {
             dedupe.insert(d);
         }
-        info!(stream, digests = dedupe.order.len(), "mqtt: recent message digests loaded for duplicate detection");
+        info!(
+            stream,
+            digests = dedupe.order.len(),
+            "mqtt: recent message digests loaded for duplicate detection"
+        );
         dedupe
     }
 
@@ -529,7 +540,10 @@ pub fn default_client_id(data_dir: &Path, index: usize) -> String {
 /// `mqtt://host[:port]` into host and port (default 1883).
 fn parse_url(url: &str) -> Result<(String, u16), String> {
     if url.starts_with("mqtts://") {
-        return Err("mqtts:// (TLS to the broker) is not supported yet: use mqtt:// to a local broker".into());
+        return Err(
+            "mqtts:// (TLS to the broker) is not supported yet: use mqtt:// to a local broker"
+                .into(),
+        );
     }
     let rest = url
         .strip_prefix("mqtt://")
@@ -795,14 +809,20 @@ mod tests {
     fn json_mapping() {
         let m = Mapper::new(&cfg(PayloadFormat::Json), Arc::default());
         let mut out = Vec::new();
-        let p = publish("sensors/dev7/temp", r#"{"ts":1500,"v":1.5,"n":{"a":2,"b":{"c":true}},"z":null,"arr":[1,2]}"#);
+        let p = publish(
+            "sensors/dev7/temp",
+            r#"{"ts":1500,"v":1.5,"n":{"a":2,"b":{"c":true}},"z":null,"arr":[1,2]}"#,
+        );
         m.map(&p, 42, 9, &mut out);
         let r = &out[0];
         assert_eq!(r.key, "dev7/temp");
         assert_eq!(r.ts, 1_500_000_000);
         let names: Vec<&str> = r.fields.iter().map(|(n, _)| n.as_str()).collect();
         // serde_json's map keeps keys sorted, so fields come in name order.
-        assert_eq!(names, ["arr", "n.a", "n.b.c", "v", TOPIC_FIELD, DIGEST_FIELD]);
+        assert_eq!(
+            names,
+            ["arr", "n.a", "n.b.c", "v", TOPIC_FIELD, DIGEST_FIELD]
+        );
         assert_eq!(r.fields[4].1, Value::Str("sensors/dev7/temp".into()));
         // A topic off the template keeps the whole topic as the key; a missing ts gets the
         // receive time; both are counted.
@@ -822,7 +842,12 @@ mod tests {
     fn line_mapping() {
         let m = Mapper::new(&cfg(PayloadFormat::Line), Arc::default());
         let mut out = Vec::new();
-        m.map(&publish("sensors/d/s", "m,dev=x v=1 5\nm,dev=y v=2 6\n"), 0, 3, &mut out);
+        m.map(
+            &publish("sensors/d/s", "m,dev=x v=1 5\nm,dev=y v=2 6\n"),
+            0,
+            3,
+            &mut out,
+        );
         assert_eq!(out.len(), 2);
         assert_eq!(out[0].key, "d/s");
         assert_eq!(out[1].ts, 6);
@@ -838,7 +863,10 @@ mod tests {
         assert_eq!(to_ns(&Value::I64(i64::MAX), TsUnit::S), None);
         assert_eq!(to_ns(&Value::Str("x".into()), TsUnit::Ms), None);
         assert_eq!(
-            to_ns(&Value::Str("1970-01-01T00:00:01.5Z".into()), TsUnit::Rfc3339),
+            to_ns(
+                &Value::Str("1970-01-01T00:00:01.5Z".into()),
+                TsUnit::Rfc3339
+            ),
             Some(1_500_000_000)
         );
         assert_eq!(to_ns(&Value::F64(f64::NAN), TsUnit::Ns), None);
@@ -846,7 +874,10 @@ mod tests {
 
     #[test]
     fn urls_and_ids() {
-        assert_eq!(parse_url("mqtt://127.0.0.1:1884").unwrap(), ("127.0.0.1".into(), 1884));
+        assert_eq!(
+            parse_url("mqtt://127.0.0.1:1884").unwrap(),
+            ("127.0.0.1".into(), 1884)
+        );
         assert_eq!(parse_url("mqtt://broker").unwrap(), ("broker".into(), 1883));
         assert!(parse_url("mqtts://x:1").is_err());
         assert!(parse_url("mqtt://x:y").is_err());

@@ -63,7 +63,10 @@ pub async fn run(cfg: SensorSourceConfig, ingest: Ingest, stats: Arc<SensorStats
             continue;
         }
         let n = pending.len() as u64;
-        match ingest.ingest(&cfg.stream, std::mem::take(&mut pending)).await {
+        match ingest
+            .ingest(&cfg.stream, std::mem::take(&mut pending))
+            .await
+        {
             Ok(_) => {
                 stats.records.fetch_add(n, Ordering::Relaxed);
             }
@@ -86,18 +89,30 @@ enum Reader {
 impl Reader {
     fn new(cfg: &SensorSourceConfig) -> Result<Reader, String> {
         Ok(match &cfg.kind {
-            SensorKind::Hwmon { sysfs_root } => {
-                Reader::Hwmon(firmware::hwmon::HwmonSource::new(sysfs_root.clone(), cfg.key_prefix.clone()))
-            }
-            SensorKind::Iio { sysfs_root } => {
-                Reader::Iio(firmware::iio::IioSource::new(sysfs_root.clone(), cfg.key_prefix.clone()))
-            }
-            SensorKind::Nmea { path } => Reader::Nmea(Box::new(
-                firmware::nmea::NmeaReader::open(path, &cfg.key_prefix).map_err(|e| e.to_string())?,
+            SensorKind::Hwmon { sysfs_root } => Reader::Hwmon(firmware::hwmon::HwmonSource::new(
+                sysfs_root.clone(),
+                cfg.key_prefix.clone(),
             )),
-            SensorKind::Simulator { industrial, units, hz, seed } => {
+            SensorKind::Iio { sysfs_root } => Reader::Iio(firmware::iio::IioSource::new(
+                sysfs_root.clone(),
+                cfg.key_prefix.clone(),
+            )),
+            SensorKind::Nmea { path } => Reader::Nmea(Box::new(
+                firmware::nmea::NmeaReader::open(path, &cfg.key_prefix)
+                    .map_err(|e| e.to_string())?,
+            )),
+            SensorKind::Simulator {
+                industrial,
+                units,
+                hz,
+                seed,
+            } => {
                 let sim = SimConfig {
-                    kind: if *industrial { SimKind::Industrial } else { SimKind::Fleet },
+                    kind: if *industrial {
+                        SimKind::Industrial
+                    } else {
+                        SimKind::Fleet
+                    },
                     device_id: cfg.key_prefix.clone(),
                     units: *units,
                     hz: *hz,
@@ -105,7 +120,9 @@ impl Reader {
                     start_ns: now_ns(),
                     ..SimConfig::default()
                 };
-                Reader::Sim(Box::new(Simulator::new(sim).map_err(|e| format!("{}: {}", e.field, e.message))?))
+                Reader::Sim(Box::new(
+                    Simulator::new(sim).map_err(|e| format!("{}: {}", e.field, e.message))?,
+                ))
             }
         })
     }
@@ -116,14 +133,23 @@ impl Reader {
         let (records, errors) = match &mut self {
             Reader::Hwmon(s) => {
                 let p = s.poll(now);
-                (p.records, p.errors.iter().map(ToString::to_string).collect())
+                (
+                    p.records,
+                    p.errors.iter().map(ToString::to_string).collect(),
+                )
             }
             Reader::Iio(s) => {
                 let p = s.poll(now);
-                (p.records, p.errors.iter().map(ToString::to_string).collect())
+                (
+                    p.records,
+                    p.errors.iter().map(ToString::to_string).collect(),
+                )
             }
             Reader::Nmea(r) => match r.read_batch(64, now_ns) {
-                Ok(b) => (b.records, b.errors.iter().map(|e| format!("{e:?}")).collect()),
+                Ok(b) => (
+                    b.records,
+                    b.errors.iter().map(|e| format!("{e:?}")).collect(),
+                ),
                 Err(e) => (Vec::new(), vec![e.to_string()]),
             },
             // Bounded per poll, so a long stall never builds one huge batch.

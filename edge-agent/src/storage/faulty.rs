@@ -44,7 +44,13 @@ pub struct Fault {
 impl Fault {
     /// A fault on the first operation of `op`.
     pub fn on(op: OpKind, error: FaultError) -> Fault {
-        Fault { op: Some(op), path_contains: None, skip: 0, error, sticky: false }
+        Fault {
+            op: Some(op),
+            path_contains: None,
+            skip: 0,
+            error,
+            sticky: false,
+        }
     }
 }
 
@@ -65,7 +71,11 @@ impl Faults {
         let mut list = self.list.lock().unwrap_or_else(|e| e.into_inner());
         for st in list.iter_mut() {
             let kind_ok = st.fault.op.is_none_or(|k| k == op);
-            let path_ok = st.fault.path_contains.as_ref().is_none_or(|f| path.to_string_lossy().contains(f.as_str()));
+            let path_ok = st
+                .fault
+                .path_contains
+                .as_ref()
+                .is_none_or(|f| path.to_string_lossy().contains(f.as_str()));
             if !(kind_ok && path_ok) {
                 continue;
             }
@@ -90,7 +100,10 @@ pub struct FaultyStorage {
 impl FaultyStorage {
     /// No faults until [`FaultyStorage::add`] is called.
     pub fn new(inner: Arc<dyn Storage>) -> FaultyStorage {
-        FaultyStorage { inner, faults: Arc::default() }
+        FaultyStorage {
+            inner,
+            faults: Arc::default(),
+        }
     }
 
     /// One fault derived from `seed`: a random kind among appends, syncs and creates, after a
@@ -103,27 +116,56 @@ impl FaultyStorage {
             x ^= x << 17;
             x
         };
-        let op = [OpKind::Append, OpKind::Sync, OpKind::Create, OpKind::SyncDir][(next() % 4) as usize];
-        let error = if next() % 2 == 0 { FaultError::Eio } else { FaultError::Enospc };
+        let op = [
+            OpKind::Append,
+            OpKind::Sync,
+            OpKind::Create,
+            OpKind::SyncDir,
+        ][(next() % 4) as usize];
+        let error = if next() % 2 == 0 {
+            FaultError::Eio
+        } else {
+            FaultError::Enospc
+        };
         let f = FaultyStorage::new(inner);
-        f.add(Fault { op: Some(op), path_contains: None, skip: next() % ops_max.max(1), error, sticky: true });
+        f.add(Fault {
+            op: Some(op),
+            path_contains: None,
+            skip: next() % ops_max.max(1),
+            error,
+            sticky: true,
+        });
         f
     }
 
     /// Adds a fault.
     pub fn add(&self, fault: Fault) {
         let mut list = self.faults.list.lock().unwrap_or_else(|e| e.into_inner());
-        list.push(FaultState { fault, seen: 0, fired: 0 });
+        list.push(FaultState {
+            fault,
+            seen: 0,
+            fired: 0,
+        });
     }
 
     /// Removes every fault (the "disk" is healthy again).
     pub fn clear(&self) {
-        self.faults.list.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.faults
+            .list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// How many faults have fired.
     pub fn fired(&self) -> u64 {
-        self.faults.list.lock().unwrap_or_else(|e| e.into_inner()).iter().map(|s| s.fired).sum()
+        self.faults
+            .list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|s| s.fired)
+            .sum()
     }
 }
 
@@ -150,7 +192,11 @@ impl WriteFile for FaultyFile {
 
 impl FaultyStorage {
     fn wrap(&self, path: &Path, inner: Box<dyn WriteFile>) -> Box<dyn WriteFile> {
-        Box::new(FaultyFile { inner, faults: self.faults.clone(), path: path.to_path_buf() })
+        Box::new(FaultyFile {
+            inner,
+            faults: self.faults.clone(),
+            path: path.to_path_buf(),
+        })
     }
 }
 

@@ -59,7 +59,12 @@ impl MemState {
         }
         self.ops += 1;
         if self.crash_at == Some(self.ops) {
-            let info = CrashInfo { op_index: self.ops, op, path: path.to_path_buf(), file_len };
+            let info = CrashInfo {
+                op_index: self.ops,
+                op,
+                path: path.to_path_buf(),
+                file_len,
+            };
             self.crashed = Some(info);
             return Err(crashed_err());
         }
@@ -92,7 +97,10 @@ fn crashed_err() -> io::Error {
 }
 
 fn not_found(path: &Path) -> io::Error {
-    io::Error::new(io::ErrorKind::NotFound, format!("{}: no such file", path.display()))
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{}: no such file", path.display()),
+    )
 }
 
 /// In-memory files with an honest model of what survives a power cut. Cheap to clone (shared).
@@ -145,7 +153,11 @@ impl MemStorage {
             if inode.data.len() > durable_len && inode.data.starts_with(&inode.durable) {
                 let extra = (inode.data.len() - durable_len) as u64;
                 // Half the time nothing unsynced survives; otherwise a random prefix does.
-                let keep = if coin & 1 == 0 { 0 } else { (coin >> 1) % (extra + 1) };
+                let keep = if coin & 1 == 0 {
+                    0
+                } else {
+                    (coin >> 1) % (extra + 1)
+                };
                 inode.data.truncate(durable_len + keep as usize);
             } else {
                 inode.data = inode.durable.clone();
@@ -169,7 +181,10 @@ impl MemStorage {
         let id = s.inode_of(path)?;
         let inode = s.inodes.get_mut(&id).expect("live inode");
         let len = inode.data.len();
-        let b = inode.data.get_mut(offset).ok_or_else(|| io::Error::other(format!("offset {offset} beyond {len}")))?;
+        let b = inode
+            .data
+            .get_mut(offset)
+            .ok_or_else(|| io::Error::other(format!("offset {offset} beyond {len}")))?;
         *b ^= xor;
         inode.durable = inode.data.clone();
         Ok(())
@@ -194,7 +209,10 @@ impl WriteFile for MemFile {
         let mut s = self.lock();
         let len = s.inodes.get(&self.inode).map_or(0, |i| i.data.len() as u64);
         if let Err(e) = s.begin(OpKind::Append, &self.path, len) {
-            if s.crashed.as_ref().is_some_and(|c| c.op_index == s.ops && c.op == OpKind::Append) {
+            if s.crashed
+                .as_ref()
+                .is_some_and(|c| c.op_index == s.ops && c.op == OpKind::Append)
+            {
                 // The cut landed mid-write: part of it may have reached the page cache.
                 let keep = (s.next_rand() % (data.len() as u64 + 1)) as usize;
                 if let Some(inode) = s.inodes.get_mut(&self.inode) {
@@ -203,7 +221,10 @@ impl WriteFile for MemFile {
             }
             return Err(e);
         }
-        let inode = s.inodes.get_mut(&self.inode).ok_or_else(|| not_found(&self.path))?;
+        let inode = s
+            .inodes
+            .get_mut(&self.inode)
+            .ok_or_else(|| not_found(&self.path))?;
         inode.data.extend_from_slice(data);
         Ok(())
     }
@@ -212,13 +233,19 @@ impl WriteFile for MemFile {
         let mut s = self.lock();
         let len = s.inodes.get(&self.inode).map_or(0, |i| i.data.len() as u64);
         s.begin(OpKind::Sync, &self.path, len)?;
-        let inode = s.inodes.get_mut(&self.inode).ok_or_else(|| not_found(&self.path))?;
+        let inode = s
+            .inodes
+            .get_mut(&self.inode)
+            .ok_or_else(|| not_found(&self.path))?;
         inode.durable.clone_from(&inode.data);
         Ok(())
     }
 
     fn len(&self) -> u64 {
-        self.lock().inodes.get(&self.inode).map_or(0, |i| i.data.len() as u64)
+        self.lock()
+            .inodes
+            .get(&self.inode)
+            .map_or(0, |i| i.data.len() as u64)
     }
 }
 
@@ -240,14 +267,22 @@ impl Storage for MemStorage {
                 id
             }
         };
-        Ok(Box::new(MemFile { state: self.state.clone(), inode: id, path: path.to_path_buf() }))
+        Ok(Box::new(MemFile {
+            state: self.state.clone(),
+            inode: id,
+            path: path.to_path_buf(),
+        }))
     }
 
     fn open_append(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
         let mut s = self.lock();
         s.begin(OpKind::OpenAppend, path, 0)?;
         let id = s.inode_of(path)?;
-        Ok(Box::new(MemFile { state: self.state.clone(), inode: id, path: path.to_path_buf() }))
+        Ok(Box::new(MemFile {
+            state: self.state.clone(),
+            inode: id,
+            path: path.to_path_buf(),
+        }))
     }
 
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
@@ -302,7 +337,10 @@ impl Storage for MemStorage {
     fn remove(&self, path: &Path) -> io::Result<()> {
         let mut s = self.lock();
         s.begin(OpKind::Remove, path, 0)?;
-        s.live.remove(path).map(|_| ()).ok_or_else(|| not_found(path))
+        s.live
+            .remove(path)
+            .map(|_| ())
+            .ok_or_else(|| not_found(path))
     }
 
     fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
@@ -334,8 +372,12 @@ impl Storage for MemStorage {
         let mut s = self.lock();
         s.begin(OpKind::SyncDir, dir, 0)?;
         s.durable_names.retain(|p, _| p.parent() != Some(dir));
-        let now: Vec<(PathBuf, u64)> =
-            s.live.iter().filter(|(p, _)| p.parent() == Some(dir)).map(|(p, id)| (p.clone(), *id)).collect();
+        let now: Vec<(PathBuf, u64)> = s
+            .live
+            .iter()
+            .filter(|(p, _)| p.parent() == Some(dir))
+            .map(|(p, id)| (p.clone(), *id))
+            .collect();
         s.durable_names.extend(now);
         Ok(())
     }

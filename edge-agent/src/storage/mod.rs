@@ -112,7 +112,11 @@ impl WriteFile for RealFile {
 
 impl Storage for RealStorage {
     fn create(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
-        let file = OpenOptions::new().create(true).truncate(true).write(true).open(path)?;
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(true)
+            .write(true)
+            .open(path)?;
         Ok(Box::new(RealFile { file, len: 0 }))
     }
     fn open_append(&self, path: &Path) -> io::Result<Box<dyn WriteFile>> {
@@ -167,5 +171,7 @@ impl Storage for RealStorage {
 
 /// The parent directory of `path`, for `sync_dir` after creating or removing it.
 pub fn parent_dir(path: &Path) -> PathBuf {
-    path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."))
+    path.parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
 }

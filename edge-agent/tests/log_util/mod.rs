@@ -15,7 +15,10 @@ pub fn rec(id: u64, pad: usize) -> Record {
     Record {
         key: format!("dev/{}", id % 5),
         ts: 1_764_374_400_000_000_000 + id as i64,
-        fields: vec![("id".into(), Value::I64(id as i64)), ("pad".into(), Value::Str(filler(id, pad)))],
+        fields: vec![
+            ("id".into(), Value::I64(id as i64)),
+            ("pad".into(), Value::Str(filler(id, pad))),
+        ],
     }
 }
 
@@ -52,11 +55,16 @@ pub fn read_all(h: &LogHandle, stream: &str, epoch: u64) -> BTreeMap<u64, Record
     let mut out = BTreeMap::new();
     let mut after = 0;
     loop {
-        let blocks = h.read_blocks(stream, epoch, after, 1 << 20).expect("read_blocks");
-        let Some(last) = blocks.last() else { return out };
+        let blocks = h
+            .read_blocks(stream, epoch, after, 1 << 20)
+            .expect("read_blocks");
+        let Some(last) = blocks.last() else {
+            return out;
+        };
         let next_after = last.header.last_seq();
         for b in blocks {
-            let block = decode_block(&b.bytes, &DecodeLimits::default()).expect("stored block decodes");
+            let block =
+                decode_block(&b.bytes, &DecodeLimits::default()).expect("stored block decodes");
             for (i, r) in block.records.into_iter().enumerate() {
                 let seq = block.header.first_seq + i as u64;
                 assert!(seq > after, "seq {seq} returned again after {after}");

@@ -19,7 +19,10 @@ enum ColumnDecoder<'a> {
     F64(F64Decoder<'a>),
     I64(IntDecoder<'a>),
     Bool(BitReader<'a>),
-    Str { dict: Vec<&'a str>, ids: IntDecoder<'a> },
+    Str {
+        dict: Vec<&'a str>,
+        ids: IntDecoder<'a>,
+    },
     Bytes(Cursor<'a>),
 }
 
@@ -117,7 +120,13 @@ fn parse_head(c: &mut Cursor<'_>, count: usize) -> Result<Head, ColumnarError> {
         }
         shape_at.push(shape_cols.len());
     }
-    Ok(Head { keys, names, tags, shape_cols, shape_at })
+    Ok(Head {
+        keys,
+        names,
+        tags,
+        shape_cols,
+        shape_at,
+    })
 }
 
 fn parse_column<'a>(
@@ -137,7 +146,10 @@ fn parse_column<'a>(
             for _ in 0..n {
                 dict.push(c.str()?);
             }
-            ColumnDecoder::Str { dict, ids: IntDecoder::parse(c, "string ids", nkeys, true, budget)? }
+            ColumnDecoder::Str {
+                dict,
+                ids: IntDecoder::parse(c, "string ids", nkeys, true, budget)?,
+            }
         }
         4 => ColumnDecoder::Bytes(c.section("bytes")?),
         _ => return Err(c.err("unknown column type")),
@@ -147,10 +159,17 @@ fn parse_column<'a>(
 /// Decodes a body holding `count` records into `out`, reusing the records, strings and field
 /// vectors already there (a reader that decodes block after block allocates almost nothing).
 /// On error, `out` holds unspecified records.
-pub(super) fn decode_into(raw: &[u8], count: u32, out: &mut Vec<Record>) -> Result<(), ColumnarError> {
+pub(super) fn decode_into(
+    raw: &[u8],
+    count: u32,
+    out: &mut Vec<Record>,
+) -> Result<(), ColumnarError> {
     let n = count as usize;
     if n > raw.len() / RECORD_BYTES_MIN {
-        return Err(ColumnarError::CountExceedsBody { count, len: raw.len() });
+        return Err(ColumnarError::CountExceedsBody {
+            count,
+            len: raw.len(),
+        });
     }
     let mut c = Cursor::new(raw, "dictionaries");
     let head = parse_head(&mut c, n)?;
@@ -163,7 +182,8 @@ pub(super) fn decode_into(raw: &[u8], count: u32, out: &mut Vec<Record>) -> Resu
         cols: Vec::with_capacity(head.tags.len()),
     };
     for &tag in &head.tags {
-        rows.cols.push(parse_column(&mut c, tag, nkeys, &mut budget)?);
+        rows.cols
+            .push(parse_column(&mut c, tag, nkeys, &mut budget)?);
     }
     c.finish()?;
     out.truncate(n);
@@ -209,7 +229,11 @@ impl Rows<'_> {
             let v = self.cols[col as usize].next(k)?;
             fields.push((head.names[col as usize].clone(), v));
         }
-        Ok(Record { key: head.keys[k as usize].clone(), ts, fields })
+        Ok(Record {
+            key: head.keys[k as usize].clone(),
+            ts,
+            fields,
+        })
     }
 
     /// As [`Rows::next`], overwriting `r` in place.

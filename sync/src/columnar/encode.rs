@@ -18,7 +18,11 @@ enum Data<'r> {
     F64(Vec<f64>),
     I64(Vec<i64>),
     Bool(Vec<bool>),
-    Str { ids: Vec<i64>, index: HashMap<&'r str, u32>, dict: Vec<&'r str> },
+    Str {
+        ids: Vec<i64>,
+        index: HashMap<&'r str, u32>,
+        dict: Vec<&'r str>,
+    },
     Bytes(Vec<&'r [u8]>),
 }
 
@@ -36,10 +40,19 @@ impl<'r> Column<'r> {
             Value::F64(_) => Data::F64(Vec::new()),
             Value::I64(_) => Data::I64(Vec::new()),
             Value::Bool(_) => Data::Bool(Vec::new()),
-            Value::Str(_) => Data::Str { ids: Vec::new(), index: HashMap::new(), dict: Vec::new() },
+            Value::Str(_) => Data::Str {
+                ids: Vec::new(),
+                index: HashMap::new(),
+                dict: Vec::new(),
+            },
             Value::Bytes(_) => Data::Bytes(Vec::new()),
         };
-        Column { name, tag: value.type_tag(), keys: Vec::new(), data }
+        Column {
+            name,
+            tag: value.type_tag(),
+            keys: Vec::new(),
+            data,
+        }
     }
 
     fn push(&mut self, key: u32, value: &'r Value) {
@@ -149,7 +162,10 @@ fn intern_shape<'r>(
     let mut shape = Vec::with_capacity(r.fields.len());
     for (name, v) in &r.fields {
         let next = t.columns.len() as u32;
-        let c = *int.column_ids.entry((name.as_str(), v.type_tag())).or_insert(next);
+        let c = *int
+            .column_ids
+            .entry((name.as_str(), v.type_tag()))
+            .or_insert(next);
         if c == next {
             if t.columns.len() == COLUMNS_MAX {
                 return Err(ColumnarError::TooManyColumns(COLUMNS_MAX + 1));
@@ -167,7 +183,10 @@ fn intern_shape<'r>(
 }
 
 /// Encodes `records`; returns the body and where each labelled section starts.
-pub(super) fn encode(records: &[Record], tuning: &Tuning) -> Result<(Vec<u8>, Marks), ColumnarError> {
+pub(super) fn encode(
+    records: &[Record],
+    tuning: &Tuning,
+) -> Result<(Vec<u8>, Marks), ColumnarError> {
     let t = transpose(records)?;
     let nkeys = t.keys.len();
     let mut out = Vec::with_capacity(records.len() * 16 + 1024);
@@ -178,7 +197,14 @@ pub(super) fn encode(records: &[Record], tuning: &Tuning) -> Result<(Vec<u8>, Ma
     marks.push(("key".into(), out.len()));
     ints::write_best(&mut out, &t.rec_keys, &t.rec_key_vals, 1, false);
     marks.push(("shape".into(), out.len()));
-    write_ints(&mut out, &t.rec_keys, &t.rec_shapes, nkeys, &mut budget, tuning);
+    write_ints(
+        &mut out,
+        &t.rec_keys,
+        &t.rec_shapes,
+        nkeys,
+        &mut budget,
+        tuning,
+    );
     marks.push(("ts".into(), out.len()));
     write_ints(&mut out, &t.rec_keys, &t.rec_ts, nkeys, &mut budget, tuning);
     for col in &t.columns {
@@ -190,7 +216,10 @@ pub(super) fn encode(records: &[Record], tuning: &Tuning) -> Result<(Vec<u8>, Ma
 }
 
 fn type_name(tag: u8) -> &'static str {
-    ["f64", "i64", "bool", "string", "bytes"].get(usize::from(tag)).copied().unwrap_or("?")
+    ["f64", "i64", "bool", "string", "bytes"]
+        .get(usize::from(tag))
+        .copied()
+        .unwrap_or("?")
 }
 
 /// Flags byte, keys, column table, shapes.
@@ -229,9 +258,23 @@ fn write_ints(
     }
 }
 
-fn write_column(out: &mut Vec<u8>, col: &Column<'_>, nkeys: usize, budget: &mut SlotBudget, tuning: &Tuning) {
+fn write_column(
+    out: &mut Vec<u8>,
+    col: &Column<'_>,
+    nkeys: usize,
+    budget: &mut SlotBudget,
+    tuning: &Tuning,
+) {
     match &col.data {
-        Data::F64(v) => floats::write(out, &col.keys, v, nkeys, budget, tuning.per_key, tuning.floats),
+        Data::F64(v) => floats::write(
+            out,
+            &col.keys,
+            v,
+            nkeys,
+            budget,
+            tuning.per_key,
+            tuning.floats,
+        ),
         Data::I64(v) => write_ints(out, &col.keys, v, nkeys, budget, tuning),
         Data::Bool(v) => {
             let mut w = BitWriter::with_capacity(v.len() / 8 + 1);

@@ -22,8 +22,10 @@ const MODE_GORILLA: u8 = 2;
 
 /// Largest decimal scale tried. Every power of ten up to 10^22 is exact in f64.
 pub(super) const SCALE_MAX: u8 = 18;
-const POW10: [f64; SCALE_MAX as usize + 1] =
-    [1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16, 1e17, 1e18];
+const POW10: [f64; SCALE_MAX as usize + 1] = [
+    1e0, 1e1, 1e2, 1e3, 1e4, 1e5, 1e6, 1e7, 1e8, 1e9, 1e10, 1e11, 1e12, 1e13, 1e14, 1e15, 1e16,
+    1e17, 1e18,
+];
 /// Integers up to 2^53 convert to f64 exactly, so decoding is one exact conversion and one
 /// correctly rounded division.
 const EXACT_INT_MAX: f64 = 9_007_199_254_740_992.0;
@@ -137,7 +139,12 @@ fn gorilla(keys: &[u32], vals: &[f64], nslots: usize, mut w: Option<&mut BitWrit
             put(u64::from(lead), 5);
             put(u64::from(len - 1), 6);
             put(x >> trail, len);
-            *slot = GorillaSlot { prev: slot.prev, lead, trail, window: true };
+            *slot = GorillaSlot {
+                prev: slot.prev,
+                lead,
+                trail,
+                window: true,
+            };
         }
     }
     bits
@@ -220,7 +227,11 @@ fn write_scaled(out: &mut Vec<u8>, sc: &Scaled, nkeys: usize, t: ints::Transform
 pub(super) enum F64Decoder<'a> {
     Raw(Cursor<'a>),
     Scaled(ScaledDecoder<'a>),
-    Gorilla { bits: BitReader<'a>, per_key: bool, slots: Vec<GorillaSlot> },
+    Gorilla {
+        bits: BitReader<'a>,
+        per_key: bool,
+        slots: Vec<GorillaSlot>,
+    },
 }
 
 #[derive(Debug)]
@@ -254,7 +265,11 @@ impl<'a> F64Decoder<'a> {
                 }
                 let bits = BitReader::new(c.section("f64 gorilla")?)?;
                 let slots = vec![GorillaSlot::default(); if per_key { nkeys } else { 1 }];
-                Ok(F64Decoder::Gorilla { bits, per_key, slots })
+                Ok(F64Decoder::Gorilla {
+                    bits,
+                    per_key,
+                    slots,
+                })
             }
             _ => Err(c.err("unknown f64 column mode")),
         }
@@ -265,7 +280,11 @@ impl<'a> F64Decoder<'a> {
         match self {
             F64Decoder::Scaled(d) => d.next(key),
             F64Decoder::Raw(c) => Ok(f64::from_bits(c.u64_le()?)),
-            F64Decoder::Gorilla { bits, per_key, slots } => {
+            F64Decoder::Gorilla {
+                bits,
+                per_key,
+                slots,
+            } => {
                 let slot = &mut slots[if *per_key { key as usize } else { 0 }];
                 gorilla_next(bits, slot)
             }
@@ -307,7 +326,11 @@ fn gorilla_next(bits: &mut BitReader<'_>, slot: &mut GorillaSlot) -> Result<f64,
 }
 
 impl<'a> ScaledDecoder<'a> {
-    fn parse(c: &mut Cursor<'a>, nkeys: usize, budget: &mut SlotBudget) -> Result<Self, ColumnarError> {
+    fn parse(
+        c: &mut Cursor<'a>,
+        nkeys: usize,
+        budget: &mut SlotBudget,
+    ) -> Result<Self, ColumnarError> {
         let s = c.byte()?;
         if s > SCALE_MAX {
             return Err(c.err("decimal scale out of range"));
@@ -320,7 +343,14 @@ impl<'a> ScaledDecoder<'a> {
         }
         let next_exc = if exc_left == 0 { u64::MAX } else { exc.uvar()? };
         let ints = IntDecoder::parse(c, "f64 scaled", nkeys, true, budget)?;
-        Ok(ScaledDecoder { div: POW10[s as usize], ints, exc, exc_left, next_exc, ord: 0 })
+        Ok(ScaledDecoder {
+            div: POW10[s as usize],
+            ints,
+            exc,
+            exc_left,
+            next_exc,
+            ord: 0,
+        })
     }
 
     #[inline]

@@ -42,7 +42,10 @@ impl Transform {
             2 => Order::DeltaOfDelta,
             _ => return None,
         };
-        Some(Transform { order, per_key: tag & PER_KEY_BIT != 0 })
+        Some(Transform {
+            order,
+            per_key: tag & PER_KEY_BIT != 0,
+        })
     }
 }
 
@@ -90,17 +93,37 @@ pub(super) fn cost_bits(r: i64) -> u64 {
 
 /// The candidate transforms in the order ties are broken (simplest first).
 const CANDIDATES: [Transform; 5] = [
-    Transform { order: Order::Plain, per_key: false },
-    Transform { order: Order::Delta, per_key: false },
-    Transform { order: Order::DeltaOfDelta, per_key: false },
-    Transform { order: Order::Delta, per_key: true },
-    Transform { order: Order::DeltaOfDelta, per_key: true },
+    Transform {
+        order: Order::Plain,
+        per_key: false,
+    },
+    Transform {
+        order: Order::Delta,
+        per_key: false,
+    },
+    Transform {
+        order: Order::DeltaOfDelta,
+        per_key: false,
+    },
+    Transform {
+        order: Order::Delta,
+        per_key: true,
+    },
+    Transform {
+        order: Order::DeltaOfDelta,
+        per_key: true,
+    },
 ];
 
 /// Picks the transform with the smallest estimated size, and returns that estimate in bits.
 ///
 /// `keys[i]` is the key id of `vals[i]`; per-key candidates are tried only when `per_key_ok`.
-pub(super) fn choose(keys: &[u32], vals: &[i64], nkeys: usize, per_key_ok: bool) -> (Transform, u64) {
+pub(super) fn choose(
+    keys: &[u32],
+    vals: &[i64],
+    nkeys: usize,
+    per_key_ok: bool,
+) -> (Transform, u64) {
     let mut cost = [0u64; CANDIDATES.len()];
     let mut global = Slot::default();
     let mut global_dod = Slot::default();
@@ -120,7 +143,9 @@ pub(super) fn choose(keys: &[u32], vals: &[i64], nkeys: usize, per_key_ok: bool)
     } else {
         3
     };
-    let best = (0..tried).min_by_key(|&i| (cost[i], i)).expect("at least one candidate");
+    let best = (0..tried)
+        .min_by_key(|&i| (cost[i], i))
+        .expect("at least one candidate");
     (CANDIDATES[best], cost[best])
 }
 
@@ -167,7 +192,9 @@ pub(super) struct SlotBudget {
 
 impl SlotBudget {
     pub(super) fn new(count: usize) -> Self {
-        SlotBudget { left: count.saturating_add(4096) }
+        SlotBudget {
+            left: count.saturating_add(4096),
+        }
     }
 
     /// Whether `n` more slots fit, without taking them.
@@ -212,7 +239,12 @@ impl<'a> IntDecoder<'a> {
         }
         let nslots = if t.per_key { nkeys } else { 1 };
         let cur = c.section(section)?;
-        Ok(IntDecoder { cur, order: t.order, per_key: t.per_key, slots: vec![Slot::default(); nslots] })
+        Ok(IntDecoder {
+            cur,
+            order: t.order,
+            per_key: t.per_key,
+            slots: vec![Slot::default(); nslots],
+        })
     }
 
     /// The next value, for a record with key id `key` (already checked against the key count).
@@ -245,7 +277,8 @@ mod tests {
             let mut out = Vec::new();
             write(&mut out, &keys, &vals, 2, t);
             let mut c = Cursor::new(&out, "test");
-            let mut d = IntDecoder::parse(&mut c, "test", 2, true, &mut SlotBudget::new(0)).unwrap();
+            let mut d =
+                IntDecoder::parse(&mut c, "test", 2, true, &mut SlotBudget::new(0)).unwrap();
             for (&k, &v) in keys.iter().zip(&vals) {
                 assert_eq!(d.next(k).unwrap(), v, "{t:?}");
             }

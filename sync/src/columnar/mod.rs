@@ -35,7 +35,11 @@ pub const COLUMNS_MAX: usize = 1 << 16;
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum ColumnarError {
     #[error("malformed columnar body in {section} at byte {offset}: {what}")]
-    Malformed { section: &'static str, offset: usize, what: &'static str },
+    Malformed {
+        section: &'static str,
+        offset: usize,
+        what: &'static str,
+    },
     #[error("columnar body of {len} bytes cannot hold {count} records")]
     CountExceedsBody { count: u32, len: usize },
     #[error("{0} distinct field columns in one block, more than the format allows ({COLUMNS_MAX})")]
@@ -68,7 +72,10 @@ pub struct Tuning {
 
 impl Default for Tuning {
     fn default() -> Self {
-        Tuning { floats: FloatChoice::Auto, per_key: true }
+        Tuning {
+            floats: FloatChoice::Auto,
+            per_key: true,
+        }
     }
 }
 
@@ -97,7 +104,10 @@ pub fn sections(records: &[Record], tuning: &Tuning) -> Result<Vec<Section>, Col
     let mut out = Vec::with_capacity(marks.len());
     for (i, (name, start)) in marks.iter().enumerate() {
         let end = marks.get(i + 1).map_or(body.len(), |m| m.1);
-        out.push(Section { name: name.clone(), bytes: body[*start..end].to_vec() });
+        out.push(Section {
+            name: name.clone(),
+            bytes: body[*start..end].to_vec(),
+        });
     }
     Ok(out)
 }
@@ -129,13 +139,22 @@ pub fn fuzz_decode(data: &[u8]) {
     };
     let again = encode(&records).expect("decoded records always re-encode");
     let back = decode(&again, count).expect("a fresh encoding always decodes");
-    assert_eq!(back, records, "decode(encode(decode(x))) differs from decode(x)");
+    assert_eq!(
+        back, records,
+        "decode(encode(decode(x))) differs from decode(x)"
+    );
     // Decoding over other records must give the same result as decoding afresh.
-    let mut reused =
-        vec![
-            Record { key: "old".into(), ts: 0, fields: vec![("x".into(), crate::Value::Str("y".into()))] };
-            3
-        ];
+    let mut reused = vec![
+        Record {
+            key: "old".into(),
+            ts: 0,
+            fields: vec![("x".into(), crate::Value::Str("y".into()))]
+        };
+        3
+    ];
     decode_into(&again, count, &mut reused).expect("a fresh encoding always decodes");
-    assert_eq!(reused, records, "decode_into over old records differs from decode");
+    assert_eq!(
+        reused, records,
+        "decode_into over old records differs from decode"
+    );
 }

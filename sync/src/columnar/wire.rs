@@ -18,11 +18,20 @@ pub(super) struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     pub(super) fn new(buf: &'a [u8], section: &'static str) -> Self {
-        Cursor { buf, pos: 0, base: 0, section }
+        Cursor {
+            buf,
+            pos: 0,
+            base: 0,
+            section,
+        }
     }
 
     pub(super) fn err(&self, what: &'static str) -> ColumnarError {
-        ColumnarError::Malformed { section: self.section, offset: self.base + self.pos, what }
+        ColumnarError::Malformed {
+            section: self.section,
+            offset: self.base + self.pos,
+            what,
+        }
     }
 
     pub(super) fn remaining(&self) -> usize {
@@ -30,7 +39,10 @@ impl<'a> Cursor<'a> {
     }
 
     pub(super) fn byte(&mut self) -> Result<u8, ColumnarError> {
-        let b = *self.buf.get(self.pos).ok_or_else(|| self.err("unexpected end of input"))?;
+        let b = *self
+            .buf
+            .get(self.pos)
+            .ok_or_else(|| self.err("unexpected end of input"))?;
         self.pos += 1;
         Ok(b)
     }
@@ -79,7 +91,9 @@ impl<'a> Cursor<'a> {
 
     pub(super) fn u64_le(&mut self) -> Result<u64, ColumnarError> {
         let s = self.take(8)?;
-        Ok(u64::from_le_bytes(s.try_into().expect("take returned 8 bytes")))
+        Ok(u64::from_le_bytes(
+            s.try_into().expect("take returned 8 bytes"),
+        ))
     }
 
     /// A count of items that each take at least `min_bytes` of the remaining input. Checking
@@ -120,7 +134,12 @@ impl<'a> Cursor<'a> {
         }
         let base = self.base + self.pos;
         let buf = self.take(n as usize)?;
-        Ok(Cursor { buf, pos: 0, base, section })
+        Ok(Cursor {
+            buf,
+            pos: 0,
+            base,
+            section,
+        })
     }
 
     /// Fails unless every byte was consumed: a body has exactly one valid reading.
@@ -148,7 +167,11 @@ pub(super) struct BitWriter {
 
 impl BitWriter {
     pub(super) fn with_capacity(bytes: usize) -> Self {
-        BitWriter { out: Vec::with_capacity(bytes), acc: 0, used: 0 }
+        BitWriter {
+            out: Vec::with_capacity(bytes),
+            acc: 0,
+            used: 0,
+        }
     }
 
     /// Appends the low `bits` bits of `v` (0..=64 bits).
@@ -157,13 +180,21 @@ impl BitWriter {
         if bits == 0 {
             return;
         }
-        let v = if bits == 64 { v } else { v & ((1u64 << bits) - 1) };
+        let v = if bits == 64 {
+            v
+        } else {
+            v & ((1u64 << bits) - 1)
+        };
         self.acc |= v << self.used;
         let total = self.used + bits;
         if total >= 64 {
             self.out.extend_from_slice(&self.acc.to_le_bytes());
             // The bits of `v` that did not fit; none when `acc` was empty.
-            self.acc = if self.used == 0 { 0 } else { v >> (64 - self.used) };
+            self.acc = if self.used == 0 {
+                0
+            } else {
+                v >> (64 - self.used)
+            };
             self.used = total - 64;
         } else {
             self.used = total;
@@ -193,9 +224,15 @@ impl<'a> BitReader<'a> {
 
     pub(super) fn err(&self, what: &'static str) -> ColumnarError {
         match self.cur.err(what) {
-            ColumnarError::Malformed { section, offset, what } => {
-                ColumnarError::Malformed { section, offset: offset - self.bits.len() + self.pos / 8, what }
-            }
+            ColumnarError::Malformed {
+                section,
+                offset,
+                what,
+            } => ColumnarError::Malformed {
+                section,
+                offset: offset - self.bits.len() + self.pos / 8,
+                what,
+            },
             other => other,
         }
     }
@@ -227,7 +264,10 @@ impl<'a> BitReader<'a> {
     /// The next single bit.
     #[inline]
     pub(super) fn bit(&mut self) -> Result<bool, ColumnarError> {
-        let b = *self.bits.get(self.pos / 8).ok_or_else(|| self.err("bit stream ends early"))?;
+        let b = *self
+            .bits
+            .get(self.pos / 8)
+            .ok_or_else(|| self.err("bit stream ends early"))?;
         let v = (b >> (self.pos % 8)) & 1 == 1;
         self.pos += 1;
         Ok(v)

@@ -42,7 +42,15 @@ pub fn parse_ndjson_with(input: &str, opts: &ParseOptions) -> Result<Vec<Record>
         if line.bytes().all(|b| matches!(b, b' ' | b'\t' | b'\r')) {
             continue;
         }
-        records.push(LineParser { s: line, b: line.as_bytes(), pos: 0, line_no }.record(opts)?);
+        records.push(
+            LineParser {
+                s: line,
+                b: line.as_bytes(),
+                pos: 0,
+                line_no,
+            }
+            .record(opts)?,
+        );
     }
     Ok(records)
 }
@@ -80,7 +88,11 @@ impl LineParser<'_> {
                     "key" => 0,
                     "ts" => 1,
                     "fields" => 2,
-                    _ => return Err(self.err_at(name_at, r#"one of the members "key", "ts" or "fields""#)),
+                    _ => {
+                        return Err(
+                            self.err_at(name_at, r#"one of the members "key", "ts" or "fields""#)
+                        );
+                    }
                 };
                 if std::mem::replace(&mut seen[slot], true) {
                     return Err(self.err_at(name_at, "each member at most once"));
@@ -110,7 +122,10 @@ impl LineParser<'_> {
         }
         let key = key.ok_or_else(|| self.err_at(close_at, r#"a "key" member"#))?;
         let ts = ts.or(opts.default_ts).ok_or_else(|| {
-            self.err_at(close_at, r#"a "ts" member (nanoseconds since the Unix epoch)"#)
+            self.err_at(
+                close_at,
+                r#"a "ts" member (nanoseconds since the Unix epoch)"#,
+            )
         })?;
         let fields = fields.ok_or_else(|| self.err_at(close_at, r#"a "fields" member"#))?;
         Ok(Record { key, ts, fields })
@@ -136,8 +151,12 @@ impl LineParser<'_> {
         }
         match self.number()? {
             Some(Num::Int(v)) => Ok(Some(v)),
-            Some(Num::IntOutOfRange) => Err(self.err_at(at, r#"nanoseconds within the i64 range for "ts""#)),
-            Some(Num::Float(_)) => Err(self.err_at(at, r#"an integer number of nanoseconds for "ts""#)),
+            Some(Num::IntOutOfRange) => {
+                Err(self.err_at(at, r#"nanoseconds within the i64 range for "ts""#))
+            }
+            Some(Num::Float(_)) => {
+                Err(self.err_at(at, r#"an integer number of nanoseconds for "ts""#))
+            }
             None => Err(self.err_at(at, r#"a number for "ts""#)),
         }
     }
@@ -210,7 +229,10 @@ impl LineParser<'_> {
     fn bytes_value(&mut self, name: &str) -> Result<Value, ParseError> {
         let at = self.pos;
         let nested = |p: &Self| {
-            let expected = format!("{} (nested objects must be flattened)", scalar_expected(name));
+            let expected = format!(
+                "{} (nested objects must be flattened)",
+                scalar_expected(name)
+            );
             p.err_found(at, expected, "an object".into())
         };
         self.pos += 1;
@@ -246,7 +268,11 @@ impl LineParser<'_> {
         let int_start = start + usize::from(b.get(start) == Some(&b'-'));
         let mut p = digits(int_start);
         if p == int_start {
-            return if p == start { Ok(None) } else { Err(self.err_at(start, "a number")) };
+            return if p == start {
+                Ok(None)
+            } else {
+                Err(self.err_at(start, "a number"))
+            };
         }
         if b[int_start] == b'0' && p - int_start > 1 {
             return Err(self.err_at(start, "a number without leading zeros"));
@@ -275,10 +301,14 @@ impl LineParser<'_> {
         self.pos = p;
         if float {
             // Rust's float parsing is correctly rounded, as JSON parsers are expected to be.
-            let v = text.parse::<f64>().map_err(|_| self.err_at(start, "a number"))?;
+            let v = text
+                .parse::<f64>()
+                .map_err(|_| self.err_at(start, "a number"))?;
             return Ok(Some(Num::Float(v)));
         }
-        Ok(Some(text.parse::<i64>().map_or(Num::IntOutOfRange, Num::Int)))
+        Ok(Some(
+            text.parse::<i64>().map_or(Num::IntOutOfRange, Num::Int),
+        ))
     }
 
     /// A JSON string starting at `pos`, unescaped.
@@ -303,7 +333,11 @@ impl LineParser<'_> {
                 }
                 Some(c) if c < 0x20 => {
                     let found = format!("the control character U+{c:04X}");
-                    return Err(self.err_found(self.pos, r"a control character escaped as \u00XX", found));
+                    return Err(self.err_found(
+                        self.pos,
+                        r"a control character escaped as \u00XX",
+                        found,
+                    ));
                 }
                 Some(_) => self.pos += 1,
             }
@@ -325,7 +359,9 @@ impl LineParser<'_> {
                 self.pos = at + 2;
                 return self.unicode_escape(at, out);
             }
-            _ => return Err(self.err_at(at, r#"a JSON escape (\" \\ \/ \b \f \n \r \t or \uXXXX)"#)),
+            _ => {
+                return Err(self.err_at(at, r#"a JSON escape (\" \\ \/ \b \f \n \r \t or \uXXXX)"#));
+            }
         };
         self.pos = at + 2;
         out.push(ch);
@@ -390,7 +426,11 @@ impl LineParser<'_> {
     }
 
     fn expect(&mut self, c: u8, expected: &str) -> Result<(), ParseError> {
-        if self.eat(c) { Ok(()) } else { Err(self.err_at(self.pos, expected)) }
+        if self.eat(c) {
+            Ok(())
+        } else {
+            Err(self.err_at(self.pos, expected))
+        }
     }
 
     fn err_at(&self, at: usize, expected: impl Into<String>) -> ParseError {
@@ -398,7 +438,12 @@ impl LineParser<'_> {
     }
 
     fn err_found(&self, at: usize, expected: impl Into<String>, found: String) -> ParseError {
-        ParseError { line: self.line_no, column: column(self.s, at), expected: expected.into(), found }
+        ParseError {
+            line: self.line_no,
+            column: column(self.s, at),
+            expected: expected.into(),
+            found,
+        }
     }
 
     /// Describes the token at `at` for an error message.
@@ -410,7 +455,9 @@ impl LineParser<'_> {
             Some('[') => "an array".into(),
             Some('"') => shorten(string_token(rest)),
             Some(c) => {
-                let end = rest.find(|c: char| c.is_ascii() && is_delimiter(c as u8)).unwrap_or(rest.len());
+                let end = rest
+                    .find(|c: char| c.is_ascii() && is_delimiter(c as u8))
+                    .unwrap_or(rest.len());
                 shorten(&rest[..end.max(c.len_utf8())])
             }
         }
@@ -445,8 +492,14 @@ fn string_token(rest: &str) -> &str {
 /// Why records could not be written as NDJSON.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum WriteError {
-    #[error("field \"{field}\" of the record with key \"{key}\" is {value}, which JSON cannot represent")]
-    NonFinite { key: String, field: String, value: String },
+    #[error(
+        "field \"{field}\" of the record with key \"{key}\" is {value}, which JSON cannot represent"
+    )]
+    NonFinite {
+        key: String,
+        field: String,
+        value: String,
+    },
 }
 
 /// Writes records in the canonical NDJSON shape, one line each: the inverse of
@@ -566,10 +619,16 @@ mod tests {
     #[test]
     fn base64_round_trips_every_length() {
         for len in 0..=10u8 {
-            let data: Vec<u8> = (0..len).map(|i| i.wrapping_mul(97).wrapping_add(200)).collect();
+            let data: Vec<u8> = (0..len)
+                .map(|i| i.wrapping_mul(97).wrapping_add(200))
+                .collect();
             let text = base64_encode(&data);
             assert_eq!(base64_decode(&text), Some(data.clone()), "{text}");
-            assert_eq!(base64_decode(text.trim_end_matches('=')), Some(data), "{text} unpadded");
+            assert_eq!(
+                base64_decode(text.trim_end_matches('=')),
+                Some(data),
+                "{text} unpadded"
+            );
         }
         assert_eq!(base64_encode(b"Man"), "TWFu");
         assert_eq!(base64_encode(b"Ma"), "TWE=");

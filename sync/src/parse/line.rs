@@ -31,7 +31,10 @@ pub struct LineRecord {
 }
 
 /// Parses line protocol, all or nothing.
-pub fn parse_line_protocol(input: &str, opts: &ParseOptions) -> Result<Vec<LineRecord>, ParseError> {
+pub fn parse_line_protocol(
+    input: &str,
+    opts: &ParseOptions,
+) -> Result<Vec<LineRecord>, ParseError> {
     let mut records = Vec::new();
     let (mut line_no, mut counted) = (1, 0);
     // `split_lines` knows that a quoted string field may contain a newline.
@@ -39,7 +42,10 @@ pub fn parse_line_protocol(input: &str, opts: &ParseOptions) -> Result<Vec<LineR
         let offset = raw.as_ptr() as usize - input.as_ptr() as usize;
         line_no += newlines(&input[counted..offset]);
         counted = offset;
-        let mut line = Line { s: raw.strip_suffix('\r').unwrap_or(raw), line_no };
+        let mut line = Line {
+            s: raw.strip_suffix('\r').unwrap_or(raw),
+            line_no,
+        };
         if line.s.len() > LINE_BYTES_MAX {
             return Err(line_too_long(line_no, line.s));
         }
@@ -83,7 +89,11 @@ impl<'a> Line<'a> {
     fn parse(&self, body: &'a str, opts: &ParseOptions) -> Result<Option<LineRecord>, ParseError> {
         // Trailing blanks are harmless, but the crate refuses them; keep an escaped one.
         let trimmed = body.trim_end_matches([' ', '\t']);
-        let body = if trimmed.ends_with('\\') { body } else { trimmed };
+        let body = if trimmed.ends_with('\\') {
+            body
+        } else {
+            trimmed
+        };
         match lp::parse_lines(body).next() {
             None => Ok(None),
             Some(Ok(parsed)) => self.convert(parsed, opts).map(Some),
@@ -104,24 +114,39 @@ impl<'a> Line<'a> {
                         return Err(self.err_at(self.offset_of(k), "each tag key at most once"));
                     }
                 }
-                tags.iter().map(|(_, v)| v.as_str()).collect::<Vec<_>>().join("/")
+                tags.iter()
+                    .map(|(_, v)| v.as_str())
+                    .collect::<Vec<_>>()
+                    .join("/")
             }
             _ => measurement.clone(),
         };
         if let Some((name, _)) = p.field_set.get(FIELDS_MAX) {
-            return Err(too_many_fields(self.line_no, column(self.s, self.offset_of(name))));
+            return Err(too_many_fields(
+                self.line_no,
+                column(self.s, self.offset_of(name)),
+            ));
         }
         let mut fields: Vec<(String, Value)> = Vec::with_capacity(p.field_set.len());
         for (name, value) in &p.field_set {
             if fields.iter().any(|(n, _)| n == name.as_str()) {
-                return Err(self.err_at(self.offset_of(name), "a field name not already used in this line"));
+                return Err(self.err_at(
+                    self.offset_of(name),
+                    "a field name not already used in this line",
+                ));
             }
             fields.push((String::from(name), self.value(name, value)?));
         }
         let ts = p.timestamp.or(opts.default_ts).ok_or_else(|| {
-            self.err_at(self.s.trim_end().len(), "a timestamp in nanoseconds after the fields")
+            self.err_at(
+                self.s.trim_end().len(),
+                "a timestamp in nanoseconds after the fields",
+            )
         })?;
-        Ok(LineRecord { measurement, record: Record { key, ts, fields } })
+        Ok(LineRecord {
+            measurement,
+            record: Record { key, ts, fields },
+        })
     }
 
     fn value(&self, name: &EscapedStr<'a>, value: &FieldValue<'a>) -> Result<Value, ParseError> {
@@ -130,7 +155,10 @@ impl<'a> Line<'a> {
             FieldValue::U64(v) => match i64::try_from(*v) {
                 Ok(v) => Value::I64(v),
                 Err(_) => {
-                    let expected = format!("an unsigned integer at most {} for field \"{name}\"", i64::MAX);
+                    let expected = format!(
+                        "an unsigned integer at most {} for field \"{name}\"",
+                        i64::MAX
+                    );
                     return Err(self.err_at(self.value_offset(name), expected));
                 }
             },
@@ -169,12 +197,16 @@ impl<'a> Line<'a> {
     /// Maps the crate's position-less error onto a position in the line.
     fn crate_error(&self, body: &str, e: &lp::Error) -> ParseError {
         // `body` is a trimmed slice of the line: its position comes from the pointers.
-        let start = (body.as_ptr() as usize).wrapping_sub(self.s.as_ptr() as usize).min(self.s.len());
+        let start = (body.as_ptr() as usize)
+            .wrapping_sub(self.s.as_ptr() as usize)
+            .min(self.s.len());
         let end = (start + body.len()).min(self.s.len());
         let fields_at = fields_start(self.s, start);
         let value_after = |suffix: &str, value: &str| {
             let needle = format!("={value}{suffix}");
-            self.s[fields_at..].find(&needle).map_or(fields_at, |i| fields_at + i + 1)
+            self.s[fields_at..]
+                .find(&needle)
+                .map_or(fields_at, |i| fields_at + i + 1)
         };
         let (at, expected) = match e {
             lp::Error::MeasurementValueInvalid => (start, "a measurement name".to_owned()),
@@ -183,27 +215,43 @@ impl<'a> Line<'a> {
                 (comma + 1, "tags as key=value pairs after ','".to_owned())
             }
             lp::Error::FieldSetMissing => (fields_at, FIELD_EXPECTED.to_owned()),
-            lp::Error::IntegerValueInvalid { value, .. } => {
-                (value_after("i", value), format!("an integer from {} to {}, ending in 'i'", i64::MIN, i64::MAX))
+            lp::Error::IntegerValueInvalid { value, .. } => (
+                value_after("i", value),
+                format!(
+                    "an integer from {} to {}, ending in 'i'",
+                    i64::MIN,
+                    i64::MAX
+                ),
+            ),
+            lp::Error::UIntegerValueInvalid { value, .. } => (
+                value_after("u", value),
+                format!("an unsigned integer at most {}, ending in 'u'", u64::MAX),
+            ),
+            lp::Error::FloatValueInvalid { value, .. } => {
+                (value_after("", value), "a float".to_owned())
             }
-            lp::Error::UIntegerValueInvalid { value, .. } => {
-                (value_after("u", value), format!("an unsigned integer at most {}, ending in 'u'", u64::MAX))
-            }
-            lp::Error::FloatValueInvalid { value, .. } => (value_after("", value), "a float".to_owned()),
             lp::Error::TimestampValueInvalid { value, .. } => {
                 let at = self.s.rfind(value.as_str()).unwrap_or(fields_at);
-                (at, "a timestamp in nanoseconds within the i64 range".to_owned())
+                (
+                    at,
+                    "a timestamp in nanoseconds within the i64 range".to_owned(),
+                )
             }
             lp::Error::EndsWithBackslash => {
                 let at = self.s.rfind('\\').unwrap_or(start);
-                (at, "a name or tag value that does not end with a backslash".to_owned())
+                (
+                    at,
+                    "a name or tag value that does not end with a backslash".to_owned(),
+                )
             }
             lp::Error::CannotParseEntireLine { trailing_content } => {
                 self.trailing(end.saturating_sub(trailing_content.len()))
             }
             lp::Error::DuplicateTag { .. } => (start, "each tag key at most once".to_owned()),
             // The crate's generic error mostly means the line stops before its field set.
-            _ if fields_at == self.s.len() => (fields_at, format!("a space and then {FIELD_EXPECTED}")),
+            _ if fields_at == self.s.len() => {
+                (fields_at, format!("a space and then {FIELD_EXPECTED}"))
+            }
             _ => (start, "valid line protocol".to_owned()),
         };
         self.err_at(at, expected)
@@ -222,7 +270,10 @@ impl<'a> Line<'a> {
         }
         let spaces = rest.len() - rest.trim_start_matches(' ').len();
         if spaces > 0 {
-            return (at + spaces, "a timestamp in nanoseconds (an integer)".to_owned());
+            return (
+                at + spaces,
+                "a timestamp in nanoseconds (an integer)".to_owned(),
+            );
         }
         (at, "end of line".to_owned())
     }

@@ -35,10 +35,9 @@ pub fn record_hash(seq: u64, record: &Record) -> u64 {
 
 /// The checksum of consecutive records starting at `first_seq`.
 pub fn range_checksum(first_seq: u64, records: &[Record]) -> u64 {
-    records
-        .iter()
-        .enumerate()
-        .fold(0u64, |acc, (i, r)| acc.wrapping_add(record_hash(first_seq + i as u64, r)))
+    records.iter().enumerate().fold(0u64, |acc, (i, r)| {
+        acc.wrapping_add(record_hash(first_seq + i as u64, r))
+    })
 }
 
 /// The checksum of a committed range, as the hub stores it.
@@ -72,7 +71,11 @@ mod tests {
     use super::*;
 
     fn rec(i: i64) -> Record {
-        Record { key: format!("k{i}"), ts: i, fields: vec![("v".into(), Value::I64(i))] }
+        Record {
+            key: format!("k{i}"),
+            ts: i,
+            fields: vec![("v".into(), Value::I64(i))],
+        }
     }
 
     #[test]

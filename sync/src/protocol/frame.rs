@@ -175,7 +175,11 @@ impl GapMarker {
         }
         let first_seq = self.first_seq.max(from);
         let count = self.count.min(self.last_seq - first_seq + 1);
-        Some(GapMarker { first_seq, count, ..*self })
+        Some(GapMarker {
+            first_seq,
+            count,
+            ..*self
+        })
     }
 }
 
@@ -298,7 +302,11 @@ pub enum FrameError {
     #[error("unknown frame type {0:#04x}")]
     UnknownType(u8),
     #[error("malformed {frame} frame at payload byte {offset}: {what}")]
-    Malformed { frame: &'static str, offset: usize, what: &'static str },
+    Malformed {
+        frame: &'static str,
+        offset: usize,
+        what: &'static str,
+    },
 }
 
 impl Frame {
@@ -345,7 +353,12 @@ impl Frame {
                 varint::put_u64(out, *epoch);
                 put_gap(out, gap);
             }
-            Frame::Ack { stream, epoch, durable_seq, tiered_seq } => {
+            Frame::Ack {
+                stream,
+                epoch,
+                durable_seq,
+                tiered_seq,
+            } => {
                 varint::put_bytes(out, stream.as_bytes());
                 for v in [*epoch, *durable_seq, *tiered_seq] {
                     varint::put_u64(out, v);
@@ -360,7 +373,11 @@ impl Frame {
                 }
             }
             Frame::Ping => {}
-            Frame::Verdict { stream, epoch, matched_through } => {
+            Frame::Verdict {
+                stream,
+                epoch,
+                matched_through,
+            } => {
                 varint::put_bytes(out, stream.as_bytes());
                 varint::put_u64(out, *epoch);
                 varint::put_u64(out, *matched_through);
@@ -378,7 +395,10 @@ impl Frame {
         let len = frame_len(bytes, frame_bytes_max)?;
         let need = LEN_PREFIX + len;
         if bytes.len() < need {
-            return Err(FrameError::Truncated { got: bytes.len(), need });
+            return Err(FrameError::Truncated {
+                got: bytes.len(),
+                need,
+            });
         }
         if bytes.len() > need {
             return Err(FrameError::Malformed {
@@ -395,14 +415,20 @@ impl Frame {
 /// Call this on the first 4 bytes before reading or allocating the rest of a frame.
 pub fn frame_len(prefix: &[u8], frame_bytes_max: u32) -> Result<usize, FrameError> {
     if prefix.len() < LEN_PREFIX {
-        return Err(FrameError::Truncated { got: prefix.len(), need: LEN_PREFIX });
+        return Err(FrameError::Truncated {
+            got: prefix.len(),
+            need: LEN_PREFIX,
+        });
     }
     let len = u32::from_le_bytes(prefix[..LEN_PREFIX].try_into().expect("4 bytes"));
     if len == 0 {
         return Err(FrameError::Empty);
     }
     if len > frame_bytes_max {
-        return Err(FrameError::TooLarge { len: u64::from(len), max: frame_bytes_max });
+        return Err(FrameError::TooLarge {
+            len: u64::from(len),
+            max: frame_bytes_max,
+        });
     }
     Ok(len as usize)
 }
@@ -427,7 +453,11 @@ fn decode_body(t: u8, payload: &[u8]) -> Result<Frame, FrameError> {
     use frame_type::*;
     let name = type_name(t);
     let mut r = Reader::new(payload);
-    let bad = |e: ReadError| FrameError::Malformed { frame: name, offset: e.offset, what: e.what };
+    let bad = |e: ReadError| FrameError::Malformed {
+        frame: name,
+        offset: e.offset,
+        what: e.what,
+    };
     let frame = match t {
         HELLO => return decode_hello(&mut r).map_err(bad),
         WELCOME => Frame::Welcome(decode_welcome(&mut r).map_err(bad)?),
@@ -438,24 +468,41 @@ fn decode_body(t: u8, payload: &[u8]) -> Result<Frame, FrameError> {
         }
         GAP => {
             let (stream, epoch) = lane_key(&mut r).map_err(bad)?;
-            Frame::Gap { stream, epoch, gap: get_gap(&mut r).map_err(bad)? }
+            Frame::Gap {
+                stream,
+                epoch,
+                gap: get_gap(&mut r).map_err(bad)?,
+            }
         }
         ACK => {
             let (stream, epoch) = lane_key(&mut r).map_err(bad)?;
             let durable_seq = r.u64().map_err(bad)?;
-            Frame::Ack { stream, epoch, durable_seq, tiered_seq: r.u64().map_err(bad)? }
+            Frame::Ack {
+                stream,
+                epoch,
+                durable_seq,
+                tiered_seq: r.u64().map_err(bad)?,
+            }
         }
         BACKLOG => Frame::Backlog(decode_backlog(&mut r).map_err(bad)?),
         PING => Frame::Ping,
         VERDICT => {
             let (stream, epoch) = lane_key(&mut r).map_err(bad)?;
-            Frame::Verdict { stream, epoch, matched_through: r.u64().map_err(bad)? }
+            Frame::Verdict {
+                stream,
+                epoch,
+                matched_through: r.u64().map_err(bad)?,
+            }
         }
         ERROR => return decode_error(&mut r).map_err(bad),
         other => return Err(FrameError::UnknownType(other)),
     };
     if r.remaining() != 0 {
-        return Err(FrameError::Malformed { frame: name, offset: r.offset(), what: "trailing bytes" });
+        return Err(FrameError::Malformed {
+            frame: name,
+            offset: r.offset(),
+            what: "trailing bytes",
+        });
     }
     Ok(frame)
 }
@@ -497,16 +544,32 @@ fn decode_hello(r: &mut Reader<'_>) -> Result<Frame, ReadError> {
         for _ in 0..ngaps {
             gaps.push(get_gap(r)?);
         }
-        lanes.push(LaneAnnounce { stream, epoch, first_seq, last_seq, acked_seq, backlog, gaps });
+        lanes.push(LaneAnnounce {
+            stream,
+            epoch,
+            first_seq,
+            last_seq,
+            acked_seq,
+            backlog,
+            gaps,
+        });
     }
     // Trailing bytes are extensions from newer versions: ignored by design.
-    Ok(Frame::Hello(Hello { version_min, version_max, current_epoch, lanes }))
+    Ok(Frame::Hello(Hello {
+        version_min,
+        version_max,
+        current_epoch,
+        lanes,
+    }))
 }
 
 fn hello_prefix(r: &mut Reader<'_>) -> Result<(u16, u16), ReadError> {
     let at = r.offset();
     if r.take(4)? != HELLO_MAGIC {
-        return Err(ReadError { offset: at, what: "bad Hello magic" });
+        return Err(ReadError {
+            offset: at,
+            what: "bad Hello magic",
+        });
     }
     let min = u16::from_le_bytes(r.take(2)?.try_into().expect("2 bytes"));
     let max = u16::from_le_bytes(r.take(2)?.try_into().expect("2 bytes"));
@@ -550,9 +613,23 @@ fn decode_welcome(r: &mut Reader<'_>) -> Result<Welcome, ReadError> {
         let durable_seq = r.u64()?;
         let tiered_seq = r.u64()?;
         let resume_from = r.u64()?;
-        lanes.push((stream, epoch, LaneWelcome { durable_seq, tiered_seq, resume_from }));
+        lanes.push((
+            stream,
+            epoch,
+            LaneWelcome {
+                durable_seq,
+                tiered_seq,
+                resume_from,
+            },
+        ));
     }
-    Ok(Welcome { version, window_bytes, window_items, epoch_max, lanes })
+    Ok(Welcome {
+        version,
+        window_bytes,
+        window_items,
+        epoch_max,
+        lanes,
+    })
 }
 
 fn decode_backlog(r: &mut Reader<'_>) -> Result<Vec<BacklogEntry>, ReadError> {
@@ -560,7 +637,11 @@ fn decode_backlog(r: &mut Reader<'_>) -> Result<Vec<BacklogEntry>, ReadError> {
     let mut entries = Vec::with_capacity(n.min(r.remaining()));
     for _ in 0..n {
         let (stream, epoch) = lane_key(r)?;
-        entries.push(BacklogEntry { stream, epoch, backlog: get_backlog(r)? });
+        entries.push(BacklogEntry {
+            stream,
+            epoch,
+            backlog: get_backlog(r)?,
+        });
     }
     Ok(entries)
 }
@@ -570,7 +651,10 @@ fn decode_error(r: &mut Reader<'_>) -> Result<Frame, ReadError> {
     let at = r.offset();
     let raw = r.bytes()?;
     if raw.len() > ERROR_MESSAGE_BYTES_MAX {
-        return Err(ReadError { offset: at, what: "error message too long" });
+        return Err(ReadError {
+            offset: at,
+            what: "error message too long",
+        });
     }
     // A peer's message is only for logs: replace invalid UTF-8 rather than refuse the frame.
     let message = String::from_utf8_lossy(raw).into_owned();
@@ -591,9 +675,17 @@ fn get_gap(r: &mut Reader<'_>) -> Result<GapMarker, ReadError> {
     let reason = GapReason::from_u8(r.byte()?);
     let count = r.u64()?;
     if first_seq == 0 || first_seq > last_seq || count > last_seq - first_seq + 1 {
-        return Err(ReadError { offset: at, what: "gap marker range is invalid" });
+        return Err(ReadError {
+            offset: at,
+            what: "gap marker range is invalid",
+        });
     }
-    Ok(GapMarker { first_seq, last_seq, reason, count })
+    Ok(GapMarker {
+        first_seq,
+        last_seq,
+        reason,
+        count,
+    })
 }
 
 fn put_backlog(out: &mut Vec<u8>, b: &Backlog) {
@@ -615,9 +707,18 @@ fn get_backlog(r: &mut Reader<'_>) -> Result<Backlog, ReadError> {
     let oldest_unsent_ts = match r.byte()? {
         0 => None,
         1 => Some(r.i64()?),
-        _ => return Err(ReadError { offset: at, what: "bad option tag" }),
+        _ => {
+            return Err(ReadError {
+                offset: at,
+                what: "bad option tag",
+            });
+        }
     };
-    Ok(Backlog { blocks, bytes, oldest_unsent_ts })
+    Ok(Backlog {
+        blocks,
+        bytes,
+        oldest_unsent_ts,
+    })
 }
 
 fn lane_key(r: &mut Reader<'_>) -> Result<(String, u64), ReadError> {
@@ -629,7 +730,10 @@ fn count(r: &mut Reader<'_>, max: usize) -> Result<usize, ReadError> {
     let at = r.offset();
     let n = r.u64()?;
     if n > max as u64 {
-        return Err(ReadError { offset: at, what: "count exceeds limit" });
+        return Err(ReadError {
+            offset: at,
+            what: "count exceeds limit",
+        });
     }
     Ok(n as usize)
 }
@@ -638,7 +742,10 @@ fn stream_name(r: &mut Reader<'_>) -> Result<String, ReadError> {
     let at = r.offset();
     let s = r.string()?;
     if !valid_stream_name(&s) {
-        return Err(ReadError { offset: at, what: "invalid stream name" });
+        return Err(ReadError {
+            offset: at,
+            what: "invalid stream name",
+        });
     }
     Ok(s)
 }
@@ -649,7 +756,8 @@ pub fn valid_stream_name(s: &str) -> bool {
     !s.is_empty()
         && s.len() <= STREAM_NAME_BYTES_MAX
         && !s.starts_with('.')
-        && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
 }
 
 fn truncate_utf8(s: &str, max: usize) -> &str {
@@ -673,7 +781,10 @@ pub struct FrameBuffer {
 
 impl FrameBuffer {
     pub fn new(frame_bytes_max: u32) -> Self {
-        FrameBuffer { buf: Vec::new(), frame_bytes_max }
+        FrameBuffer {
+            buf: Vec::new(),
+            frame_bytes_max,
+        }
     }
 
     /// Appends bytes read from the transport.
@@ -719,7 +830,12 @@ mod tests {
 
     #[test]
     fn gap_clipping() {
-        let g = GapMarker { first_seq: 10, last_seq: 19, reason: GapReason::DiskFull, count: 10 };
+        let g = GapMarker {
+            first_seq: 10,
+            last_seq: 19,
+            reason: GapReason::DiskFull,
+            count: 10,
+        };
         assert_eq!(g.clip_from(5), Some(g));
         let c = g.clip_from(15).unwrap();
         assert_eq!((c.first_seq, c.last_seq, c.count), (15, 19, 5));

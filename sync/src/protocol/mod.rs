@@ -30,11 +30,12 @@ pub mod sender;
 
 pub use checksum::RangeChecksum;
 pub use frame::{
-    Backlog, BacklogEntry, ErrorCode, Frame, FrameBuffer, FrameError, GapMarker, GapReason, LaneAnnounce,
-    PROTOCOL_VERSION,
+    Backlog, BacklogEntry, ErrorCode, Frame, FrameBuffer, FrameError, GapMarker, GapReason,
+    LaneAnnounce, PROTOCOL_VERSION,
 };
 pub use receiver::{
-    CommitItem, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig, ReceiverEvent, ReceiverStats,
+    CommitItem, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
+    ReceiverStats,
 };
 pub use sender::{OfferError, Rekey, Sender, SenderConfig, SenderEvent};
 
@@ -66,7 +67,10 @@ impl std::ops::Add<Duration> for Instant {
     type Output = Instant;
 
     fn add(self, d: Duration) -> Instant {
-        Instant(self.0.saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)))
+        Instant(
+            self.0
+                .saturating_add(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+        )
     }
 }
 
@@ -109,14 +113,21 @@ pub struct Timeouts {
 
 impl Default for Timeouts {
     fn default() -> Self {
-        Timeouts { idle: Duration::from_secs(30), keepalive: Duration::from_secs(10) }
+        Timeouts {
+            idle: Duration::from_secs(30),
+            keepalive: Duration::from_secs(10),
+        }
     }
 }
 
 /// The encoded Error frame for `code`, for drivers that refuse a connection before a state
 /// machine exists (for example, a fenced or revoked device).
 pub fn error_frame(code: ErrorCode, message: &str) -> Vec<u8> {
-    Frame::Error(frame::ErrorFrame { code, message: message.to_owned() }).encode()
+    Frame::Error(frame::ErrorFrame {
+        code,
+        message: message.to_owned(),
+    })
+    .encode()
 }
 
 /// Idle and keepalive bookkeeping, identical on both sides.
@@ -129,7 +140,11 @@ struct Liveness {
 
 impl Liveness {
     fn new(timeouts: Timeouts, now: Instant) -> Self {
-        Liveness { timeouts, last_rx: now, last_tx: now }
+        Liveness {
+            timeouts,
+            last_rx: now,
+            last_tx: now,
+        }
     }
 
     fn idle_deadline(&self) -> Instant {

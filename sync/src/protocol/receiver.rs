@@ -14,8 +14,8 @@
 
 use super::checksum::{RangeChecksum, record_hash};
 use super::frame::{
-    BacklogEntry, ErrorCode, ErrorFrame, Frame, FrameError, GapMarker, Hello, LaneAnnounce, LaneWelcome,
-    Welcome, hello_versions,
+    BacklogEntry, ErrorCode, ErrorFrame, Frame, FrameError, GapMarker, Hello, LaneAnnounce,
+    LaneWelcome, Welcome, hello_versions,
 };
 use super::{CloseReason, Instant, Liveness, Timeouts, Transmit, TransmitKind, frame};
 use crate::block::{self, BlockHeader, DecodeLimits};
@@ -130,16 +130,31 @@ pub enum ReceiverEvent {
     /// Look these lanes up (and authorize the streams); answer with [`Receiver::marks_loaded`]
     /// once per event, in order. To refuse a stream, call [`Receiver::close`] with
     /// [`ErrorCode::UnauthorizedStream`] instead.
-    NeedMarks { current_epoch: u64, lanes: Vec<MarksQuery> },
+    NeedMarks {
+        current_epoch: u64,
+        lanes: Vec<MarksQuery>,
+    },
     /// The handshake completed with this version.
     Established { version: u16, current_epoch: u64 },
     /// Append to the log; once fsynced and in the catalog, call [`Receiver::committed`].
-    Commit { stream: String, epoch: u64, item: CommitItem },
+    Commit {
+        stream: String,
+        epoch: u64,
+        item: CommitItem,
+    },
     /// The edge's periodic backlog report, for completeness tracking.
-    Backlog { entries: Vec<BacklogEntry>, received_at: Instant },
+    Backlog {
+        entries: Vec<BacklogEntry>,
+        received_at: Instant,
+    },
     /// Same seqs, different content: raise the alarm and persist the fence. The receiver has
     /// already queued an Error frame (`CONFLICT_FENCED`) and closed.
-    Fenced { stream: String, epoch: u64, first_seq: u64, last_seq: u64 },
+    Fenced {
+        stream: String,
+        epoch: u64,
+        first_seq: u64,
+        last_seq: u64,
+    },
     /// The session is over; flush pending transmits and close the connection.
     Closed(CloseReason),
 }
@@ -308,9 +323,13 @@ impl Lane {
     /// In a lane the hub is ahead of, seqs the edge itself recorded as lost need no
     /// comparison: the match extends over them.
     fn skip_own_gaps(&mut self) {
-        let (Some(b), Some(a)) = (self.behind.as_mut(), self.announced.as_ref()) else { return };
-        while let Some(g) =
-            a.gaps.iter().find(|g| g.first_seq <= b.matched_through + 1 && b.matched_through < g.last_seq)
+        let (Some(b), Some(a)) = (self.behind.as_mut(), self.announced.as_ref()) else {
+            return;
+        };
+        while let Some(g) = a
+            .gaps
+            .iter()
+            .find(|g| g.first_seq <= b.matched_through + 1 && b.matched_through < g.last_seq)
         {
             b.matched_through = g.last_seq.min(b.held_last);
             if b.matched_through == b.held_last {
@@ -331,10 +350,16 @@ impl Lane {
             return Check::Lost(r);
         };
         let carry = match self.carry {
-            Some(c) if c.range_first == r.first_seq && c.next == seq => {
-                Carry { next: seq + 1, sum: c.sum.wrapping_add(hash), ..c }
-            }
-            _ if seq == r.first_seq => Carry { range_first: seq, next: seq + 1, sum: hash },
+            Some(c) if c.range_first == r.first_seq && c.next == seq => Carry {
+                next: seq + 1,
+                sum: c.sum.wrapping_add(hash),
+                ..c
+            },
+            _ if seq == r.first_seq => Carry {
+                range_first: seq,
+                next: seq + 1,
+                sum: hash,
+            },
             _ => {
                 self.carry = None;
                 return Check::Unknown;
@@ -345,7 +370,11 @@ impl Lane {
             return Check::Pending;
         }
         self.carry = None;
-        if carry.sum == checksum { Check::Matched(r) } else { Check::Mismatch(r) }
+        if carry.sum == checksum {
+            Check::Matched(r)
+        } else {
+            Check::Mismatch(r)
+        }
     }
 }
 
@@ -445,7 +474,9 @@ impl Receiver {
 
     fn on_decode_error(&mut self, bytes: &[u8], e: FrameError) {
         // A Hello from a newer version may not decode here, but its version range does.
-        let versions = (self.phase == Phase::AwaitHello).then(|| hello_versions(bytes)).flatten();
+        let versions = (self.phase == Phase::AwaitHello)
+            .then(|| hello_versions(bytes))
+            .flatten();
         if let Some((min, max)) = versions
             && !self.negotiate(min, max)
         {
@@ -468,7 +499,10 @@ impl Receiver {
                 self.on_item(stream, epoch, Item::Gap(gap))
             }
             (Phase::Established, Frame::Backlog(entries)) => {
-                self.events.push_back(ReceiverEvent::Backlog { entries, received_at: self.now })
+                self.events.push_back(ReceiverEvent::Backlog {
+                    entries,
+                    received_at: self.now,
+                })
             }
             (phase, f) => {
                 let msg = format!("unexpected {} frame in state {phase:?}", f.name());
@@ -526,11 +560,18 @@ impl Receiver {
             .iter()
             .map(|&i| {
                 let l = &self.lanes[i];
-                MarksQuery { stream: l.stream.clone(), epoch: l.epoch, checksums_from: l.verify_from() }
+                MarksQuery {
+                    stream: l.stream.clone(),
+                    epoch: l.epoch,
+                    checksums_from: l.verify_from(),
+                }
             })
             .collect();
         self.queries.push_back(lanes);
-        let ev = ReceiverEvent::NeedMarks { current_epoch: self.current_epoch, lanes: queries };
+        let ev = ReceiverEvent::NeedMarks {
+            current_epoch: self.current_epoch,
+            lanes: queries,
+        };
         self.events.push_back(ev);
     }
 
@@ -589,7 +630,10 @@ impl Receiver {
             let start = lane.verify_from() - 1;
             let mut data_last = held_last;
             let gaps = lane.announced.as_ref().map_or(&[][..], |a| &a.gaps[..]);
-            while let Some(g) = gaps.iter().find(|g| g.first_seq <= data_last && data_last <= g.last_seq) {
+            while let Some(g) = gaps
+                .iter()
+                .find(|g| g.first_seq <= data_last && data_last <= g.last_seq)
+            {
                 data_last = g.first_seq - 1;
             }
             lane.behind = Some(Behind {
@@ -614,7 +658,11 @@ impl Receiver {
                     _ => l.mark + 1,
                 };
                 l.junction = l.behind.is_none() && resume_from <= l.mark;
-                let w = LaneWelcome { durable_seq: l.mark, tiered_seq: l.tiered, resume_from };
+                let w = LaneWelcome {
+                    durable_seq: l.mark,
+                    tiered_seq: l.tiered,
+                    resume_from,
+                };
                 (l.stream.clone(), l.epoch, w)
             })
             .collect();
@@ -639,7 +687,11 @@ impl Receiver {
     fn on_block(&mut self, stream: String, block: Vec<u8>) {
         match block::verify_block(&block, &self.config.decode_limits) {
             Ok(header) => self.on_item(stream, header.epoch, Item::Block { header, block }),
-            Err(e) => self.close(self.now, ErrorCode::BadBlock, &format!("stream {stream}: {e}")),
+            Err(e) => self.close(
+                self.now,
+                ErrorCode::BadBlock,
+                &format!("stream {stream}: {e}"),
+            ),
         }
     }
 
@@ -687,7 +739,11 @@ impl Receiver {
         if over && self.held_items > 0 {
             let msg = format!(
                 "window exceeded: {} bytes in {} items held, {} more, window {} bytes / {} items",
-                self.held_bytes, self.held_items, bytes, self.config.window_bytes, self.config.window_items
+                self.held_bytes,
+                self.held_items,
+                bytes,
+                self.config.window_bytes,
+                self.config.window_items
             );
             self.close(self.now, ErrorCode::FlowControl, &msg);
             return false;
@@ -700,12 +756,18 @@ impl Receiver {
         let bytes = item.bytes();
         self.arrivals += 1;
         let lane = &mut self.lanes[i];
-        let mut same_start = lane.reorder.range((first, 0)..=(first, u64::MAX)).map(|(_, v)| v);
+        let mut same_start = lane
+            .reorder
+            .range((first, 0)..=(first, u64::MAX))
+            .map(|(_, v)| v);
         if let Some((prev, _)) = same_start.find(|(_, p)| !p && !parked) {
             if same_item(prev, &item) {
                 return;
             }
-            let msg = format!("two different items start at seq {first} of {}/{}", lane.stream, lane.epoch);
+            let msg = format!(
+                "two different items start at seq {first} of {}/{}",
+                lane.stream, lane.epoch
+            );
             return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
         }
         lane.reorder.insert((first, self.arrivals), (item, parked));
@@ -725,7 +787,10 @@ impl Receiver {
         let over = self.parked_bytes + bytes > 2 * self.config.window_bytes
             || self.parked_items + 1 > 2 * self.config.window_items + 1;
         if over {
-            let msg = format!("{} blocks parked during a checksum lookup", self.parked_items + 1);
+            let msg = format!(
+                "{} blocks parked during a checksum lookup",
+                self.parked_items + 1
+            );
             self.close(self.now, ErrorCode::FlowControl, &msg);
         }
         !over
@@ -744,7 +809,9 @@ impl Receiver {
                 return;
             }
             let (frontier, mark, junction) = (lane.frontier, lane.mark, lane.junction);
-            let Some(entry) = lane.reorder.first_entry() else { return };
+            let Some(entry) = lane.reorder.first_entry() else {
+                return;
+            };
             let first = entry.key().0;
             if first > frontier + 1 || (junction && first > mark) {
                 return;
@@ -796,13 +863,21 @@ impl Receiver {
             return;
         };
         lane.frontier = clipped.last_seq;
-        let stored = Stored { first_seq: clipped.first_seq, last_seq: clipped.last_seq, checksum: None };
+        let stored = Stored {
+            first_seq: clipped.first_seq,
+            last_seq: clipped.last_seq,
+            checksum: None,
+        };
         lane.remember(stored, self.config.checksum_ranges_max);
         lane.pending.push_back((clipped.last_seq, 0));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(0);
         self.stats.gaps_committed += 1;
-        self.events.push_back(ReceiverEvent::Commit { stream, epoch, item: CommitItem::Gap(clipped) });
+        self.events.push_back(ReceiverEvent::Commit {
+            stream,
+            epoch,
+            item: CommitItem::Gap(clipped),
+        });
     }
 
     fn process_block(&mut self, i: usize, header: BlockHeader, block: Vec<u8>) {
@@ -828,8 +903,12 @@ impl Receiver {
             self.stats.replays += 1;
             return;
         }
-        let hashes: Vec<u64> =
-            decoded.records.iter().enumerate().map(|(k, r)| record_hash(first + k as u64, r)).collect();
+        let hashes: Vec<u64> = decoded
+            .records
+            .iter()
+            .enumerate()
+            .map(|(k, r)| record_hash(first + k as u64, r))
+            .collect();
         match self.verify_overlap(i, first, &hashes) {
             Verify::Ok => {}
             Verify::Fenced => return,
@@ -856,21 +935,39 @@ impl Receiver {
         let skip_through = lane.frontier;
         let skip = (skip_through + 1 - first) as usize;
         let sum = hashes[skip..].iter().fold(0u64, |a, h| a.wrapping_add(*h));
-        let checksum =
-            RangeChecksum { first_seq: skip_through + 1, last_seq: header.last_seq(), checksum: sum };
+        let checksum = RangeChecksum {
+            first_seq: skip_through + 1,
+            last_seq: header.last_seq(),
+            checksum: sum,
+        };
         let mut records = decoded.records;
         records.drain(..skip);
         lane.frontier = header.last_seq();
         lane.remember(
-            Stored { first_seq: checksum.first_seq, last_seq: checksum.last_seq, checksum: Some(sum) },
+            Stored {
+                first_seq: checksum.first_seq,
+                last_seq: checksum.last_seq,
+                checksum: Some(sum),
+            },
             self.config.checksum_ranges_max,
         );
-        lane.pending.push_back((header.last_seq(), block.len() as u64));
+        lane.pending
+            .push_back((header.last_seq(), block.len() as u64));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(block.len() as u64);
         self.stats.blocks_committed += 1;
-        let item = CommitItem::Block { header, block, skip_through, records, checksum };
-        self.events.push_back(ReceiverEvent::Commit { stream, epoch, item });
+        let item = CommitItem::Block {
+            header,
+            block,
+            skip_through,
+            records,
+            checksum,
+        };
+        self.events.push_back(ReceiverEvent::Commit {
+            stream,
+            epoch,
+            item,
+        });
     }
 
     /// Compares the records at or below the frontier with the stored ranges. Returns false
@@ -942,19 +1039,29 @@ impl Receiver {
         lane.fetched_from = from;
         lane.loaded = false;
         lane.refilling = true;
-        lane.reorder.insert((item.range().0, self.arrivals), (item, true));
-        let query = MarksQuery { stream: lane.stream.clone(), epoch: lane.epoch, checksums_from: from };
+        lane.reorder
+            .insert((item.range().0, self.arrivals), (item, true));
+        let query = MarksQuery {
+            stream: lane.stream.clone(),
+            epoch: lane.epoch,
+            checksums_from: from,
+        };
         self.parked_bytes += bytes;
         self.parked_items += 1;
         self.queries.push_back(vec![i]);
-        let ev = ReceiverEvent::NeedMarks { current_epoch: self.current_epoch, lanes: vec![query] };
+        let ev = ReceiverEvent::NeedMarks {
+            current_epoch: self.current_epoch,
+            lanes: vec![query],
+        };
         self.events.push_back(ev);
     }
 
     fn maybe_verdict(&mut self, i: usize) {
         let lane = &mut self.lanes[i];
         lane.skip_own_gaps();
-        let Some(b) = lane.behind.as_mut() else { return };
+        let Some(b) = lane.behind.as_mut() else {
+            return;
+        };
         if b.matched_through >= b.held_last {
             b.done = true;
         }
@@ -963,7 +1070,11 @@ impl Receiver {
         }
         b.verdict_sent = true;
         let matched_through = b.matched_through;
-        let frame = Frame::Verdict { stream: lane.stream.clone(), epoch: lane.epoch, matched_through };
+        let frame = Frame::Verdict {
+            stream: lane.stream.clone(),
+            epoch: lane.epoch,
+            matched_through,
+        };
         self.push(frame, TransmitKind::Control);
     }
 
@@ -983,12 +1094,21 @@ impl Receiver {
 
     /// The driver made everything up to `durable_seq` of the lane durable (log fsync and
     /// catalog commit both done). `tiered_seq` is the lane's tier-2 mark (0 until tiering).
-    pub fn committed(&mut self, now: Instant, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) {
+    pub fn committed(
+        &mut self,
+        now: Instant,
+        stream: &str,
+        epoch: u64,
+        durable_seq: u64,
+        tiered_seq: u64,
+    ) {
         if self.phase == Phase::Closed {
             return;
         }
         self.now = now;
-        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else { return };
+        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else {
+            return;
+        };
         let lane = &mut self.lanes[i];
         assert!(
             durable_seq <= lane.frontier,
@@ -1070,7 +1190,11 @@ impl Receiver {
 
     /// When to call [`Receiver::handle_timeout`] next.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        (self.phase != Phase::Closed).then(|| self.live.idle_deadline().min(self.live.keepalive_deadline()))
+        (self.phase != Phase::Closed).then(|| {
+            self.live
+                .idle_deadline()
+                .min(self.live.keepalive_deadline())
+        })
     }
 
     pub fn poll_transmit(&mut self) -> Option<Transmit> {
@@ -1088,35 +1212,63 @@ impl Receiver {
             return;
         }
         self.now = now;
-        self.push(Frame::Error(ErrorFrame { code, message: message.to_owned() }), TransmitKind::Control);
+        self.push(
+            Frame::Error(ErrorFrame {
+                code,
+                message: message.to_owned(),
+            }),
+            TransmitKind::Control,
+        );
         self.phase = Phase::Closed;
-        let reason = CloseReason { code, message: message.to_owned(), by_peer: false };
+        let reason = CloseReason {
+            code,
+            message: message.to_owned(),
+            by_peer: false,
+        };
         self.events.push_back(ReceiverEvent::Closed(reason));
     }
 
     fn closed_by_peer(&mut self, e: ErrorFrame) {
         self.phase = Phase::Closed;
-        let reason = CloseReason { code: e.code, message: e.message, by_peer: true };
+        let reason = CloseReason {
+            code: e.code,
+            message: e.message,
+            by_peer: true,
+        };
         self.events.push_back(ReceiverEvent::Closed(reason));
     }
 
     fn push(&mut self, frame: Frame, kind: TransmitKind) {
         self.live.last_tx = self.now;
-        self.transmits.push_back(Transmit { frame: frame.encode(), kind });
+        self.transmits.push_back(Transmit {
+            frame: frame.encode(),
+            kind,
+        });
     }
 }
 
 /// Stored ranges at or below the mark, ascending, at most `cap`: the earliest ones (for
 /// comparing a restored history) and always the one ending at the mark (the junction).
-fn capped_ranges(ranges: Vec<RangeChecksum>, gaps: Vec<(u64, u64)>, mark: u64, cap: usize) -> Vec<Stored> {
+fn capped_ranges(
+    ranges: Vec<RangeChecksum>,
+    gaps: Vec<(u64, u64)>,
+    mark: u64,
+    cap: usize,
+) -> Vec<Stored> {
     let sums = ranges.into_iter().map(|r| Stored {
         first_seq: r.first_seq,
         last_seq: r.last_seq,
         checksum: Some(r.checksum),
     });
-    let lost = gaps.into_iter().map(|(first_seq, last_seq)| Stored { first_seq, last_seq, checksum: None });
-    let mut ranges: Vec<Stored> =
-        sums.chain(lost).filter(|r| r.first_seq <= r.last_seq && r.last_seq <= mark).collect();
+    let lost = gaps.into_iter().map(|(first_seq, last_seq)| Stored {
+        first_seq,
+        last_seq,
+        checksum: None,
+    });
+    let mut ranges: Vec<Stored> = sums
+        .chain(lost)
+        .filter(|r| r.first_seq <= r.last_seq && r.last_seq <= mark)
+        .collect();
     ranges.sort_by_key(|r| r.first_seq);
     ranges.dedup_by_key(|r| r.first_seq);
     if ranges.len() > cap {

@@ -73,9 +73,19 @@ pub enum SenderEvent {
     /// Read sealed, fsynced blocks of the lane with `last_seq > after_seq`, in order, about
     /// `bytes_max` of them (at least one), and pass them to [`Sender::supply_blocks`]; an
     /// empty answer means "none right now".
-    WantBlocks { stream: String, epoch: u64, after_seq: u64, bytes_max: u64 },
+    WantBlocks {
+        stream: String,
+        epoch: u64,
+        after_seq: u64,
+        bytes_max: u64,
+    },
     /// The hub's marks advanced. Persist them: retention keys on `tiered_seq`.
-    Acked { stream: String, epoch: u64, durable_seq: u64, tiered_seq: u64 },
+    Acked {
+        stream: String,
+        epoch: u64,
+        durable_seq: u64,
+        tiered_seq: u64,
+    },
     /// The hub is ahead of this edge's history (restored or cloned data directory). Mint an
     /// epoch `>= epoch_min`, move the `rekey` records into it first, then write new data to it,
     /// and call [`Sender::epoch_minted`]. Seqs of the old epochs are never reused.
@@ -179,8 +189,14 @@ impl Lane {
     /// The last seq this lane will send in this session.
     fn limit(&self) -> u64 {
         match self.mode {
-            Mode::Behind { limit, verdict: None } => limit,
-            Mode::Behind { verdict: Some(_), .. } | Mode::Pending => 0,
+            Mode::Behind {
+                limit,
+                verdict: None,
+            } => limit,
+            Mode::Behind {
+                verdict: Some(_), ..
+            }
+            | Mode::Pending => 0,
             Mode::Normal => self.held_last,
         }
     }
@@ -208,7 +224,8 @@ impl Lane {
             Mode::Behind { .. } => true,
             Mode::Pending => false,
             Mode::Normal => {
-                let no_more = self.cursor > self.held_last || self.exhausted_at == Some(self.held_last);
+                let no_more =
+                    self.cursor > self.held_last || self.exhausted_at == Some(self.held_last);
                 self.epoch != current_epoch
                     && no_more
                     && !self.want_outstanding
@@ -219,14 +236,27 @@ impl Lane {
     }
 
     fn push_out(&mut self, first: u64, last: u64, bytes: u64, frame: Frame) {
-        let kind = if first <= self.hub_mark { TransmitKind::Control } else { TransmitKind::Data };
+        let kind = if first <= self.hub_mark {
+            TransmitKind::Control
+        } else {
+            TransmitKind::Data
+        };
         self.queue_bytes += bytes;
-        self.queue.push_back(Out { last_seq: last, bytes, frame: frame.encode(), kind });
+        self.queue.push_back(Out {
+            last_seq: last,
+            bytes,
+            frame: frame.encode(),
+            kind,
+        });
         self.cursor = last + 1;
     }
 
     fn push_gap(&mut self, g: GapMarker) {
-        let frame = Frame::Gap { stream: self.stream.clone(), epoch: self.epoch, gap: g };
+        let frame = Frame::Gap {
+            stream: self.stream.clone(),
+            epoch: self.epoch,
+            gap: g,
+        };
         self.push_out(g.first_seq, g.last_seq, 0, frame);
     }
 
@@ -238,22 +268,45 @@ impl Lane {
             // so that the hub stops waiting for the block ending at its mark.
             let last_seq = to.min(self.floor());
             let count = last_seq - from + 1;
-            self.push_gap(GapMarker { first_seq: from, last_seq, reason: GapReason::Missing, count });
+            self.push_gap(GapMarker {
+                first_seq: from,
+                last_seq,
+                reason: GapReason::Missing,
+                count,
+            });
         }
         let mut at = from.max(self.floor() + 1);
         while at <= to {
-            let covering = self.gaps.iter().find(|g| g.first_seq <= at && at <= g.last_seq).copied();
+            let covering = self
+                .gaps
+                .iter()
+                .find(|g| g.first_seq <= at && at <= g.last_seq)
+                .copied();
             let g = match covering {
                 Some(g) => {
                     let clipped = g.clip_from(at).expect("marker covers at");
                     let last_seq = clipped.last_seq.min(to);
-                    GapMarker { last_seq, count: clipped.count.min(last_seq - at + 1), ..clipped }
+                    GapMarker {
+                        last_seq,
+                        count: clipped.count.min(last_seq - at + 1),
+                        ..clipped
+                    }
                 }
                 None => {
-                    let next = self.gaps.iter().map(|g| g.first_seq).filter(|&f| f > at).min();
+                    let next = self
+                        .gaps
+                        .iter()
+                        .map(|g| g.first_seq)
+                        .filter(|&f| f > at)
+                        .min();
                     let last_seq = next.map_or(to, |n| (n - 1).min(to));
                     let count = last_seq - at + 1;
-                    GapMarker { first_seq: at, last_seq, reason: GapReason::Missing, count }
+                    GapMarker {
+                        first_seq: at,
+                        last_seq,
+                        reason: GapReason::Missing,
+                        count,
+                    }
                 }
             };
             self.push_gap(g);
@@ -270,15 +323,28 @@ impl Lane {
             if at > self.limit() {
                 return;
             }
-            let Some(g) = self.gaps.iter().find(|g| g.first_seq <= at && at <= g.last_seq).copied() else {
+            let Some(g) = self
+                .gaps
+                .iter()
+                .find(|g| g.first_seq <= at && at <= g.last_seq)
+                .copied()
+            else {
                 return;
             };
             // Below the hub's mark this only tells the hub that the edge does not hold the
             // seqs (so it stops waiting for the block ending at its mark); above, it is loss.
-            let last_seq =
-                if at <= self.floor() { g.last_seq.min(self.floor()) } else { g.last_seq.min(self.limit()) };
+            let last_seq = if at <= self.floor() {
+                g.last_seq.min(self.floor())
+            } else {
+                g.last_seq.min(self.limit())
+            };
             let count = g.count.min(last_seq - at + 1);
-            self.push_gap(GapMarker { first_seq: at, last_seq, count, ..g });
+            self.push_gap(GapMarker {
+                first_seq: at,
+                last_seq,
+                count,
+                ..g
+            });
         }
     }
 }
@@ -344,7 +410,13 @@ impl Sender {
             if !frame::valid_stream_name(&a.stream) {
                 return Err(OfferError::InvalidStream(a.stream.clone()));
             }
-            let i = s.add_lane(a.stream.clone(), a.epoch, a.first_seq, a.last_seq, Mode::Pending);
+            let i = s.add_lane(
+                a.stream.clone(),
+                a.epoch,
+                a.first_seq,
+                a.last_seq,
+                Mode::Pending,
+            );
             let lane = &mut s.lanes[i];
             lane.gaps = a.gaps.clone();
             lane.gaps.sort_by_key(|g| g.first_seq);
@@ -418,12 +490,23 @@ impl Sender {
             (_, Frame::Error(e)) => self.closed_by_peer(e),
             (_, Frame::Ping) => {}
             (Phase::AwaitWelcome, Frame::Welcome(w)) => self.on_welcome(w),
-            (Phase::Established, Frame::Ack { stream, epoch, durable_seq, tiered_seq }) => {
-                self.on_ack(&stream, epoch, durable_seq, tiered_seq)
-            }
-            (Phase::Established, Frame::Verdict { stream, epoch, matched_through }) => {
-                self.on_verdict(&stream, epoch, matched_through)
-            }
+            (
+                Phase::Established,
+                Frame::Ack {
+                    stream,
+                    epoch,
+                    durable_seq,
+                    tiered_seq,
+                },
+            ) => self.on_ack(&stream, epoch, durable_seq, tiered_seq),
+            (
+                Phase::Established,
+                Frame::Verdict {
+                    stream,
+                    epoch,
+                    matched_through,
+                },
+            ) => self.on_verdict(&stream, epoch, matched_through),
             (phase, f) => {
                 let msg = format!("unexpected {} frame in state {phase:?}", f.name());
                 self.close(self.now, ErrorCode::ProtocolViolation, &msg);
@@ -458,7 +541,10 @@ impl Sender {
         }
         self.phase = Phase::Established;
         self.next_backlog = Some(self.now + self.config.backlog_interval);
-        self.events.push_back(SenderEvent::Established { version: self.version, epoch_max: self.epoch_max });
+        self.events.push_back(SenderEvent::Established {
+            version: self.version,
+            epoch_max: self.epoch_max,
+        });
         self.check_mint();
     }
 
@@ -473,7 +559,10 @@ impl Sender {
         lane.hub_tiered = lw.tiered_seq;
         lane.cursor = lw.resume_from.clamp(1, lw.durable_seq + 1);
         if lw.durable_seq > lane.announced_last {
-            lane.mode = Mode::Behind { limit: lane.announced_last, verdict: None };
+            lane.mode = Mode::Behind {
+                limit: lane.announced_last,
+                verdict: None,
+            };
             return;
         }
         // The Welcome's marks are not reported as acknowledged: only an Ack, which the hub
@@ -482,7 +571,9 @@ impl Sender {
     }
 
     fn on_ack(&mut self, stream: &str, epoch: u64, durable_seq: u64, tiered_seq: u64) {
-        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else { return };
+        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else {
+            return;
+        };
         let lane = &mut self.lanes[i];
         while let Some(&(last, bytes, counted)) = lane.inflight.front() {
             if last > durable_seq {
@@ -499,7 +590,9 @@ impl Sender {
         // In a lane the hub is ahead of, only what the Verdict confirmed is ours.
         let cap = match lane.mode {
             Mode::Behind { verdict: None, .. } | Mode::Pending => return,
-            Mode::Behind { verdict: Some(m), .. } => m,
+            Mode::Behind {
+                verdict: Some(m), ..
+            } => m,
             Mode::Normal => u64::MAX,
         };
         let (durable_seq, tiered_seq) = (durable_seq.min(cap), tiered_seq.min(cap));
@@ -516,14 +609,23 @@ impl Sender {
     }
 
     fn on_verdict(&mut self, stream: &str, epoch: u64, matched_through: u64) {
-        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else { return };
+        let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else {
+            return;
+        };
         let lane = &mut self.lanes[i];
-        let Mode::Behind { limit, verdict: None } = lane.mode else {
+        let Mode::Behind {
+            limit,
+            verdict: None,
+        } = lane.mode
+        else {
             let msg = format!("Verdict for lane {stream}/{epoch}, which is not behind the hub");
             return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
         };
         let matched = matched_through.min(limit);
-        lane.mode = Mode::Behind { limit, verdict: Some(matched) };
+        lane.mode = Mode::Behind {
+            limit,
+            verdict: Some(matched),
+        };
         // Queued comparison blocks are moot now.
         lane.queue.clear();
         lane.queue_bytes = 0;
@@ -551,10 +653,16 @@ impl Sender {
         for lane in &self.lanes {
             match lane.mode {
                 Mode::Behind { verdict: None, .. } => return,
-                Mode::Behind { verdict: Some(m), .. } => {
+                Mode::Behind {
+                    verdict: Some(m), ..
+                } => {
                     mint |= lane.epoch == self.current_epoch;
                     if m < lane.held_last {
-                        rekey.push(Rekey { stream: lane.stream.clone(), epoch: lane.epoch, from_seq: m + 1 });
+                        rekey.push(Rekey {
+                            stream: lane.stream.clone(),
+                            epoch: lane.epoch,
+                            from_seq: m + 1,
+                        });
                     }
                 }
                 _ => {}
@@ -564,7 +672,8 @@ impl Sender {
             self.mint_emitted = true;
             let top = self.lanes.iter().map(|l| l.epoch).max().unwrap_or(0);
             let epoch_min = self.epoch_max.max(self.current_epoch).max(top) + 1;
-            self.events.push_back(SenderEvent::MintEpoch { epoch_min, rekey });
+            self.events
+                .push_back(SenderEvent::MintEpoch { epoch_min, rekey });
         }
     }
 
@@ -579,7 +688,12 @@ impl Sender {
     /// in line and there is room; otherwise it only notes that the log grew and reads the
     /// block back later through [`SenderEvent::WantBlocks`]. A block of an epoch with no lane
     /// yet opens one (a newly minted epoch).
-    pub fn offer_block(&mut self, now: Instant, stream: &str, block: Vec<u8>) -> Result<(), OfferError> {
+    pub fn offer_block(
+        &mut self,
+        now: Instant,
+        stream: &str,
+        block: Vec<u8>,
+    ) -> Result<(), OfferError> {
         self.now = now;
         if !frame::valid_stream_name(stream) {
             return Err(OfferError::InvalidStream(stream.to_owned()));
@@ -604,8 +718,18 @@ impl Sender {
         if let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) {
             return i;
         }
-        let mode = if self.phase == Phase::Established { Mode::Normal } else { Mode::Pending };
-        self.add_lane(stream.to_owned(), epoch, first_seq, first_seq.saturating_sub(1), mode)
+        let mode = if self.phase == Phase::Established {
+            Mode::Normal
+        } else {
+            Mode::Pending
+        };
+        self.add_lane(
+            stream.to_owned(),
+            epoch,
+            first_seq,
+            first_seq.saturating_sub(1),
+            mode,
+        )
     }
 
     /// Records a gap marker written while connected (for example a disk-budget drop).
@@ -621,7 +745,10 @@ impl Sender {
             return Err(OfferError::InvalidStream(stream.to_owned()));
         }
         if gap.first_seq == 0 || gap.first_seq > gap.last_seq {
-            return Err(OfferError::BadGap { first_seq: gap.first_seq, last_seq: gap.last_seq });
+            return Err(OfferError::BadGap {
+                first_seq: gap.first_seq,
+                last_seq: gap.last_seq,
+            });
         }
         let i = self.lane_for(stream, epoch, gap.first_seq);
         let lane = &mut self.lanes[i];
@@ -646,7 +773,10 @@ impl Sender {
     ) -> Result<(), OfferError> {
         self.now = now;
         let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) else {
-            return Err(OfferError::UnknownLane { stream: stream.to_owned(), epoch });
+            return Err(OfferError::UnknownLane {
+                stream: stream.to_owned(),
+                epoch,
+            });
         };
         let lane = &mut self.lanes[i];
         lane.want_outstanding = false;
@@ -654,7 +784,10 @@ impl Sender {
             lane.exhausted_at = Some(lane.held_last);
             // Comparing a lane the hub is ahead of must finish: what the log cannot supply,
             // the edge does not hold.
-            if let Mode::Behind { limit, verdict: None } = lane.mode
+            if let Mode::Behind {
+                limit,
+                verdict: None,
+            } = lane.mode
                 && lane.cursor <= limit
             {
                 lane.fill_hole(lane.cursor, limit);
@@ -675,7 +808,10 @@ impl Sender {
         let h = block::decode_header(&block)?;
         let lane = &mut self.lanes[i];
         if h.epoch != lane.epoch {
-            return Err(OfferError::WrongEpoch { want: lane.epoch, got: h.epoch });
+            return Err(OfferError::WrongEpoch {
+                want: lane.epoch,
+                got: h.epoch,
+            });
         }
         if h.last_seq() > lane.held_last {
             lane.held_last = h.last_seq();
@@ -687,7 +823,10 @@ impl Sender {
             lane.fill_hole(lane.cursor, h.first_seq - 1);
         }
         let bytes = block.len() as u64;
-        let frame = Frame::Block { stream: lane.stream.clone(), block };
+        let frame = Frame::Block {
+            stream: lane.stream.clone(),
+            block,
+        };
         lane.push_out(h.first_seq, h.last_seq(), bytes, frame);
         Ok(())
     }
@@ -734,7 +873,10 @@ impl Sender {
         }
         let i = self.pick_lane()?;
         let lane = &mut self.lanes[i];
-        let out = lane.queue.pop_front().expect("picked lane has queued frames");
+        let out = lane
+            .queue
+            .pop_front()
+            .expect("picked lane has queued frames");
         lane.queue_bytes -= out.bytes;
         let counted = lane.counts_in_window(out.last_seq);
         lane.inflight.push_back((out.last_seq, out.bytes, counted));
@@ -745,7 +887,10 @@ impl Sender {
         self.live.last_tx = self.now;
         self.rr = i + 1;
         self.pump();
-        Some(Transmit { frame: out.frame, kind: out.kind })
+        Some(Transmit {
+            frame: out.frame,
+            kind: out.kind,
+        })
     }
 
     /// The lane whose next frame goes out: window permitting, the highest priority, never
@@ -756,7 +901,9 @@ impl Sender {
         for k in 0..n {
             let i = (self.rr + k) % n;
             let lane = &self.lanes[i];
-            let Some(head) = lane.queue.front() else { continue };
+            let Some(head) = lane.queue.front() else {
+                continue;
+            };
             let fits = !lane.counts_in_window(head.last_seq) || self.window_allows(head.bytes);
             if !fits || !self.epoch_order_allows(i) {
                 continue;
@@ -771,7 +918,8 @@ impl Sender {
 
     fn window_allows(&self, bytes: u64) -> bool {
         self.inflight_items == 0
-            || (self.inflight_bytes + bytes <= self.window_bytes && self.inflight_items < self.window_items)
+            || (self.inflight_bytes + bytes <= self.window_bytes
+                && self.inflight_items < self.window_items)
     }
 
     fn epoch_order_allows(&self, i: usize) -> bool {
@@ -779,7 +927,10 @@ impl Sender {
         if matches!(lane.mode, Mode::Behind { .. }) {
             return true;
         }
-        self.lanes[..i].iter().filter(|l| l.stream == lane.stream).all(|l| l.settled(self.current_epoch))
+        self.lanes[..i]
+            .iter()
+            .filter(|l| l.stream == lane.stream)
+            .all(|l| l.settled(self.current_epoch))
     }
 
     pub fn poll_event(&mut self) -> Option<SenderEvent> {
@@ -809,7 +960,11 @@ impl Sender {
         self.lanes
             .iter()
             .take(frame::LANES_MAX)
-            .map(|l| BacklogEntry { stream: l.stream.clone(), epoch: l.epoch, backlog: l.backlog })
+            .map(|l| BacklogEntry {
+                stream: l.stream.clone(),
+                epoch: l.epoch,
+                backlog: l.backlog,
+            })
             .collect()
     }
 
@@ -818,7 +973,10 @@ impl Sender {
         if self.phase == Phase::Closed {
             return None;
         }
-        let t = self.live.idle_deadline().min(self.live.keepalive_deadline());
+        let t = self
+            .live
+            .idle_deadline()
+            .min(self.live.keepalive_deadline());
         Some(self.next_backlog.map_or(t, |b| b.min(t)))
     }
 
@@ -828,20 +986,34 @@ impl Sender {
             return;
         }
         self.now = now;
-        self.push_control(Frame::Error(ErrorFrame { code, message: message.to_owned() }));
+        self.push_control(Frame::Error(ErrorFrame {
+            code,
+            message: message.to_owned(),
+        }));
         self.phase = Phase::Closed;
-        let reason = CloseReason { code, message: message.to_owned(), by_peer: false };
+        let reason = CloseReason {
+            code,
+            message: message.to_owned(),
+            by_peer: false,
+        };
         self.events.push_back(SenderEvent::Closed(reason));
     }
 
     fn closed_by_peer(&mut self, e: ErrorFrame) {
         self.phase = Phase::Closed;
-        let reason = CloseReason { code: e.code, message: e.message, by_peer: true };
+        let reason = CloseReason {
+            code: e.code,
+            message: e.message,
+            by_peer: true,
+        };
         self.events.push_back(SenderEvent::Closed(reason));
     }
 
     fn push_control(&mut self, frame: Frame) {
         self.live.last_tx = self.now;
-        self.control.push_back(Transmit { frame: frame.encode(), kind: TransmitKind::Control });
+        self.control.push_back(Transmit {
+            frame: frame.encode(),
+            kind: TransmitKind::Control,
+        });
     }
 }

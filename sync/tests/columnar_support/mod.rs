@@ -18,10 +18,22 @@ pub fn telemetry(keys: usize, rows: usize) -> Vec<Record> {
                 key: format!("truck-{k:04}/engine"),
                 ts: 1_764_374_400_000_000_000 + t as i64 * 1_000_000_000 + k as i64 * 1_000_003,
                 fields: vec![
-                    ("engine_temp_c".into(), Value::F64(((70.0 + x * 5.0) * 100.0).round() / 100.0)),
-                    ("oil_bar".into(), Value::F64(((3.0 + x) * 1000.0).round() / 1000.0)),
-                    ("odometer_m".into(), Value::I64(100_000 + (t * (k + 3)) as i64)),
-                    ("lat".into(), Value::F64(((45.0 + x / 100.0) * 1e6).round() / 1e6)),
+                    (
+                        "engine_temp_c".into(),
+                        Value::F64(((70.0 + x * 5.0) * 100.0).round() / 100.0),
+                    ),
+                    (
+                        "oil_bar".into(),
+                        Value::F64(((3.0 + x) * 1000.0).round() / 1000.0),
+                    ),
+                    (
+                        "odometer_m".into(),
+                        Value::I64(100_000 + (t * (k + 3)) as i64),
+                    ),
+                    (
+                        "lat".into(),
+                        Value::F64(((45.0 + x / 100.0) * 1e6).round() / 1e6),
+                    ),
                     ("ignition".into(), Value::Bool(t % 17 != 0)),
                 ],
             });
@@ -73,13 +85,24 @@ pub fn odd_records() -> Vec<Record> {
                 _ => Value::F64(i as f64 / 4.0),
             },
         ));
-        out.push(Record { key: ["", "a", "ключ/🙂"][i % 3].into(), ts: i64::MIN + i64v * 7, fields });
+        out.push(Record {
+            key: ["", "a", "ключ/🙂"][i % 3].into(),
+            ts: i64::MIN + i64v * 7,
+            fields,
+        });
     }
-    out.push(Record { key: "a".into(), ts: i64::MAX, fields: vec![] });
+    out.push(Record {
+        key: "a".into(),
+        ts: i64::MAX,
+        fields: vec![],
+    });
     out.push(Record {
         key: "a".into(),
         ts: 0,
-        fields: vec![("on".into(), Value::Bool(true)), ("big".into(), Value::I64(i64::MIN))],
+        fields: vec![
+            ("on".into(), Value::Bool(true)),
+            ("big".into(), Value::I64(i64::MIN)),
+        ],
     });
     out
 }
@@ -104,21 +127,34 @@ pub fn exact_json(r: &Record) -> Json {
 /// Parses what [`exact_json`] wrote.
 pub fn from_exact_json(j: &Json) -> anyhow::Result<Record> {
     let field = |f: &Json| -> anyhow::Result<(String, Value)> {
-        let name = f[0].as_str().ok_or_else(|| anyhow::anyhow!("field name"))?.to_string();
+        let name = f[0]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("field name"))?
+            .to_string();
         let v = &f[2];
         let value = match f[1].as_str() {
-            Some("f64") => Value::F64(f64::from_bits(u64::from_str_radix(v.as_str().unwrap_or(""), 16)?)),
+            Some("f64") => Value::F64(f64::from_bits(u64::from_str_radix(
+                v.as_str().unwrap_or(""),
+                16,
+            )?)),
             Some("i64") => Value::I64(v.as_i64().ok_or_else(|| anyhow::anyhow!("i64"))?),
             Some("bool") => Value::Bool(v.as_bool().ok_or_else(|| anyhow::anyhow!("bool"))?),
-            Some("string") => Value::Str(v.as_str().ok_or_else(|| anyhow::anyhow!("string"))?.into()),
+            Some("string") => {
+                Value::Str(v.as_str().ok_or_else(|| anyhow::anyhow!("string"))?.into())
+            }
             Some("bytes") => Value::Bytes(unhex(v.as_str().unwrap_or(""))?),
             other => anyhow::bail!("unknown field type {other:?}"),
         };
         Ok((name, value))
     };
-    let fields = j["fields"].as_array().ok_or_else(|| anyhow::anyhow!("fields"))?;
+    let fields = j["fields"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("fields"))?;
     Ok(Record {
-        key: j["key"].as_str().ok_or_else(|| anyhow::anyhow!("key"))?.into(),
+        key: j["key"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("key"))?
+            .into(),
         ts: j["ts"].as_i64().ok_or_else(|| anyhow::anyhow!("ts"))?,
         fields: fields.iter().map(field).collect::<anyhow::Result<_>>()?,
     })
@@ -130,7 +166,10 @@ fn hex(b: &[u8]) -> String {
 
 fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
     anyhow::ensure!(s.len().is_multiple_of(2), "odd hex length");
-    (0..s.len()).step_by(2).map(|i| Ok(u8::from_str_radix(&s[i..i + 2], 16)?)).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| Ok(u8::from_str_radix(&s[i..i + 2], 16)?))
+        .collect()
 }
 
 /// Whether the fixture and corpus writers should (re)write their files.
