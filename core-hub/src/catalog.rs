@@ -240,6 +240,18 @@ impl Catalog {
         self.read.lock().expect("catalog read lock")
     }
 
+    /// Runs `f` on the write connection. Modules that keep their own tables in the catalog
+    /// (segments, reader groups, tier-2 chunks) create and change them through this, so the
+    /// catalog stays one SQLite file with one writer.
+    pub fn with_write_conn<R>(&self, f: impl FnOnce(&mut Connection) -> R) -> R {
+        f(&mut self.w())
+    }
+
+    /// Runs `f` on the read connection (see [`Catalog::with_write_conn`]).
+    pub fn with_read_conn<R>(&self, f: impl FnOnce(&mut Connection) -> R) -> R {
+        f(&mut self.r())
+    }
+
     /// The id of device `name`, creating it on first sight.
     pub fn intern_device(&self, name: &str) -> Result<DeviceId, CatalogError> {
         let c = self.w();
