@@ -1,7 +1,7 @@
 //! A minimal HTTP/1.1 client for the CLI (`core-hub read`, `core-hub devices`) and tests.
 //!
-//! The CLI only issues GETs to the hub's own API over plain HTTP (the API listens on loopback
-//! by default), so a small client over a tokio `TcpStream` is enough and keeps a full HTTP
+//! The CLI issues GETs (and one POST, `devices retire`) to the hub's own API over plain HTTP
+//! (the API listens on loopback by default), so a small client over a tokio `TcpStream` is enough and keeps a full HTTP
 //! client stack out of the hub. It handles `Content-Length`, chunked and close-delimited bodies.
 
 use thiserror::Error;
@@ -89,11 +89,27 @@ impl HttpResponse {
 
 /// `GET {base}{path_and_query}`.
 pub async fn get(target: &ApiTarget, path_and_query: &str) -> Result<HttpResponse, ClientError> {
+    request(target, "GET", path_and_query).await
+}
+
+/// `POST {base}{path_and_query}` with an empty body (`core-hub devices retire`).
+pub async fn post(target: &ApiTarget, path_and_query: &str) -> Result<HttpResponse, ClientError> {
+    request(target, "POST", path_and_query).await
+}
+
+async fn request(
+    target: &ApiTarget,
+    method: &str,
+    path_and_query: &str,
+) -> Result<HttpResponse, ClientError> {
     let mut stream = tokio::net::TcpStream::connect(&target.authority).await?;
     let mut req = format!(
-        "GET {}{} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAccept: */*\r\n",
+        "{method} {}{} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAccept: */*\r\n",
         target.base_path, path_and_query, target.authority
     );
+    if method == "POST" {
+        req.push_str("Content-Length: 0\r\n");
+    }
     if let Some(token) = &target.token {
         req.push_str(&format!("Authorization: Bearer {token}\r\n"));
     }
@@ -112,6 +128,129 @@ pub async fn get(target: &ApiTarget, path_and_query: &str) -> Result<HttpRespons
         raw.extend_from_slice(&chunk[..n]);
     }
     parse_response(&raw)
+}
+
+/// `GET` whose body is handed to `on_data` as it arrives (chunked or close-delimited), for
+/// `core-hub read --follow`. Stops when the server ends the body or `on_data` returns `false`.
+/// Returns the status and headers; a non-200 answer's body is returned whole instead.
+pub async fn get_streaming(
+    target: &ApiTarget,
+    path_and_query: &str,
+    mut on_data: impl FnMut(&[u8]) -> bool,
+) -> Result<HttpResponse, ClientError> {
+    let mut stream = tokio::net::TcpStream::connect(&target.authority).await?;
+    let mut req = format!(
+        "GET {}{} HTTP/1.1\r\nHost: {}\r\nConnection: close\r\nAccept: */*\r\n",
+        target.base_path, path_and_query, target.authority
+    );
+    if let Some(token) = &target.token {
+        req.push_str(&format!("Authorization: Bearer {token}\r\n"));
+    }
+    req.push_str("\r\n");
+    stream.write_all(req.as_bytes()).await?;
+    let mut buf = Vec::new();
+    let mut chunk = vec![0u8; 64 << 10];
+    // Headers first.
+    let split = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i;
+        }
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Err(ClientError::Malformed("no header end"));
+        }
+        if buf.len() + n > RESPONSE_BYTES_MAX {
+            return Err(ClientError::TooLarge);
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let mut head = parse_head(&buf[..split])?;
+    let mut rest = buf.split_off(split + 4);
+    let chunked = head
+        .header("transfer-encoding")
+        .is_some_and(|v| v.eq_ignore_ascii_case("chunked"));
+    if head.status != 200 {
+        // Errors are short: read them whole.
+        loop {
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 || rest.len() > 1 << 20 {
+                break;
+            }
+            rest.extend_from_slice(&chunk[..n]);
+        }
+        head.body = if chunked { dechunk(&rest).unwrap_or(rest) } else { rest };
+        return Ok(head);
+    }
+    loop {
+        if chunked {
+            // Hand over every complete chunk in `rest`.
+            loop {
+                let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else { break };
+                let size_text = std::str::from_utf8(&rest[..eol])
+                    .map_err(|_| ClientError::Malformed("chunk size"))?;
+                let size_text = size_text.split(';').next().unwrap_or("").trim();
+                let size = usize::from_str_radix(size_text, 16)
+                    .map_err(|_| ClientError::Malformed("chunk size"))?;
+                if size == 0 {
+                    return Ok(head);
+                }
+                if rest.len() < eol + 2 + size + 2 {
+                    break;
+                }
+                if !on_data(&rest[eol + 2..eol + 2 + size]) {
+                    return Ok(head);
+                }
+                rest.drain(..eol + 2 + size + 2);
+            }
+        } else if !rest.is_empty() {
+            if !on_data(&rest) {
+                return Ok(head);
+            }
+            rest.clear();
+        }
+        let n = stream.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(head);
+        }
+        if rest.len() + n > RESPONSE_BYTES_MAX {
+            return Err(ClientError::TooLarge);
+        }
+        rest.extend_from_slice(&chunk[..n]);
+    }
+}
+
+/// The status line and headers of a response (no body).
+fn parse_head(raw: &[u8]) -> Result<HttpResponse, ClientError> {
+    let head =
+        std::str::from_utf8(raw).map_err(|_| ClientError::Malformed("non-UTF-8 header"))?;
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or(ClientError::Malformed("bad status line"))?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    Ok(HttpResponse {
+        status,
+        headers,
+        body: Vec::new(),
+    })
+}
+
+/// Percent-encodes a query value (RFC 3986 unreserved characters stay as they are).
+pub fn query_escape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for b in v.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 fn parse_response(raw: &[u8]) -> Result<HttpResponse, ClientError> {

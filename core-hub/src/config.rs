@@ -49,6 +49,10 @@ pub struct HubConfig {
     pub ingest: IngestConfig,
     pub streams: StreamPolicy,
     pub http: HttpConfig,
+    /// `[completeness]`: clock skew, idle timeout (see `completeness`).
+    pub completeness: crate::completeness::CompletenessConfig,
+    /// `[republish]`: the optional MQTT republish sink (see `republish`).
+    pub republish: Option<crate::republish::RepublishConfig>,
 }
 
 /// Where the hub listens.
@@ -68,12 +72,42 @@ pub struct TlsPaths {
     pub key: PathBuf,
 }
 
-/// Tier 2. Only parsed here; the tiering issue uses it.
+/// Tier 2: where sealed chunks go as Parquet, how big they are, and how long each tier keeps
+/// data (see `tiering` and docs/tiering.md).
 #[derive(Debug, Clone)]
 pub struct Tier2Config {
     /// `file:///...` or `s3://bucket/prefix`, kept verbatim after validation.
     pub url: String,
     pub scheme: String,
+    /// S3 endpoint (e.g. `http://127.0.0.1:9000` for an S3-compatible server); `None` uses the
+    /// environment (`AWS_ENDPOINT_URL`) or AWS itself. Requests are always path-style.
+    pub endpoint: Option<String>,
+    /// S3 region; `None` uses `AWS_REGION` or `us-east-1`.
+    pub region: Option<String>,
+    /// S3 credentials; `None` uses `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY`.
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    /// A chunk is sealed once it holds this many records...
+    pub chunk_records_max: u64,
+    /// ... or this many bytes of tier-1 frames ...
+    pub chunk_bytes_max: u64,
+    /// ... or its first record is this old (so a slow stream still reaches tier 2).
+    pub chunk_age_max: Duration,
+    /// How often the uploader looks for work when idle.
+    pub poll_interval: Duration,
+    /// Longest wait for one tier-2 request (with the store's own retries) before the round
+    /// fails and is retried later.
+    pub request_timeout: Duration,
+    /// Tiered data is kept in tier 1 for fast reads for at least this long...
+    pub tier1_retention_time: Duration,
+    /// ... unless tier 1 grows past this many bytes (untiered data is never evicted).
+    pub tier1_retention_bytes: u64,
+    /// Ingest is pushed back once tier 1 holds this many bytes (tier 2 down or behind).
+    pub tier1_budget_bytes: u64,
+    /// Tier-2 chunks older than this (by ingest time) are deleted; `None` keeps them forever.
+    pub tier2_retention_time: Option<Duration>,
+    /// Oldest tier-2 chunks are deleted while a stream holds more than this; `None`: no limit.
+    pub tier2_retention_bytes: Option<u64>,
 }
 
 /// The tier-1 write-ahead log.
@@ -107,7 +141,29 @@ pub struct StreamPolicy {
     pub configured: BTreeSet<String>,
     /// Per-device allow-lists; a device without an entry may write every accepted stream.
     pub device_allow: BTreeMap<String, BTreeSet<String>>,
+    /// Auto-scaling policies by stream name (`[[streams]] scale = {..}`); a stream without
+    /// one keeps a single segment.
+    pub scale: BTreeMap<String, ScalePolicy>,
 }
+
+/// When a stream's segments split and merge (see `crate::streams` and docs/streams.md).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScalePolicy {
+    /// Target records/s per segment; `None` when only bytes count.
+    pub target_records_per_s: Option<u64>,
+    /// Target bytes/s per segment (tier-1 block bytes); `None` when only records count.
+    pub target_bytes_per_s: Option<u64>,
+    /// How long a segment must stay above the target to split, or two neighbours below a
+    /// quarter of it to merge.
+    pub window: Duration,
+    /// Never merge below this many open segments.
+    pub min_segments: u32,
+    /// Never split above this many open segments.
+    pub max_segments: u32,
+}
+
+/// Default `max_segments` of a scaling policy.
+pub const DEFAULT_MAX_SEGMENTS: u32 = 64;
 
 /// The HTTP API.
 #[derive(Debug, Clone, Default)]
@@ -166,6 +222,9 @@ pub struct RawConfig {
     pub devices: BTreeMap<String, RawDevice>,
     #[serde(default)]
     pub http: RawHttp,
+    #[serde(default)]
+    pub completeness: crate::completeness::RawCompleteness,
+    pub republish: Option<crate::republish::RawRepublish>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -186,6 +245,20 @@ pub struct RawTls {
 #[derive(Debug, Default, Deserialize)]
 pub struct RawTier2 {
     pub url: Option<String>,
+    pub endpoint: Option<String>,
+    pub region: Option<String>,
+    pub access_key_id: Option<String>,
+    pub secret_access_key: Option<String>,
+    pub chunk_records_max: Option<u64>,
+    pub chunk_bytes_max: Option<String>,
+    pub chunk_age_max: Option<String>,
+    pub poll_interval: Option<String>,
+    pub request_timeout: Option<String>,
+    pub tier1_retention_time: Option<String>,
+    pub tier1_retention_bytes: Option<String>,
+    pub tier1_budget_bytes: Option<String>,
+    pub tier2_retention_time: Option<String>,
+    pub tier2_retention_bytes: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -209,6 +282,17 @@ pub struct RawIngest {
 #[serde(deny_unknown_fields)]
 pub struct RawStream {
     pub name: String,
+    pub scale: Option<RawScale>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawScale {
+    pub target_records_per_s: Option<u64>,
+    pub target_bytes_per_s: Option<String>,
+    pub window: Option<String>,
+    pub min_segments: Option<u32>,
+    pub max_segments: Option<u32>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -241,6 +325,21 @@ pub const DEFAULT_BLOCK_RAW_BYTES_MAX: u32 = 64 << 20;
 pub const DEFAULT_RECORDS_PER_BLOCK_MAX: u32 = 1 << 20;
 /// Default most streams per connection.
 pub const DEFAULT_STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+
+/// Default records per tier-2 chunk.
+pub const DEFAULT_CHUNK_RECORDS_MAX: u64 = 1_000_000;
+/// Default tier-1 bytes per tier-2 chunk.
+pub const DEFAULT_CHUNK_BYTES_MAX: u64 = 64 << 20;
+/// Default age at which a partial chunk is sealed.
+pub const DEFAULT_CHUNK_AGE_MAX: Duration = Duration::from_secs(60);
+/// Default idle poll of the uploader.
+pub const DEFAULT_TIER_POLL_INTERVAL: Duration = Duration::from_millis(500);
+/// Default longest wait for one tier-2 request.
+pub const DEFAULT_TIER_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default time tiered data stays in tier 1.
+pub const DEFAULT_TIER1_RETENTION_TIME: Duration = Duration::from_secs(3600);
+/// Default tier-1 budget before ingest is pushed back.
+pub const DEFAULT_TIER1_BUDGET_BYTES: u64 = 16 << 30;
 
 impl HubConfig {
     /// Reads `path` and the process environment.
@@ -313,14 +412,18 @@ impl HubConfig {
             )?,
         };
         let tls = raw.tls.map(parse_tls).transpose()?;
-        let tier2 = parse_tier2(raw.tier2.url, &data_dir)?;
+        let tier2 = parse_tier2(raw.tier2, &data_dir)?;
         let wal = parse_wal(&raw.wal)?;
         let ingest = parse_ingest(&raw.ingest)?;
         let streams = parse_streams(raw.streams, raw.devices)?;
         let http = HttpConfig {
             reader_tokens: parse_tokens(raw.http.reader_tokens)?,
         };
+        let completeness = raw.completeness.parse()?;
+        let republish = raw.republish.as_ref().map(|r| r.parse()).transpose()?;
         Ok(HubConfig {
+            completeness,
+            republish,
             data_dir,
             listen,
             tls,
@@ -373,8 +476,8 @@ fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
     })
 }
 
-fn parse_tier2(url: Option<String>, data_dir: &Path) -> Result<Tier2Config, ConfigError> {
-    let url = url.unwrap_or_else(|| format!("file://{}", data_dir.join("tier2").display()));
+fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigError> {
+    let url = raw.url.clone().unwrap_or_else(|| format!("file://{}", data_dir.join("tier2").display()));
     let (scheme, rest) = url.split_once("://").ok_or_else(|| {
         ConfigError::key(
             "tier2.url",
@@ -398,7 +501,77 @@ fn parse_tier2(url: Option<String>, data_dir: &Path) -> Result<Tier2Config, Conf
         }
     }
     let scheme = scheme.to_string();
-    Ok(Tier2Config { url, scheme })
+    let dur = |key: &str, v: &Option<String>, default: Duration| match v.as_deref() {
+        Some(s) => parse_duration(&format!("tier2.{key}"), s),
+        None => Ok(default),
+    };
+    let opt_dur = |key: &str, v: &Option<String>| {
+        v.as_deref()
+            .map(|s| parse_duration(&format!("tier2.{key}"), s))
+            .transpose()
+    };
+    let bytes = |key: &str, v: &Option<String>, default: u64| {
+        opt_bytes(&format!("tier2.{key}"), v.as_deref(), default)
+    };
+    let chunk_records_max = raw.chunk_records_max.unwrap_or(DEFAULT_CHUNK_RECORDS_MAX);
+    if chunk_records_max == 0 {
+        return Err(ConfigError::key(
+            "tier2.chunk_records_max",
+            "must be at least 1",
+        ));
+    }
+    let chunk_bytes_max = bytes("chunk_bytes_max", &raw.chunk_bytes_max, DEFAULT_CHUNK_BYTES_MAX)?;
+    let tier1_budget_bytes = bytes(
+        "tier1_budget_bytes",
+        &raw.tier1_budget_bytes,
+        DEFAULT_TIER1_BUDGET_BYTES,
+    )?;
+    let tier1_retention_bytes = bytes(
+        "tier1_retention_bytes",
+        &raw.tier1_retention_bytes,
+        tier1_budget_bytes / 2,
+    )?;
+    if tier1_retention_bytes > tier1_budget_bytes {
+        return Err(ConfigError::key(
+            "tier2.tier1_retention_bytes",
+            "must not exceed tier2.tier1_budget_bytes",
+        ));
+    }
+    let tier2_retention_bytes = raw
+        .tier2_retention_bytes
+        .as_deref()
+        .map(|s| opt_bytes("tier2.tier2_retention_bytes", Some(s), 0))
+        .transpose()?;
+    Ok(Tier2Config {
+        url,
+        scheme,
+        endpoint: raw.endpoint,
+        region: raw.region,
+        access_key_id: raw.access_key_id,
+        secret_access_key: raw.secret_access_key,
+        chunk_records_max,
+        chunk_bytes_max,
+        chunk_age_max: dur("chunk_age_max", &raw.chunk_age_max, DEFAULT_CHUNK_AGE_MAX)?,
+        poll_interval: dur(
+            "poll_interval",
+            &raw.poll_interval,
+            DEFAULT_TIER_POLL_INTERVAL,
+        )?,
+        request_timeout: dur(
+            "request_timeout",
+            &raw.request_timeout,
+            DEFAULT_TIER_REQUEST_TIMEOUT,
+        )?,
+        tier1_retention_time: dur(
+            "tier1_retention_time",
+            &raw.tier1_retention_time,
+            DEFAULT_TIER1_RETENTION_TIME,
+        )?,
+        tier1_retention_bytes,
+        tier1_budget_bytes,
+        tier2_retention_time: opt_dur("tier2_retention_time", &raw.tier2_retention_time)?,
+        tier2_retention_bytes,
+    })
 }
 
 fn parse_wal(raw: &RawWal) -> Result<WalConfig, ConfigError> {
@@ -499,12 +672,16 @@ fn parse_streams(
     devices: BTreeMap<String, RawDevice>,
 ) -> Result<StreamPolicy, ConfigError> {
     let mut configured = BTreeSet::new();
+    let mut scale = BTreeMap::new();
     for (i, s) in streams.into_iter().enumerate() {
         if !valid_stream_name(&s.name) {
             return Err(ConfigError::key(
                 format!("streams[{i}].name"),
                 format!("`{}` is not [A-Za-z0-9_.-]{{1,64}}", s.name),
             ));
+        }
+        if let Some(raw) = s.scale {
+            scale.insert(s.name.clone(), parse_scale(&format!("streams[{i}].scale"), raw)?);
         }
         configured.insert(s.name);
     }
@@ -539,6 +716,46 @@ fn parse_streams(
     Ok(StreamPolicy {
         configured,
         device_allow,
+        scale,
+    })
+}
+
+fn parse_scale(key: &str, raw: RawScale) -> Result<ScalePolicy, ConfigError> {
+    let bytes = raw
+        .target_bytes_per_s
+        .as_deref()
+        .map(|s| parse_bytes(s).map_err(|p| ConfigError::key(format!("{key}.target_bytes_per_s"), p)))
+        .transpose()?;
+    if raw.target_records_per_s.is_none() && bytes.is_none() {
+        return Err(ConfigError::key(
+            key,
+            "needs target_records_per_s or target_bytes_per_s",
+        ));
+    }
+    if raw.target_records_per_s == Some(0) || bytes == Some(0) {
+        return Err(ConfigError::key(key, "targets must be above 0"));
+    }
+    let window = match raw.window.as_deref() {
+        Some(w) => parse_duration(&format!("{key}.window"), w)?,
+        None => Duration::from_secs(60),
+    };
+    if window.is_zero() {
+        return Err(ConfigError::key(format!("{key}.window"), "must be above 0"));
+    }
+    let min_segments = raw.min_segments.unwrap_or(1);
+    let max_segments = raw.max_segments.unwrap_or(DEFAULT_MAX_SEGMENTS);
+    if min_segments == 0 || min_segments > max_segments || max_segments > 1024 {
+        return Err(ConfigError::key(
+            format!("{key}.max_segments"),
+            "need 1 <= min_segments <= max_segments <= 1024",
+        ));
+    }
+    Ok(ScalePolicy {
+        target_records_per_s: raw.target_records_per_s,
+        target_bytes_per_s: bytes,
+        window,
+        min_segments,
+        max_segments,
     })
 }
 
@@ -604,6 +821,44 @@ fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tier2_keys_parse() {
+        let c = HubConfig::from_toml(
+            r#"
+            data_dir = "/d"
+            [tier2]
+            url = "s3://bucket"
+            endpoint = "http://127.0.0.1:9000"
+            region = "eu-west-1"
+            chunk_records_max = 5000
+            chunk_bytes_max = "8MiB"
+            chunk_age_max = "10s"
+            tier1_retention_time = "5m"
+            tier1_retention_bytes = "1GiB"
+            tier1_budget_bytes = "4GiB"
+            tier2_retention_time = "30days"
+            tier2_retention_bytes = "1TiB"
+            "#,
+        )
+        .unwrap();
+        let t = &c.tier2;
+        assert_eq!(t.endpoint.as_deref(), Some("http://127.0.0.1:9000"));
+        assert_eq!(t.chunk_records_max, 5000);
+        assert_eq!(t.chunk_bytes_max, 8 << 20);
+        assert_eq!(t.chunk_age_max, Duration::from_secs(10));
+        assert_eq!(t.tier1_retention_bytes, 1 << 30);
+        assert_eq!(t.tier1_budget_bytes, 4 << 30);
+        assert_eq!(t.tier2_retention_time, Some(Duration::from_secs(30 * 86400)));
+        assert_eq!(t.tier2_retention_bytes, Some(1 << 40));
+        let d = HubConfig::from_toml("data_dir = \"/d\"").unwrap().tier2;
+        assert_eq!(d.tier1_budget_bytes, DEFAULT_TIER1_BUDGET_BYTES);
+        assert!(d.tier2_retention_time.is_none());
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[tier2]\ntier1_retention_bytes = \"2GiB\"\ntier1_budget_bytes = \"1GiB\""),
+            "tier2.tier1_retention_bytes"
+        );
+    }
 
     #[test]
     fn defaults_apply() {
@@ -784,5 +1039,31 @@ mod tests {
         }
         assert!(valid_device_id(&"d".repeat(128)));
         assert!(!valid_device_id(&"d".repeat(129)));
+    }
+
+    #[test]
+    fn stream_scale_policies() {
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\nscale = { target_records_per_s = 1000, target_bytes_per_s = \"1MiB\", window = \"200ms\" }\n[[streams]]\nname = \"u\"\n",
+        )
+        .unwrap();
+        let p = c.streams.scale["t"];
+        assert_eq!(p.target_records_per_s, Some(1000));
+        assert_eq!(p.target_bytes_per_s, Some(1 << 20));
+        assert_eq!(p.window, Duration::from_millis(200));
+        assert_eq!((p.min_segments, p.max_segments), (1, DEFAULT_MAX_SEGMENTS));
+        assert!(!c.streams.scale.contains_key("u"));
+        let base = "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\n";
+        assert_eq!(problem_key(&format!("{base}scale = {{ window = \"1s\" }}")), "streams[0].scale");
+        assert_eq!(
+            problem_key(&format!("{base}scale = {{ target_records_per_s = 5, window = \"soon\" }}")),
+            "streams[0].scale.window"
+        );
+        assert_eq!(
+            problem_key(&format!(
+                "{base}scale = {{ target_records_per_s = 5, min_segments = 5, max_segments = 2 }}"
+            )),
+            "streams[0].scale.max_segments"
+        );
     }
 }

@@ -62,6 +62,18 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot, watch};
 /// The budget semaphore counts this many bytes per permit, so budgets above 4 GiB fit.
 pub const MEMORY_PERMIT_BYTES: u64 = 1024;
 
+/// The environment variable of the test-only mutation switch, see [`dedupe_disabled`].
+pub const DISABLE_DEDUPE_ENV: &str = "TRIBUTARY_TEST_HUB_DISABLE_DEDUPE";
+
+/// Test-only mutation switch (`TRIBUTARY_TEST_HUB_DISABLE_DEDUPE=1`): the hub reports marks of
+/// 0 in the handshake, so devices resend what it holds, and stores resent blocks again instead
+/// of dropping them. It exists so that CI proves the ledger checker catches duplicates
+/// (`tests/tests/mutation.rs`); it must never be set in production, and the hub says so loudly.
+pub fn dedupe_disabled() -> bool {
+    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *DISABLED.get_or_init(|| std::env::var(DISABLE_DEDUPE_ENV).is_ok_and(|v| v == "1"))
+}
+
 /// Why the hub could not open.
 #[derive(Debug, Error)]
 pub enum OpenError {
@@ -76,6 +88,8 @@ pub enum OpenError {
     Wal(#[from] WalOpenError),
     #[error("{0} is locked: another hub is running on this data directory")]
     Locked(std::path::PathBuf),
+    #[error("merged streams: {0}")]
+    Streams(#[from] crate::streams::StreamsError),
 }
 
 /// Why a block (or gap) was not accepted.
@@ -324,9 +338,20 @@ pub struct Hub {
     keys: Mutex<HashMap<(DeviceId, u64, StreamId), Arc<KeyCell>>>,
     fenced: RwLock<HashMap<String, String>>,
     stats: Arc<IngestStats>,
+    /// Decoded record buffers for reuse.
+    record_pool: Arc<RecordPool>,
+    /// Merged streams: segment graphs, readable ends, reader groups.
+    streams: Arc<crate::streams::StreamManager>,
+    /// Set by tiering: refuses new blocks while tier 1 is over its budget (see [`AdmissionGate`]).
+    admission: RwLock<Option<AdmissionGate>>,
     /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
     _lock: std::fs::File,
 }
+
+/// Returns why new blocks must wait (tier 1 over budget while tier 2 is down or behind), or
+/// `None` to admit them. Installed by `tiering`; refused blocks fail with the retryable
+/// [`IngestError::Unavailable`], so agents back off and resend, and nothing is dropped.
+pub type AdmissionGate = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -340,11 +365,62 @@ struct Decoded {
     first: u64,
     version: u8,
     flags: u8,
-    records: Vec<Record>,
+    records: PooledRecords,
     /// `content_checksum(first, records)`.
     checksum: u64,
     /// Encoded bytes holding exactly `records`, if available (else they are re-encoded).
     block: Option<Vec<u8>>,
+}
+
+/// Record buffers kept for reuse: decoding a block into records that already own their strings
+/// (`sync::block::decode_block_into`) avoids nearly all of the allocator work, which is most of
+/// the cost of a large block. Bounded by [`RECORD_POOL_BUFFERS`] buffers of at most
+/// [`RECORD_POOL_RECORDS_MAX`] records each (a few catch-up blocks' worth of decoded records).
+#[derive(Debug, Default)]
+pub struct RecordPool {
+    free: Mutex<Vec<Vec<Record>>>,
+}
+
+/// Buffers a [`RecordPool`] keeps.
+pub const RECORD_POOL_BUFFERS: usize = 4;
+/// Largest buffer (in records) a [`RecordPool`] keeps.
+pub const RECORD_POOL_RECORDS_MAX: usize = 2 * sync::columnar::OFFLINE_BLOCK_RECORDS;
+
+impl RecordPool {
+    /// A buffer to decode into (empty if none is free). Its records are stale: decode over them.
+    pub fn take(&self) -> Vec<Record> {
+        self.free.lock().expect("record pool lock").pop().unwrap_or_default()
+    }
+
+    /// Returns a buffer; dropped instead when the pool is full or the buffer too large.
+    pub fn put(&self, v: Vec<Record>) {
+        if v.capacity() == 0 || v.capacity() > RECORD_POOL_RECORDS_MAX {
+            return;
+        }
+        let mut free = self.free.lock().expect("record pool lock");
+        if free.len() < RECORD_POOL_BUFFERS {
+            free.push(v);
+        }
+    }
+}
+
+/// Decoded records that go back to their pool when dropped.
+struct PooledRecords {
+    v: Vec<Record>,
+    pool: Arc<RecordPool>,
+}
+
+impl std::ops::Deref for PooledRecords {
+    type Target = Vec<Record>;
+    fn deref(&self) -> &Vec<Record> {
+        &self.v
+    }
+}
+
+impl Drop for PooledRecords {
+    fn drop(&mut self) {
+        self.pool.put(std::mem::take(&mut self.v));
+    }
 }
 
 impl Decoded {
@@ -362,6 +438,8 @@ enum Plan {
 /// A block ready for the WAL.
 struct Append {
     block: Vec<u8>,
+    /// Routing key hashes of the records, for the stream manager.
+    key_hashes: crate::streams::BlockHashes,
     first: u64,
     count: u32,
     checksum: u64,
@@ -453,6 +531,10 @@ pub struct VerifiedBlock {
     pub skip_through: u64,
     /// The records from `max(header.first_seq, skip_through + 1)` to the block's end.
     pub records: Vec<Record>,
+    /// `content_checksum` of `records` as the protocol receiver already computed it (its
+    /// `CommitItem::Block` range checksum), so the records are not hashed twice; `None`
+    /// computes it here.
+    pub checksum: Option<u64>,
 }
 
 impl Hub {
@@ -466,6 +548,11 @@ impl Hub {
         cfg: &HubConfig,
         faults: Option<wal::FaultHook>,
     ) -> Result<Arc<Hub>, OpenError> {
+        if dedupe_disabled() {
+            tracing::error!(
+                "{DISABLE_DEDUPE_ENV}=1: DEDUPLICATION IS OFF, resent blocks are stored twice (test-only mutation switch)"
+            );
+        }
         std::fs::create_dir_all(&cfg.data_dir).map_err(|source| OpenError::DataDir {
             path: cfg.data_dir.clone(),
             source,
@@ -474,10 +561,16 @@ impl Hub {
         let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
         let streams = catalog.streams()?;
         let offsets = streams.iter().map(|s| (s.id, s.next_offset)).collect();
+        // Before the writer starts, so the readable ends it loads are the committed ends.
+        let streams_mgr = crate::streams::StreamManager::open(catalog.clone(), &cfg.streams)?;
         let writer_cfg = wal::WriterConfig {
             segment_bytes_max: cfg.wal.segment_bytes_max,
             group_commit_linger: cfg.wal.group_commit_linger,
             faults,
+            on_commit: Some(Arc::new({
+                let streams = streams_mgr.clone();
+                move |g: &crate::streams::CommittedGroup| streams.on_commit(g)
+            })),
         };
         let (wal, join) = wal::start(&cfg.wal_dir(), catalog.clone(), offsets, writer_cfg)?;
         let mut names = Names::default();
@@ -515,6 +608,9 @@ impl Hub {
             keys: Mutex::new(keys),
             fenced: RwLock::new(fenced),
             stats: Arc::new(IngestStats::default()),
+            record_pool: Arc::new(RecordPool::default()),
+            admission: RwLock::new(None),
+            streams: streams_mgr,
             _lock: lock,
         }))
     }
@@ -542,7 +638,8 @@ impl Hub {
             .map(|m| Mark {
                 stream: self.stream_name(m.stream).unwrap_or_default(),
                 epoch: m.epoch,
-                durable_seq: m.durable_seq,
+                // The mutation switch forgets the marks, so devices resend everything.
+                durable_seq: if dedupe_disabled() { 0 } else { m.durable_seq },
                 tiered_seq: m.tiered_seq,
             })
             .collect()
@@ -823,8 +920,13 @@ impl Hub {
                 first,
                 version: vb.header.version,
                 flags: vb.header.flags,
-                checksum: content_checksum(first, &vb.records),
-                records: vb.records,
+                checksum: vb
+                    .checksum
+                    .unwrap_or_else(|| content_checksum(first, &vb.records)),
+                records: PooledRecords {
+                    v: vb.records,
+                    pool: self.record_pool.clone(),
+                },
                 block: untrimmed.then_some(vb.block),
             };
             self.submit_decoded(device, stream, decoded, permit).await
@@ -898,7 +1000,16 @@ impl Hub {
         if self.wal.stats().poisoned.load(Ordering::Relaxed) {
             return Err(IngestError::Unavailable(CommitError::Poisoned));
         }
+        let gate = self.admission.read().expect("admission lock").clone();
+        if let Some(why) = gate.and_then(|g| g()) {
+            return Err(IngestError::Unavailable(CommitError::Full(why)));
+        }
         self.authorize(device, stream)
+    }
+
+    /// Installs (or with `None` removes) the admission gate tiering uses to push back.
+    pub fn set_admission_gate(&self, gate: Option<AdmissionGate>) {
+        *self.admission.write().expect("admission lock") = gate;
     }
 
     /// Whether `device` may write `stream`: a valid, configured name on its allow-list.
@@ -946,16 +1057,20 @@ impl Hub {
     async fn decode(&self, block: &[u8]) -> Result<Decoded, IngestError> {
         let owned = block.to_vec();
         let limits = self.limits;
+        let pool = self.record_pool.clone();
         let task = tokio::task::spawn_blocking(move || {
-            let b = block::decode_block(&owned, &limits)?;
-            let h = b.header;
-            let checksum = content_checksum(h.first_seq, &b.records);
+            let mut records = PooledRecords {
+                v: pool.take(),
+                pool,
+            };
+            let h = block::decode_block_into(&owned, &limits, &mut records.v)?;
+            let checksum = content_checksum(h.first_seq, &records);
             Ok::<_, BlockError>(Decoded {
                 epoch: h.epoch,
                 first: h.first_seq,
                 version: h.version,
                 flags: h.flags,
-                records: b.records,
+                records,
                 checksum,
                 block: Some(owned),
             })
@@ -986,15 +1101,24 @@ impl Hub {
                 expected: accepted + 1,
             });
         }
-        if first <= accepted {
+        // The mutation switch stores a resent block again, whole, under its own seqs.
+        let mutated = dedupe_disabled() && first <= accepted;
+        if first <= accepted && !mutated {
             self.check_conflicts(device, d, s, &dec, accepted, &pending)?;
         }
-        if last <= accepted {
+        if last <= accepted && !mutated {
             return Ok(Plan::Duplicate { last });
         }
-        let skip = (accepted + 1 - first) as usize;
+        let skip = if mutated {
+            0
+        } else {
+            (accepted + 1 - first) as usize
+        };
         match dec.block {
             Some(block) if skip == 0 => Ok(Plan::Append(Append {
+                key_hashes: crate::streams::BlockHashes::of_keys(
+                    dec.records.iter().map(|r| r.key.as_str()),
+                ),
                 min_ts: dec.records.iter().map(|r| r.ts).min().unwrap_or(0),
                 max_ts: dec.records.iter().map(|r| r.ts).max().unwrap_or(0),
                 block,
@@ -1060,6 +1184,9 @@ impl Hub {
                 first,
                 count: kept.len() as u32,
                 checksum: content_checksum(first, kept),
+                key_hashes: crate::streams::BlockHashes::of_keys(
+                    kept.iter().map(|r| r.key.as_str()),
+                ),
                 min_ts: kept.iter().map(|r| r.ts).min().unwrap_or(0),
                 max_ts: kept.iter().map(|r| r.ts).max().unwrap_or(0),
                 trimmed: skip as u32,
@@ -1084,8 +1211,11 @@ impl Hub {
         let last = a.first + u64::from(a.count) - 1;
         {
             let mut st = cell.lock();
-            assert_eq!(a.first, st.accepted + 1, "blocks are queued contiguously");
-            st.accepted = last;
+            assert!(
+                a.first == st.accepted + 1 || dedupe_disabled(),
+                "blocks are queued contiguously"
+            );
+            st.accepted = st.accepted.max(last);
             st.pending.push_back((a.first, last, a.checksum));
         }
         let (tx, rx) = oneshot::channel();
@@ -1107,6 +1237,7 @@ impl Hub {
             min_ts: a.min_ts,
             max_ts: a.max_ts,
             block: a.block,
+            key_hashes: a.key_hashes,
             done,
         };
         self.wal.append(req);
@@ -1187,6 +1318,11 @@ impl Hub {
         &self.catalog
     }
 
+    /// Merged streams: segments, readable ends, cuts and reader groups.
+    pub fn streams(&self) -> &Arc<crate::streams::StreamManager> {
+        &self.streams
+    }
+
     /// The WAL reader.
     pub fn wal_reader(&self) -> &WalReader {
         &self.reader
@@ -1195,6 +1331,12 @@ impl Hub {
     /// The WAL writer's counters.
     pub fn wal_stats(&self) -> &Arc<wal::WalStats> {
         self.wal.stats()
+    }
+
+    /// Record buffers for decoding blocks; records handed to [`Hub::submit_verified`] return
+    /// here once the block is planned.
+    pub fn record_pool(&self) -> &Arc<RecordPool> {
+        &self.record_pool
     }
 
     /// Ingest counters.
@@ -1225,6 +1367,7 @@ impl Hub {
     /// Stops the WAL writer after what is already queued, and waits for it. Later commits
     /// fail with `unavailable`. Dropping the hub does the same.
     pub fn shutdown(&self) {
+        self.streams.stop();
         self.wal.stop();
         let join = self.writer.lock().expect("writer lock").take();
         if let Some(join) = join

@@ -7,18 +7,29 @@
 //! - [`ingest`]: [`ingest::Hub`], the API the QUIC driver calls for every block.
 //! - [`read`], [`api`], [`metrics`], [`client`]: the reader API, HTTP, `/metrics`, and the
 //!   CLI's HTTP client.
+//! - [`completeness`], [`status`], [`republish`]: completeness answers and watermarks, the
+//!   operator status page at `/`, and the MQTT republish sink.
+//! - [`tiering`]: tier 2 (Parquet on object storage), eviction, read-through, recovery.
+//! - [`streams`]: merged streams: key-hash segments over the WAL, auto-scaling, cuts, reader
+//!   groups.
 //! - [`demo`]: `core-hub demo`, a hub and simulated edges with flaky links, verified end to end.
 
 pub mod api;
 pub mod catalog;
 pub mod client;
+pub mod completeness;
 pub mod config;
 pub mod demo;
 pub mod ingest;
 pub mod metrics;
 pub mod pki;
 pub mod read;
+pub mod scrub;
+pub mod republish;
 pub mod server;
+pub mod streams;
+pub mod tiering;
+pub mod status;
 pub mod wal;
 
 pub use config::HubConfig;

@@ -9,8 +9,13 @@ use crate::wal::BATCH_BUCKETS;
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
-/// Renders every hub metric.
+/// Renders every hub metric except the completeness gauges.
 pub fn render(hub: &Hub) -> String {
+    render_with(hub, None)
+}
+
+/// Renders every hub metric, with the completeness gauges when `tracker` is given.
+pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) -> String {
     let mut out = String::with_capacity(4096);
     let s = hub.stats();
     let w = hub.wal_stats();
@@ -107,7 +112,93 @@ pub fn render(hub: &Hub) -> String {
     );
     group_commit_histogram(&mut out, w);
     catalog_metrics(&mut out, hub);
+    if let Some(t) = tracker {
+        completeness_metrics(&mut out, hub, t);
+    }
     out
+}
+
+/// Seconds since the Unix epoch of a ns timestamp, as a Prometheus float.
+fn secs(ns: i64) -> f64 {
+    ns as f64 / 1e9
+}
+
+/// Per stream: watermark, complete-through time and active devices; per device and stream:
+/// backlog and last contact. Retired devices are left out (see [`crate::completeness`]).
+fn completeness_metrics(out: &mut String, hub: &Hub, tracker: &crate::completeness::Tracker) {
+    let streams = hub.catalog().streams().unwrap_or_default();
+    let summaries: Vec<_> = streams
+        .iter()
+        .filter_map(|s| tracker.summary(hub, &s.name).ok())
+        .collect();
+    let families: [(&str, &str, &str); 6] = [
+        (
+            "tributary_hub_stream_watermark_seconds",
+            "gauge",
+            "Minimum over active devices of their newest event time (s since the Unix epoch).",
+        ),
+        (
+            "tributary_hub_stream_complete_through_seconds",
+            "gauge",
+            "Event time up to which every non-retired device is settled (s since the Unix epoch).",
+        ),
+        (
+            "tributary_hub_stream_active_devices",
+            "gauge",
+            "Devices in the stream's watermark (not idle).",
+        ),
+        (
+            "tributary_hub_device_backlog_blocks",
+            "gauge",
+            "Unsent blocks a device last reported, per stream.",
+        ),
+        (
+            "tributary_hub_device_backlog_bytes",
+            "gauge",
+            "Unsent bytes a device last reported, per stream.",
+        ),
+        (
+            "tributary_hub_device_last_contact_seconds",
+            "gauge",
+            "When the hub last heard from a device (s since the Unix epoch).",
+        ),
+    ];
+    for (i, (name, kind, help)) in families.iter().enumerate() {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for sum in &summaries {
+            let stream = escape(&sum.stream);
+            match i {
+                0 => {
+                    if let Some(w) = sum.watermark_ns {
+                        let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {}", secs(w));
+                    }
+                }
+                1 => {
+                    if let Some(c) = sum.complete_through_ns.filter(|&c| c > i64::MIN) {
+                        let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {}", secs(c));
+                    }
+                }
+                2 => {
+                    let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {}", sum.active_devices);
+                }
+                _ => {
+                    for d in &sum.devices {
+                        let device = escape(&d.device);
+                        let v = match i {
+                            3 => d.backlog_blocks as f64,
+                            4 => d.backlog_bytes as f64,
+                            _ => match d.last_contact_ns {
+                                Some(t) => secs(t),
+                                None => continue,
+                            },
+                        };
+                        let _ =
+                            writeln!(out, "{name}{{device=\"{device}\",stream=\"{stream}\"}} {v}");
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn counter(out: &mut String, name: &str, help: &str, v: u64) {

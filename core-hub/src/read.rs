@@ -1,19 +1,24 @@
-//! The minimal reader: committed records of one stream, in hub offset order, from the WAL.
+//! Reading committed records from the WAL through the block index, and the NDJSON format.
 //!
 //! A stream's records are found through the catalog's block index (stream, hub offset) and
 //! read from the WAL frame each row points at, so reading never scans the log. Every frame is
 //! checked against its index row after reading (checksum, device, epoch, seqs, offsets): the
-//! pair of the checks the writer made before writing.
+//! pair of the checks the writer made before writing. Readers only read below the stream's
+//! readable end, which the stream manager publishes once a commit is routed into segments
+//! (see [`crate::streams`]).
 //!
-//! The merged-streams issue replaces this with per-segment readers; the NDJSON line format
-//! ([`write_ndjson_line`]) is the stable surface.
+//! [`read_records`] is the paging reader behind `from=<hub offset>`; [`scan`] is the loop
+//! every reader shares; the NDJSON line format ([`write_ndjson_line`]) is the stable surface.
 
 use crate::catalog::BlockRow;
 use crate::ingest::Hub;
+use crate::streams::reader::DecodedBlock;
+use crate::streams::{Graph, SegmentId, StreamSnapshot, key_point};
 use crate::wal::{KIND_BLOCK, WalReadError};
 use serde::Serialize;
 use serde::ser::SerializeMap;
-use sync::record::Value;
+use std::sync::Arc;
+use sync::record::{Record, Value};
 use thiserror::Error;
 
 /// Decode limits for blocks already committed (and checksummed twice since).
@@ -37,6 +42,10 @@ pub enum ReadError {
     Wal(#[from] WalReadError),
     #[error("block at hub offset {offset} does not match its index row: {what}")]
     Mismatch { offset: u64, what: String },
+    #[error("bad stream cut: {0}")]
+    Cut(crate::streams::cut::CutError),
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// One record as readers see it.
@@ -52,6 +61,8 @@ pub struct ReadRecord {
     pub offset: u64,
     /// Hub ingest time (ns), monotonic across the log.
     pub ingest_ts: i64,
+    /// The segment the record belongs to.
+    pub segment: SegmentId,
 }
 
 /// A page of records and where the next page starts.
@@ -62,7 +73,7 @@ pub struct ReadPage {
     pub next: u64,
 }
 
-/// Reads up to `limit` records of `stream` with hub offset >= `from`.
+/// Reads up to `limit` records of `stream` with hub offset >= `from`, below its readable end.
 pub fn read_records(
     hub: &Hub,
     stream: &str,
@@ -72,32 +83,89 @@ pub fn read_records(
     let sid = hub
         .lookup_stream(stream)
         .ok_or_else(|| ReadError::UnknownStream(stream.to_string()))?;
+    let snap = hub
+        .streams()
+        .snapshot(sid)
+        .map_err(|e| ReadError::Internal(e.to_string()))?;
     let mut records = Vec::new();
+    let next = scan(
+        hub,
+        &snap,
+        from,
+        snap.end,
+        limit,
+        |_, _, _, _, _| true,
+        &mut records,
+    )?;
+    Ok(ReadPage { records, next })
+}
+
+/// Visits the records of `snap`'s stream with offsets in `[from, to)` (clamped to the
+/// readable end) in offset order, pushing those `accept(graph, segment, offset, point,
+/// record)` keeps, until `limit` are kept. Returns the offset after the last one examined.
+pub fn scan(
+    hub: &Hub,
+    snap: &StreamSnapshot,
+    from: u64,
+    to: u64,
+    limit: usize,
+    mut accept: impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
+    out: &mut Vec<ReadRecord>,
+) -> Result<u64, ReadError> {
+    let to = to.min(snap.end);
+    let graph = &snap.graph;
+    let start_len = out.len();
     let mut next = from;
-    while records.len() < limit {
-        let rows = hub.catalog().blocks_from(sid, next, INDEX_PAGE_BLOCKS)?;
+    while next < to && out.len() - start_len < limit {
+        let rows = hub
+            .catalog()
+            .blocks_from(snap.stream, next, INDEX_PAGE_BLOCKS)?;
         if rows.is_empty() {
             break;
         }
         for row in &rows {
-            append_block(hub, row, next, limit, &mut records)?;
-            next = records.last().map_or(next, |r| r.offset + 1);
-            if records.len() >= limit {
-                break;
+            if row.hub_offset_base >= to {
+                return Ok(to);
+            }
+            let b = load_block(hub, row)?;
+            let first = next.saturating_sub(row.hub_offset_base) as usize;
+            for i in first..b.records.len() {
+                let o = row.hub_offset_base + i as u64;
+                if o >= to {
+                    return Ok(to);
+                }
+                next = o + 1;
+                let (p, r) = (b.points[i], &b.records[i]);
+                let seg = graph.locate(o, p);
+                if accept(graph, seg, o, p, r) {
+                    out.push(ReadRecord {
+                        device: b.device.clone(),
+                        epoch: row.epoch,
+                        seq: row.first_seq + i as u64,
+                        key: r.key.clone(),
+                        ts: r.ts,
+                        fields: r.fields.clone(),
+                        offset: o,
+                        ingest_ts: b.ingest_ts,
+                        segment: seg,
+                    });
+                    if out.len() - start_len >= limit {
+                        return Ok(next);
+                    }
+                }
             }
         }
     }
-    Ok(ReadPage { records, next })
+    Ok(next)
 }
 
-/// Decodes one indexed block and appends its records at or after `from`, up to `limit`.
-fn append_block(
-    hub: &Hub,
-    row: &BlockRow,
-    from: u64,
-    limit: usize,
-    out: &mut Vec<ReadRecord>,
-) -> Result<(), ReadError> {
+/// The decoded, verified block of `row`, through the stream manager's cache.
+pub fn load_block(hub: &Hub, row: &BlockRow) -> Result<Arc<DecodedBlock>, ReadError> {
+    let cache = hub.streams().cache();
+    let key = (row.wal_file, row.wal_pos);
+    if let Some(b) = cache.get(key) {
+        return Ok(b);
+    }
     let (entry, block) = hub.wal_reader().read(row)?;
     let mismatch = |what: String| ReadError::Mismatch {
         offset: row.hub_offset_base,
@@ -123,31 +191,21 @@ fn append_block(
     let device = hub
         .device_name(row.device)
         .unwrap_or_else(|| format!("#{}", row.device));
-    for (i, r) in decoded.records.into_iter().enumerate() {
-        let offset = row.hub_offset_base + i as u64;
-        if offset < from {
-            continue;
-        }
-        if out.len() >= limit {
-            break;
-        }
-        out.push(ReadRecord {
-            device: device.clone(),
-            epoch: row.epoch,
-            seq: row.first_seq + i as u64,
-            key: r.key,
-            ts: r.ts,
-            fields: r.fields,
-            offset,
-            ingest_ts: entry.ingest_ts,
-        });
-    }
-    Ok(())
+    let points = decoded.records.iter().map(|r| key_point(&r.key)).collect();
+    let b = Arc::new(DecodedBlock {
+        row: row.clone(),
+        device,
+        ingest_ts: entry.ingest_ts,
+        records: decoded.records,
+        points,
+    });
+    cache.put(key, b.clone());
+    Ok(b)
 }
 
 /// The NDJSON shape of a record.
 ///
-/// `{"device","epoch","seq","key","ts","fields":{name: value},"offset","ingest_ts"}`. Field
+/// `{"device","epoch","seq","key","ts","fields":{name: value},"offset","ingest_ts","segment"}`. Field
 /// values: f64 and i64 as JSON numbers (a non-finite f64 as `null`), bool, string, and bytes
 /// as an array of numbers 0..=255. Fields keep the producer's order.
 #[derive(Serialize)]
@@ -160,6 +218,7 @@ struct Line<'a> {
     fields: Fields<'a>,
     offset: u64,
     ingest_ts: i64,
+    segment: SegmentId,
 }
 
 struct Fields<'a>(&'a [(String, Value)]);
@@ -185,6 +244,7 @@ pub fn write_ndjson_line(r: &ReadRecord, out: &mut Vec<u8>) {
         fields: Fields(&r.fields),
         offset: r.offset,
         ingest_ts: r.ingest_ts,
+        segment: r.segment,
     };
     serde_json::to_writer(&mut *out, &line).expect("serialising to a Vec cannot fail");
     out.push(b'\n');
@@ -212,6 +272,7 @@ mod tests {
             ],
             offset: 9,
             ingest_ts: 10,
+            segment: 4,
         };
         let mut out = Vec::new();
         write_ndjson_line(&r, &mut out);
@@ -220,7 +281,7 @@ mod tests {
             text,
             concat!(
                 r#"{"device":"d1","epoch":2,"seq":3,"key":"k/1","ts":-4,"#,
-                r#""fields":{"z":1.5,"a":-7,"b":true,"s":"x\"y","raw":[0,255],"nan":null},"offset":9,"ingest_ts":10}"#,
+                r#""fields":{"z":1.5,"a":-7,"b":true,"s":"x\"y","raw":[0,255],"nan":null},"offset":9,"ingest_ts":10,"segment":4}"#,
                 "\n"
             )
         );

@@ -9,6 +9,40 @@
 //!
 //! A misbehaving peer (bad frame, oversize frame, bad block, conflict) gets an Error frame and
 //! its connection closed; every other connection carries on.
+//!
+//! # Decoding off the connection task
+//!
+//! Decoding a block and hashing its records is most of the hub's CPU per block (a 32,768-record
+//! catch-up block costs tens of milliseconds). Each data stream's task therefore verifies,
+//! decodes and hashes its Block frame on the blocking pool ([`DecodedBlock::decode`], into
+//! record buffers reused from [`crate::ingest::RecordPool`]) and the connection task only runs
+//! the receiver's bookkeeping ([`Receiver::handle_decoded_block`]). Up to [`DECODE_AHEAD`] data
+//! streams per connection are read and decoded at once, and their results are fed to the
+//! receiver in the order the streams were opened, which is the order the agent sent them, so
+//! blocks reach the receiver in seq order and never wait decoded in its reorder buffer.
+//! A decoded block holds its [`crate::ingest::block_cost`] of the ingest budget until the
+//! receiver took it; when the budget cannot cover it at once, the frame goes to the receiver
+//! undecoded (it decodes it itself), so decoding ahead never waits for memory and cannot
+//! deadlock with commits waiting for it.
+//!
+//! # Memory per connection
+//!
+//! Every established connection reserves [`CONNECTION_COST_BYTES`] from the global ingest
+//! budget (`ingest.memory_bytes_max`) for its lifetime: its quinn and TLS state, the protocol
+//! receiver and the driver's buffers, measured at 109–115 KiB idle. Connections together may
+//! hold at most [`CONNECTIONS_BUDGET_SHARE`] of the budget, so blocks always keep the rest; a
+//! device that would exceed it is refused (`LIMIT_EXCEEDED`) and retries with its backoff.
+//! The hub's memory is therefore `ingest.memory_bytes_max` plus a fixed overhead (runtime,
+//! SQLite, WAL writer) for any number of devices. Idle connections hold no receive buffers
+//! (quinn allocates them as data arrives, and the control stream is read chunk by chunk), so
+//! the flow-control windows bound only what an active connection has in flight.
+//!
+//! # Refused streams
+//!
+//! A stream the device may not write (not on its allow-list, or an invalid name) ends the
+//! session with `UNAUTHORIZED_STREAM` and a message that names the stream between backticks
+//! (the first backtick-quoted word). The agent then leaves that stream out of its next sessions
+//! (`edge_agent::replicator`), so its allowed streams keep flowing after one reconnect.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,14 +51,22 @@ use std::time::{Duration, Instant as StdInstant};
 use rustls::pki_types::CertificateDer;
 use sync::protocol::Instant;
 use sync::protocol::{
-    BacklogEntry, CommitItem, ErrorCode, FrameBuffer, LaneMarks, Marks, MarksQuery, Receiver,
-    ReceiverConfig, ReceiverEvent,
+    BacklogEntry, CommitItem, DecodedBlock, ErrorCode, Frame, FrameBuffer, LaneMarks, Marks,
+    MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
 };
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
 use crate::config::HubConfig;
 use crate::ingest::{BacklogReport, Hub, IngestError, VerifiedBlock};
 use crate::pki::{self, SharedRevocations};
+
+/// What an idle, established connection costs the hub (see the module docs), charged to the
+/// ingest budget for the connection's lifetime.
+pub const CONNECTION_COST_BYTES: u64 = 128 << 10;
+/// The share of the ingest budget connections may hold together, in quarters: 3/4.
+pub const CONNECTIONS_BUDGET_SHARE: (u64, u64) = (3, 4);
+/// How long a new connection waits for its share of the budget before it is refused.
+const CONNECTION_ADMIT_WAIT: Duration = Duration::from_secs(5);
 
 /// How often the revocation list file is checked for changes.
 const REVOCATION_POLL: Duration = Duration::from_secs(1);
@@ -117,6 +159,13 @@ pub async fn start(
         source,
     })?;
     let (revoke_tx, revoke_rx) = watch::channel(0u64);
+    let (num, den) = CONNECTIONS_BUDGET_SHARE;
+    let conn_share = cfg.ingest.memory_bytes_max / den * num;
+    let connections = Arc::new(Semaphore::new(
+        usize::try_from(conn_share / CONNECTION_COST_BYTES)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS),
+    ));
     tokio::spawn(poll_revocations(revocations.clone(), revoke_tx));
     let ep = endpoint.clone();
     let task = tokio::spawn(async move {
@@ -132,6 +181,7 @@ pub async fn start(
                 revocations: revocations.clone(),
                 revoke_rx: revoke_rx.clone(),
                 receiver_cfg: receiver_cfg.clone(),
+                connections: connections.clone(),
                 clock,
             };
             tokio::spawn(async move {
@@ -212,7 +262,109 @@ struct ConnCtx {
     revocations: Arc<SharedRevocations>,
     revoke_rx: watch::Receiver<u64>,
     receiver_cfg: ReceiverConfig,
+    /// One permit per connection the budget share allows.
+    connections: Arc<Semaphore>,
     clock: StdInstant,
+}
+
+/// A connection's reservation: its slot among connections and its bytes of the ingest budget.
+struct ConnectionCharge {
+    _slot: OwnedSemaphorePermit,
+    _memory: OwnedSemaphorePermit,
+}
+
+/// Charges a new connection to the ingest budget, waiting a little when it is spent.
+async fn admit_connection(ctx: &ConnCtx) -> Result<ConnectionCharge, String> {
+    let full = || {
+        format!(
+            "the hub is at its connection capacity ({} connections within the ingest memory budget)",
+            ctx.connections.available_permits()
+        )
+    };
+    let slot = ctx
+        .connections
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| full())?;
+    let permits = CONNECTION_COST_BYTES.div_ceil(crate::ingest::MEMORY_PERMIT_BYTES) as u32;
+    let memory = tokio::time::timeout(
+        CONNECTION_ADMIT_WAIT,
+        ctx.hub.memory().clone().acquire_many_owned(permits),
+    )
+    .await
+    .map_err(|_| "the ingest memory budget is spent; retry later".to_string())?
+    .map_err(|_| "the ingest budget is closed".to_string())?;
+    Ok(ConnectionCharge {
+        _slot: slot,
+        _memory: memory,
+    })
+}
+
+/// Data streams per connection read and decoded ahead of the receiver, in parallel.
+pub const DECODE_AHEAD: usize = 4;
+
+/// What a data stream's task hands to its connection task.
+enum Data {
+    /// A frame for [`Receiver::handle_frame`] (not a block, or one it decodes itself).
+    Frame(Vec<u8>),
+    /// A block decoded on the blocking pool; the permit is its share of the ingest budget.
+    Decoded(String, DecodedBlock, OwnedSemaphorePermit),
+    /// A block that failed to verify or decode.
+    BadBlock(String),
+    /// The stream exceeded the frame limit.
+    TooLarge,
+}
+
+/// Reads one data stream and prepares its frame: a Block is verified, decoded and hashed on
+/// the blocking pool, so the connection task does none of that work.
+async fn read_data(
+    mut s: quinn::RecvStream,
+    frame_max: usize,
+    cfg: ReceiverConfig,
+    hub: Arc<Hub>,
+) -> Data {
+    // An oversize data stream is cut off here; only this connection is closed.
+    let Ok(bytes) = s.read_to_end(frame_max).await else {
+        return Data::TooLarge;
+    };
+    let Ok(Frame::Block { stream, block }) = Frame::decode(&bytes, cfg.frame_bytes_max) else {
+        return Data::Frame(bytes);
+    };
+    let Ok(header) = sync::block::decode_header(&block) else {
+        return Data::Frame(bytes);
+    };
+    let permits = crate::ingest::block_cost(block.len(), &header)
+        .div_ceil(crate::ingest::MEMORY_PERMIT_BYTES)
+        .max(1);
+    let Some(permit) = u32::try_from(permits)
+        .ok()
+        .and_then(|n| hub.memory().clone().try_acquire_many_owned(n).ok())
+    else {
+        return Data::Frame(bytes);
+    };
+    drop(bytes);
+    let limits = cfg.decode_limits;
+    let pool = hub.record_pool().clone();
+    let decode = move || DecodedBlock::decode(block, &limits, pool.take());
+    match tokio::task::spawn_blocking(decode).await {
+        Ok(Ok(d)) => Data::Decoded(stream, d, permit),
+        Ok(Err(e)) => Data::BadBlock(format!("stream {stream}: {e}")),
+        Err(e) => Data::BadBlock(format!("stream {stream}: decoding failed: {e}")),
+    }
+}
+
+/// Waits for the oldest data stream's result; pending while there is none.
+async fn next_data(ahead: &mut std::collections::VecDeque<tokio::task::JoinHandle<Data>>) -> Data {
+    match ahead.front_mut() {
+        Some(task) => {
+            let data = task
+                .await
+                .unwrap_or_else(|e| Data::BadBlock(format!("reading a data stream failed: {e}")));
+            ahead.pop_front();
+            data
+        }
+        None => std::future::pending().await,
+    }
 }
 
 impl ConnCtx {
@@ -244,6 +396,17 @@ enum Done {
 async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), String> {
     let conn = incoming.await.map_err(|e| format!("handshake: {e}"))?;
     let device = peer_device(&conn)?;
+    let _charge = match admit_connection(&ctx).await {
+        Ok(c) => c,
+        Err(msg) => {
+            tracing::warn!(%device, reason = %msg, "refusing a connection");
+            conn.close(
+                quinn::VarInt::from_u32(u32::from(ErrorCode::LimitExceeded.to_u16())),
+                msg.as_bytes(),
+            );
+            return Ok(());
+        }
+    };
     let (mut ctl_tx, mut ctl_rx) = conn
         .accept_bi()
         .await
@@ -268,12 +431,23 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
     let mut rx = Receiver::new(device.clone(), ctx.receiver_cfg.clone(), ctx.now());
     let mut frames = FrameBuffer::new(ctx.receiver_cfg.frame_bytes_max);
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
-    let (data_tx, mut data_rx) = mpsc::channel::<Vec<u8>>(256);
-    // The control stream carries small frames (blocks come on their own streams): a small read
-    // buffer keeps per-connection memory low with thousands of devices.
-    let mut buf = vec![0u8; 8 << 10];
+    // Data streams being read and decoded, in the order they were opened.
+    let mut ahead = std::collections::VecDeque::with_capacity(DECODE_AHEAD);
+    let mut replays = 0u64;
+    // The control stream carries small frames (blocks come on their own streams); it is read
+    // chunk by chunk from quinn's own buffers, so an idle connection holds no read buffer.
     let frame_max = ctx.receiver_cfg.frame_bytes_max as usize + 16;
     loop {
+        // Blocks the receiver acknowledged again without a commit (replays of what the hub
+        // holds) count with the hub's duplicates.
+        let seen = rx.stats().replays;
+        if seen > replays {
+            ctx.hub
+                .stats()
+                .duplicates
+                .fetch_add(seen - replays, std::sync::atomic::Ordering::Relaxed);
+            replays = seen;
+        }
         let mut progressed = false;
         while let Some(t) = rx.poll_transmit() {
             progressed = true;
@@ -301,9 +475,9 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
             .poll_timeout()
             .map(|t| tokio::time::Instant::now() + t.saturating_since(ctx.now()));
         tokio::select! {
-            read = ctl_rx.read(&mut buf) => match read {
-                Ok(Some(n)) => {
-                    frames.push(&buf[..n]);
+            read = ctl_rx.read_chunk(64 << 10, true) => match read {
+                Ok(Some(chunk)) => {
+                    frames.push(&chunk.bytes);
                     loop {
                         match frames.next_frame() {
                             Ok(Some(f)) => rx.handle_frame(ctx.now(), &f),
@@ -318,26 +492,20 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
                 Ok(None) => return Err(format!("{device}: control stream closed")),
                 Err(e) => return Err(format!("{device}: control stream: {e}")),
             },
-            uni = conn.accept_uni() => {
-                let mut s = uni.map_err(|e| format!("{device}: {e}"))?;
-                let tx = data_tx.clone();
-                tokio::spawn(async move {
-                    // An oversize data stream is cut off here; the receiver then sees a
-                    // truncated frame and closes only this connection.
-                    if let Ok(bytes) = s.read_to_end(frame_max).await {
-                        let _ = tx.send(bytes).await;
-                    } else {
-                        let _ = tx.send(Vec::new()).await;
-                    }
-                });
+            uni = conn.accept_uni(), if ahead.len() < DECODE_AHEAD => {
+                let s = uni.map_err(|e| format!("{device}: {e}"))?;
+                let cfg = ctx.receiver_cfg.clone();
+                ahead.push_back(tokio::spawn(read_data(s, frame_max, cfg, ctx.hub.clone())));
             }
-            Some(bytes) = data_rx.recv() => {
-                if bytes.is_empty() {
-                    rx.close(ctx.now(), ErrorCode::FrameTooLarge, "data stream exceeded the frame limit");
-                } else {
-                    rx.handle_frame(ctx.now(), &bytes);
+            data = next_data(&mut ahead) => match data {
+                Data::Frame(bytes) => rx.handle_frame(ctx.now(), &bytes),
+                Data::Decoded(stream, block, slot) => {
+                    rx.handle_decoded_block(ctx.now(), stream, block);
+                    drop(slot);
                 }
-            }
+                Data::BadBlock(msg) => rx.close(ctx.now(), ErrorCode::BadBlock, &msg),
+                Data::TooLarge => rx.close(ctx.now(), ErrorCode::FrameTooLarge, "data stream exceeded the frame limit"),
+            },
             Some(done) = done_rx.recv() => match done {
                 Done::Committed { stream, epoch, durable_seq } => {
                     let tiered = ctx.hub.tiered_seq(&device, &stream, epoch);
@@ -523,13 +691,14 @@ async fn commit(
             block,
             skip_through,
             records,
-            ..
+            checksum,
         } => {
             let vb = VerifiedBlock {
                 header,
                 block,
                 skip_through,
                 records,
+                checksum: Some(checksum.checksum),
             };
             match ctx.hub.submit_verified(device, &stream, vb).await {
                 Ok(pending) => {

@@ -2,10 +2,20 @@
 //!
 //! This is Pravega's durable log applied to the hub: all blocks from all devices are appended
 //! to one log, so the fsync rate depends on the load, not on the number of devices. One
-//! writer thread drains every pending request, writes them with one `write`, makes them durable
-//! with one `fdatasync`, and then applies ONE catalog transaction ([`GroupCommit`]) that moves
-//! the durable marks, inserts the block index rows, advances the per-stream hub offsets, and
-//! records the WAL end offset those marks cover. Only then are the callers completed.
+//! writer thread drains every pending request and writes them with one `write`; a second,
+//! committer thread makes everything written so far durable with one `fdatasync` and then
+//! applies ONE catalog transaction ([`GroupCommit`]) that moves the durable marks, inserts the
+//! block index rows, advances the per-stream hub offsets, and records the WAL end offset those
+//! marks cover. Only then are the callers completed.
+//!
+//! # Pipelining
+//!
+//! The two threads overlap: while the committer fsyncs and commits group N, the writer already
+//! writes group N+1 (at most [`PIPELINE_DEPTH`] groups ahead). Groups are committed in write
+//! order, so the committed WAL end and the marks only move forward, and an acknowledgement
+//! still follows both the fsync that covers its block and the catalog commit that records it.
+//! A failure on either thread poisons the log: the failed group and every group written after
+//! it fail, and nothing after the committed end survives recovery.
 //!
 //! # Files
 //!
@@ -47,7 +57,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
-use sync::segment::{FRAME_BYTES_MAX, FRAME_HEADER_LEN, frame_header};
+use sync::segment::{FRAME_BYTES_MAX, FRAME_HEADER_LEN};
 use thiserror::Error;
 
 /// Magic bytes at the start of every WAL file.
@@ -395,6 +405,9 @@ pub enum CommitError {
     Catalog(String),
     #[error("the WAL writer has stopped")]
     Stopped,
+    /// Tier 1 is over its budget (tier 2 down or behind); retry later. Set by tiering.
+    #[error("tier 1 is full, retry later: {0}")]
+    Full(String),
 }
 
 /// A block made durable.
@@ -421,6 +434,8 @@ pub struct AppendRequest {
     pub max_ts: i64,
     /// The encoded block, already trimmed to the records above the mark.
     pub block: Vec<u8>,
+    /// The routing key hashes of the block's records (merged streams route by them).
+    pub key_hashes: crate::streams::BlockHashes,
     pub done: Completion<AppendDone>,
 }
 
@@ -458,7 +473,13 @@ pub struct WriterConfig {
     pub group_commit_linger: Duration,
     /// Fault injection for crash tests; `None` in production.
     pub faults: Option<FaultHook>,
+    /// Called after each successful catalog commit, before the callers complete: the stream
+    /// manager routes the blocks into segments and wakes readers.
+    pub on_commit: Option<CommitHook>,
 }
+
+/// See [`WriterConfig::on_commit`].
+pub type CommitHook = Arc<dyn Fn(&crate::streams::CommittedGroup) + Send + Sync>;
 
 impl std::fmt::Debug for WriterConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -466,6 +487,7 @@ impl std::fmt::Debug for WriterConfig {
             .field("segment_bytes_max", &self.segment_bytes_max)
             .field("group_commit_linger", &self.group_commit_linger)
             .field("faults", &self.faults.is_some())
+            .field("on_commit", &self.on_commit.is_some())
             .finish()
     }
 }
@@ -559,22 +581,39 @@ pub fn start(
     stats.committed_end.store(committed_end, Ordering::Relaxed);
     let deferred = Arc::new(Mutex::new(DeferredMeta::default()));
     let (tx, rx) = mpsc::channel();
+    let (written_tx, written_rx) = mpsc::sync_channel(PIPELINE_DEPTH);
+    let committer = Committer {
+        catalog,
+        cfg: cfg.clone(),
+        stats: stats.clone(),
+        deferred: deferred.clone(),
+    };
+    let committer = std::thread::Builder::new()
+        .name("wal-commit".into())
+        .spawn(move || committer.run(written_rx))
+        .map_err(open_io(dir))?;
     let writer = Writer {
         dir: dir.to_path_buf(),
-        file: rec.file,
+        file: Arc::new(rec.file),
         file_first: rec.first,
         file_len: rec.len,
-        catalog,
         next_offset: stream_offsets,
         cfg,
         stats: stats.clone(),
-        deferred: deferred.clone(),
         last_ingest_ts: 0,
-        poisoned: false,
+        written: written_tx,
+        routed: Vec::new(),
     };
     let join = std::thread::Builder::new()
         .name("wal-writer".into())
-        .spawn(move || writer.run(rx))
+        .spawn(move || {
+            writer.run(rx);
+            // The writer dropped its end of the pipeline: the committer finishes what was
+            // written and exits, so joining the writer waits for every completion.
+            if committer.join().is_err() {
+                tracing::error!("the WAL committer panicked");
+            }
+        })
         .map_err(open_io(dir))?;
     Ok((
         WalHandle {
@@ -586,18 +625,53 @@ pub fn start(
     ))
 }
 
+/// Groups written but not yet fsynced and committed that the writer may run ahead by. One is
+/// enough to overlap the next group's write with this one's fsync and catalog transaction;
+/// a few more absorb jitter in the fsync time without holding much (metadata only: the
+/// bytes are already in the file).
+pub const PIPELINE_DEPTH: usize = 4;
+
+/// Writes groups into the log, in order, and hands them to the [`Committer`].
+///
+/// The write of group N+1 overlaps with the fsync and the catalog commit of group N. Nothing
+/// is acknowledged here: a group's callers complete only after the committer's fsync that
+/// covers it and its catalog transaction, so the acknowledgement rule is unchanged.
 struct Writer {
     dir: PathBuf,
-    file: File,
+    /// Shared with the committer, which fsyncs through it.
+    file: Arc<File>,
     file_first: u64,
     file_len: u64,
-    catalog: Arc<Catalog>,
     next_offset: HashMap<StreamId, u64>,
     cfg: WriterConfig,
     stats: Arc<WalStats>,
-    deferred: Arc<Mutex<DeferredMeta>>,
     last_ingest_ts: i64,
-    poisoned: bool,
+    written: mpsc::SyncSender<Written>,
+    /// Blocks of the group being written, for [`WriterConfig::on_commit`].
+    routed: Vec<crate::streams::CommittedBlock>,
+}
+
+/// A group in the file, on its way to durability.
+struct Written {
+    /// The catalog rows of the group (marks, blocks, offsets, the WAL end it reaches).
+    g: GroupCommit,
+    dones: Vec<Done>,
+    requests: usize,
+    /// The file to fsync, `None` when the group wrote nothing (gaps only).
+    file: Option<Arc<File>>,
+    /// Set when writing failed: the group fails, and so does everything after it.
+    error: Option<CommitError>,
+    /// The group's blocks for [`WriterConfig::on_commit`].
+    routed: Vec<crate::streams::CommittedBlock>,
+}
+
+/// Makes written groups durable: one `fdatasync` for every group queued behind it, then one
+/// catalog transaction for all of them, then the completions, in write order.
+struct Committer {
+    catalog: Arc<Catalog>,
+    cfg: WriterConfig,
+    stats: Arc<WalStats>,
+    deferred: Arc<Mutex<DeferredMeta>>,
 }
 
 /// A completion waiting for its batch's outcome.
@@ -618,25 +692,16 @@ impl Done {
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Request>) {
-        loop {
-            let first = match rx.recv_timeout(IDLE_FLUSH) {
-                Ok(r) => r,
-                Err(RecvTimeoutError::Timeout) => {
-                    self.flush_deferred();
-                    continue;
-                }
-                Err(RecvTimeoutError::Disconnected) => break,
-            };
+        while let Ok(first) = rx.recv() {
             if matches!(first, Request::Stop) {
                 break;
             }
             let (batch, stop) = self.collect(first, &rx);
-            self.commit(batch);
+            self.write(batch);
             if stop {
                 break;
             }
         }
-        self.flush_deferred();
     }
 
     /// Gathers what is queued, waiting up to the linger for more after the first request.
@@ -669,9 +734,10 @@ impl Writer {
         (batch, false)
     }
 
-    fn commit(&mut self, batch: Vec<Request>) {
-        let n = batch.len();
-        if self.poisoned {
+    /// Writes one group and queues it for the committer (waiting while the pipeline is full).
+    fn write(&mut self, batch: Vec<Request>) {
+        let requests = batch.len();
+        if self.stats.poisoned.load(Ordering::Acquire) {
             for req in batch {
                 fail(req, CommitError::Poisoned);
             }
@@ -679,30 +745,29 @@ impl Writer {
         }
         let ingest_ts = self.ingest_ts();
         let mut g = GroupCommit::default();
-        let mut dones = Vec::with_capacity(n);
-        let result = self
-            .write_batch(batch, ingest_ts, &mut g, &mut dones)
-            .and_then(|()| {
-                self.take_deferred(&mut g);
-                if self.fault(FaultPoint::CatalogCommit) {
-                    return Err(CommitError::Catalog("injected fault".into()));
-                }
-                self.catalog
-                    .commit_group(&g)
-                    .map_err(|e| CommitError::Catalog(e.to_string()))
-            });
-        if let Err(e) = &result {
-            tracing::error!(error = %e, "tier-1 group commit failed; the WAL is poisoned until restart");
-            self.poisoned = true;
-            self.stats.poisoned.store(true, Ordering::Relaxed);
-        } else {
-            self.stats.record_batch(n);
-            self.stats
-                .committed_end
-                .store(g.wal_end.unwrap_or(0), Ordering::Relaxed);
-        }
-        for done in dones {
-            done.finish(result.clone());
+        let mut dones = Vec::with_capacity(requests);
+        let written = self.write_batch(batch, ingest_ts, &mut g, &mut dones);
+        let (file, error) = match written {
+            Ok(true) => (Some(self.file.clone()), None),
+            Ok(false) => (None, None),
+            Err(e) => {
+                // Nothing after a failed write may be acknowledged: the file's tail is unknown.
+                poison(&self.stats, &e);
+                (None, Some(e))
+            }
+        };
+        let w = Written {
+            g,
+            dones,
+            requests,
+            file,
+            error,
+            routed: std::mem::take(&mut self.routed),
+        };
+        if let Err(mpsc::SendError(w)) = self.written.send(w) {
+            for done in w.dones {
+                done.finish(Err(CommitError::Stopped));
+            }
         }
     }
 
@@ -716,17 +781,20 @@ impl Writer {
         self.last_ingest_ts
     }
 
-    /// Writes every request's frame, rolling files as needed, and fsyncs once.
+    /// Writes every request's frame, rolling files as needed, without the fsync (the
+    /// committer's). Returns whether any bytes were written.
     fn write_batch(
         &mut self,
         batch: Vec<Request>,
         ingest_ts: i64,
         g: &mut GroupCommit,
         dones: &mut Vec<Done>,
-    ) -> Result<(), CommitError> {
-        let mut buf: Vec<u8> = Vec::new();
+    ) -> Result<bool, CommitError> {
+        let bytes: usize = batch.iter().map(request_bytes).sum();
+        let mut buf: Vec<u8> = Vec::with_capacity(bytes.min(BATCH_BYTES_MAX + FRAME_BYTES_MAX as usize));
         let mut marks: HashMap<(DeviceId, u64, StreamId), u64> = HashMap::new();
         let mut touched_streams = Vec::new();
+        let mut wrote = false;
         for req in batch {
             match req {
                 Request::Append(a) => {
@@ -735,6 +803,7 @@ impl Writer {
                     if pending > WAL_HEADER_LEN as u64
                         && pending + frame_len > self.cfg.segment_bytes_max
                     {
+                        wrote |= !buf.is_empty();
                         self.flush(&mut buf)?;
                         self.roll()?;
                     }
@@ -755,11 +824,15 @@ impl Writer {
                         checksum: a.checksum,
                     };
                     let wal_pos = self.file_len + buf.len() as u64;
-                    let mut payload = Vec::with_capacity(ENTRY_HEADER_LEN + a.block.len());
-                    payload.extend_from_slice(&header.encode());
-                    payload.extend_from_slice(&a.block);
-                    buf.extend_from_slice(&frame_header(&payload));
-                    buf.extend_from_slice(&payload);
+                    let entry = header.encode();
+                    // The frame is built in place: header, entry header, block, with the
+                    // checksum over the payload computed from its two parts (no extra copy).
+                    let payload_len = ENTRY_HEADER_LEN + a.block.len();
+                    let crc = crc32c::crc32c_append(crc32c::crc32c(&entry), &a.block);
+                    buf.extend_from_slice(&(payload_len as u32).to_le_bytes());
+                    buf.extend_from_slice(&crc.to_le_bytes());
+                    buf.extend_from_slice(&entry);
+                    buf.extend_from_slice(&a.block);
                     g.blocks.push(BlockRow {
                         device: a.device,
                         epoch: a.epoch,
@@ -770,10 +843,20 @@ impl Writer {
                         hub_offset_base: base,
                         wal_file: self.file_first,
                         wal_pos,
-                        frame_len: (FRAME_HEADER_LEN + payload.len()) as u32,
+                        frame_len: (FRAME_HEADER_LEN + payload_len) as u32,
                         ingest_ts,
                         min_ts: a.min_ts,
                         max_ts: a.max_ts,
+                    });
+                    self.routed.push(crate::streams::CommittedBlock {
+                        stream: a.stream,
+                        hub_offset_base: base,
+                        count: a.count,
+                        bytes: a.block.len() as u64,
+                        ingest_ts,
+                        min_ts: a.min_ts,
+                        max_ts: a.max_ts,
+                        hashes: a.key_hashes,
                     });
                     let mark = marks
                         .entry((a.device, a.epoch, a.stream))
@@ -799,17 +882,8 @@ impl Writer {
                 Request::Stop => unreachable!("collect never batches a stop request"),
             }
         }
-        let wrote = !buf.is_empty();
+        wrote |= !buf.is_empty();
         self.flush(&mut buf)?;
-        if wrote {
-            if self.fault(FaultPoint::Fsync) {
-                return Err(CommitError::Io("injected fsync fault".into()));
-            }
-            self.file
-                .sync_data()
-                .map_err(|e| CommitError::Io(e.to_string()))?;
-            self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
-        }
         g.marks = marks
             .into_iter()
             .map(|((d, e, s), m)| (d, e, s, m))
@@ -821,7 +895,7 @@ impl Writer {
             .map(|s| (s, self.next_offset[&s]))
             .collect();
         g.wal_end = Some(self.logical_end());
-        Ok(())
+        Ok(wrote)
     }
 
     fn logical_end(&self) -> u64 {
@@ -833,11 +907,11 @@ impl Writer {
         if buf.is_empty() {
             return Ok(());
         }
-        if self.fault(FaultPoint::Write) {
-            let _ = self.file.write_all(&buf[..buf.len() / 2]);
+        if fault(&self.cfg, FaultPoint::Write) {
+            let _ = (&*self.file).write_all(&buf[..buf.len() / 2]);
             return Err(CommitError::Io("injected torn write".into()));
         }
-        self.file
+        (&*self.file)
             .write_all(buf)
             .map_err(|e| CommitError::Io(e.to_string()))?;
         self.file_len += buf.len() as u64;
@@ -848,11 +922,9 @@ impl Writer {
         Ok(())
     }
 
-    fn fault(&self, point: FaultPoint) -> bool {
-        self.cfg.faults.as_ref().is_some_and(|f| f(point))
-    }
-
     /// Seals the active file (fsync) and starts the next one at the current logical end.
+    /// The committer may still fsync the old file for groups written before the roll; that
+    /// second fsync finds nothing left to flush.
     fn roll(&mut self) -> Result<(), CommitError> {
         let io = |e: std::io::Error| CommitError::Io(e.to_string());
         self.file.sync_data().map_err(io)?;
@@ -860,9 +932,125 @@ impl Writer {
         let first = self.logical_end();
         let file = new_wal_file(&wal_file_path(&self.dir, first)).map_err(io)?;
         sync_dir(&self.dir).map_err(io)?;
-        self.file = file;
+        self.file = Arc::new(file);
         self.file_first = first;
         self.file_len = WAL_HEADER_LEN as u64;
+        Ok(())
+    }
+}
+
+impl Committer {
+    fn run(self, rx: mpsc::Receiver<Written>) {
+        loop {
+            let first = match rx.recv_timeout(IDLE_FLUSH) {
+                Ok(w) => w,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.flush_deferred();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            };
+            // Everything queued behind the first group is in the file already: one fsync
+            // and one catalog transaction cover them all.
+            let mut groups = vec![first];
+            while let Ok(w) = rx.try_recv() {
+                groups.push(w);
+            }
+            self.commit(groups);
+        }
+        self.flush_deferred();
+    }
+
+    /// Commits the groups before the first failed one, and fails the rest.
+    fn commit(&self, mut groups: Vec<Written>) {
+        let failed_at = groups
+            .iter()
+            .position(|w| w.error.is_some())
+            .unwrap_or(groups.len());
+        let failed = groups.split_off(failed_at);
+        let mut result = Ok(());
+        if !groups.is_empty() {
+            result = self.commit_ok(groups);
+        }
+        for w in failed {
+            let e = match (&result, w.error) {
+                (Ok(()), Some(e)) => e,
+                _ => CommitError::Poisoned,
+            };
+            result = Err(CommitError::Poisoned);
+            for done in w.dones {
+                done.finish(Err(e.clone()));
+            }
+        }
+    }
+
+    /// Fsync, catalog transaction, completions. Returns the outcome the callers saw.
+    fn commit_ok(&self, groups: Vec<Written>) -> Result<(), CommitError> {
+        let requests: usize = groups.iter().map(|w| w.requests).sum();
+        let mut g = GroupCommit::default();
+        let mut dones = Vec::with_capacity(requests);
+        let mut files: Vec<Arc<File>> = Vec::new();
+        let mut routed = Vec::new();
+        for w in groups {
+            // Groups are merged in write order: later marks and offsets come later, and the
+            // catalog keeps the maximum mark, so nothing moves backwards.
+            g.blocks.extend(w.g.blocks);
+            g.marks.extend(w.g.marks);
+            g.stream_offsets.extend(w.g.stream_offsets);
+            g.gaps.extend(w.g.gaps);
+            g.wal_end = w.g.wal_end.or(g.wal_end);
+            dones.extend(w.dones);
+            routed.extend(w.routed);
+            if let Some(f) = w.file
+                && !files.iter().any(|x| Arc::ptr_eq(x, &f))
+            {
+                files.push(f);
+            }
+        }
+        let result = if self.stats.poisoned.load(Ordering::Acquire) {
+            Err(CommitError::Poisoned)
+        } else {
+            self.sync(&files).and_then(|()| {
+                self.take_deferred(&mut g);
+                if fault(&self.cfg, FaultPoint::CatalogCommit) {
+                    return Err(CommitError::Catalog("injected fault".into()));
+                }
+                self.catalog
+                    .commit_group(&g)
+                    .map_err(|e| CommitError::Catalog(e.to_string()))
+            })
+        };
+        match &result {
+            Err(CommitError::Poisoned) => {}
+            Err(e) => poison(&self.stats, e),
+            Ok(()) => {
+                self.stats.record_batch(requests);
+                if let Some(end) = g.wal_end {
+                    self.stats.committed_end.store(end, Ordering::Relaxed);
+                }
+                // Readers see the blocks from here on; producers are acked after that.
+                if let Some(hook) = &self.cfg.on_commit
+                    && !routed.is_empty()
+                {
+                    hook(&crate::streams::CommittedGroup { blocks: routed });
+                }
+            }
+        }
+        for done in dones {
+            done.finish(result.clone());
+        }
+        result
+    }
+
+    /// Makes the written groups durable: one `fdatasync` per file they touched.
+    fn sync(&self, files: &[Arc<File>]) -> Result<(), CommitError> {
+        for f in files {
+            if fault(&self.cfg, FaultPoint::Fsync) {
+                return Err(CommitError::Io("injected fsync fault".into()));
+            }
+            f.sync_data().map_err(|e| CommitError::Io(e.to_string()))?;
+            self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 
@@ -872,8 +1060,10 @@ impl Writer {
         g.backlogs.extend(d.backlogs.drain().map(|(_, b)| b));
     }
 
-    fn flush_deferred(&mut self) {
-        if self.poisoned || self.deferred.lock().expect("deferred lock").is_empty() {
+    fn flush_deferred(&self) {
+        if self.stats.poisoned.load(Ordering::Acquire)
+            || self.deferred.lock().expect("deferred lock").is_empty()
+        {
             return;
         }
         let mut g = GroupCommit::default();
@@ -882,6 +1072,18 @@ impl Writer {
             tracing::warn!(error = %e, "could not store device contacts and backlogs");
         }
     }
+}
+
+/// Marks the log poisoned after a storage failure: every later request fails until the hub
+/// is reopened and recovery has re-verified the log.
+fn poison(stats: &WalStats, e: &CommitError) {
+    if !stats.poisoned.swap(true, Ordering::AcqRel) {
+        tracing::error!(error = %e, "tier-1 group commit failed; the WAL is poisoned until restart");
+    }
+}
+
+fn fault(cfg: &WriterConfig, point: FaultPoint) -> bool {
+    cfg.faults.as_ref().is_some_and(|f| f(point))
 }
 
 fn request_bytes(r: &Request) -> usize {

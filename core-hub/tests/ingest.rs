@@ -441,6 +441,7 @@ async fn verified_blocks_from_the_protocol_skip_decoding() {
         block: raw,
         skip_through: 10,
         records: records("d1", 11, 20),
+        checksum: None,
     };
     let out = hub.commit_verified("d1", "telemetry", vb).await.unwrap();
     assert!(matches!(
@@ -458,6 +459,8 @@ async fn verified_blocks_from_the_protocol_skip_decoding() {
         block: raw,
         skip_through: 0,
         records: records("d1", 21, 25),
+        // As the receiver computed it: the same value the hub would.
+        checksum: Some(core_hub::content_checksum(21, &records("d1", 21, 25))),
     };
     hub.commit_verified("d1", "telemetry", vb).await.unwrap();
     let got = read_all(&hub, "telemetry");

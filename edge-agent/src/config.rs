@@ -16,6 +16,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
+use crate::filters::{Agg, DownsampleMode, StageSpec};
 use crate::log::{FsyncPolicy, LogConfig, OnFull};
 
 /// The environment variable prefix: `TRIBUTARY_EDGE__HUB__ADDR` overrides `[hub] addr`.
@@ -132,12 +133,33 @@ pub struct StorageConfig {
 }
 
 /// `[[streams]]`: one local stream.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct StreamConfig {
     pub name: String,
     /// Higher ships first when streams compete for the link; order within a stream always wins.
     pub priority: u8,
+    /// `filters`: the stages every record goes through before sequencing (see `crate::filters`).
+    pub filters: Vec<StageSpec>,
+    /// `source_stream`: set for a derived stream, which is fed by its filter runner from this
+    /// stream's stored records and takes no records from sources or the HTTP API.
+    pub source_stream: Option<String>,
+    /// `replicate`: false keeps the stream on the device (default true).
+    pub replicate: bool,
+    /// `retention`: for a local stream (`replicate = false`) that feeds derived streams, how long
+    /// records are kept after every derived stream has consumed them (default 1h). Replicated
+    /// streams are freed by the hub's acknowledgements instead.
+    pub retention: Duration,
 }
+
+impl StreamConfig {
+    /// True when the stream is fed by a filter runner from `source_stream`.
+    pub fn is_derived(&self) -> bool {
+        self.source_stream.is_some()
+    }
+}
+
+/// How long a local source stream keeps consumed records unless `retention` is set.
+pub const DEFAULT_LOCAL_RETENTION: Duration = Duration::from_secs(3600);
 
 /// `[[sources]]`: where records come from besides the always-on HTTP API.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -200,6 +222,17 @@ pub struct MqttSourceConfig {
     /// `dedupe_window`: how many recent message digests are kept to recognise redeliveries;
     /// default 65536 (every MQTT packet id). Must be at least the broker's inflight window.
     pub dedupe_window: usize,
+    /// For `mqtts://`: `tls_ca` (required), `tls_cert` and `tls_key` (both or neither).
+    pub tls: Option<MqttTlsConfig>,
+}
+
+/// TLS to the broker (`mqtts://`): rustls with the ring provider.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MqttTlsConfig {
+    /// PEM: the CA certificate(s) the broker's certificate must chain to.
+    pub ca: PathBuf,
+    /// PEM: a client certificate and its key, for brokers that require one.
+    pub client: Option<(PathBuf, PathBuf)>,
 }
 
 /// The unit of a JSON timestamp field.
@@ -309,6 +342,31 @@ impl EdgeConfig {
 
 /// Turns the `config` crate's error into ours, keeping the key when it names one.
 fn from_config_error(e: config::ConfigError) -> ConfigError {
+    match from_config_error_raw(e) {
+        ConfigError::Invalid { key, message } => ConfigError::Invalid {
+            key: dotted(&key),
+            message,
+        },
+        other => other,
+    }
+}
+
+/// The `config` crate writes nested array keys as `streams[1]filters[0]`; ours are
+/// `streams[1].filters[0]`, like the keys this module builds.
+fn dotted(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 4);
+    let mut after_bracket = false;
+    for c in key.chars() {
+        if after_bracket && c != '.' && c != '[' {
+            out.push('.');
+        }
+        after_bracket = c == ']';
+        out.push(c);
+    }
+    out
+}
+
+fn from_config_error_raw(e: config::ConfigError) -> ConfigError {
     match e {
         config::ConfigError::Type {
             key: Some(key),
@@ -413,6 +471,24 @@ struct RawStorage {
 struct RawStream {
     name: Option<String>,
     priority: Option<String>,
+    filters: Option<Vec<RawStage>>,
+    source_stream: Option<String>,
+    replicate: Option<String>,
+    retention: Option<String>,
+}
+
+/// One `filters` entry: `{ kind = "where", expr = "temp > 3" }` and so on (see `docs/filters.md`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStage {
+    kind: Option<String>,
+    expr: Option<String>,
+    field: Option<String>,
+    threshold: Option<String>,
+    interval: Option<String>,
+    mode: Option<String>,
+    aggs: Option<Vec<String>>,
+    fields: Option<Vec<String>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -429,6 +505,9 @@ struct RawSource {
     client_id: Option<String>,
     qos: Option<String>,
     dedupe_window: Option<String>,
+    tls_ca: Option<String>,
+    tls_cert: Option<String>,
+    tls_key: Option<String>,
     interval: Option<String>,
     key_prefix: Option<String>,
     sysfs_root: Option<String>,
@@ -456,7 +535,7 @@ impl RawConfig {
             .sources
             .into_iter()
             .enumerate()
-            .filter_map(|(i, s)| s.into_typed(i, &streams).transpose())
+            .filter_map(|(i, s)| s.into_typed(i, &streams, base).transpose())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(EdgeConfig {
             data_dir,
@@ -614,6 +693,7 @@ impl RawSource {
         self,
         index: usize,
         streams: &[StreamConfig],
+        base: &Path,
     ) -> Result<Option<SourceConfig>, ConfigError> {
         let key = |k: &str| format!("sources[{index}].{k}");
         let kind = required(&key("kind"), self.kind.clone())?;
@@ -635,10 +715,19 @@ impl RawSource {
                     ));
                 }
                 let stream = required(&key("stream"), self.stream)?;
-                if !streams.iter().any(|s| s.name == stream) {
+                source_stream_ok(&key("stream"), &stream, streams)?;
+                if streams
+                    .iter()
+                    .any(|s| s.name == stream && !s.filters.is_empty())
+                {
                     return Err(ConfigError::invalid(
                         key("stream"),
-                        format!("no [[streams]] entry is named {stream:?}"),
+                        format!(
+                            "stream {stream:?} has filters, which would drop the message digests \
+                             MQTT duplicate detection keeps in each record: point the source at an \
+                             unfiltered stream and add a derived stream (source_stream = \
+                             {stream:?}) with the filters"
+                        ),
                     ));
                 }
                 let format =
@@ -670,6 +759,47 @@ impl RawSource {
                     }
                 };
                 let dedupe_window = count_or(&key("dedupe_window"), self.dedupe_window, 65_536)?;
+                let path = |k: &str, v: Option<String>| -> Result<Option<PathBuf>, ConfigError> {
+                    v.filter(|p| !p.is_empty())
+                        .map(|p| resolve_path(&key(k), &p, base))
+                        .transpose()
+                };
+                let ca = path("tls_ca", self.tls_ca)?;
+                let cert = path("tls_cert", self.tls_cert)?;
+                let tls_key = path("tls_key", self.tls_key)?;
+                let tls = if url.starts_with("mqtts://") {
+                    let ca = ca.ok_or_else(|| {
+                        ConfigError::invalid(
+                            key("tls_ca"),
+                            "required with mqtts://: the PEM file of the CA that signed the broker's certificate",
+                        )
+                    })?;
+                    let client = match (cert, tls_key) {
+                        (Some(c), Some(k)) => Some((c, k)),
+                        (None, None) => None,
+                        (Some(_), None) => {
+                            return Err(ConfigError::invalid(
+                                key("tls_key"),
+                                "required with tls_cert: the client certificate's private key (PEM)",
+                            ));
+                        }
+                        (None, Some(_)) => {
+                            return Err(ConfigError::invalid(
+                                key("tls_cert"),
+                                "required with tls_key: the client certificate (PEM)",
+                            ));
+                        }
+                    };
+                    Some(MqttTlsConfig { ca, client })
+                } else {
+                    if ca.is_some() || cert.is_some() || tls_key.is_some() {
+                        return Err(ConfigError::invalid(
+                            key("url"),
+                            "tls_ca, tls_cert and tls_key need an mqtts:// url",
+                        ));
+                    }
+                    None
+                };
                 Ok(Some(SourceConfig::Mqtt(MqttSourceConfig {
                     url,
                     topics,
@@ -681,6 +811,7 @@ impl RawSource {
                     client_id: self.client_id.filter(|t| !t.is_empty()),
                     qos,
                     dedupe_window,
+                    tls,
                 })))
             }
             "hwmon" | "iio" | "nmea" | "simulator" => {
@@ -703,12 +834,7 @@ impl RawSource {
     ) -> Result<SourceConfig, ConfigError> {
         let key = |k: &str| format!("sources[{index}].{k}");
         let stream = required(&key("stream"), self.stream)?;
-        if !streams.iter().any(|s| s.name == stream) {
-            return Err(ConfigError::invalid(
-                key("stream"),
-                format!("no [[streams]] entry is named {stream:?}"),
-            ));
-        }
+        source_stream_ok(&key("stream"), &stream, streams)?;
         let default_interval = if kind == "simulator" {
             Duration::from_secs(1)
         } else {
@@ -782,6 +908,26 @@ impl RawSource {
     }
 }
 
+/// A source writes to a declared stream that is not derived.
+fn source_stream_ok(key: &str, stream: &str, streams: &[StreamConfig]) -> Result<(), ConfigError> {
+    match streams.iter().find(|s| s.name == stream) {
+        None => Err(ConfigError::invalid(
+            key,
+            format!("no [[streams]] entry is named {stream:?}"),
+        )),
+        Some(s) if s.is_derived() => Err(ConfigError::invalid(
+            key,
+            format!(
+                "stream {stream:?} is derived (source_stream = {:?}) and only its filter runner \
+                 writes to it: point the source at {:?}",
+                s.source_stream.as_deref().unwrap_or_default(),
+                s.source_stream.as_deref().unwrap_or_default()
+            ),
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
 /// The machine's host name, the default key prefix of sensor sources.
 fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -835,9 +981,201 @@ fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> 
                 )
             })?,
         };
-        streams.push(StreamConfig { name, priority });
+        let replicate = match s.replicate.as_deref().map(str::trim) {
+            None | Some("true") => true,
+            Some("false") => false,
+            Some(other) => {
+                return Err(ConfigError::invalid(
+                    format!("streams[{i}].replicate"),
+                    format!("expected true | false, found {other:?}"),
+                ));
+            }
+        };
+        let retention = match &s.retention {
+            None => DEFAULT_LOCAL_RETENTION,
+            Some(_) if replicate => {
+                return Err(ConfigError::invalid(
+                    format!("streams[{i}].retention"),
+                    "only a local stream (replicate = false) has a retention; a replicated \
+                     stream is kept until the hub has tiered it",
+                ));
+            }
+            Some(r) => parse_duration(&format!("streams[{i}].retention"), r)?,
+        };
+        let filters = s
+            .filters
+            .unwrap_or_default()
+            .into_iter()
+            .enumerate()
+            .map(|(j, st)| st.into_typed(&format!("streams[{i}].filters[{j}]")))
+            .collect::<Result<Vec<_>, _>>()?;
+        // Compile once here so that a bad expression is reported with its key at start-up.
+        if let Err(crate::filters::CompileError::Stage { stage, message }) =
+            crate::filters::Pipeline::compile(&filters)
+        {
+            return Err(ConfigError::invalid(
+                format!("streams[{i}].filters[{stage}]"),
+                message,
+            ));
+        }
+        let source_stream = s.source_stream.filter(|t| !t.trim().is_empty());
+        streams.push(StreamConfig {
+            name,
+            priority,
+            filters,
+            source_stream,
+            replicate,
+            retention,
+        });
+    }
+    // Derived streams: the source is another declared stream, and not itself derived (so there
+    // are no cycles and each runner reads records that came from outside).
+    for (i, s) in streams.iter().enumerate() {
+        let Some(src) = &s.source_stream else {
+            continue;
+        };
+        let key = format!("streams[{i}].source_stream");
+        match streams.iter().find(|t| &t.name == src) {
+            None => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!("no [[streams]] entry is named {src:?}"),
+                ));
+            }
+            Some(t) if t.name == s.name => {
+                return Err(ConfigError::invalid(
+                    key,
+                    "a stream cannot derive from itself",
+                ));
+            }
+            Some(t) if t.is_derived() => {
+                return Err(ConfigError::invalid(
+                    key,
+                    format!(
+                        "{src:?} is itself derived; derive from the stream its sources write to"
+                    ),
+                ));
+            }
+            Some(_) => {}
+        }
     }
     Ok(streams)
+}
+
+impl RawStage {
+    fn into_typed(self, key: &str) -> Result<StageSpec, ConfigError> {
+        let k = |f: &str| format!("{key}.{f}");
+        let kind = required(&k("kind"), self.kind)?;
+        let interval = |v: Option<String>| -> Result<i64, ConfigError> {
+            let d = parse_duration(&k("interval"), &required(&k("interval"), v)?)?;
+            match i64::try_from(d.as_nanos()) {
+                Ok(n) if n > 0 => Ok(n),
+                _ => Err(ConfigError::invalid(
+                    k("interval"),
+                    "expected a duration above zero, such as 10s",
+                )),
+            }
+        };
+        Ok(match kind.as_str() {
+            "where" => StageSpec::Where(required(&k("expr"), self.expr)?),
+            "deadband" => {
+                let t = required(&k("threshold"), self.threshold)?;
+                let threshold = t
+                    .trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|x| x.is_finite() && *x >= 0.0)
+                    .ok_or_else(|| {
+                        ConfigError::invalid(
+                            k("threshold"),
+                            format!("expected a number >= 0, found {t:?}"),
+                        )
+                    })?;
+                StageSpec::Deadband {
+                    field: required(&k("field"), self.field)?,
+                    threshold,
+                }
+            }
+            "downsample" => StageSpec::Downsample {
+                interval_ns: interval(self.interval)?,
+                mode: match self.mode.as_deref().unwrap_or("last") {
+                    "last" => DownsampleMode::Last,
+                    "mean" => DownsampleMode::Mean,
+                    other => {
+                        return Err(ConfigError::invalid(
+                            k("mode"),
+                            format!("expected last | mean, found {other:?}"),
+                        ));
+                    }
+                },
+            },
+            "window" => {
+                let aggs = self
+                    .aggs
+                    .unwrap_or_else(|| {
+                        ["count", "min", "max", "mean", "last"]
+                            .map(String::from)
+                            .to_vec()
+                    })
+                    .iter()
+                    .map(|a| match a.as_str() {
+                        "count" => Ok(Agg::Count),
+                        "min" => Ok(Agg::Min),
+                        "max" => Ok(Agg::Max),
+                        "mean" => Ok(Agg::Mean),
+                        "last" => Ok(Agg::Last),
+                        other => Err(ConfigError::invalid(
+                            k("aggs"),
+                            format!("expected count | min | max | mean | last, found {other:?}"),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                if aggs.is_empty() {
+                    return Err(ConfigError::invalid(
+                        k("aggs"),
+                        "name at least one aggregate",
+                    ));
+                }
+                StageSpec::Window {
+                    interval_ns: interval(self.interval)?,
+                    field: required(&k("field"), self.field)?,
+                    aggs,
+                }
+            }
+            "project" => {
+                let fields = self.fields.unwrap_or_default();
+                if fields.is_empty() {
+                    return Err(ConfigError::invalid(
+                        k("fields"),
+                        "expected a non-empty list such as [\"temp\", \"hum as humidity\"]",
+                    ));
+                }
+                let mut keep = Vec::with_capacity(fields.len());
+                for f in fields {
+                    let (name, rename) = match f.split_once(" as ") {
+                        Some((a, b)) => (a.trim().to_owned(), Some(b.trim().to_owned())),
+                        None => (f.trim().to_owned(), None),
+                    };
+                    if name.is_empty() || rename.as_deref().is_some_and(str::is_empty) {
+                        return Err(ConfigError::invalid(
+                            k("fields"),
+                            format!("expected \"name\" or \"name as new_name\", found {f:?}"),
+                        ));
+                    }
+                    keep.push((name, rename));
+                }
+                StageSpec::Project(keep)
+            }
+            other => {
+                return Err(ConfigError::invalid(
+                    k("kind"),
+                    format!(
+                        "expected where | deadband | downsample | window | project, found {other:?}"
+                    ),
+                ));
+            }
+        })
+    }
 }
 
 /// Stream names appear in URLs, file names and metric labels, so they stay plain.

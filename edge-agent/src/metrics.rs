@@ -4,13 +4,19 @@
 //! scrape, so they can never drift from the log. Only what the log does not count (appends and
 //! records accepted per stream, refusals by reason, HTTP answers by status code) lives here, in
 //! plain atomics fixed at start-up: the set of streams does not change while the agent runs.
+//! Filter pipelines register their [`FilterStats`] (records in, out and dropped per stage;
+//! missing fields, type mismatches and late records per stream).
 //! The text is rendered by hand: a few dozen lines, and it keeps the exporter stack (and its
 //! HTTP listener and crypto defaults) out of the edge binary.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use serde::{Deserialize, Serialize};
+
+use crate::filters::FilterStats;
 use crate::log::{AppendError, LogStatus};
 
 /// Why an append was refused, as the `reason` label of `tributary_edge_append_errors_total`.
@@ -31,6 +37,8 @@ const HTTP_CODES: [u16; 9] = [200, 400, 401, 404, 413, 415, 500, 503, 0];
 pub struct Metrics {
     streams: HashMap<String, StreamCounters>,
     http: [AtomicU64; HTTP_CODES.len()],
+    /// Each filtered stream's pipeline counters, registered when its pipeline is compiled.
+    filters: std::sync::Mutex<Vec<(String, Arc<FilterStats>)>>,
 }
 
 #[derive(Debug, Default)]
@@ -50,6 +58,115 @@ impl Metrics {
                 .map(|s| (s.to_owned(), StreamCounters::default()))
                 .collect(),
             http: Default::default(),
+            filters: std::sync::Mutex::default(),
+        }
+    }
+
+    /// Shows `stats` on `/metrics` and `/v1/status` as the filter pipeline of `stream`.
+    pub fn register_filter(&self, stream: &str, stats: Arc<FilterStats>) {
+        let mut f = self.filters.lock().unwrap_or_else(|e| e.into_inner());
+        f.retain(|(s, _)| s != stream);
+        f.push((stream.to_owned(), stats));
+        f.sort_by(|a, b| a.0.cmp(&b.0));
+    }
+
+    /// The registered pipelines' counters, by stream name.
+    pub fn filter_reports(&self) -> Vec<FilterReport> {
+        let f = self.filters.lock().unwrap_or_else(|e| e.into_inner());
+        f.iter()
+            .map(|(stream, st)| FilterReport {
+                stream: stream.clone(),
+                missing_fields: st.missing_fields.load(Ordering::Relaxed),
+                type_mismatches: st.type_mismatches.load(Ordering::Relaxed),
+                late_records: st.late_records.load(Ordering::Relaxed),
+                consumed_seq: st.consumed_seq.load(Ordering::Relaxed),
+                stages: st
+                    .stages
+                    .iter()
+                    .enumerate()
+                    .map(|(i, c)| StageReport {
+                        stage: i,
+                        kind: c.kind.to_owned(),
+                        records_in: c.input.load(Ordering::Relaxed),
+                        records_out: c.output.load(Ordering::Relaxed),
+                        dropped: c.dropped(),
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    fn render_filters(&self, m: &mut Writer<'_>) {
+        let reports = self.filter_reports();
+        type Get = fn(&StageReport) -> u64;
+        let stage_families: [(&str, &str, Get); 3] = [
+            (
+                "tributary_edge_filter_stage_in_total",
+                "Records into a filter stage.",
+                |s| s.records_in,
+            ),
+            (
+                "tributary_edge_filter_stage_out_total",
+                "Records out of a filter stage.",
+                |s| s.records_out,
+            ),
+            (
+                "tributary_edge_filter_stage_dropped_total",
+                "Records a filter stage took in and did not pass on (filtered, merged into a window or interval, or late).",
+                |s| s.dropped,
+            ),
+        ];
+        for (name, help, get) in stage_families {
+            m.family(name, "counter", help);
+            for r in &reports {
+                for st in &r.stages {
+                    m.sample(
+                        name,
+                        &[
+                            ("stream", &r.stream),
+                            ("stage", &st.stage.to_string()),
+                            ("kind", &st.kind),
+                        ],
+                        get(st) as f64,
+                    );
+                }
+            }
+        }
+        type GetR = fn(&FilterReport) -> u64;
+        let families: [(&str, &str, GetR); 3] = [
+            (
+                "tributary_edge_filter_missing_fields_total",
+                "Records missing a field a filter stage needs.",
+                |r| r.missing_fields,
+            ),
+            (
+                "tributary_edge_filter_type_mismatches_total",
+                "Records whose field has a type a filter stage cannot use.",
+                |r| r.type_mismatches,
+            ),
+            (
+                "tributary_edge_filter_late_records_total",
+                "Records older than their key's open window or interval, dropped.",
+                |r| r.late_records,
+            ),
+        ];
+        for (name, help, get) in families {
+            m.family(name, "counter", help);
+            for r in &reports {
+                m.sample(name, &[("stream", &r.stream)], get(r) as f64);
+            }
+        }
+        m.family(
+            "tributary_edge_derived_consumed_seq",
+            "gauge",
+            "The source seq a derived stream's runner has consumed up to (compare with the source's durable seq).",
+        );
+        for r in &reports {
+            m.sample(
+                "tributary_edge_derived_consumed_seq",
+                &[("stream", &r.stream)],
+                r.consumed_seq as f64,
+            );
         }
     }
 
@@ -136,6 +253,7 @@ impl Metrics {
         );
         self.render_streams(&mut m, status, now_ns);
         self.render_counters(&mut m);
+        self.render_filters(&mut m);
         out
     }
 
@@ -289,6 +407,28 @@ impl Metrics {
             );
         }
     }
+}
+
+/// One stream's filter pipeline counters, as `/v1/status` reports them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FilterReport {
+    pub stream: String,
+    pub missing_fields: u64,
+    pub type_mismatches: u64,
+    pub late_records: u64,
+    /// For a derived stream: the source seq its runner has consumed up to (0 otherwise).
+    pub consumed_seq: u64,
+    pub stages: Vec<StageReport>,
+}
+
+/// One stage's counters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageReport {
+    pub stage: usize,
+    pub kind: String,
+    pub records_in: u64,
+    pub records_out: u64,
+    pub dropped: u64,
 }
 
 /// Configured limits shown next to the log's state.

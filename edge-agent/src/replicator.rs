@@ -7,6 +7,12 @@
 //! reconnects with exponential backoff and jitter, capped, reset after a session that reached
 //! the established state, and it never gives up: a stalled link is always visible in
 //! [`LinkStatus`] and on `/metrics`.
+//!
+//! A stream the hub refuses (`UNAUTHORIZED_STREAM`, the stream named between backticks in the
+//! message) is left out of the following sessions for [`REFUSED_STREAM_RETRY`], and the
+//! reconnect is immediate: one refused stream must not starve the device's allowed streams.
+//! Its records stay in the local log, and it is offered again after the retry period (the
+//! hub's allow-list may have changed).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +28,40 @@ use sync::protocol::{
 
 use crate::link::{self, TlsPaths};
 use crate::log::{self as locallog, LogHandle};
+
+/// How long a stream the hub refused stays out of the sessions before it is offered again.
+pub const REFUSED_STREAM_RETRY: Duration = Duration::from_secs(600);
+
+/// Streams the hub refused, with when; see [`REFUSED_STREAM_RETRY`].
+#[derive(Debug, Default)]
+struct Refused {
+    streams: std::collections::HashMap<String, StdInstant>,
+}
+
+impl Refused {
+    fn contains(&mut self, stream: &str) -> bool {
+        self.streams
+            .retain(|_, at| at.elapsed() < REFUSED_STREAM_RETRY);
+        self.streams.contains_key(stream)
+    }
+
+    /// Records the stream an `UNAUTHORIZED_STREAM` message names; returns it if it is new.
+    fn note(&mut self, message: &str) -> Option<String> {
+        let stream = refused_stream(message)?;
+        if self.contains(&stream) {
+            return None;
+        }
+        self.streams.insert(stream.clone(), StdInstant::now());
+        Some(stream)
+    }
+}
+
+/// The stream an `UNAUTHORIZED_STREAM` message names: the first word between backticks.
+fn refused_stream(message: &str) -> Option<String> {
+    let (_, rest) = message.split_once('`')?;
+    let (name, _) = rest.split_once('`')?;
+    (!name.is_empty()).then(|| name.to_owned())
+}
 
 /// How the replicator reaches its hub.
 #[derive(Debug, Clone)]
@@ -74,6 +114,8 @@ pub struct LinkStatus {
     pub blocks_sent: AtomicU64,
     pub bytes_sent: AtomicU64,
     pub epochs_minted: AtomicU64,
+    /// Streams the hub refused (each refusal counted once per retry period).
+    pub streams_refused: AtomicU64,
 }
 
 /// What the link is doing right now.
@@ -97,6 +139,7 @@ impl Default for LinkStatus {
             blocks_sent: AtomicU64::new(0),
             bytes_sent: AtomicU64::new(0),
             epochs_minted: AtomicU64::new(0),
+            streams_refused: AtomicU64::new(0),
         }
     }
 }
@@ -163,6 +206,11 @@ impl LinkStatus {
                 "tributary_edge_epochs_minted_total",
                 "Epochs minted because the hub was ahead of this data directory.",
                 &self.epochs_minted,
+            ),
+            (
+                "tributary_edge_link_streams_refused_total",
+                "Streams the hub refused (not on the device's allow-list); left out for a while.",
+                &self.streams_refused,
             ),
         ];
         let _ = writeln!(
@@ -236,10 +284,11 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
         }
     };
     let clock = StdInstant::now();
+    let mut refused = Refused::default();
     loop {
         status.set("connecting", None);
         status.connects.fetch_add(1, Ordering::Relaxed);
-        let outcome = session(&cfg, &endpoint, &log, &status, clock).await;
+        let outcome = session(&cfg, &endpoint, &log, &status, clock, &mut refused).await;
         status.disconnects.fetch_add(1, Ordering::Relaxed);
         match outcome {
             Ok(true) => backoff.reset(),
@@ -269,11 +318,14 @@ async fn resolve(addr: &str) -> Result<SocketAddr, String> {
         .ok_or_else(|| format!("resolving {addr}: no addresses"))
 }
 
-/// The lanes the log holds, as the Hello announces them.
-fn announce(log: &LogHandle) -> Vec<LaneAnnounce> {
+/// The lanes the log holds, as the Hello announces them, except refused streams.
+fn announce(log: &LogHandle, refused: &mut Refused) -> Vec<LaneAnnounce> {
     let status = log.status();
     let mut lanes = Vec::new();
     for st in &status.streams {
+        if refused.contains(&st.stream) {
+            continue;
+        }
         let gaps = log.gaps(&st.stream);
         for (epoch, first, last) in log.epochs_held(&st.stream) {
             let current = epoch == st.epoch;
@@ -318,13 +370,15 @@ fn gap_marker(g: &locallog::Gap) -> GapMarker {
     }
 }
 
-/// One connection. Returns whether the session got established (which resets the backoff).
+/// One connection. Returns whether the session got established (which resets the backoff), or
+/// a stream got refused (the next session, without it, should start at once).
 async fn session(
     cfg: &ReplicatorConfig,
     endpoint: &quinn::Endpoint,
     log: &LogHandle,
     status: &LinkStatus,
     clock: StdInstant,
+    refused: &mut Refused,
 ) -> Result<bool, String> {
     let addr = resolve(&cfg.hub_addr).await?;
     // Re-read the certificate files on every attempt: a rotated certificate applies at once.
@@ -342,7 +396,7 @@ async fn session(
     let mut sender = Sender::new(
         cfg.sender.clone(),
         log.epoch(),
-        announce(log),
+        announce(log, refused),
         now_of(clock),
     )
     .map_err(|e| format!("local log: {e}"))?;
@@ -431,6 +485,19 @@ async fn session(
                     {
                         return Ok(established);
                     }
+                    if reason.by_peer
+                        && reason.code == ErrorCode::UnauthorizedStream
+                        && let Some(stream) = refused.note(&reason.message)
+                    {
+                        status.streams_refused.fetch_add(1, Ordering::Relaxed);
+                        let msg = format!(
+                            "hub refused stream {stream} ({}); leaving it out for {:?}",
+                            reason.message, REFUSED_STREAM_RETRY
+                        );
+                        tracing::error!(%stream, "{msg}");
+                        status.set("down", Some(msg));
+                        return Ok(true);
+                    }
                     return Err(format!(
                         "hub closed the session: {:?}: {}",
                         reason.code, reason.message
@@ -461,7 +528,7 @@ async fn session(
                 if changed.is_err() {
                     return Err("local log closed".into());
                 }
-                offer_new_blocks(&mut sender, log, &mut offered, clock)?;
+                offer_new_blocks(&mut sender, log, &mut offered, clock, refused)?;
             }
             _ = sleep_until(deadline) => sender.handle_timeout(now_of(clock)),
             closed = conn.closed() => return Err(format!("connection lost: {closed}")),
@@ -578,9 +645,13 @@ fn offer_new_blocks(
     log: &LogHandle,
     offered: &mut Offered,
     clock: StdInstant,
+    refused: &mut Refused,
 ) -> Result<(), String> {
     let status = log.status();
     for st in &status.streams {
+        if refused.contains(&st.stream) {
+            continue;
+        }
         let key = (st.stream.clone(), st.epoch);
         let after = offered.last.get(&key).copied().unwrap_or(st.acked_durable);
         if st.durable_seq <= after {
@@ -715,6 +786,24 @@ mod tests {
         .unwrap();
         assert_eq!(out.len(), 2);
         assert_eq!(records_of(&out).len(), 30);
+    }
+
+    #[test]
+    fn refused_streams_are_named_by_the_hub_message() {
+        assert_eq!(
+            refused_stream("device may not write stream `secret`").as_deref(),
+            Some("secret")
+        );
+        assert_eq!(
+            refused_stream("invalid stream name `../x`: use [A-Za-z0-9_.-]{1,64}").as_deref(),
+            Some("../x")
+        );
+        assert_eq!(refused_stream("no name here"), None);
+        assert_eq!(refused_stream("empty ``"), None);
+        let mut r = Refused::default();
+        assert_eq!(r.note("stream `a`").as_deref(), Some("a"));
+        assert_eq!(r.note("stream `a`"), None, "counted once per retry period");
+        assert!(r.contains("a") && !r.contains("b"));
     }
 
     #[test]

@@ -549,6 +549,9 @@ impl World {
     fn deliver_to_hub(&mut self) {
         let now = self.now;
         let pick_data = self.rng.random_bool(0.5);
+        // Half the Block frames take the driver's decode-ahead path (`DecodedBlock`), which
+        // must behave exactly like the frame itself.
+        let decode_ahead = self.rng.random_bool(0.5);
         let Some(s) = self.session.as_mut() else {
             return;
         };
@@ -560,6 +563,18 @@ impl World {
         } else {
             return;
         };
+        if decode_ahead
+            && let Ok(sync::protocol::Frame::Block { stream, block }) =
+                sync::protocol::Frame::decode(&frame, u32::MAX)
+            && let Ok(d) = sync::protocol::DecodedBlock::decode(
+                block,
+                &sync::block::DecodeLimits::default(),
+                Vec::new(),
+            )
+        {
+            s.receiver.handle_decoded_block(now, stream, d);
+            return;
+        }
         s.receiver.handle_frame(now, &frame);
     }
 

@@ -225,9 +225,6 @@ impl AgentSpec {
         for (k, v) in &self.env {
             spec = spec.env(k, v);
         }
-        for (k, v) in &self.env {
-            spec = spec.env(k, v);
-        }
         if let Some(ns) = &self.netns {
             spec = spec.netns(ns);
         }

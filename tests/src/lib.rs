@@ -11,6 +11,8 @@
 //! - [`mosquitto`]: a real broker on a free port.
 //! - [`netns`]: two namespaces joined by veth, with counted iptables DROP rules.
 //! - [`netem`]: delay, jitter, loss, reordering, duplication and a rate cap for UDP (QUIC).
+//! - [`peers`]: `nats-server` (JetStream) with a minimal client, and a keep-alive HTTP poster,
+//!   for the side-by-side benchmarks against peer systems.
 //!
 //! Every wait in here has a deadline, and every fault helper reports how many faults it actually
 //! applied, so a fault test can prove its faults happened.
@@ -21,5 +23,6 @@ pub mod ledger;
 pub mod mosquitto;
 pub mod netem;
 pub mod netns;
+pub mod peers;
 pub mod ports;
 pub mod procs;

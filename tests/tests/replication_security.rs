@@ -3,7 +3,9 @@
 //! - A certificate from another CA is rejected: the agent never gets a session and the hub
 //!   never records the device.
 //! - A revoked device is disconnected while connected, and rejected when it reconnects.
-//! - A device cannot write a stream outside its allow-list (`[devices.<id>] streams`).
+//! - A device cannot write a stream outside its allow-list (`[devices.<id>] streams`), and the
+//!   refusal does not starve its allowed streams: they are acknowledged in full, also for
+//!   records written after the refusal.
 //! - A replayed old block (sent again by a hand-made client holding the device's certificate)
 //!   gets an idempotent ack and nothing is stored twice.
 //! - A zstd bomb and an oversized frame from a hand-made client close only that connection:
@@ -180,6 +182,16 @@ fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
             || hub_log(&hub).contains("UnauthorizedStream")
     })
     .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    // The allowed stream keeps flowing: what was written before the refusal and what is
+    // written after it are both acknowledged and stored.
+    ingest(&producer, &mut ledger, "other", &batch("allowed", 300, 300))?;
+    ingest(&producer, &mut ledger, STREAM, &batch("forbidden", 300, 50))?;
+    wait_until(WAIT, "the allowed stream to be acknowledged in full", || {
+        cluster::status(spec.http)
+            .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 600)
+            .unwrap_or(false)
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
     let status = cluster::status(spec.http)?;
     assert_eq!(
         cluster::stream_u64(&status, STREAM, "acked_seq"),
@@ -190,8 +202,15 @@ fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
         cluster::read_stream(hub_spec.http, STREAM)?.is_empty(),
         "the forbidden stream reached the hub"
     );
+    assert_eq!(
+        cluster::read_stream(hub_spec.http, "other")?.len(),
+        600,
+        "the allowed stream holds every record once"
+    );
+    let refused = cluster::fetch_metric(spec.http, "tributary_edge_link_streams_refused_total")?;
+    assert!(refused >= 1.0, "the agent did not record the refusal");
     println!(
-        "allow-list: allowed stream acked {} of 300 after the rejection",
+        "allow-list: allowed stream acked {} of 600 across the refusal; agent refusals {refused}",
         cluster::stream_u64(&status, "other", "acked_seq")
     );
     agent.kill9()?;
@@ -422,6 +441,10 @@ fn a_replayed_old_block_gets_an_idempotent_ack() -> Result<()> {
     let report = ledger.check(after);
     assert!(report.is_ok(), "{}", report.summary());
     let duplicates = cluster::fetch_metric(hub_spec.http, "tributary_hub_duplicate_blocks_total")?;
+    assert!(
+        duplicates >= duplicates_before + acks.len() as f64,
+        "replayed blocks are counted: {duplicates_before} -> {duplicates}"
+    );
     println!(
         "replay: (first, last, acked) {acks:?}; duplicate blocks {duplicates_before} -> {duplicates}"
     );

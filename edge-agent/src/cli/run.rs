@@ -50,6 +50,8 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
     let app = AppState::new(cfg, log.clone());
     // MQTT and other sources: `/healthz` stays 503 until their subscriptions are granted.
     edge_agent::sources::spawn_all(cfg, app.ingest.clone(), app.sources.clone())?;
+    // Derived streams: each resolves its pending batch before it appends anything.
+    edge_agent::filters::derive::spawn_all(cfg, app.ingest.clone()).await;
     if let (Some(hub), Some(tls)) = (&cfg.hub, &cfg.tls) {
         let paths = TlsPaths {
             ca: tls.ca.clone(),

@@ -13,9 +13,14 @@
 //! Bad data never panics: a missing field or a field of the wrong type is counted in
 //! [`FilterStats`] and the record is handled as documented on each stage.
 //!
-//! Not done yet: wiring into `[[streams]] filters` and derived streams with a durable
-//! consumed-up-to seq; open windows live in memory only.
+//! Configuration (`[[streams]] filters = [...]`) is parsed in `crate::config`. A stream's
+//! pipeline runs in one of two places: on the ingest path of a plain stream
+//! (`crate::http::Ingest`), or in a derived stream's runner ([`derive`]), which consumes a
+//! source stream from the log and stores its position atomically with its outputs, so open
+//! windows survive restarts exactly once. [`Pipeline::snapshot`] / [`Pipeline::restore`] carry
+//! the stages' state across restarts for the runner. See `docs/filters.md`.
 
+pub mod derive;
 pub mod predicate;
 
 use std::collections::HashMap;
@@ -34,6 +39,30 @@ pub struct FilterStats {
     pub type_mismatches: AtomicU64,
     /// Records older than their key's open window, dropped.
     pub late_records: AtomicU64,
+    /// Records into and out of each stage, in pipeline order (empty for a bare `default()`).
+    pub stages: Vec<StageCounters>,
+    /// For a derived stream: the source seq (in the source's current epoch) its runner has
+    /// consumed up to. 0 for a plain stream's pipeline.
+    pub consumed_seq: AtomicU64,
+}
+
+/// Records into and out of one stage. What went in and did not come out was dropped (filtered,
+/// merged into a window or an interval, or late).
+#[derive(Debug, Default)]
+pub struct StageCounters {
+    /// The stage's kind as configured: `where`, `deadband`, `downsample`, `window`, `project`.
+    pub kind: &'static str,
+    pub input: AtomicU64,
+    pub output: AtomicU64,
+}
+
+impl StageCounters {
+    /// Records the stage took in and did not pass on.
+    pub fn dropped(&self) -> u64 {
+        self.input
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.output.load(Ordering::Relaxed))
+    }
 }
 
 impl FilterStats {
@@ -100,6 +129,19 @@ pub enum StageSpec {
     Project(Vec<(String, Option<String>)>),
 }
 
+impl StageSpec {
+    /// The stage's kind, as configured and as labelled on `/metrics`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StageSpec::Where(_) => "where",
+            StageSpec::Deadband { .. } => "deadband",
+            StageSpec::Downsample { .. } => "downsample",
+            StageSpec::Window { .. } => "window",
+            StageSpec::Project(_) => "project",
+        }
+    }
+}
+
 /// Why a pipeline could not be compiled.
 #[derive(Debug, Error, PartialEq)]
 pub enum CompileError {
@@ -107,13 +149,36 @@ pub enum CompileError {
     Stage { stage: usize, message: String },
 }
 
-trait Stage: Send {
+/// Why a snapshot could not be restored into a pipeline.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RestoreError {
+    #[error(
+        "the snapshot was taken from another pipeline (fingerprint {found:016x}, expected {expected:016x})"
+    )]
+    OtherPipeline { found: u64, expected: u64 },
+    #[error("stage {stage}: malformed snapshot: {message}")]
+    Malformed { stage: usize, message: String },
+}
+
+type Json = serde_json::Value;
+
+trait Stage: Send + Sync {
     fn process(&mut self, r: Record, out: &mut Vec<Record>, stats: &FilterStats);
+    /// The stage's state, for [`Pipeline::snapshot`]; `null` for stateless stages.
+    fn snapshot(&self) -> Json {
+        Json::Null
+    }
+    /// Replaces the stage's state with a snapshot's.
+    fn restore(&mut self, _state: &Json) -> Result<(), String> {
+        Ok(())
+    }
 }
 
 /// A compiled pipeline for one stream.
 pub struct Pipeline {
     stages: Vec<Box<dyn Stage>>,
+    /// Identifies the configured stages, so a snapshot is never restored into another pipeline.
+    fingerprint: u64,
     stats: Arc<FilterStats>,
     buf: Vec<Record>,
     next: Vec<Record>,
@@ -181,12 +246,84 @@ impl Pipeline {
                 StageSpec::Project(keep) => Box::new(Project(keep.clone())),
             });
         }
+        let stats = FilterStats {
+            stages: specs
+                .iter()
+                .map(|s| StageCounters {
+                    kind: s.kind(),
+                    ..StageCounters::default()
+                })
+                .collect(),
+            ..FilterStats::default()
+        };
         Ok(Pipeline {
             stages,
-            stats: Arc::default(),
+            fingerprint: fnv1a(format!("{specs:?}").as_bytes()),
+            stats: Arc::new(stats),
             buf: Vec::new(),
             next: Vec::new(),
         })
+    }
+
+    /// True when the pipeline has no stages: records pass unchanged.
+    pub fn is_empty(&self) -> bool {
+        self.stages.is_empty()
+    }
+
+    /// Identifies the configured stages (a hash of their specs).
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// Runs a batch through the pipeline, returning what comes out.
+    pub fn run(&mut self, records: Vec<Record>) -> Vec<Record> {
+        if self.stages.is_empty() {
+            return records;
+        }
+        let mut out = Vec::new();
+        for r in records {
+            self.push(r, &mut out);
+        }
+        out
+    }
+
+    /// The state of every stage (open windows and intervals, deadband references) as JSON.
+    /// Floats are stored as their bits, so a restored pipeline continues bit for bit.
+    pub fn snapshot(&self) -> Json {
+        serde_json::json!({
+            "fingerprint": format!("{:016x}", self.fingerprint),
+            "stages": self.stages.iter().map(|s| s.snapshot()).collect::<Vec<_>>(),
+        })
+    }
+
+    /// Replaces every stage's state with a [`Pipeline::snapshot`] of the same pipeline.
+    /// On error the pipeline's state is unspecified: recompile it.
+    pub fn restore(&mut self, snapshot: &Json) -> Result<(), RestoreError> {
+        let found = snapshot
+            .get("fingerprint")
+            .and_then(Json::as_str)
+            .and_then(|s| u64::from_str_radix(s, 16).ok())
+            .unwrap_or(0);
+        if found != self.fingerprint {
+            return Err(RestoreError::OtherPipeline {
+                found,
+                expected: self.fingerprint,
+            });
+        }
+        let states = snapshot
+            .get("stages")
+            .and_then(Json::as_array)
+            .filter(|a| a.len() == self.stages.len())
+            .ok_or_else(|| RestoreError::Malformed {
+                stage: 0,
+                message: "expected one state per stage".into(),
+            })?;
+        for (i, (stage, state)) in self.stages.iter_mut().zip(states).enumerate() {
+            stage
+                .restore(state)
+                .map_err(|message| RestoreError::Malformed { stage: i, message })?;
+        }
+        Ok(())
     }
 
     /// The pipeline's counters.
@@ -205,9 +342,17 @@ impl Pipeline {
         let last = self.stages.len() - 1;
         for (i, stage) in self.stages.iter_mut().enumerate() {
             let target = if i == last { &mut *out } else { &mut self.next };
+            let before = target.len();
+            let counters = &self.stats.stages[i];
+            counters
+                .input
+                .fetch_add(self.buf.len() as u64, Ordering::Relaxed);
             for r in self.buf.drain(..) {
                 stage.process(r, target, &self.stats);
             }
+            counters
+                .output
+                .fetch_add((target.len() - before) as u64, Ordering::Relaxed);
             if i != last {
                 std::mem::swap(&mut self.buf, &mut self.next);
             }
@@ -272,6 +417,24 @@ impl Stage for Deadband {
                 out.push(r);
             }
         }
+    }
+
+    fn snapshot(&self) -> Json {
+        Json::Array(
+            self.last
+                .iter()
+                .map(|(k, v)| serde_json::json!([k, v.to_bits()]))
+                .collect(),
+        )
+    }
+
+    fn restore(&mut self, state: &Json) -> Result<(), String> {
+        self.last.clear();
+        for e in array(state)? {
+            self.last
+                .insert(str_at(e, 0)?.to_owned(), f64::from_bits(u64_at(e, 1)?));
+        }
+        Ok(())
     }
 }
 
@@ -348,6 +511,41 @@ impl Stage for Downsample {
                 }
             }
         }
+    }
+
+    fn snapshot(&self) -> Json {
+        Json::Array(
+            self.open
+                .values()
+                .map(|o| {
+                    let sums: Vec<Json> = o
+                        .sums
+                        .iter()
+                        .map(|(n, s, c)| serde_json::json!([n, s.to_bits(), c]))
+                        .collect();
+                    serde_json::json!([o.start, record_to_json(&o.last), sums])
+                })
+                .collect(),
+        )
+    }
+
+    fn restore(&mut self, state: &Json) -> Result<(), String> {
+        self.open.clear();
+        for e in array(state)? {
+            let start = i64_at(e, 0)?;
+            let last = record_from_json(e.get(1).ok_or("missing record")?)?;
+            let mut sums = Vec::new();
+            for s in array(e.get(2).ok_or("missing sums")?)? {
+                sums.push((
+                    str_at(s, 0)?.to_owned(),
+                    f64::from_bits(u64_at(s, 1)?),
+                    u64_at(s, 2)?,
+                ));
+            }
+            self.open
+                .insert(last.key.clone(), OpenInterval { start, last, sums });
+        }
+        Ok(())
     }
 }
 
@@ -428,6 +626,44 @@ impl Stage for Window {
             }
         }
     }
+
+    fn snapshot(&self) -> Json {
+        Json::Array(
+            self.open
+                .iter()
+                .map(|(k, w)| {
+                    serde_json::json!([
+                        k,
+                        w.start,
+                        w.count,
+                        w.min.to_bits(),
+                        w.max.to_bits(),
+                        w.sum.to_bits(),
+                        w.last.to_bits()
+                    ])
+                })
+                .collect(),
+        )
+    }
+
+    fn restore(&mut self, state: &Json) -> Result<(), String> {
+        self.open.clear();
+        for e in array(state)? {
+            let bits = |i| u64_at(e, i).map(f64::from_bits);
+            self.open.insert(
+                str_at(e, 0)?.to_owned(),
+                WindowState {
+                    start: i64_at(e, 1)?,
+                    count: u64_at(e, 2)?,
+                    min: bits(3)?,
+                    max: bits(4)?,
+                    sum: bits(5)?,
+                    last: bits(6)?,
+                },
+            );
+        }
+        Ok(())
+    }
 }
 
 struct Project(Vec<(String, Option<String>)>);
@@ -447,4 +683,83 @@ impl Stage for Project {
             out.push(r);
         }
     }
+}
+
+/// FNV-1a 64: a stable hash (unlike `DefaultHasher`, the same in every build).
+pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+// Snapshot encoding helpers. Values are tagged (`Value` serialises untagged, which would turn
+// an i64 into an f64 or bytes into a list on the way back) and floats are stored as bits.
+
+fn array(v: &Json) -> Result<&Vec<Json>, String> {
+    v.as_array().ok_or_else(|| "expected an array".to_owned())
+}
+
+fn str_at(v: &Json, i: usize) -> Result<&str, String> {
+    v.get(i)
+        .and_then(Json::as_str)
+        .ok_or_else(|| format!("element {i}: expected a string"))
+}
+
+fn u64_at(v: &Json, i: usize) -> Result<u64, String> {
+    v.get(i)
+        .and_then(Json::as_u64)
+        .ok_or_else(|| format!("element {i}: expected an unsigned integer"))
+}
+
+fn i64_at(v: &Json, i: usize) -> Result<i64, String> {
+    v.get(i)
+        .and_then(Json::as_i64)
+        .ok_or_else(|| format!("element {i}: expected an integer"))
+}
+
+/// A record as `[key, ts, [[name, tag, value], ...]]`.
+pub(crate) fn record_to_json(r: &Record) -> Json {
+    let fields: Vec<Json> = r
+        .fields
+        .iter()
+        .map(|(n, v)| match v {
+            Value::F64(x) => serde_json::json!([n, "f", x.to_bits()]),
+            Value::I64(x) => serde_json::json!([n, "i", x]),
+            Value::Bool(x) => serde_json::json!([n, "b", x]),
+            Value::Str(x) => serde_json::json!([n, "s", x]),
+            Value::Bytes(x) => serde_json::json!([n, "x", x]),
+        })
+        .collect();
+    serde_json::json!([r.key, r.ts, fields])
+}
+
+/// The inverse of [`record_to_json`].
+pub(crate) fn record_from_json(v: &Json) -> Result<Record, String> {
+    let mut fields = Vec::new();
+    for f in array(v.get(2).ok_or("missing fields")?)? {
+        let name = str_at(f, 0)?.to_owned();
+        let value = match str_at(f, 1)? {
+            "f" => Value::F64(f64::from_bits(u64_at(f, 2)?)),
+            "i" => Value::I64(i64_at(f, 2)?),
+            "b" => Value::Bool(f.get(2).and_then(Json::as_bool).ok_or("expected a bool")?),
+            "s" => Value::Str(str_at(f, 2)?.to_owned()),
+            "x" => Value::Bytes(
+                array(f.get(2).ok_or("missing bytes")?)?
+                    .iter()
+                    .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
+                    .collect::<Option<Vec<u8>>>()
+                    .ok_or("expected bytes")?,
+            ),
+            other => return Err(format!("unknown value tag {other:?}")),
+        };
+        fields.push((name, value));
+    }
+    Ok(Record {
+        key: str_at(v, 0)?.to_owned(),
+        ts: i64_at(v, 1)?,
+        fields,
+    })
 }

@@ -1,9 +1,15 @@
 //! The one front door for records entering the agent, and the HTTP body decoding in front of it.
 //!
-//! Every source (the HTTP API today; MQTT and the filter pipeline later) hands whole batches to
-//! [`Ingest::ingest`], which appends them to the local log, waits for durability and counts the
-//! outcome for `/metrics`. Keeping this in one place means a source can never forget to count,
-//! and filters have exactly one place to hook in before sequencing.
+//! Every source (the HTTP API, MQTT, the sensor sources) hands whole batches to
+//! [`Ingest::ingest`], which runs the stream's filter pipeline (when it has `filters`), appends
+//! what comes out to the local log, waits for durability and counts the outcome for `/metrics`.
+//! Keeping this in one place means a source can never forget to count or to filter.
+//!
+//! A plain stream's pipeline runs here, under a mutex, before sequencing. Its window and
+//! interval state lives in memory only: a restart loses open windows, and when producers race,
+//! their batches may be stored in another order than the pipeline saw them. For exactly-once
+//! windows, filter in a derived stream instead (`crate::filters::derive`), which reads its
+//! input back from the log.
 //!
 //! # Idempotency keys
 //!
@@ -23,7 +29,7 @@
 //! retry appends the batch a second time. Only failed appends and that window lead to a fresh
 //! append; an answered request is always replayed.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -34,6 +40,8 @@ use thiserror::Error;
 use sync::Record;
 use sync::parse::{ParseError, ParseOptions, parse_line_protocol, parse_ndjson_with};
 
+use crate::config::StreamConfig;
+use crate::filters::Pipeline;
 use crate::log::{AppendAck, AppendError, LogHandle};
 use crate::metrics::Metrics;
 
@@ -43,6 +51,19 @@ pub struct Ingest {
     log: LogHandle,
     metrics: Arc<Metrics>,
     keys: Arc<KeyStore>,
+    /// Pipelines of plain streams with `filters`.
+    pipelines: Arc<HashMap<String, Mutex<Pipeline>>>,
+    /// Derived streams and their source: they take no records from here.
+    derived: Arc<HashMap<String, String>>,
+}
+
+/// The number of records an [`AppendAck`] covers (0 for a batch filtered out entirely).
+pub fn stored_count(ack: &AppendAck) -> u64 {
+    if ack.first_seq == 0 {
+        0
+    } else {
+        ack.last_seq + 1 - ack.first_seq
+    }
 }
 
 /// How long an idempotency key is remembered.
@@ -211,7 +232,46 @@ impl Ingest {
             inflight: Mutex::new(HashSet::new()),
             stored: std::sync::atomic::AtomicU64::new(0),
         });
-        Ingest { log, metrics, keys }
+        Ingest {
+            log,
+            metrics,
+            keys,
+            pipelines: Arc::default(),
+            derived: Arc::default(),
+        }
+    }
+
+    /// As [`Ingest::new`], running the `filters` of plain streams before sequencing and refusing
+    /// derived streams. The config was validated, so every pipeline compiles; one that does not
+    /// (a bug) is left out with an error logged rather than taking the agent down.
+    pub fn with_streams(log: LogHandle, metrics: Arc<Metrics>, streams: &[StreamConfig]) -> Self {
+        let mut ingest = Ingest::new(log, metrics);
+        let mut pipelines = HashMap::new();
+        let mut derived = HashMap::new();
+        for s in streams {
+            if let Some(src) = &s.source_stream {
+                derived.insert(s.name.clone(), src.clone());
+                continue;
+            }
+            if s.filters.is_empty() {
+                continue;
+            }
+            match Pipeline::compile(&s.filters) {
+                Ok(p) => {
+                    ingest.metrics.register_filter(&s.name, p.stats().clone());
+                    pipelines.insert(s.name.clone(), Mutex::new(p));
+                }
+                Err(e) => tracing::error!(stream = %s.name, error = %e, "filters not compiled"),
+            }
+        }
+        ingest.pipelines = Arc::new(pipelines);
+        ingest.derived = Arc::new(derived);
+        ingest
+    }
+
+    /// The source of `stream` when it is a derived stream.
+    pub fn derived_from(&self, stream: &str) -> Option<&str> {
+        self.derived.get(stream).map(String::as_str)
     }
 
     /// Looks `key` up for `stream`: the stored answer of an earlier request, or a claim on the
@@ -294,14 +354,13 @@ impl Ingest {
         claim: KeyClaim,
         records: Vec<Record>,
     ) -> Result<BatchAnswer, IdempotencyError> {
-        let count = records.len() as u64;
         let ack = self.ingest(&claim.stream, records).await?;
         let answer = BatchAnswer {
             stream: ack.stream.clone(),
             epoch: ack.epoch,
             first_seq: ack.first_seq,
             last_seq: ack.last_seq,
-            count,
+            count: stored_count(&ack),
             replayed: false,
         };
         let keys = self.keys.clone();
@@ -345,12 +404,29 @@ impl Ingest {
         Ok(answer)
     }
 
-    /// Appends `records` to `stream` as one atomic batch; resolves once they are durable.
+    /// Runs `stream`'s filters over `records`, then appends what comes out as one atomic batch;
+    /// resolves once it is durable. When the filters drop everything, nothing is appended and
+    /// the ack has `first_seq == last_seq == 0`.
     pub async fn ingest(
         &self,
         stream: &str,
         records: Vec<Record>,
     ) -> Result<AppendAck, AppendError> {
+        let records = match self.pipelines.get(stream) {
+            Some(p) if !records.is_empty() => {
+                let out = p.lock().unwrap_or_else(|e| e.into_inner()).run(records);
+                if out.is_empty() {
+                    return Ok(AppendAck {
+                        stream: stream.to_owned(),
+                        epoch: self.log.epoch(),
+                        first_seq: 0,
+                        last_seq: 0,
+                    });
+                }
+                out
+            }
+            _ => records,
+        };
         let count = records.len() as u64;
         let implausible = records
             .iter()
@@ -520,6 +596,21 @@ pub fn now_ns() -> i64 {
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
+/// How far ahead of the agent's clock an event time may be before it counts as implausible.
+pub const TS_FUTURE_SLACK_NS: i64 = 86_400_000_000_000;
+
+/// Event time is stored as given; sequence order, never time, decides order and dedupe. A time
+/// before this binary was built, or more than a day ahead of the clock, is counted on
+/// `/metrics` so that a device with a bad clock is visible.
+pub fn implausible_ts(ts: i64, now_ns: i64) -> bool {
+    let built_ns = crate::link::BUILD_UNIX
+        .parse::<i64>()
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000);
+    // A clock behind the build time is itself wrong; judge the future against the later of the two.
+    ts < built_ns || ts > now_ns.max(built_ns).saturating_add(TS_FUTURE_SLACK_NS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -562,19 +653,4 @@ mod tests {
         let recs = parse_body(BodyFormat::LineProtocol, "s", b"s,dev=a x=1 5\n", 0).unwrap();
         assert_eq!(recs[0].key, "a");
     }
-}
-
-/// How far ahead of the agent's clock an event time may be before it counts as implausible.
-pub const TS_FUTURE_SLACK_NS: i64 = 86_400_000_000_000;
-
-/// Event time is stored as given; sequence order, never time, decides order and dedupe. A time
-/// before this binary was built, or more than a day ahead of the clock, is counted on
-/// `/metrics` so that a device with a bad clock is visible.
-pub fn implausible_ts(ts: i64, now_ns: i64) -> bool {
-    let built_ns = crate::link::BUILD_UNIX
-        .parse::<i64>()
-        .unwrap_or(0)
-        .saturating_mul(1_000_000_000);
-    // A clock behind the build time is itself wrong; judge the future against the later of the two.
-    ts < built_ns || ts > now_ns.max(built_ns).saturating_add(TS_FUTURE_SLACK_NS)
 }

@@ -8,6 +8,9 @@
 //!   404 unknown stream, 413 body over `http.body_bytes_max`, 415 content type, 503 (with
 //!   `Retry-After` when the disk budget is full under `on_full = "block"`) when the log cannot
 //!   take the batch now.
+//!   A stream with `filters` runs them before sequencing; the answer's `count` is what was
+//!   stored (`count: 0`, `first_seq: 0`, `last_seq: 0` when every record was filtered out). A
+//!   derived stream (`source_stream`) takes no posts: 409.
 //!   With an `Idempotency-Key` header, a retried batch (same key, same body) gets the original
 //!   answer (and `Idempotency-Replayed: true`) and stores nothing; the same key with another
 //!   body gets 422, and a retry while the first request runs gets 409. Retention and limits:
@@ -72,7 +75,7 @@ impl AppState {
             LinkState::NotConfigured
         };
         Arc::new(AppState {
-            ingest: Ingest::new(log, metrics),
+            ingest: Ingest::with_streams(log, metrics, &cfg.streams),
             token: cfg.http.token.clone(),
             body_bytes_max: cfg.http.body_bytes_max,
             limits: Limits {
@@ -89,14 +92,16 @@ impl AppState {
     /// The current status report.
     pub fn status_report(&self) -> StatusReport {
         let link = *self.link.read().unwrap_or_else(|e| e.into_inner());
-        StatusReport::new(
+        let mut report = StatusReport::new(
             &self.ingest.log().status(),
             link,
             &self.fsync,
             &self.on_full,
             self.limits.disk_bytes_max,
             now_ns(),
-        )
+        );
+        report.filters = self.ingest.metrics().filter_reports();
+        report
     }
 
     fn authorized(&self, headers: &HeaderMap) -> bool {
@@ -179,6 +184,15 @@ async fn post_records(
             ),
         );
     }
+    if let Some(source) = app.ingest.derived_from(&stream) {
+        return error(
+            StatusCode::CONFLICT,
+            format!(
+                "stream {stream:?} is derived from {source:?} by its filters and takes no records \
+                 directly: post to /v1/streams/{source}/records"
+            ),
+        );
+    }
     let content_type = headers
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -212,14 +226,13 @@ async fn post_records(
         Ok(r) => r,
         Err(e) => return body_error(&e),
     };
-    let count = records.len();
     match app.ingest.ingest(&stream, records).await {
         Ok(ack) => axum::Json(json!({
             "stream": ack.stream,
             "epoch": ack.epoch,
             "first_seq": ack.first_seq,
             "last_seq": ack.last_seq,
-            "count": count,
+            "count": ingest::stored_count(&ack),
         }))
         .into_response(),
         Err(e) => append_error(&e),

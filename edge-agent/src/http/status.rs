@@ -43,6 +43,9 @@ pub struct StatusReport {
     /// Why the log refuses writes, when it does.
     pub poisoned: Option<String>,
     pub streams: Vec<StreamReport>,
+    /// Filter pipeline counters of every filtered stream (absent from older agents).
+    #[serde(default)]
+    pub filters: Vec<crate::metrics::FilterReport>,
 }
 
 /// One stream.
@@ -109,6 +112,7 @@ impl StatusReport {
             disk_bytes_max,
             poisoned: status.poisoned.clone(),
             streams,
+            filters: Vec::new(),
         }
     }
 }

@@ -1,6 +1,11 @@
 //! The MQTT source: subscribes on a local broker with a persistent session and QoS 1 (or 2),
 //! turns each PUBLISH into records, appends them durably, and only then acknowledges.
 //!
+//! `mqtts://host[:8883]` connects over TLS (rumqttc's rustls transport with the ring provider,
+//! [`tls_client_config`]): `tls_ca` is the CA the broker's certificate must chain to (its name
+//! must match the URL's host), and `tls_cert` / `tls_key` a client certificate for brokers that
+//! require one. Tested against mosquitto with `require_certificate true` in `tests/mqtt_tls.rs`.
+//!
 //! # Flow and backpressure
 //!
 //! One task drives the rumqttc event loop and pushes each PUBLISH, tagged with the client of
@@ -67,7 +72,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use rumqttc::{AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter};
+use rumqttc::{
+    AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter,
+    TlsConfiguration, Transport,
+};
 use sync::block::{DecodeLimits, decode_block};
 use sync::parse::{ParseOptions, parse_line_protocol};
 use sync::{Record, Value};
@@ -116,6 +124,50 @@ pub struct MqttSource {
     ingest: Ingest,
     state: Arc<SourcesState>,
     stats: Arc<MqttStats>,
+    /// Set for `mqtts://`: built once from the PEM files at start-up.
+    tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+/// The rustls client configuration for `mqtts://` (ring provider, TLS 1.2 and 1.3): the
+/// broker's certificate must chain to `tls_ca` and name the URL's host; a client certificate is
+/// presented when configured.
+pub fn tls_client_config(t: &crate::config::MqttTlsConfig) -> Result<rustls::ClientConfig, String> {
+    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("reading {}: {e}", p.display()));
+    let certs = |p: &Path| -> Result<Vec<rustls::pki_types::CertificateDer<'static>>, String> {
+        let pem = read(p)?;
+        let certs = rustls_pemfile::certs(&mut &pem[..])
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+        if certs.is_empty() {
+            return Err(format!("{}: no PEM certificate in it", p.display()));
+        }
+        Ok(certs)
+    };
+    let mut roots = rustls::RootCertStore::empty();
+    for c in certs(&t.ca)? {
+        roots
+            .add(c)
+            .map_err(|e| format!("{}: {e}", t.ca.display()))?;
+    }
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .map_err(|e| e.to_string())?
+    .with_root_certificates(roots);
+    match &t.client {
+        None => Ok(builder.with_no_client_auth()),
+        Some((cert, key)) => {
+            let chain = certs(cert)?;
+            let pem = read(key)?;
+            let key_der = rustls_pemfile::private_key(&mut &pem[..])
+                .map_err(|e| format!("{}: {e}", key.display()))?
+                .ok_or_else(|| format!("{}: no PEM private key in it", key.display()))?;
+            builder
+                .with_client_auth_cert(chain, key_der)
+                .map_err(|e| format!("{}: {e}", cert.display()))
+        }
+    }
 }
 
 /// A received message and the client of the connection it came on (to ack it there).
@@ -135,6 +187,13 @@ impl MqttSource {
         state: Arc<SourcesState>,
     ) -> Result<Self, String> {
         let (host, port) = parse_url(&cfg.url)?;
+        let tls = match &cfg.tls {
+            Some(t) => Some(Arc::new(tls_client_config(t)?)),
+            None if cfg.url.starts_with("mqtts://") => {
+                return Err("mqtts:// needs tls_ca".into());
+            }
+            None => None,
+        };
         let client_id = cfg
             .client_id
             .clone()
@@ -152,6 +211,7 @@ impl MqttSource {
             ingest,
             state,
             stats,
+            tls,
         })
     }
 
@@ -195,6 +255,11 @@ impl MqttSource {
                 .set_manual_acks(true)
                 .set_keep_alive(Duration::from_secs(30))
                 .set_max_packet_size(PACKET_BYTES_MAX, PACKET_BYTES_MAX);
+            if let Some(tls) = &self.tls {
+                opts.set_transport(Transport::tls_with_config(TlsConfiguration::Rustls(
+                    tls.clone(),
+                )));
+            }
             let (client, eventloop) = AsyncClient::new(opts, REQUEST_CHANNEL);
             let outcome = self.connection(client, eventloop, &filters, &tx).await;
             self.state.set_mqtt_ready(self.index, false);
@@ -537,17 +602,17 @@ pub fn default_client_id(data_dir: &Path, index: usize) -> String {
     format!("trb-{:016x}-{index}", h.0)
 }
 
-/// `mqtt://host[:port]` into host and port (default 1883).
+/// `mqtt://host[:port]` (default 1883) or `mqtts://host[:port]` (default 8883) into host and port.
 fn parse_url(url: &str) -> Result<(String, u16), String> {
-    if url.starts_with("mqtts://") {
-        return Err(
-            "mqtts:// (TLS to the broker) is not supported yet: use mqtt:// to a local broker"
-                .into(),
-        );
-    }
-    let rest = url
-        .strip_prefix("mqtt://")
-        .ok_or_else(|| format!("expected mqtt://host:port, found {url:?}"))?;
+    let (rest, default_port) = match (url.strip_prefix("mqtt://"), url.strip_prefix("mqtts://")) {
+        (Some(r), _) => (r, 1883),
+        (_, Some(r)) => (r, 8883),
+        _ => {
+            return Err(format!(
+                "expected mqtt://host:port or mqtts://host:port, found {url:?}"
+            ));
+        }
+    };
     let rest = rest.trim_end_matches('/');
     let (host, port) = match rest.rsplit_once(':') {
         Some((h, p)) => (
@@ -555,7 +620,7 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
             p.parse::<u16>()
                 .map_err(|_| format!("bad port in {url:?}"))?,
         ),
-        None => (rest, 1883),
+        None => (rest, default_port),
     };
     let host = host.trim_start_matches('[').trim_end_matches(']');
     if host.is_empty() {
@@ -798,6 +863,7 @@ mod tests {
             client_id: None,
             qos: 1,
             dedupe_window: 16,
+            tls: None,
         }
     }
 
@@ -879,7 +945,11 @@ mod tests {
             ("127.0.0.1".into(), 1884)
         );
         assert_eq!(parse_url("mqtt://broker").unwrap(), ("broker".into(), 1883));
-        assert!(parse_url("mqtts://x:1").is_err());
+        assert_eq!(parse_url("mqtts://x:1").unwrap(), ("x".into(), 1));
+        assert_eq!(
+            parse_url("mqtts://broker").unwrap(),
+            ("broker".into(), 8883)
+        );
         assert!(parse_url("mqtt://x:y").is_err());
         let a = default_client_id(Path::new("/nonexistent/a"), 0);
         assert_eq!(a, default_client_id(Path::new("/nonexistent/a"), 0));

@@ -34,7 +34,7 @@ pub use frame::{
     LaneAnnounce, PROTOCOL_VERSION,
 };
 pub use receiver::{
-    CommitItem, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
+    CommitItem, DecodedBlock, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
     ReceiverStats,
 };
 pub use sender::{OfferError, Rekey, Sender, SenderConfig, SenderEvent};

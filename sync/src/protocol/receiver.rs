@@ -12,7 +12,7 @@
 //! frame can name it. Everything this machine holds is per connection and disposable: a fresh
 //! receiver built from the hub's persisted marks and checksums converges with a fresh sender.
 
-use super::checksum::{RangeChecksum, record_hash};
+use super::checksum::{RangeChecksum, record_hash, record_hashes_into};
 use super::frame::{
     BacklogEntry, ErrorCode, ErrorFrame, Frame, FrameError, GapMarker, Hello, LaneAnnounce,
     LaneWelcome, Welcome, hello_versions,
@@ -182,10 +182,59 @@ enum Phase {
     Closed,
 }
 
+/// A Block frame's block, verified, decoded and its records hashed by the driver, off the
+/// task that drives the receiver: decoding is most of the per-block CPU, and a driver can run
+/// it on worker threads for several blocks at once. Feed it with
+/// [`Receiver::handle_decoded_block`]; the outcome is exactly that of the Block frame.
+#[derive(Debug, Clone)]
+pub struct DecodedBlock {
+    pub header: BlockHeader,
+    pub block: Vec<u8>,
+    /// All records of the block.
+    pub records: Vec<Record>,
+    /// `record_hash(header.first_seq + k, records[k])` for every k.
+    pub hashes: Vec<u64>,
+}
+
+impl DecodedBlock {
+    /// Verifies and decodes `block` within `limits`, and hashes its records. CPU-heavy: meant
+    /// for a worker thread. The error is what the receiver would report for the frame.
+    /// `records` is a buffer to decode into: records it already holds are decoded over, which
+    /// reuses their allocations ([`block::decode_block_into`]).
+    pub fn decode(
+        block: Vec<u8>,
+        limits: &DecodeLimits,
+        mut records: Vec<Record>,
+    ) -> Result<DecodedBlock, block::BlockError> {
+        let header = block::decode_block_into(&block, limits, &mut records)?;
+        let mut hashes = Vec::with_capacity(records.len());
+        record_hashes_into(header.first_seq, &records, &mut hashes);
+        Ok(DecodedBlock {
+            header,
+            block,
+            records,
+            hashes,
+        })
+    }
+}
+
+/// Records and hashes decoded ahead of time (see [`DecodedBlock`]).
+#[derive(Debug)]
+struct PreDecoded {
+    records: Vec<Record>,
+    hashes: Vec<u64>,
+}
+
 /// A received Block or Gap, before it is committed.
 #[derive(Debug)]
 enum Item {
-    Block { header: BlockHeader, block: Vec<u8> },
+    Block {
+        header: BlockHeader,
+        block: Vec<u8>,
+        /// Present when the driver decoded the block; dropped while the item waits in the
+        /// reorder buffer, which is bounded by encoded bytes (it is decoded again then).
+        pre: Option<Box<PreDecoded>>,
+    },
     Gap(GapMarker),
 }
 
@@ -472,6 +521,36 @@ impl Receiver {
         self.flush_acks();
     }
 
+    /// Feeds a Block frame whose block the driver already verified and decoded with
+    /// [`DecodedBlock::decode`] (for `stream`, as the frame named it). Equivalent to
+    /// [`Receiver::handle_frame`] with that frame, without decoding here.
+    pub fn handle_decoded_block(&mut self, now: Instant, stream: String, d: DecodedBlock) {
+        if self.phase == Phase::Closed {
+            return;
+        }
+        self.now = now;
+        self.live.last_rx = now;
+        if self.phase != Phase::Established {
+            let msg = format!("unexpected Block frame in state {:?}", self.phase);
+            return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+        }
+        let ok = d.hashes.len() == d.records.len()
+            && d.records.len() as u64 == u64::from(d.header.count);
+        let pre = ok.then(|| {
+            Box::new(PreDecoded {
+                records: d.records,
+                hashes: d.hashes,
+            })
+        });
+        let item = Item::Block {
+            header: d.header,
+            block: d.block,
+            pre,
+        };
+        self.on_item(stream, d.header.epoch, item);
+        self.flush_acks();
+    }
+
     fn on_decode_error(&mut self, bytes: &[u8], e: FrameError) {
         // A Hello from a newer version may not decode here, but its version range does.
         let versions = (self.phase == Phase::AwaitHello)
@@ -686,7 +765,14 @@ impl Receiver {
 
     fn on_block(&mut self, stream: String, block: Vec<u8>) {
         match block::verify_block(&block, &self.config.decode_limits) {
-            Ok(header) => self.on_item(stream, header.epoch, Item::Block { header, block }),
+            Ok(header) => {
+                let item = Item::Block {
+                    header,
+                    block,
+                    pre: None,
+                };
+                self.on_item(stream, header.epoch, item)
+            }
             Err(e) => self.close(
                 self.now,
                 ErrorCode::BadBlock,
@@ -751,7 +837,10 @@ impl Receiver {
         true
     }
 
-    fn hold(&mut self, i: usize, item: Item, parked: bool) {
+    fn hold(&mut self, i: usize, mut item: Item, parked: bool) {
+        if let Item::Block { pre, .. } = &mut item {
+            *pre = None;
+        }
         let (first, _) = item.range();
         let bytes = item.bytes();
         self.arrivals += 1;
@@ -834,7 +923,7 @@ impl Receiver {
         let (_, last) = item.range();
         let reaches_mark = last >= self.lanes[i].mark;
         match item {
-            Item::Block { header, block } => self.process_block(i, header, block),
+            Item::Block { header, block, pre } => self.process_block(i, header, block, pre),
             Item::Gap(g) => self.process_gap(i, g),
         }
         if reaches_mark && self.lanes[i].junction && self.phase == Phase::Established {
@@ -880,13 +969,30 @@ impl Receiver {
         });
     }
 
-    fn process_block(&mut self, i: usize, header: BlockHeader, block: Vec<u8>) {
-        let decoded = match block::decode_block(&block, &self.config.decode_limits) {
-            Ok(b) => b,
-            Err(e) => {
-                let msg = format!("stream {}: {e}", self.lanes[i].stream);
-                return self.close(self.now, ErrorCode::BadBlock, &msg);
-            }
+    fn process_block(
+        &mut self,
+        i: usize,
+        header: BlockHeader,
+        block: Vec<u8>,
+        pre: Option<Box<PreDecoded>>,
+    ) {
+        let (records, hashes) = match pre {
+            Some(p) => (p.records, p.hashes),
+            None => match block::decode_block(&block, &self.config.decode_limits) {
+                Ok(b) => {
+                    let hashes = b
+                        .records
+                        .iter()
+                        .enumerate()
+                        .map(|(k, r)| record_hash(header.first_seq + k as u64, r))
+                        .collect();
+                    (b.records, hashes)
+                }
+                Err(e) => {
+                    let msg = format!("stream {}: {e}", self.lanes[i].stream);
+                    return self.close(self.now, ErrorCode::BadBlock, &msg);
+                }
+            },
         };
         let first = header.first_seq;
         if self.lanes[i].behind.is_some_and(|b| first > b.next) {
@@ -903,16 +1009,17 @@ impl Receiver {
             self.stats.replays += 1;
             return;
         }
-        let hashes: Vec<u64> = decoded
-            .records
-            .iter()
-            .enumerate()
-            .map(|(k, r)| record_hash(first + k as u64, r))
-            .collect();
         match self.verify_overlap(i, first, &hashes) {
             Verify::Ok => {}
             Verify::Fenced => return,
-            Verify::Refill(from) => return self.refill(i, from, Item::Block { header, block }),
+            Verify::Refill(from) => {
+                let item = Item::Block {
+                    header,
+                    block,
+                    pre: None,
+                };
+                return self.refill(i, from, item);
+            }
         }
         let lane = &mut self.lanes[i];
         if header.last_seq() <= lane.frontier {
@@ -940,7 +1047,7 @@ impl Receiver {
             last_seq: header.last_seq(),
             checksum: sum,
         };
-        let mut records = decoded.records;
+        let mut records = records;
         records.drain(..skip);
         lane.frontier = header.last_seq();
         lane.remember(

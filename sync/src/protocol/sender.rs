@@ -144,7 +144,11 @@ struct Lane {
     /// `last_seq` as announced in the Hello: the hub judges "behind" against this.
     announced_last: u64,
     gaps: Vec<GapMarker>,
+    /// The edge's figures for what it held beyond `backlog_base` up to `backlog_top` when it
+    /// last reported them; see [`Lane::current_backlog`].
     backlog: Backlog,
+    backlog_base: u64,
+    backlog_top: u64,
     mode: Mode,
     /// The hub's durable and tiered marks as last heard.
     hub_mark: u64,
@@ -172,6 +176,8 @@ impl Lane {
             announced_last: 0,
             gaps: Vec::new(),
             backlog: Backlog::default(),
+            backlog_base: 0,
+            backlog_top: 0,
             mode,
             hub_mark: 0,
             hub_tiered: 0,
@@ -183,6 +189,33 @@ impl Lane {
             exhausted_at: None,
             durable: 0,
             tiered: 0,
+        }
+    }
+
+    /// The backlog as of now. The edge reports figures for seqs `backlog_base+1..=backlog_top`
+    /// (unacknowledged when it measured them); as the hub's mark moves through that range the
+    /// figures shrink in proportion, and once the mark reaches `backlog_top` nothing of that
+    /// backlog is owed any more. This keeps the periodic Backlog frame true while connected
+    /// even when the edge does not call [`Sender::update_backlog`] again (the oldest unsent
+    /// event time stays as reported until then: conservative for completeness).
+    fn current_backlog(&self) -> Backlog {
+        let b = self.backlog;
+        if b == Backlog::default() {
+            return b;
+        }
+        if self.hub_mark >= self.backlog_top {
+            return Backlog::default();
+        }
+        if self.hub_mark <= self.backlog_base || self.backlog_top <= self.backlog_base {
+            return b;
+        }
+        let span = u128::from(self.backlog_top - self.backlog_base);
+        let left = u128::from(self.backlog_top - self.hub_mark);
+        let scale = |v: u64| u64::try_from((u128::from(v) * left).div_ceil(span)).unwrap_or(v);
+        Backlog {
+            blocks: scale(b.blocks),
+            bytes: scale(b.bytes),
+            oldest_unsent_ts: b.oldest_unsent_ts,
         }
     }
 
@@ -421,6 +454,8 @@ impl Sender {
             lane.gaps = a.gaps.clone();
             lane.gaps.sort_by_key(|g| g.first_seq);
             lane.backlog = a.backlog;
+            lane.backlog_base = a.acked_seq;
+            lane.backlog_top = a.last_seq;
             lane.durable = a.acked_seq;
             lane.announced_last = a.last_seq;
         }
@@ -540,7 +575,9 @@ impl Sender {
             self.start_lane(i, lw);
         }
         self.phase = Phase::Established;
-        self.next_backlog = Some(self.now + self.config.backlog_interval);
+        // The first report goes out at once: the Hello's figures are for the handshake, and
+        // the hub records backlog only from Backlog frames.
+        self.next_backlog = Some(self.now);
         self.events.push_back(SenderEvent::Established {
             version: self.version,
             epoch_max: self.epoch_max,
@@ -585,8 +622,16 @@ impl Sender {
                 self.inflight_items -= 1;
             }
         }
+        let owed_before = lane.current_backlog() != Backlog::default();
         lane.hub_mark = lane.hub_mark.max(durable_seq);
         lane.hub_tiered = lane.hub_tiered.max(tiered_seq);
+        if owed_before && lane.current_backlog() == Backlog::default() {
+            // Caught up: tell the hub now rather than at the next interval, so completeness
+            // answers flip to `complete` promptly.
+            lane.backlog = Backlog::default();
+            self.push_control(Frame::Backlog(self.backlog_entries()));
+        }
+        let lane = &mut self.lanes[i];
         // In a lane the hub is ahead of, only what the Verdict confirmed is ours.
         let cap = match lane.mode {
             Mode::Behind { verdict: None, .. } | Mode::Pending => return,
@@ -859,7 +904,10 @@ impl Sender {
     /// Updates the backlog figures reported in the next Backlog frame.
     pub fn update_backlog(&mut self, stream: &str, epoch: u64, backlog: Backlog) {
         if let Some(&i) = self.index.get(&(stream.to_owned(), epoch)) {
-            self.lanes[i].backlog = backlog;
+            let lane = &mut self.lanes[i];
+            lane.backlog = backlog;
+            lane.backlog_base = lane.hub_mark.max(lane.durable);
+            lane.backlog_top = lane.held_last;
         }
     }
 
@@ -963,7 +1011,7 @@ impl Sender {
             .map(|l| BacklogEntry {
                 stream: l.stream.clone(),
                 epoch: l.epoch,
-                backlog: l.backlog,
+                backlog: l.current_backlog(),
             })
             .collect()
     }
@@ -1015,5 +1063,31 @@ impl Sender {
             frame: frame.encode(),
             kind: TransmitKind::Control,
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backlog_shrinks_as_the_hub_catches_up() {
+        let mut lane = Lane::new("t".into(), 1, 1, 100, Mode::Normal);
+        lane.backlog = Backlog {
+            blocks: 10,
+            bytes: 1000,
+            oldest_unsent_ts: Some(5),
+        };
+        lane.backlog_base = 0;
+        lane.backlog_top = 100;
+        assert_eq!(lane.current_backlog(), lane.backlog);
+        lane.hub_mark = 50;
+        let half = lane.current_backlog();
+        assert_eq!((half.blocks, half.bytes), (5, 500));
+        assert_eq!(half.oldest_unsent_ts, Some(5));
+        lane.hub_mark = 99;
+        assert_eq!(lane.current_backlog().blocks, 1);
+        lane.hub_mark = 100;
+        assert_eq!(lane.current_backlog(), Backlog::default());
     }
 }

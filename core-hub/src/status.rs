@@ -1,0 +1,409 @@
+//! The operator status page at `/`: one server-rendered HTML page, no JavaScript.
+//!
+//! It shows what an operator checks first:
+//! - **devices:** connected or offline (no contact for `completeness.offline_after`), retired,
+//!   fenced; last seen; event-time lag (now minus the newest event time committed from the
+//!   device); backlog (blocks, bytes, oldest unsent event time) as last reported;
+//! - **streams:** records committed and ingest rates (last 10 s and 60 s, from the block
+//!   index), the segment graph over time (an inline SVG: x = wall time from each segment's
+//!   creation to its sealing, y = its key-hash range) with per-segment rates;
+//! - **completeness:** per stream the watermark and "complete through" time, and per device
+//!   how far it is settled (see [`crate::completeness`]).
+//!
+//! The page refreshes itself every 5 s (`<meta http-equiv=refresh>`). Element ids
+//! (`devices`, `device-{name}`, `stream-{name}`) are stable so tests and scripts can find
+//! things.
+
+use crate::completeness::{StreamSummary, Tracker, format_time};
+use crate::ingest::Hub;
+use rusqlite::params;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::fmt::Write;
+use std::time::{Duration, SystemTime};
+
+/// Ingest rates of one stream, from the block index.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct Rates {
+    pub records_per_s_10s: f64,
+    pub records_per_s_60s: f64,
+    pub bytes_per_s_60s: f64,
+}
+
+/// Most recent blocks scanned for the rates (newest first).
+const RATE_SCAN_BLOCKS: i64 = 20_000;
+
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Records and bytes per second over the last 10 s and 60 s of hub ingest time.
+///
+/// Hub offsets and ingest times grow together within a stream, so the newest blocks by
+/// offset are the newest by ingest time: one index range scan from the end.
+pub fn stream_rates(hub: &Hub, stream: &str) -> Rates {
+    let Some(sid) = hub.lookup_stream(stream) else {
+        return Rates::default();
+    };
+    let now = now_ns();
+    let rows: Vec<(i64, i64, i64)> = hub
+        .catalog()
+        .with_read_conn(|c| {
+            let mut st = c.prepare_cached(
+                "SELECT count, frame_len, ingest_ts FROM blocks WHERE stream = ?1
+                 ORDER BY hub_offset_base DESC LIMIT ?2",
+            )?;
+            let rows = st.query_map(params![i64::from(sid), RATE_SCAN_BLOCKS], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?;
+            rows.collect::<Result<Vec<_>, _>>()
+        })
+        .unwrap_or_default();
+    let (mut r10, mut r60, mut b60) = (0i64, 0i64, 0i64);
+    for (count, bytes, ingest) in rows {
+        let age = now.saturating_sub(ingest);
+        if age > 60_000_000_000 {
+            break;
+        }
+        r60 += count;
+        b60 += bytes;
+        if age <= 10_000_000_000 {
+            r10 += count;
+        }
+    }
+    Rates {
+        records_per_s_10s: r10 as f64 / 10.0,
+        records_per_s_60s: r60 as f64 / 60.0,
+        bytes_per_s_60s: b60 as f64 / 60.0,
+    }
+}
+
+/// Escapes text for HTML element content and attribute values.
+pub fn esc(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// An id-safe form of a name (device and stream names are already restricted, but be safe).
+fn slug(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// "3.2 s ago" style age of a past ns timestamp.
+fn ago(now: i64, then: Option<i64>) -> String {
+    match then {
+        None => "never".into(),
+        Some(t) => {
+            let d = Duration::from_nanos(now.saturating_sub(t).max(0) as u64);
+            if d < Duration::from_secs(1) {
+                format!("{} ms ago", d.as_millis())
+            } else if d < Duration::from_secs(120) {
+                format!("{:.1} s ago", d.as_secs_f64())
+            } else {
+                format!("{} ago", span(now.saturating_sub(t)))
+            }
+        }
+    }
+}
+
+fn span(ns: i64) -> String {
+    let d = Duration::from_nanos(ns.max(0) as u64);
+    if d < Duration::from_secs(1) {
+        format!("{} ms", d.as_millis())
+    } else if d < Duration::from_secs(120) {
+        format!("{:.1} s", d.as_secs_f64())
+    } else if d < Duration::from_secs(7200) {
+        format!("{} min", d.as_secs() / 60)
+    } else if d < Duration::from_secs(3 * 86400) {
+        format!("{} h", d.as_secs() / 3600)
+    } else {
+        format!("{} days", d.as_secs() / 86400)
+    }
+}
+
+fn bytes(n: u64) -> String {
+    match n {
+        n if n >= 1 << 30 => format!("{:.1} GiB", n as f64 / f64::from(1u32 << 30)),
+        n if n >= 1 << 20 => format!("{:.1} MiB", n as f64 / f64::from(1u32 << 20)),
+        n if n >= 1 << 10 => format!("{:.1} KiB", n as f64 / 1024.0),
+        n => format!("{n} B"),
+    }
+}
+
+fn time_cell(ns: Option<i64>) -> String {
+    match ns {
+        Some(t) if t > i64::MIN => format!("<time>{}</time>", esc(&format_time(t))),
+        Some(_) => "not heard from".into(),
+        None => "&mdash;".into(),
+    }
+}
+
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
+table{border-collapse:collapse;margin:.5em 0 1em}
+td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;font-size:14px}
+th{background:#f0f0f0}
+.ok{color:#11772d;font-weight:600}.bad{color:#b00020;font-weight:600}.dim{color:#777}
+section.stream{border-top:2px solid #ddd;margin-top:1.5em}
+svg{border:1px solid #ccc;background:#fafafa}";
+
+/// Renders the page.
+pub fn render(hub: &Hub, tracker: &Tracker) -> String {
+    let now = now_ns();
+    let offline_after =
+        i64::try_from(tracker.config().offline_after.as_nanos()).unwrap_or(i64::MAX);
+    let cat = hub.catalog();
+    let devices = cat.devices().unwrap_or_default();
+    let streams = cat.streams().unwrap_or_default();
+    let summaries: Vec<(crate::catalog::StreamRow, Option<StreamSummary>)> = streams
+        .into_iter()
+        .map(|s| {
+            let sum = tracker.summary(hub, &s.name).ok();
+            (s, sum)
+        })
+        .collect();
+    // Newest event time per device over all streams, for the lag column.
+    let mut newest: HashMap<&str, i64> = HashMap::new();
+    for (_, sum) in &summaries {
+        for d in sum.iter().flat_map(|s| &s.devices) {
+            if let Some(t) = d.max_event_ts {
+                let e = newest.entry(d.device.as_str()).or_insert(t);
+                *e = (*e).max(t);
+            }
+        }
+    }
+    let connected = devices
+        .iter()
+        .filter(|d| !d.retired && d.last_contact_ns.is_some_and(|t| now - t <= offline_after))
+        .count();
+    let mut h = String::with_capacity(16 << 10);
+    let _ = write!(
+        h,
+        "<!doctype html>\n<html lang=en><head><meta charset=utf-8><meta http-equiv=refresh content=5>\
+         <title>Tributary hub status</title><style>{STYLE}</style></head><body>\n\
+         <h1>Tributary hub</h1>\n<p id=summary>{} devices ({connected} connected), {} streams. \
+         Generated <time>{}</time>; refreshes every 5 s.</p>\n",
+        devices.len(),
+        summaries.len(),
+        esc(&format_time(now))
+    );
+
+    h.push_str("<h2>Devices</h2>\n<table id=devices><thead><tr><th>Device</th><th>State</th><th>Last seen</th>\
+        <th>Event-time lag</th><th>Backlog</th><th>Oldest unsent</th><th>Acked seqs</th></tr></thead><tbody>\n");
+    for d in &devices {
+        let state = if d.retired {
+            "<span class=dim>retired</span>".to_string()
+        } else if let Some(r) = &d.fence_reason {
+            format!("<span class=bad title=\"{}\">fenced</span>", esc(r))
+        } else if d.last_contact_ns.is_some_and(|t| now - t <= offline_after) {
+            "<span class=ok>connected</span>".to_string()
+        } else {
+            "<span class=bad>offline</span>".to_string()
+        };
+        let backlog = cat.backlog_of(d.id).unwrap_or_default();
+        let (blocks, size) = backlog
+            .iter()
+            .fold((0u64, 0u64), |(b, s), r| (b + r.blocks, s + r.bytes));
+        let oldest = backlog
+            .iter()
+            .filter(|r| r.blocks > 0 || r.bytes > 0)
+            .filter_map(|r| r.oldest_unsent_ts)
+            .min();
+        let marks = cat.marks_of(d.id).unwrap_or_default();
+        let acked: Vec<String> = marks
+            .iter()
+            .map(|m| {
+                let s = hub.stream_name(m.stream).unwrap_or_default();
+                format!("{}@{}: {}", esc(&s), m.epoch, m.durable_seq)
+            })
+            .collect();
+        let lag = newest
+            .get(d.name.as_str())
+            .map_or("&mdash;".to_string(), |&t| span(now - t));
+        let _ = writeln!(
+            h,
+            "<tr id=\"device-{}\"><td class=name>{}</td><td>{state}</td><td>{}</td><td>{lag}</td>\
+             <td>{blocks} blocks, {}</td><td>{}</td><td>{}</td></tr>",
+            slug(&d.name),
+            esc(&d.name),
+            ago(now, d.last_contact_ns),
+            bytes(size),
+            time_cell(oldest),
+            acked.join("<br>")
+        );
+    }
+    h.push_str("</tbody></table>\n<h2>Streams</h2>\n");
+    for (s, sum) in &summaries {
+        stream_section(&mut h, hub, s, sum.as_ref(), now);
+    }
+    h.push_str("</body></html>\n");
+    h
+}
+
+fn stream_section(
+    h: &mut String,
+    hub: &Hub,
+    s: &crate::catalog::StreamRow,
+    sum: Option<&StreamSummary>,
+    now: i64,
+) {
+    let rates = stream_rates(hub, &s.name);
+    let _ = writeln!(
+        h,
+        "<section class=stream id=\"stream-{}\"><h3>{}</h3>\n<p>{} records committed; \
+         {:.1} records/s (10 s), {:.1} records/s and {}/s (60 s).</p>",
+        slug(&s.name),
+        esc(&s.name),
+        s.next_offset,
+        rates.records_per_s_10s,
+        rates.records_per_s_60s,
+        bytes(rates.bytes_per_s_60s as u64)
+    );
+    match crate::streams::api::segments_info(hub, &s.name) {
+        Ok(info) => segments_svg(h, &info, now),
+        Err(e) => {
+            let _ = writeln!(
+                h,
+                "<p class=dim>segment graph unavailable: {}</p>",
+                esc(&e.to_string())
+            );
+        }
+    }
+    let Some(sum) = sum else {
+        h.push_str("</section>\n");
+        return;
+    };
+    let _ = writeln!(
+        h,
+        "<h4>Completeness</h4>\n<p>Watermark {} &middot; complete through {} &middot; {} active devices</p>\n\
+         <table class=completeness><thead><tr><th>Device</th><th>Complete through</th><th>Newest event</th>\
+         <th>Last block</th><th>Backlog</th><th>Active</th></tr></thead><tbody>",
+        time_cell(sum.watermark_ns),
+        time_cell(sum.complete_through_ns),
+        sum.active_devices
+    );
+    for d in &sum.devices {
+        let behind = d.complete_through_ns < now - 60_000_000_000;
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td class={}>{}</td><td>{}</td><td>{}</td><td>{} blocks, {}</td><td>{}</td></tr>",
+            esc(&d.device),
+            if behind { "bad" } else { "ok" },
+            time_cell(Some(d.complete_through_ns)),
+            time_cell(d.max_event_ts),
+            ago(now, d.last_ingest_ns),
+            d.backlog_blocks,
+            bytes(d.backlog_bytes),
+            if d.active { "yes" } else { "idle" }
+        );
+    }
+    h.push_str("</tbody></table></section>\n");
+}
+
+/// The segments of a stream over time, and a table of them with their rates.
+fn segments_svg(h: &mut String, info: &crate::streams::api::SegmentsInfo, now: i64) {
+    const W: f64 = 720.0;
+    const H: f64 = 160.0;
+    const SPACE: f64 = 4_294_967_296.0;
+    let t0 = info
+        .segments
+        .iter()
+        .map(|s| s.created_ns)
+        .min()
+        .unwrap_or(now);
+    let t1 = now.max(t0 + 1);
+    let x = |t: i64| (t.clamp(t0, t1) - t0) as f64 / (t1 - t0) as f64 * W;
+    let open = info.segments.iter().filter(|s| s.end.is_none()).count();
+    let _ = writeln!(
+        h,
+        "<h4>Segments</h4>\n<p>{open} open, {} in all; readable end {}.</p>\n\
+         <svg class=segments width={W} height={H} viewBox=\"0 0 {W} {H}\" role=img \
+         aria-label=\"segments over time\">",
+        info.segments.len(),
+        info.end
+    );
+    for seg in &info.segments {
+        let (x0, x1) = (x(seg.created_ns), x(seg.sealed_ns.unwrap_or(now)));
+        let (y0, y1) = (seg.lo as f64 / SPACE * H, seg.hi as f64 / SPACE * H);
+        let fill = if seg.end.is_none() {
+            "#4c8bf5"
+        } else {
+            "#b8c7e0"
+        };
+        let _ = writeln!(
+            h,
+            "<rect x=\"{x0:.1}\" y=\"{y0:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{fill}\" stroke=\"#fff\">\
+             <title>segment {} [{}, {}) offsets {}..{}</title></rect>",
+            (x1 - x0).max(1.0),
+            (y1 - y0).max(1.0),
+            seg.id,
+            seg.lo,
+            seg.hi,
+            seg.start,
+            seg.end.map_or("open".to_string(), |e| e.to_string())
+        );
+    }
+    let _ = writeln!(
+        h,
+        "</svg>\n<p class=dim>x: wall time from <time>{}</time> to now; y: key-hash range \
+         0 (top) to 2<sup>32</sup> (bottom); dark = open, light = sealed.</p>",
+        esc(&format_time(t0))
+    );
+    h.push_str(
+        "<table class=segments><thead><tr><th>Segment</th><th>Key-hash range</th><th>Offsets</th>\
+        <th>Records/s</th><th>Bytes/s</th><th>Load</th></tr></thead><tbody>\n",
+    );
+    for seg in info.segments.iter().rev().take(32) {
+        let rate = info.rates.iter().find(|r| r.segment == seg.id);
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td>[{:#010x}, {:#011x})</td><td>{}..{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            seg.id,
+            seg.lo,
+            seg.hi,
+            seg.start,
+            seg.end.map_or("open".to_string(), |e| e.to_string()),
+            rate.map_or("&mdash;".into(), |r| format!("{:.1}", r.records_per_s)),
+            rate.map_or("&mdash;".into(), |r| bytes(r.bytes_per_s as u64)),
+            rate.map_or("&mdash;".into(), |r| format!("{:.2}", r.load)),
+        );
+    }
+    h.push_str("</tbody></table>\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escapes() {
+        assert_eq!(
+            esc("<a href=\"x\">&'"),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
+        assert_eq!(slug("truck 1/x"), "truck_1_x");
+        assert_eq!(bytes(2048), "2.0 KiB");
+        assert_eq!(ago(10_000_000_000, Some(7_000_000_000)), "3.0 s ago");
+        assert_eq!(ago(1, None), "never");
+    }
+}

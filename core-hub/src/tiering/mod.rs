@@ -1,0 +1,902 @@
+//! Tiering: sealed hub chunks go to tier 2 (Parquet on object storage), exactly once as SQL
+//! engines see it; tier 1 (the WAL) is evicted only behind them; agents learn `tiered_seq`.
+//!
+//! One uploader task runs [`Tiering::run_once`] in a loop. A round:
+//!
+//! 1. **Plan.** For every stream, the committed blocks after `planned_end` are cut into plan
+//!    ranges of whole blocks (`[tier2] chunk_records_max` / `chunk_bytes_max`, or everything
+//!    once the oldest is `chunk_age_max` old). Each range yields one chunk per segment that
+//!    overlaps it ([`segments_overlapping`]); the chunk rows (state `planned`) and the new
+//!    `planned_end` are committed in one catalog transaction BEFORE anything is uploaded.
+//! 2. **Upload.** For each planned range, in offset order: read its blocks from the WAL, build
+//!    [`tier::TierRecord`]s, extend the stream's field registry, encode each chunk, put it to
+//!    its deterministic name ([`tier::chunk_path`]), verify it (size + footer + offsets), then
+//!    write the manifests under `_tributary/`, then commit the chunk rows, registry,
+//!    `tiered_end` and the lanes' `tiered_seq` in one catalog transaction. A crash anywhere
+//!    before that transaction re-runs the range: the same records to the same names, so the
+//!    object is overwritten, never duplicated.
+//! 3. **Evict.** WAL files (oldest first, never the active one) whose blocks all lie below
+//!    their stream's `tiered_end` are deleted once older than `tier1_retention_time` or while
+//!    tier 1 holds more than `tier1_retention_bytes`. The catalog records the new
+//!    `evicted_end` per stream first, so readers switch to tier 2 before the file goes.
+//! 4. **Tier-2 retention.** Whole plan ranges older than `tier2_retention_time`, or beyond
+//!    `tier2_retention_bytes` per stream, are deleted (object, manifest, rows).
+//!
+//! When tier 2 fails, rounds fail and are retried; ingest continues until tier 1 holds
+//! `tier1_budget_bytes`, then the hub's admission gate refuses new blocks with the retryable
+//! `unavailable` error (agents back off and resend; nothing is dropped) until uploads and
+//! eviction bring tier 1 back under budget.
+
+pub mod export;
+pub mod faults;
+pub mod read;
+pub mod recover;
+pub mod store;
+
+use crate::catalog::{BlockRow, CatalogError, StreamId};
+use crate::config::{HubConfig, Tier2Config};
+use crate::ingest::Hub;
+use crate::wal::{KIND_BLOCK, WalReadError};
+pub use faults::{TierFaultHook, TierFaultPoint};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+use store::{COMMITTED, ChunkRow, PLANNED, RangeCommit};
+use thiserror::Error;
+use tier::{EncodeOptions, FieldRegistry, Manifest, TierRecord, Tier2};
+use tokio::sync::watch;
+
+/// Decode limits for blocks already committed (see `read.rs`).
+pub(crate) const READ_LIMITS: sync::block::DecodeLimits = sync::block::DecodeLimits {
+    raw_bytes_max: 1 << 30,
+    records_max: u32::MAX,
+    body_bytes_max: 1 << 30,
+};
+
+/// Blocks fetched from the index per query while planning or reading a chunk.
+const INDEX_PAGE_BLOCKS: usize = 1024;
+
+/// The full hash space `[0, 2^32)` of the initial segment.
+pub const HASH_SPACE_END: u64 = 1 << 32;
+
+/// Why tiering could not start.
+#[derive(Debug, Error)]
+pub enum TierOpenError {
+    #[error("tier 2: {0}")]
+    Store(#[from] tier::OpenError),
+    #[error(transparent)]
+    Config(#[from] StoreConfigError),
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error("tier 1: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Why a tiering round stopped (it is retried on the next round).
+#[derive(Debug, Error)]
+pub enum TierRunError {
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error("tier 1: {0}")]
+    Wal(#[from] WalReadError),
+    #[error("tier 1 block at offset {offset} of stream {stream}: {what}")]
+    Block {
+        stream: StreamId,
+        offset: u64,
+        what: String,
+    },
+    #[error("tier 2: {0}")]
+    Tier2(#[from] tier::TierError),
+    #[error("tier 2 did not answer within {0:?}")]
+    Timeout(Duration),
+    #[error("fault injected at {0:?}")]
+    Fault(TierFaultPoint),
+    #[error("tier 1 eviction: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+/// A segment as tiering sees it: an id, a hash range and a stream-offset range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SegmentSpan {
+    pub id: u64,
+    pub hash_lo: u64,
+    pub hash_hi: u64,
+    pub start: u64,
+    pub end: Option<u64>,
+}
+
+impl SegmentSpan {
+    /// The initial segment: every key, every offset.
+    pub const WHOLE: SegmentSpan = SegmentSpan {
+        id: 0,
+        hash_lo: 0,
+        hash_hi: HASH_SPACE_END,
+        start: 0,
+        end: None,
+    };
+
+    fn covers_all_keys(&self) -> bool {
+        self.hash_lo == 0 && self.hash_hi >= HASH_SPACE_END
+    }
+
+    /// Whether a record with `key` belongs to this segment's hash range.
+    pub fn holds_key(&self, key: &str) -> bool {
+        if self.covers_all_keys() {
+            return true;
+        }
+        let p = u64::from(crate::streams::hash::key_point(key));
+        self.hash_lo <= p && p < self.hash_hi
+    }
+}
+
+/// The segments of `stream` overlapping the offset range `[first, end)`, clipped to it.
+///
+/// This is the one place that knows the segment model: the stream manager's graph snapshot
+/// (merged streams). A stream the manager does not know is the single segment 0.
+pub fn segments_overlapping(
+    hub: &Hub,
+    stream: StreamId,
+    first: u64,
+    end: u64,
+) -> Result<Vec<SegmentSpan>, CatalogError> {
+    let spans: Vec<SegmentSpan> = match hub.streams().snapshot(stream) {
+        Ok(snap) => snap
+            .graph
+            .segments()
+            .iter()
+            .map(|s| SegmentSpan {
+                id: u64::from(s.id),
+                hash_lo: s.lo,
+                hash_hi: s.hi,
+                start: s.start,
+                end: s.end,
+            })
+            .collect(),
+        Err(_) => vec![SegmentSpan::WHOLE],
+    };
+    Ok(spans
+        .into_iter()
+        .filter_map(|s| {
+            let lo = first.max(s.start);
+            let hi = s.end.map_or(end, |e| e.min(end));
+            (lo < hi).then_some(SegmentSpan {
+                start: lo,
+                end: Some(hi),
+                ..s
+            })
+        })
+        .collect())
+}
+
+/// The readable end of `stream` (records below it are committed and routed to segments);
+/// tiering never plans past it.
+fn readable_end(hub: &Hub, stream: StreamId, committed: u64) -> u64 {
+    hub.streams()
+        .snapshot(stream)
+        .map_or(committed, |snap| snap.end.min(committed))
+}
+
+/// Counters for `/metrics`, the tests and the benchmarks.
+#[derive(Debug, Default)]
+pub struct TierStats {
+    pub rounds: AtomicU64,
+    pub round_errors: AtomicU64,
+    pub chunks_committed: AtomicU64,
+    pub records_tiered: AtomicU64,
+    pub bytes_uploaded: AtomicU64,
+    pub wal_files_evicted: AtomicU64,
+    pub wal_bytes_evicted: AtomicU64,
+    pub tier2_chunks_deleted: AtomicU64,
+    /// Set while the last round failed talking to tier 2.
+    pub tier2_down: AtomicBool,
+    /// Set while the admission gate refuses blocks.
+    pub pushing_back: AtomicBool,
+    /// Blocks refused by the admission gate.
+    pub pushbacks: AtomicU64,
+    pub last_error: Mutex<Option<String>>,
+}
+
+/// What one round did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoundReport {
+    pub ranges_planned: u64,
+    pub chunks_committed: u64,
+    pub records_tiered: u64,
+    pub wal_files_evicted: u64,
+    pub tier2_chunks_deleted: u64,
+}
+
+/// The tiering service of one hub.
+pub struct Tiering {
+    hub: Arc<Hub>,
+    store: Tier2,
+    cfg: Tier2Config,
+    faults: Option<TierFaultHook>,
+    /// First logical offset of the oldest WAL file kept.
+    floor: Arc<AtomicU64>,
+    stats: Arc<TierStats>,
+    /// Bumped whenever some lane's `tiered_seq` moved (the QUIC server can push acks on it).
+    tiered_tx: watch::Sender<u64>,
+    /// Serializes rounds (the loop, tests and `flush` may call `run_once`).
+    round: tokio::sync::Mutex<()>,
+    encode: EncodeOptions,
+    wal_dir: std::path::PathBuf,
+}
+
+impl std::fmt::Debug for Tiering {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tiering")
+            .field("url", &self.cfg.url)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
+/// Why `[tier2]` cannot be turned into a store location.
+#[derive(Debug, Error)]
+pub enum StoreConfigError {
+    #[error("tier2.url `{0}`: give the bucket only (s3://bucket); key prefixes are not supported")]
+    Prefix(String),
+    #[error("tier2.url `{0}` is neither file:///path nor s3://bucket")]
+    Url(String),
+}
+
+/// The library's store location from the hub's `[tier2]`: `file:///dir` is a local
+/// directory, `s3://bucket` an S3 bucket (path-style; endpoint, region and credentials from
+/// the config or the `AWS_*` environment).
+pub fn store_config(cfg: &Tier2Config) -> Result<tier::TierConfig, StoreConfigError> {
+    if let Some(path) = cfg.url.strip_prefix("file://") {
+        return Ok(tier::TierConfig::Local {
+            root: std::path::PathBuf::from(path),
+        });
+    }
+    let Some(rest) = cfg.url.strip_prefix("s3://") else {
+        return Err(StoreConfigError::Url(cfg.url.clone()));
+    };
+    let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if !prefix.trim_matches('/').is_empty() {
+        return Err(StoreConfigError::Prefix(cfg.url.clone()));
+    }
+    let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let endpoint = cfg
+        .endpoint
+        .clone()
+        .or_else(|| env("AWS_ENDPOINT_URL"))
+        .unwrap_or_else(|| {
+            let region = cfg.region.clone().or_else(|| env("AWS_REGION"));
+            format!(
+                "https://s3.{}.amazonaws.com",
+                region.as_deref().unwrap_or("us-east-1")
+            )
+        });
+    Ok(tier::TierConfig::S3 {
+        allow_http: endpoint.starts_with("http://"),
+        endpoint,
+        region: cfg
+            .region
+            .clone()
+            .or_else(|| env("AWS_REGION"))
+            .unwrap_or_else(|| "us-east-1".into()),
+        bucket: bucket.to_string(),
+        access_key_id: cfg.access_key_id.clone(),
+        secret_access_key: cfg.secret_access_key.clone(),
+    })
+}
+
+/// Opens the tier-2 store described by `[tier2]`.
+pub fn open_store(cfg: &Tier2Config) -> Result<Tier2, TierOpenError> {
+    Ok(Tier2::open(&store_config(cfg)?)?)
+}
+
+impl Tiering {
+    /// Opens tiering for `hub`: creates its catalog tables, opens the store, finishes any
+    /// eviction a crash interrupted, and installs the admission gate (tier-1 budget).
+    pub async fn open(
+        hub: Arc<Hub>,
+        cfg: &HubConfig,
+        faults: Option<TierFaultHook>,
+    ) -> Result<Arc<Tiering>, TierOpenError> {
+        store::init(hub.catalog())?;
+        let store = open_store(&cfg.tier2)?;
+        let wal_dir = cfg.wal_dir();
+        let recorded = store::tier1_floor(hub.catalog())?;
+        let files = crate::wal::list_wal_files(&wal_dir)?;
+        // Files below the recorded floor were evicted in the catalog; a crash kept them.
+        for &f in files.iter().filter(|&&f| f < recorded) {
+            std::fs::remove_file(crate::wal::wal_file_path(&wal_dir, f))?;
+            hub.wal_reader().forget(f);
+        }
+        let floor = files
+            .iter()
+            .copied()
+            .find(|&f| f >= recorded)
+            .unwrap_or(recorded);
+        let (tiered_tx, _) = watch::channel(0);
+        let t = Arc::new(Tiering {
+            hub,
+            store,
+            cfg: cfg.tier2.clone(),
+            faults,
+            floor: Arc::new(AtomicU64::new(floor)),
+            stats: Arc::new(TierStats::default()),
+            tiered_tx,
+            round: tokio::sync::Mutex::new(()),
+            encode: EncodeOptions::default(),
+            wal_dir,
+        });
+        t.install_gate();
+        Ok(t)
+    }
+
+    fn install_gate(&self) {
+        let wal = self.hub.wal_stats().clone();
+        let floor = self.floor.clone();
+        let stats = self.stats.clone();
+        let budget = self.cfg.tier1_budget_bytes;
+        let gate: crate::ingest::AdmissionGate = Arc::new(move || {
+            let held = wal
+                .committed_end
+                .load(Ordering::Relaxed)
+                .saturating_sub(floor.load(Ordering::Relaxed));
+            let over = held >= budget;
+            stats.pushing_back.store(over, Ordering::Relaxed);
+            if !over {
+                return None;
+            }
+            stats.pushbacks.fetch_add(1, Ordering::Relaxed);
+            Some(format!(
+                "tier 1 holds {held} bytes, its budget is {budget}; waiting for tier 2"
+            ))
+        });
+        self.hub.set_admission_gate(Some(gate));
+    }
+
+    /// The hub this tiering serves.
+    pub fn hub(&self) -> &Arc<Hub> {
+        &self.hub
+    }
+
+    /// The tier-2 store.
+    pub fn store(&self) -> &Tier2 {
+        &self.store
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> &Arc<TierStats> {
+        &self.stats
+    }
+
+    /// The `[tier2]` settings.
+    pub fn config(&self) -> &Tier2Config {
+        &self.cfg
+    }
+
+    /// Bytes of committed frames tier 1 holds (WAL files not yet evicted).
+    pub fn tier1_bytes(&self) -> u64 {
+        self.hub
+            .wal_stats()
+            .committed_end
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.floor.load(Ordering::Relaxed))
+    }
+
+    /// A receiver that changes whenever some lane's `tiered_seq` moved.
+    pub fn subscribe_tiered(&self) -> watch::Receiver<u64> {
+        self.tiered_tx.subscribe()
+    }
+
+    /// Runs one tier-2 request within `request_timeout`.
+    async fn bounded<T, E: Into<tier::TierError>>(
+        &self,
+        f: impl std::future::Future<Output = Result<T, E>>,
+    ) -> Result<T, TierRunError> {
+        let limit = self.cfg.request_timeout;
+        match tokio::time::timeout(limit, f).await {
+            Ok(r) => r.map_err(|e| TierRunError::Tier2(e.into())),
+            Err(_) => Err(TierRunError::Timeout(limit)),
+        }
+    }
+
+    fn fault(&self, p: TierFaultPoint) -> Result<(), TierRunError> {
+        match &self.faults {
+            Some(f) if f(p) => Err(TierRunError::Fault(p)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Runs the uploader until `stop` turns true. Errors are logged and retried with backoff.
+    pub fn spawn(self: &Arc<Self>, mut stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<()> {
+        let t = self.clone();
+        tokio::spawn(async move {
+            let mut backoff = t.cfg.poll_interval;
+            loop {
+                let wait = match t.run_once(false).await {
+                    Ok(r) if r.chunks_committed > 0 || r.ranges_planned > 0 => {
+                        backoff = t.cfg.poll_interval;
+                        Duration::ZERO
+                    }
+                    Ok(_) => {
+                        backoff = t.cfg.poll_interval;
+                        t.cfg.poll_interval
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, retry_in = ?backoff, "tiering round failed");
+                        let w = backoff;
+                        backoff = (backoff * 2).min(Duration::from_secs(10));
+                        w
+                    }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+        })
+    }
+
+    /// One round: plan, upload, evict, tier-2 retention. `seal_all` seals partial chunks
+    /// regardless of their age (tests, `flush`).
+    pub async fn run_once(&self, seal_all: bool) -> Result<RoundReport, TierRunError> {
+        let _round = self.round.lock().await;
+        self.stats.rounds.fetch_add(1, Ordering::Relaxed);
+        let result = self.round(seal_all).await;
+        match &result {
+            Ok(_) => {
+                self.stats.tier2_down.store(false, Ordering::Relaxed);
+                *self.stats.last_error.lock().expect("stats lock") = None;
+            }
+            Err(e) => {
+                self.stats.round_errors.fetch_add(1, Ordering::Relaxed);
+                if matches!(e, TierRunError::Tier2(_) | TierRunError::Timeout(_)) {
+                    self.stats.tier2_down.store(true, Ordering::Relaxed);
+                }
+                *self.stats.last_error.lock().expect("stats lock") = Some(e.to_string());
+            }
+        }
+        result
+    }
+
+    async fn round(&self, seal_all: bool) -> Result<RoundReport, TierRunError> {
+        let mut report = RoundReport {
+            ranges_planned: self.plan(seal_all)?,
+            ..RoundReport::default()
+        };
+        let pending = store::pending_chunks(self.hub.catalog())?;
+        let mut groups: BTreeMap<(StreamId, u64), Vec<ChunkRow>> = BTreeMap::new();
+        for ch in pending {
+            groups.entry((ch.stream, ch.range_first)).or_default().push(ch);
+        }
+        for ((stream, _), chunks) in groups {
+            let (n, records) = self.upload_range(stream, chunks).await?;
+            report.chunks_committed += n;
+            report.records_tiered += records;
+        }
+        self.fault(TierFaultPoint::BeforeEvict)?;
+        report.wal_files_evicted = self.evict()?;
+        report.tier2_chunks_deleted = self.tier2_retention().await?;
+        Ok(report)
+    }
+
+    /// Step 1: fixes chunk boundaries in the catalog. Returns the number of ranges planned.
+    fn plan(&self, seal_all: bool) -> Result<u64, TierRunError> {
+        let cat = self.hub.catalog();
+        let now = now_ns();
+        let age_max = i64::try_from(self.cfg.chunk_age_max.as_nanos()).unwrap_or(i64::MAX);
+        let mut planned = 0;
+        for s in cat.streams()? {
+            let st = store::state(cat, s.id)?;
+            let readable = readable_end(&self.hub, s.id, s.next_offset);
+            let mut from = st.planned_end;
+            'ranges: loop {
+                let (mut records, mut bytes) = (0u64, 0u64);
+                let mut first_ingest = None;
+                let mut seen_end = from;
+                let cut = 'scan: loop {
+                    let blocks = cat.blocks_from(s.id, seen_end, INDEX_PAGE_BLOCKS)?;
+                    if blocks.is_empty() {
+                        break 'scan None;
+                    }
+                    for b in &blocks {
+                        if b.hub_offset_base + b.count() > readable {
+                            break 'scan None;
+                        }
+                        records += b.count();
+                        bytes += u64::from(b.frame_len);
+                        first_ingest.get_or_insert(b.ingest_ts);
+                        seen_end = b.hub_offset_base + b.count();
+                        if records >= self.cfg.chunk_records_max
+                            || bytes >= self.cfg.chunk_bytes_max
+                        {
+                            break 'scan Some(seen_end);
+                        }
+                    }
+                };
+                let Some(first_ingest) = first_ingest else {
+                    break 'ranges;
+                };
+                // A range that did not reach a size limit is sealed once its first block is
+                // old enough (or when asked), so slow streams reach tier 2 too.
+                let end = match cut {
+                    Some(end) => end,
+                    None if seal_all || now.saturating_sub(first_ingest) >= age_max => seen_end,
+                    None => break 'ranges,
+                };
+                let mut rows = Vec::new();
+                for seg in segments_overlapping(&self.hub, s.id, from, end)? {
+                    let first = seg.start;
+                    rows.push(ChunkRow {
+                        stream: s.id,
+                        segment: seg.id,
+                        first_offset: first,
+                        end_offset: seg.end.unwrap_or(end),
+                        range_first: from,
+                        state: PLANNED,
+                        path: tier::chunk_path(
+                            &s.name,
+                            seg.id,
+                            first,
+                            tier::ingest_date(first_ingest),
+                        ),
+                        rows: 0,
+                        bytes: 0,
+                        ingest_ts_min: 0,
+                        ingest_ts_max: 0,
+                    });
+                }
+                store::insert_plan(cat, s.id, &rows, end)?;
+                planned += 1;
+                from = end;
+            }
+        }
+        Ok(planned)
+    }
+
+    /// Step 2 for one plan range: upload, verify, manifest, commit. Returns (chunks, records).
+    async fn upload_range(
+        &self,
+        stream: StreamId,
+        chunks: Vec<ChunkRow>,
+    ) -> Result<(u64, u64), TierRunError> {
+        let cat = self.hub.catalog().clone();
+        let name = self
+            .hub
+            .stream_name(stream)
+            .ok_or_else(|| TierRunError::Internal(format!("stream {stream} has no name")))?;
+        let specs = store::fields(&cat, stream)?;
+        let mut registry = FieldRegistry::from_columns(specs).map_err(tier::TierError::from)?;
+        // Reading and encoding is CPU work: keep it off the async workers.
+        let hub = self.hub.clone();
+        let plan = chunks.clone();
+        let encode = self.encode.clone();
+        let stream_name = name.clone();
+        let built = tokio::task::spawn_blocking(move || {
+            let mut per_chunk = Vec::new();
+            for ch in &plan {
+                let seg = segment_of(&hub, ch);
+                let recs = chunk_records(&hub, ch, &seg)?;
+                registry.observe_records(&recs);
+                per_chunk.push(recs);
+            }
+            let mut out = Vec::new();
+            for (ch, recs) in plan.iter().zip(per_chunk) {
+                if recs.is_empty() {
+                    out.push(None);
+                    continue;
+                }
+                let mut opts = encode.clone();
+                opts.metadata.push(("tributary.stream".into(), stream_name.clone()));
+                opts.metadata
+                    .push(("tributary.segment".into(), ch.segment.to_string()));
+                let (bytes, summary) = tier::encode_chunk(&recs, &registry, &opts)
+                    .map_err(tier::TierError::from)?;
+                out.push(Some((bytes, summary)));
+            }
+            Ok::<_, TierRunError>((registry, out))
+        })
+        .await
+        .map_err(|e| TierRunError::Internal(e.to_string()))??;
+        let (registry, encoded) = built;
+        let mut manifests = Vec::new();
+        let mut commit = RangeCommit {
+            stream,
+            tiered_end: chunks.iter().map(|c| c.end_offset).max().unwrap_or(0),
+            fields: registry.columns().to_vec(),
+            ..RangeCommit::default()
+        };
+        let mut lanes: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+        let mut records = 0;
+        for (ch, enc) in chunks.iter().zip(encoded) {
+            let mut row = ch.clone();
+            row.state = COMMITTED;
+            if let Some((bytes, summary)) = enc {
+                let len = bytes.len() as u64;
+                self.bounded(self.store.put_chunk(&ch.path, bytes)).await?;
+                self.bounded(self.store.verify_chunk(&ch.path, &summary))
+                    .await?;
+                store::set_uploaded(&cat, ch, summary.rows, len)?;
+                self.stats.bytes_uploaded.fetch_add(len, Ordering::Relaxed);
+                row.rows = summary.rows;
+                row.bytes = len;
+                row.ingest_ts_min = summary.min_ingest_ts_ns;
+                row.ingest_ts_max = summary.max_ingest_ts_ns;
+                records += summary.rows;
+                for r in &summary.seq_ranges {
+                    let d = self
+                        .hub
+                        .device_id(&r.device)
+                        .map_err(|e| TierRunError::Internal(e.to_string()))?;
+                    let e = lanes.entry((d, r.epoch)).or_insert(0);
+                    *e = (*e).max(r.max_seq);
+                }
+                let seg = segment_of(&self.hub, ch);
+                manifests.push(Manifest {
+                    version: tier::layout::MANIFEST_VERSION,
+                    stream: name.clone(),
+                    segment: ch.segment,
+                    first_offset: ch.first_offset,
+                    end_offset: ch.end_offset,
+                    path: ch.path.clone(),
+                    summary,
+                    columns: registry.columns().to_vec(),
+                    hash_lo: seg.hash_lo as i64,
+                    hash_hi: seg.hash_hi as i64,
+                    segment_start: seg.start,
+                    preds: Vec::new(),
+                    committed_ns: now_ns(),
+                    extra: serde_json::json!({
+                        "range_first": ch.range_first,
+                        "range_end": commit.tiered_end,
+                    }),
+                });
+            }
+            commit.chunks.push(row);
+        }
+        self.fault(TierFaultPoint::AfterUpload)?;
+        for m in &manifests {
+            self.bounded(self.store.put_manifest(m)).await?;
+        }
+        self.fault(TierFaultPoint::AfterManifest)?;
+        commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();
+        let moved = store::commit_range(&cat, &commit)?;
+        let n = commit.chunks.len() as u64;
+        self.stats.chunks_committed.fetch_add(n, Ordering::Relaxed);
+        self.stats
+            .records_tiered
+            .fetch_add(records, Ordering::Relaxed);
+        if !moved.is_empty() {
+            self.tiered_tx.send_modify(|g| *g += 1);
+        }
+        Ok((n, records))
+    }
+
+    /// Step 3: deletes WAL files whose blocks are all tiered, oldest first, within retention.
+    fn evict(&self) -> Result<u64, TierRunError> {
+        let cat = self.hub.catalog();
+        let dir = self.hub_wal_dir();
+        let files = crate::wal::list_wal_files(&dir)?;
+        let Some((&active, older)) = files.split_last() else {
+            return Ok(0);
+        };
+        let retention_ns =
+            i64::try_from(self.cfg.tier1_retention_time.as_nanos()).unwrap_or(i64::MAX);
+        let now = now_ns();
+        // A batch may roll files mid-write: frames past the committed end are not in the
+        // block index yet, so a file is a candidate only if it ends at or before it.
+        let committed_end = cat.wal_committed_end()?;
+        let mut states = BTreeMap::new();
+        let mut evicted = 0;
+        for (i, &f) in older.iter().enumerate() {
+            let next = older.get(i + 1).copied().unwrap_or(active);
+            if next > committed_end {
+                break;
+            }
+            let blocks = cat.blocks_in_wal_file(f)?;
+            let mut ends: BTreeMap<StreamId, u64> = BTreeMap::new();
+            let mut newest = i64::MIN;
+            let mut tiered = true;
+            for b in &blocks {
+                let st = match states.get(&b.stream) {
+                    Some(s) => *s,
+                    None => {
+                        let s = store::state(cat, b.stream)?;
+                        states.insert(b.stream, s);
+                        s
+                    }
+                };
+                let end = b.hub_offset_base + b.count();
+                if end > st.tiered_end {
+                    tiered = false;
+                    break;
+                }
+                let e = ends.entry(b.stream).or_insert(0);
+                *e = (*e).max(end);
+                newest = newest.max(b.ingest_ts);
+            }
+            if !tiered {
+                break;
+            }
+            let held = self.tier1_bytes();
+            let old_enough = now.saturating_sub(newest) >= retention_ns;
+            if !old_enough && held <= self.cfg.tier1_retention_bytes {
+                break;
+            }
+            let ends: Vec<(StreamId, u64)> = ends.into_iter().collect();
+            store::record_eviction(cat, &ends, next)?;
+            let path = crate::wal::wal_file_path(&dir, f);
+            let len = std::fs::metadata(&path).map_or(0, |m| m.len());
+            match std::fs::remove_file(&path) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e.into()),
+            }
+            self.hub.wal_reader().forget(f);
+            self.floor.store(next, Ordering::Relaxed);
+            self.stats.wal_files_evicted.fetch_add(1, Ordering::Relaxed);
+            self.stats
+                .wal_bytes_evicted
+                .fetch_add(len, Ordering::Relaxed);
+            evicted += 1;
+        }
+        Ok(evicted)
+    }
+
+    fn hub_wal_dir(&self) -> std::path::PathBuf {
+        self.wal_dir.clone()
+    }
+
+    /// Step 4: deletes whole plan ranges beyond tier-2 retention (oldest first).
+    async fn tier2_retention(&self) -> Result<u64, TierRunError> {
+        if self.cfg.tier2_retention_time.is_none() && self.cfg.tier2_retention_bytes.is_none() {
+            return Ok(0);
+        }
+        let cat = self.hub.catalog().clone();
+        let now = now_ns();
+        let mut deleted = 0;
+        for (sid, st) in store::streams_with_state(&cat)? {
+            let Some(name) = self.hub.stream_name(sid) else {
+                continue;
+            };
+            let chunks = store::committed_chunks(&cat, sid)?;
+            let mut ranges: BTreeMap<u64, Vec<ChunkRow>> = BTreeMap::new();
+            for c in chunks {
+                ranges.entry(c.range_first).or_default().push(c);
+            }
+            let mut total: u64 = ranges.values().flatten().map(|c| c.bytes).sum();
+            let mut new_start = st.tier2_start;
+            for chunks in ranges.values() {
+                let newest = chunks.iter().map(|c| c.ingest_ts_max).max().unwrap_or(0);
+                let bytes: u64 = chunks.iter().map(|c| c.bytes).sum();
+                let too_old = self.cfg.tier2_retention_time.is_some_and(|t| {
+                    now.saturating_sub(newest) >= i64::try_from(t.as_nanos()).unwrap_or(i64::MAX)
+                });
+                let too_big = self.cfg.tier2_retention_bytes.is_some_and(|b| total > b);
+                // Never delete from tier 2 what tier 1 no longer holds and readers still
+                // could need? Retention is the operator's explicit choice: data older than it
+                // goes, from both tiers alike.
+                if !too_old && !too_big {
+                    break;
+                }
+                for c in chunks {
+                    self.bounded(self.store.delete(&c.path)).await?;
+                    let manifest = tier::manifest_path(&name, c.segment, c.first_offset);
+                    self.bounded(self.store.delete(&manifest)).await?;
+                    deleted += 1;
+                }
+                total -= bytes;
+                new_start = chunks.iter().map(|c| c.end_offset).max().unwrap_or(new_start);
+                store::drop_chunks_below(&cat, sid, new_start)?;
+            }
+        }
+        self.stats
+            .tier2_chunks_deleted
+            .fetch_add(deleted, Ordering::Relaxed);
+        Ok(deleted)
+    }
+}
+
+/// The segment a chunk row belongs to, with its hash range, clipped to the chunk.
+fn segment_of(hub: &Hub, ch: &ChunkRow) -> SegmentSpan {
+    let seg = segments_overlapping(hub, ch.stream, ch.first_offset, ch.end_offset)
+        .ok()
+        .and_then(|v| v.into_iter().find(|s| s.id == ch.segment));
+    SegmentSpan {
+        id: ch.segment,
+        start: ch.first_offset,
+        end: Some(ch.end_offset),
+        ..seg.unwrap_or(SegmentSpan::WHOLE)
+    }
+}
+
+/// Reads the committed records of one chunk from tier 1: every record with offset in
+/// `[first_offset, end_offset)` whose key belongs to `seg`.
+pub(crate) fn chunk_records(
+    hub: &Hub,
+    ch: &ChunkRow,
+    seg: &SegmentSpan,
+) -> Result<Vec<TierRecord>, TierRunError> {
+    let cat = hub.catalog();
+    let mut out = Vec::new();
+    let mut from = ch.first_offset;
+    'pages: while from < ch.end_offset {
+        let rows = cat.blocks_from(ch.stream, from, INDEX_PAGE_BLOCKS)?;
+        if rows.is_empty() {
+            break;
+        }
+        for row in &rows {
+            if row.hub_offset_base >= ch.end_offset {
+                break 'pages;
+            }
+            append_block(hub, row, ch, seg, &mut out)?;
+            from = row.hub_offset_base + row.count();
+        }
+    }
+    let want = ch.end_offset - ch.first_offset;
+    if seg.covers_all_keys() && out.len() as u64 != want {
+        return Err(TierRunError::Block {
+            stream: ch.stream,
+            offset: from,
+            what: format!(
+                "tier 1 holds {} of the {want} records of the planned chunk",
+                out.len()
+            ),
+        });
+    }
+    Ok(out)
+}
+
+fn append_block(
+    hub: &Hub,
+    row: &BlockRow,
+    ch: &ChunkRow,
+    seg: &SegmentSpan,
+    out: &mut Vec<TierRecord>,
+) -> Result<(), TierRunError> {
+    let bad = |what: String| TierRunError::Block {
+        stream: row.stream,
+        offset: row.hub_offset_base,
+        what,
+    };
+    let (entry, block) = hub.wal_reader().read(row)?;
+    let same = entry.kind == KIND_BLOCK
+        && entry.device == row.device
+        && entry.stream == row.stream
+        && entry.epoch == row.epoch
+        && entry.first_seq == row.first_seq
+        && u64::from(entry.count) == row.count()
+        && entry.hub_offset_base == row.hub_offset_base;
+    if !same {
+        return Err(bad(format!("entry header {entry:?} differs from its index row")));
+    }
+    let decoded = sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| bad(e.to_string()))?;
+    if decoded.records.len() as u64 != row.count() {
+        return Err(bad("block holds a different record count".into()));
+    }
+    let device = hub
+        .device_name(row.device)
+        .unwrap_or_else(|| format!("#{}", row.device));
+    for (i, r) in decoded.records.into_iter().enumerate() {
+        let offset = row.hub_offset_base + i as u64;
+        if offset < ch.first_offset || offset >= ch.end_offset || !seg.holds_key(&r.key) {
+            continue;
+        }
+        out.push(TierRecord {
+            device: device.clone(),
+            epoch: row.epoch,
+            seq: row.first_seq + i as u64,
+            offset,
+            key: r.key,
+            ts_ns: r.ts,
+            ingest_ts_ns: entry.ingest_ts,
+            fields: r.fields,
+        });
+    }
+    Ok(())
+}

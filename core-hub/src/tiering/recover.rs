@@ -1,0 +1,267 @@
+//! `core-hub recover --from-tier2`: rebuilds the hub's catalog from tier 2 alone after its
+//! data directory was lost.
+//!
+//! Rebuilt from the manifests (and from chunk files that lack one):
+//! - streams and their next offset (the end of the last chunk), so offsets stay dense;
+//! - the chunk rows (all committed) and the field registry, so read-through and later uploads
+//!   carry on with the same columns;
+//! - per `(device, epoch, stream)` the durable mark and `tiered_seq`: the highest seq tier 2
+//!   holds. Agents reconnect, see that mark, and re-ship everything above it (their retention
+//!   keeps every record above the `tiered_seq` they were told, which is never more than tier 2
+//!   holds), so nothing is lost and nothing is stored twice.
+//!
+//! A chunk object without a manifest is one whose upload completed but whose commit did not
+//! (a crash between the two). SQL engines already see it, so it is adopted (its manifest is
+//! written now) rather than re-shipped under new offsets, which would duplicate it. What the
+//! old catalog alone knew is gone: tier-1 data that never reached tier 2 (the agents re-ship
+//! it), fences, gaps and the checksums of old ranges.
+
+use super::store::{self, COMMITTED, ChunkRow, RangeCommit, TierState};
+use crate::catalog::{Catalog, CatalogError, GroupCommit};
+use crate::config::HubConfig;
+use std::collections::{BTreeMap, BTreeSet};
+use thiserror::Error;
+use tier::{ChunkSummary, Manifest, SeqRange, TierRecord};
+
+/// Why recovery failed.
+#[derive(Debug, Error)]
+pub enum RecoverError {
+    #[error("{0} already holds a catalog; move the data directory away first")]
+    NotEmpty(std::path::PathBuf),
+    #[error(transparent)]
+    Open(#[from] super::TierOpenError),
+    #[error(transparent)]
+    Catalog(#[from] CatalogError),
+    #[error("tier 2: {0}")]
+    Tier2(#[from] tier::TierError),
+    #[error("cannot create {path}: {source}")]
+    DataDir {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("stream `{stream}`: tier 2 is not contiguous: {what}")]
+    Hole { stream: String, what: String },
+}
+
+/// What recovery rebuilt.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecoverReport {
+    pub streams: u64,
+    pub chunks: u64,
+    pub records: u64,
+    pub lanes: u64,
+    /// Chunk files that had no manifest and were adopted.
+    pub adopted: u64,
+}
+
+/// Parses `seg-{segment:08}-{first_offset:020}.parquet` at the end of a chunk path.
+fn parse_chunk_name(path: &str) -> Option<(u64, u64)> {
+    let name = path.rsplit('/').next()?;
+    let rest = name.strip_prefix("seg-")?.strip_suffix(".parquet")?;
+    let (seg, first) = rest.split_once('-')?;
+    Some((seg.parse().ok()?, first.parse().ok()?))
+}
+
+/// The summary of decoded records (for adopted chunk files).
+fn summarize(records: &[TierRecord], bytes: u64) -> ChunkSummary {
+    let mut lanes: BTreeMap<(String, u64), SeqRange> = BTreeMap::new();
+    for r in records {
+        let e = lanes
+            .entry((r.device.clone(), r.epoch))
+            .or_insert_with(|| SeqRange {
+                device: r.device.clone(),
+                epoch: r.epoch,
+                min_seq: r.seq,
+                max_seq: r.seq,
+                count: 0,
+            });
+        e.min_seq = e.min_seq.min(r.seq);
+        e.max_seq = e.max_seq.max(r.seq);
+        e.count += 1;
+    }
+    let min_max = |f: &dyn Fn(&TierRecord) -> i64| {
+        let it = records.iter().map(f);
+        (it.clone().min().unwrap_or(0), it.max().unwrap_or(0))
+    };
+    let (min_ts, max_ts) = min_max(&|r| r.ts_ns);
+    let (min_in, max_in) = min_max(&|r| r.ingest_ts_ns);
+    ChunkSummary {
+        rows: records.len() as u64,
+        bytes,
+        min_offset: records.iter().map(|r| r.offset).min().unwrap_or(0),
+        max_offset: records.iter().map(|r| r.offset).max().unwrap_or(0),
+        min_ts_ns: min_ts,
+        max_ts_ns: max_ts,
+        min_ingest_ts_ns: min_in,
+        max_ingest_ts_ns: max_in,
+        seq_ranges: lanes.into_values().collect(),
+    }
+}
+
+/// Rebuilds the catalog of `cfg.data_dir` from tier 2. The data directory must not hold a
+/// catalog. `progress` is called with (chunks done, chunks total) per stream.
+pub async fn from_tier2(
+    cfg: &HubConfig,
+    mut progress: impl FnMut(&str, u64, u64),
+) -> Result<RecoverReport, RecoverError> {
+    let cat_path = cfg.catalog_path();
+    if cat_path.exists() {
+        return Err(RecoverError::NotEmpty(cfg.data_dir.clone()));
+    }
+    std::fs::create_dir_all(&cfg.data_dir).map_err(|source| RecoverError::DataDir {
+        path: cfg.data_dir.clone(),
+        source,
+    })?;
+    let t2 = super::open_store(&cfg.tier2)?;
+    let mut names: BTreeSet<String> = t2
+        .list_streams()
+        .await
+        .map_err(tier::TierError::from)?
+        .into_iter()
+        .collect();
+    // Streams whose only chunk files lack manifests (a crash before the first commit).
+    for o in t2.list("streams/").await.map_err(tier::TierError::from)? {
+        if let Some(name) = o.path.strip_prefix("streams/").and_then(|r| r.split('/').next()) {
+            names.insert(name.to_string());
+        }
+    }
+    let cat = Catalog::open(&cat_path)?;
+    store::init(&cat)?;
+    let mut report = RecoverReport::default();
+    for name in names {
+        let mut manifests = t2
+            .list_manifests(&name)
+            .await
+            .map_err(tier::TierError::from)?;
+        let known: BTreeSet<String> = manifests.iter().map(|m| m.path.clone()).collect();
+        let objects = t2
+            .list(&tier::chunks_prefix(&name))
+            .await
+            .map_err(tier::TierError::from)?;
+        for o in objects.iter().filter(|o| o.path.ends_with(".parquet")) {
+            if known.contains(&o.path) {
+                continue;
+            }
+            let Some((segment, first_offset)) = parse_chunk_name(&o.path) else {
+                tracing::warn!(path = %o.path, "ignoring a file that is not a chunk name");
+                continue;
+            };
+            let records = t2.read_chunk(&o.path).await.map_err(tier::TierError::from)?;
+            if records.is_empty() {
+                continue;
+            }
+            // The file's columns: the stream's latest registry plus what its records carry.
+            let latest = manifests
+                .iter()
+                .max_by_key(|m| m.columns.len())
+                .map(|m| m.columns.clone())
+                .unwrap_or_default();
+            let mut registry =
+                tier::FieldRegistry::from_columns(latest).map_err(tier::TierError::from)?;
+            registry.observe_records(&records);
+            let summary = summarize(&records, o.size);
+            let m = Manifest {
+                version: tier::layout::MANIFEST_VERSION,
+                stream: name.clone(),
+                segment,
+                first_offset,
+                end_offset: summary.max_offset + 1,
+                path: o.path.clone(),
+                summary,
+                columns: registry.columns().to_vec(),
+                hash_lo: 0,
+                hash_hi: super::HASH_SPACE_END as i64,
+                segment_start: 0,
+                preds: Vec::new(),
+                committed_ns: super::now_ns(),
+                extra: serde_json::json!({ "adopted": true }),
+            };
+            t2.put_manifest(&m).await.map_err(tier::TierError::from)?;
+            tracing::warn!(path = %o.path, "adopted a chunk file uploaded but never committed");
+            report.adopted += 1;
+            manifests.push(m);
+        }
+        manifests.sort_by_key(|m| (m.first_offset, m.segment));
+        if manifests.is_empty() {
+            continue;
+        }
+        let sid = cat.intern_stream(&name)?;
+        let total = manifests.len() as u64;
+        // Chunk ranges must be contiguous: each starts where the previous ones end.
+        let start = manifests[0].first_offset;
+        let mut end = start;
+        let mut lanes: BTreeMap<(u32, u64), u64> = BTreeMap::new();
+        let mut rows = Vec::new();
+        let mut columns = Vec::new();
+        for (i, m) in manifests.iter().enumerate() {
+            if m.first_offset > end {
+                return Err(RecoverError::Hole {
+                    stream: name.clone(),
+                    what: format!("offsets {end}..{} are in no chunk", m.first_offset),
+                });
+            }
+            end = end.max(m.end_offset);
+            for r in &m.summary.seq_ranges {
+                let d = cat.intern_device(&r.device)?;
+                let e = lanes.entry((d, r.epoch)).or_insert(0);
+                *e = (*e).max(r.max_seq);
+            }
+            if m.columns.len() >= columns.len() {
+                columns = m.columns.clone();
+            }
+            let range_first = m
+                .extra
+                .get("range_first")
+                .and_then(serde_json::Value::as_u64)
+                .unwrap_or(m.first_offset);
+            rows.push(ChunkRow {
+                stream: sid,
+                segment: m.segment,
+                first_offset: m.first_offset,
+                end_offset: m.end_offset,
+                range_first,
+                state: COMMITTED,
+                path: m.path.clone(),
+                rows: m.summary.rows,
+                bytes: m.summary.bytes,
+                ingest_ts_min: m.summary.min_ingest_ts_ns,
+                ingest_ts_max: m.summary.max_ingest_ts_ns,
+            });
+            report.records += m.summary.rows;
+            progress(&name, i as u64 + 1, total);
+        }
+        store::insert_plan(&cat, sid, &rows, end)?;
+        let marks: Vec<_> = lanes.iter().map(|(&(d, e), &s)| (d, e, sid, s)).collect();
+        cat.commit_group(&GroupCommit {
+            marks,
+            stream_offsets: vec![(sid, end)],
+            ..GroupCommit::default()
+        })?;
+        for (&(d, e), &s) in &lanes {
+            cat.set_tiered_seq(d, e, sid, s)?;
+        }
+        store::commit_range(
+            &cat,
+            &RangeCommit {
+                stream: sid,
+                tiered_end: end,
+                fields: columns,
+                ..RangeCommit::default()
+            },
+        )?;
+        store::restore_state(
+            &cat,
+            sid,
+            TierState {
+                planned_end: end,
+                tiered_end: end,
+                evicted_end: end,
+                tier2_start: start,
+            },
+        )?;
+        report.streams += 1;
+        report.chunks += total;
+        report.lanes += lanes.len() as u64;
+    }
+    Ok(report)
+}

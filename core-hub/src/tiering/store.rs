@@ -1,0 +1,457 @@
+//! The tiering tables in the hub catalog: chunk plans, the per-stream field registry and the
+//! per-stream tier state.
+//!
+//! Chunk boundaries are written here (state `planned`) BEFORE anything is uploaded, so a
+//! restart re-uploads exactly the same records to exactly the same object name. A chunk moves
+//! to `committed` only after its object was verified and its manifest written; the stream's
+//! `tiered_end` moves in the same transaction as the chunk rows of a plan range, together
+//! with the `tiered_seq` of every lane the range touched.
+//!
+//! Offsets are stream offsets (dense per stream). All u64 values are stored bit-cast to i64
+//! like the rest of the catalog.
+
+use crate::catalog::{Catalog, CatalogError, DeviceId, StreamId};
+use rusqlite::{OptionalExtension, params};
+use tier::{ColumnSpec, ValueKind};
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS tier_chunks (
+    stream INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    first_offset INTEGER NOT NULL,
+    end_offset INTEGER NOT NULL,
+    -- the plan range (stream offsets) this chunk belongs to; every segment's chunk of one
+    -- range shares it, and the range is tiered once all of them are committed
+    range_first INTEGER NOT NULL,
+    state INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    rows INTEGER NOT NULL DEFAULT 0,
+    bytes INTEGER NOT NULL DEFAULT 0,
+    ingest_ts_min INTEGER NOT NULL DEFAULT 0,
+    ingest_ts_max INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (stream, segment, first_offset)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS tier_chunks_by_state ON tier_chunks (state, stream, first_offset);
+CREATE TABLE IF NOT EXISTS tier_fields (
+    stream INTEGER NOT NULL,
+    ordinal INTEGER NOT NULL,
+    name TEXT NOT NULL,
+    field TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    PRIMARY KEY (stream, ordinal)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS tier_state (
+    stream INTEGER PRIMARY KEY,
+    -- offsets below planned_end are in chunk rows
+    planned_end INTEGER NOT NULL DEFAULT 0,
+    -- offsets below tiered_end are in committed chunks
+    tiered_end INTEGER NOT NULL DEFAULT 0,
+    -- offsets below evicted_end are no longer in tier 1 (read them from tier 2)
+    evicted_end INTEGER NOT NULL DEFAULT 0,
+    -- offsets below tier2_start were deleted from tier 2 by retention
+    tier2_start INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS tier_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+";
+
+/// Chunk states.
+pub const PLANNED: i64 = 0;
+/// Uploaded and verified, manifest not yet committed.
+pub const UPLOADED: i64 = 1;
+/// Manifest written and catalog committed: the chunk counts as tiered.
+pub const COMMITTED: i64 = 2;
+
+/// Key in `tier_meta`: the first logical offset of the oldest WAL file kept. Files below it
+/// were evicted (a crash between the catalog update and the unlink leaves them to delete).
+pub const META_TIER1_FLOOR: &str = "tier1_floor";
+
+fn i(v: u64) -> i64 {
+    v as i64
+}
+fn u(v: i64) -> u64 {
+    v as u64
+}
+
+/// One chunk row.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkRow {
+    pub stream: StreamId,
+    pub segment: u64,
+    pub first_offset: u64,
+    pub end_offset: u64,
+    pub range_first: u64,
+    pub state: i64,
+    pub path: String,
+    pub rows: u64,
+    pub bytes: u64,
+    pub ingest_ts_min: i64,
+    pub ingest_ts_max: i64,
+}
+
+/// A stream's tier state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierState {
+    pub planned_end: u64,
+    pub tiered_end: u64,
+    pub evicted_end: u64,
+    pub tier2_start: u64,
+}
+
+/// Creates the tables (idempotent).
+pub fn init(cat: &Catalog) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| c.execute_batch(SCHEMA))?;
+    Ok(())
+}
+
+fn chunk_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<ChunkRow> {
+    Ok(ChunkRow {
+        stream: r.get::<_, i64>(0)? as StreamId,
+        segment: u(r.get(1)?),
+        first_offset: u(r.get(2)?),
+        end_offset: u(r.get(3)?),
+        range_first: u(r.get(4)?),
+        state: r.get(5)?,
+        path: r.get(6)?,
+        rows: u(r.get(7)?),
+        bytes: u(r.get(8)?),
+        ingest_ts_min: r.get(9)?,
+        ingest_ts_max: r.get(10)?,
+    })
+}
+
+const CHUNK_COLS: &str = "stream, segment, first_offset, end_offset, range_first, state, path, rows, bytes, ingest_ts_min, ingest_ts_max";
+
+/// The tier state of `stream` (zeros when unknown).
+pub fn state(cat: &Catalog, stream: StreamId) -> Result<TierState, CatalogError> {
+    let s = cat.with_read_conn(|c| {
+        c.query_row(
+            "SELECT planned_end, tiered_end, evicted_end, tier2_start FROM tier_state WHERE stream = ?1",
+            [i64::from(stream)],
+            |r| {
+                Ok(TierState {
+                    planned_end: u(r.get(0)?),
+                    tiered_end: u(r.get(1)?),
+                    evicted_end: u(r.get(2)?),
+                    tier2_start: u(r.get(3)?),
+                })
+            },
+        )
+        .optional()
+    })?;
+    Ok(s.unwrap_or_default())
+}
+
+/// Writes the chunks of one plan range and moves `planned_end` to `end`, atomically.
+pub fn insert_plan(
+    cat: &Catalog,
+    stream: StreamId,
+    chunks: &[ChunkRow],
+    end: u64,
+) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        let tx = c.transaction()?;
+        {
+            let mut st = tx.prepare_cached(&format!(
+                "INSERT OR REPLACE INTO tier_chunks ({CHUNK_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)"
+            ))?;
+            for ch in chunks {
+                st.execute(params![
+                    i64::from(ch.stream),
+                    i(ch.segment),
+                    i(ch.first_offset),
+                    i(ch.end_offset),
+                    i(ch.range_first),
+                    ch.state,
+                    ch.path,
+                    i(ch.rows),
+                    i(ch.bytes),
+                    ch.ingest_ts_min,
+                    ch.ingest_ts_max
+                ])?;
+            }
+            tx.execute(
+                "INSERT INTO tier_state (stream, planned_end) VALUES (?1, ?2)
+                 ON CONFLICT (stream) DO UPDATE SET planned_end = max(planned_end, excluded.planned_end)",
+                params![i64::from(stream), i(end)],
+            )?;
+        }
+        tx.commit()
+    })?;
+    Ok(())
+}
+
+/// Every chunk not yet committed, in (stream, first_offset) order.
+pub fn pending_chunks(cat: &Catalog) -> Result<Vec<ChunkRow>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare(&format!(
+            "SELECT {CHUNK_COLS} FROM tier_chunks WHERE state < ?1 ORDER BY stream, range_first, segment"
+        ))?;
+        let rows = st.query_map([COMMITTED], chunk_row)?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Marks one chunk uploaded (verified in tier 2, manifest not committed yet).
+pub fn set_uploaded(cat: &Catalog, ch: &ChunkRow, rows: u64, bytes: u64) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        c.execute(
+            "UPDATE tier_chunks SET state = max(state, ?4), rows = ?5, bytes = ?6
+             WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
+            params![
+                i64::from(ch.stream),
+                i(ch.segment),
+                i(ch.first_offset),
+                UPLOADED,
+                i(rows),
+                i(bytes)
+            ],
+        )
+    })?;
+    Ok(())
+}
+
+/// Committed chunks of `stream` (and `segment`, if given) whose range ends after `from`,
+/// in offset order, at most `limit`.
+pub fn committed_chunks_from(
+    cat: &Catalog,
+    stream: StreamId,
+    segment: Option<u64>,
+    from: u64,
+    limit: usize,
+) -> Result<Vec<ChunkRow>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {CHUNK_COLS} FROM tier_chunks
+             WHERE stream = ?1 AND state = ?2 AND end_offset > ?3 AND (?4 IS NULL OR segment = ?4)
+             ORDER BY first_offset, segment LIMIT ?5"
+        ))?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let rows = st.query_map(
+            params![
+                i64::from(stream),
+                COMMITTED,
+                i(from),
+                segment.map(i),
+                limit
+            ],
+            chunk_row,
+        )?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Every committed chunk of `stream`, oldest first.
+pub fn committed_chunks(cat: &Catalog, stream: StreamId) -> Result<Vec<ChunkRow>, CatalogError> {
+    committed_chunks_from(cat, stream, None, 0, usize::MAX)
+}
+
+/// The field registry of `stream`, as stored: column specs in column order. A kind this
+/// build does not know is skipped (it cannot have been written by it).
+pub fn fields(cat: &Catalog, stream: StreamId) -> Result<Vec<ColumnSpec>, CatalogError> {
+    let rows: Vec<(String, String, String)> = cat.with_read_conn(|c| {
+        let mut st = c.prepare_cached(
+            "SELECT name, field, kind FROM tier_fields WHERE stream = ?1 ORDER BY ordinal",
+        )?;
+        let rows = st.query_map([i64::from(stream)], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|(name, field, kind)| {
+            let kind = ValueKind::ALL.into_iter().find(|k| k.suffix() == kind)?;
+            Some(ColumnSpec { name, field, kind })
+        })
+        .collect())
+}
+
+/// What committing one plan range changes.
+#[derive(Debug, Clone, Default)]
+pub struct RangeCommit {
+    pub stream: StreamId,
+    /// The chunks of the range, with their final rows/bytes.
+    pub chunks: Vec<ChunkRow>,
+    /// The new `tiered_end` (the range's end).
+    pub tiered_end: u64,
+    /// The whole field registry after this range (only new entries are inserted).
+    pub fields: Vec<ColumnSpec>,
+    /// Lanes touched: `(device, epoch, highest seq in the range)`.
+    pub lanes: Vec<(DeviceId, u64, u64)>,
+}
+
+/// Commits a plan range: chunk rows committed, field registry, `tiered_end`, and `tiered_seq`
+/// of every lane it touched, in one transaction. Returns the lanes whose `tiered_seq` moved.
+///
+/// A lane's `tiered_seq` becomes the highest seq it has in the range, or its durable mark when
+/// no block of the lane lies beyond the range (so trailing gaps count as tiered too). Ranges
+/// commit in offset order, so every lower seq of the lane is already tiered.
+pub fn commit_range(cat: &Catalog, rc: &RangeCommit) -> Result<Vec<(DeviceId, u64, u64)>, CatalogError> {
+    cat.with_write_conn(|c| {
+        let tx = c.transaction()?;
+        let mut moved = Vec::new();
+        {
+            let mut st = tx.prepare_cached(
+                "UPDATE tier_chunks SET state = ?4, rows = ?5, bytes = ?6, ingest_ts_min = ?7, ingest_ts_max = ?8
+                 WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
+            )?;
+            for ch in &rc.chunks {
+                st.execute(params![
+                    i64::from(ch.stream),
+                    i(ch.segment),
+                    i(ch.first_offset),
+                    COMMITTED,
+                    i(ch.rows),
+                    i(ch.bytes),
+                    ch.ingest_ts_min,
+                    ch.ingest_ts_max
+                ])?;
+            }
+            let mut st = tx.prepare_cached(
+                "INSERT OR IGNORE INTO tier_fields (stream, ordinal, name, field, kind) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?;
+            for (n, spec) in rc.fields.iter().enumerate() {
+                st.execute(params![
+                    i64::from(rc.stream),
+                    n as i64,
+                    spec.name,
+                    spec.field,
+                    spec.kind.suffix()
+                ])?;
+            }
+            tx.execute(
+                "INSERT INTO tier_state (stream, planned_end, tiered_end) VALUES (?1, ?2, ?2)
+                 ON CONFLICT (stream) DO UPDATE SET tiered_end = max(tiered_end, excluded.tiered_end)",
+                params![i64::from(rc.stream), i(rc.tiered_end)],
+            )?;
+            let mut later = tx.prepare_cached(
+                "SELECT 1 FROM blocks WHERE device = ?1 AND stream = ?2 AND epoch = ?3 AND first_seq > ?4 LIMIT 1",
+            )?;
+            let mut durable = tx.prepare_cached(
+                "SELECT durable_seq, tiered_seq FROM marks WHERE device = ?1 AND epoch = ?2 AND stream = ?3",
+            )?;
+            let mut set = tx.prepare_cached(
+                "UPDATE marks SET tiered_seq = max(tiered_seq, ?4) WHERE device = ?1 AND epoch = ?2 AND stream = ?3",
+            )?;
+            for &(d, epoch, seq) in &rc.lanes {
+                let key = params![i64::from(d), i64::from(rc.stream), i(epoch), i(seq)];
+                let beyond = later.query_row(key, |_| Ok(())).optional()?.is_some();
+                let Some((mark, old)) = durable
+                    .query_row(params![i64::from(d), i(epoch), i64::from(rc.stream)], |r| {
+                        Ok((u(r.get(0)?), u(r.get(1)?)))
+                    })
+                    .optional()?
+                else {
+                    continue;
+                };
+                let tiered = if beyond { seq } else { mark.max(seq) };
+                if tiered > old {
+                    set.execute(params![i64::from(d), i(epoch), i64::from(rc.stream), i(tiered)])?;
+                    moved.push((d, epoch, tiered));
+                }
+            }
+        }
+        tx.commit()?;
+        Ok::<_, rusqlite::Error>(moved)
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Moves `evicted_end` of streams forward and the tier-1 floor to `floor`, atomically.
+pub fn record_eviction(
+    cat: &Catalog,
+    ends: &[(StreamId, u64)],
+    floor: u64,
+) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        let tx = c.transaction()?;
+        {
+            let mut st = tx.prepare_cached(
+                "INSERT INTO tier_state (stream, evicted_end) VALUES (?1, ?2)
+                 ON CONFLICT (stream) DO UPDATE SET evicted_end = max(evicted_end, excluded.evicted_end)",
+            )?;
+            for &(s, end) in ends {
+                st.execute(params![i64::from(s), i(end)])?;
+            }
+            tx.execute(
+                "INSERT INTO tier_meta (key, value) VALUES (?1, ?2)
+                 ON CONFLICT (key) DO UPDATE SET value = max(value, excluded.value)",
+                params![META_TIER1_FLOOR, i(floor)],
+            )?;
+        }
+        tx.commit()
+    })?;
+    Ok(())
+}
+
+/// The first logical offset of the oldest WAL file kept (0 before any eviction).
+pub fn tier1_floor(cat: &Catalog) -> Result<u64, CatalogError> {
+    let v: Option<i64> = cat.with_read_conn(|c| {
+        c.query_row(
+            "SELECT value FROM tier_meta WHERE key = ?1",
+            [META_TIER1_FLOOR],
+            |r| r.get(0),
+        )
+        .optional()
+    })?;
+    Ok(v.map_or(0, u))
+}
+
+/// Removes committed chunks of `stream` below `new_start` (tier-2 retention), after their
+/// objects were deleted, and moves `tier2_start`.
+pub fn drop_chunks_below(cat: &Catalog, stream: StreamId, new_start: u64) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        let tx = c.transaction()?;
+        tx.execute(
+            "DELETE FROM tier_chunks WHERE stream = ?1 AND state = ?2 AND end_offset <= ?3",
+            params![i64::from(stream), COMMITTED, i(new_start)],
+        )?;
+        tx.execute(
+            "INSERT INTO tier_state (stream, tier2_start) VALUES (?1, ?2)
+             ON CONFLICT (stream) DO UPDATE SET tier2_start = max(tier2_start, excluded.tier2_start)",
+            params![i64::from(stream), i(new_start)],
+        )?;
+        tx.commit()
+    })?;
+    Ok(())
+}
+
+/// Every stream with tier state.
+pub fn streams_with_state(cat: &Catalog) -> Result<Vec<(StreamId, TierState)>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare(
+            "SELECT stream, planned_end, tiered_end, evicted_end, tier2_start FROM tier_state ORDER BY stream",
+        )?;
+        let rows = st.query_map([], |r| {
+            Ok((
+                r.get::<_, i64>(0)? as StreamId,
+                TierState {
+                    planned_end: u(r.get(1)?),
+                    tiered_end: u(r.get(2)?),
+                    evicted_end: u(r.get(3)?),
+                    tier2_start: u(r.get(4)?),
+                },
+            ))
+        })?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Restores a stream's tier state wholesale (catalog rebuild from tier 2).
+pub fn restore_state(cat: &Catalog, stream: StreamId, st: TierState) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        c.execute(
+            "INSERT OR REPLACE INTO tier_state (stream, planned_end, tiered_end, evicted_end, tier2_start)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                i64::from(stream),
+                i(st.planned_end),
+                i(st.tiered_end),
+                i(st.evicted_end),
+                i(st.tier2_start)
+            ],
+        )
+    })?;
+    Ok(())
+}

@@ -1,0 +1,152 @@
+//! The CLI through the HTTP API: `core-hub devices`, `core-hub devices retire ID [--undo]`,
+//! `core-hub streams [NAME]`, against a hub served in this process, with and without a reader
+//! token.
+
+mod common;
+
+use core_hub::api;
+use core_hub::completeness::CompletenessConfig;
+use serde_json::Value;
+
+const TOKEN: &str = "0123456789abcdef0123";
+
+async fn cli(args: &[&str]) -> (bool, String, String) {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_core-hub"))
+        .args(args)
+        .env_remove("TRIBUTARY_HUB_TOKEN")
+        .output()
+        .await
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn devices_retire_and_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = common::open(dir.path());
+    for d in ["van-1", "van-2"] {
+        hub.commit_block(d, "telemetry", &common::block(d, 1, 1, 20))
+            .await
+            .unwrap();
+    }
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let router = api::router_with(
+        hub.clone(),
+        vec![TOKEN.into()],
+        CompletenessConfig::default(),
+    );
+    tokio::spawn(api::serve(listener, router, std::future::pending()));
+
+    // The reader token is enforced on the API; /healthz and /metrics stay open.
+    let (ok, _, err) = cli(&["devices", "--url", &url]).await;
+    assert!(!ok);
+    assert!(err.contains("401"), "{err}");
+    let target = core_hub::client::ApiTarget::parse(&url, None).unwrap();
+    assert_eq!(
+        core_hub::client::get(&target, "/healthz")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(
+        core_hub::client::get(&target, "/metrics")
+            .await
+            .unwrap()
+            .status,
+        200
+    );
+    assert_eq!(
+        core_hub::client::get(&target, "/").await.unwrap().status,
+        401
+    );
+    let page = core_hub::client::get(&target, &format!("/?token={TOKEN}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        page.status, 200,
+        "the status page takes ?token= for browsers"
+    );
+
+    let (ok, out, err) = cli(&["devices", "--url", &url, "--token", TOKEN]).await;
+    assert!(ok, "{err}");
+    let list: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(list.as_array().unwrap().len(), 2);
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["retired"] == false)
+    );
+
+    let (ok, out, err) = cli(&[
+        "devices", "retire", "van-2", "--url", &url, "--token", TOKEN,
+    ])
+    .await;
+    assert!(ok, "{err}");
+    assert!(out.contains("retired van-2"), "{out}");
+    let (ok, out, _) = cli(&["devices", "list", "--url", &url, "--token", TOKEN]).await;
+    assert!(ok);
+    let list: Value = serde_json::from_str(&out).unwrap();
+    let retired: Vec<_> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["retired"] == true)
+        .map(|d| d["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(retired, vec!["van-2"]);
+    let (ok, _, err) = cli(&[
+        "devices", "retire", "ghost", "--url", &url, "--token", TOKEN,
+    ])
+    .await;
+    assert!(!ok);
+    assert!(err.contains("404"), "{err}");
+    let (ok, _, err) = cli(&[
+        "devices", "retire", "van-2", "--undo", "--url", &url, "--token", TOKEN,
+    ])
+    .await;
+    assert!(ok, "{err}");
+    let (_, out, _) = cli(&["devices", "--url", &url, "--token", TOKEN]).await;
+    let list: Value = serde_json::from_str(&out).unwrap();
+    assert!(
+        list.as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["retired"] == false)
+    );
+
+    let (ok, out, err) = cli(&["streams", "--url", &url, "--token", TOKEN]).await;
+    assert!(ok, "{err}");
+    let streams: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(streams[0]["name"], "telemetry");
+    assert_eq!(streams[0]["records"], 40);
+    let (ok, out, err) = cli(&["streams", "telemetry", "--url", &url, "--token", TOKEN]).await;
+    assert!(ok, "{err}");
+    let detail: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(detail["name"], "telemetry");
+    assert_eq!(detail["records"], 40);
+    assert!(
+        detail["rates"]["records_per_s_60s"].as_f64().unwrap() > 0.0,
+        "{detail:#}"
+    );
+    assert_eq!(
+        detail["completeness"]["devices"].as_array().unwrap().len(),
+        2
+    );
+    assert!(
+        detail["segments"]["segments"]
+            .as_array()
+            .is_some_and(|s| !s.is_empty()),
+        "the segment graph is part of the detail: {detail:#}"
+    );
+    let (ok, _, err) = cli(&["streams", "nope", "--url", &url, "--token", TOKEN]).await;
+    assert!(!ok);
+    assert!(err.contains("404"), "{err}");
+    hub.shutdown();
+}

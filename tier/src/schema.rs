@@ -1,0 +1,271 @@
+//! The per-stream field registry: which Parquet column holds which (field, type).
+//!
+//! Rule (schema evolution, see `docs/format/parquet.md`):
+//! - a field keeps the column named after it for the FIRST type the hub saw for it in the
+//!   stream;
+//! - a later, different type of the same field gets its own column `{field}__{type}` with type
+//!   in `f64|i64|bool|str|bytes`;
+//! - a name that would collide (case-insensitively, because DuckDB and Spark resolve column names
+//!   case-insensitively) with a fixed column or an earlier column gets `__2`, `__3`, ... appended.
+//!
+//! Columns are only ever appended, in the order the hub registered them, so every file of a
+//! stream carries a prefix-compatible schema and files only gain nullable columns at the end. The
+//! registry is plain data (serde) so the hub can persist it in its catalog; every Parquet file
+//! also carries the registry snapshot it was written with, so a file is self-describing.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use serde::{Deserialize, Serialize};
+use sync::record::Value;
+
+/// Columns every chunk file starts with, in this order. Field columns follow.
+pub const FIXED_COLUMNS: [&str; 8] = [
+    "device",
+    "epoch",
+    "seq",
+    "hub_offset",
+    "key",
+    "ts",
+    "ts_ns_rem",
+    "ingest_ts",
+];
+
+/// The type of a field value, as a column sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ValueKind {
+    F64,
+    I64,
+    Bool,
+    Str,
+    Bytes,
+}
+
+impl ValueKind {
+    pub const ALL: [ValueKind; 5] = [
+        ValueKind::F64,
+        ValueKind::I64,
+        ValueKind::Bool,
+        ValueKind::Str,
+        ValueKind::Bytes,
+    ];
+
+    pub fn of(value: &Value) -> ValueKind {
+        match value {
+            Value::F64(_) => ValueKind::F64,
+            Value::I64(_) => ValueKind::I64,
+            Value::Bool(_) => ValueKind::Bool,
+            Value::Str(_) => ValueKind::Str,
+            Value::Bytes(_) => ValueKind::Bytes,
+        }
+    }
+
+    /// The suffix used in `{field}__{type}` column names.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            ValueKind::F64 => "f64",
+            ValueKind::I64 => "i64",
+            ValueKind::Bool => "bool",
+            ValueKind::Str => "str",
+            ValueKind::Bytes => "bytes",
+        }
+    }
+
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// One field column: its Parquet column name, the record field it holds and the value type.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ColumnSpec {
+    pub name: String,
+    pub field: String,
+    pub kind: ValueKind,
+}
+
+/// Why a registry could not be built from stored column specs.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    #[error("column {name:?} appears twice in the field registry (case-insensitively)")]
+    DuplicateColumn { name: String },
+    #[error("column {name:?} collides with a fixed column")]
+    FixedColumn { name: String },
+    #[error("field {field:?} has two columns of type {kind:?}")]
+    DuplicateField { field: String, kind: ValueKind },
+}
+
+/// The ordered field columns of one stream. Serializes as the list of [`ColumnSpec`]s.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "Vec<ColumnSpec>", into = "Vec<ColumnSpec>")]
+pub struct FieldRegistry {
+    columns: Vec<ColumnSpec>,
+    /// field name -> column index per [`ValueKind`] (looked up once per field per record).
+    by_field: HashMap<String, [Option<u32>; 5], FastHash>,
+    /// lower-cased column names in use (fixed columns included), for collision checks.
+    taken: HashSet<String>,
+}
+
+impl FieldRegistry {
+    pub fn new() -> FieldRegistry {
+        FieldRegistry::default()
+    }
+
+    /// Rebuilds a registry from specs as stored (catalog or file metadata), checking them.
+    pub fn from_columns(columns: Vec<ColumnSpec>) -> Result<FieldRegistry, RegistryError> {
+        let mut reg = FieldRegistry::new();
+        for spec in columns {
+            let lower = spec.name.to_ascii_lowercase();
+            if FIXED_COLUMNS.contains(&lower.as_str()) {
+                return Err(RegistryError::FixedColumn { name: spec.name });
+            }
+            if reg.taken.contains(&lower) {
+                return Err(RegistryError::DuplicateColumn { name: spec.name });
+            }
+            let slot = reg.by_field.entry(spec.field.clone()).or_default();
+            if slot[spec.kind.index()].is_some() {
+                return Err(RegistryError::DuplicateField {
+                    field: spec.field,
+                    kind: spec.kind,
+                });
+            }
+            slot[spec.kind.index()] = Some(reg.columns.len() as u32);
+            reg.taken.insert(lower);
+            reg.columns.push(spec);
+        }
+        Ok(reg)
+    }
+
+    pub fn columns(&self) -> &[ColumnSpec] {
+        &self.columns
+    }
+
+    pub fn len(&self) -> usize {
+        self.columns.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.columns.is_empty()
+    }
+
+    /// The column index holding `field` values of type `kind`, if registered.
+    pub fn column_of(&self, field: &str, kind: ValueKind) -> Option<usize> {
+        self.by_field
+            .get(field)
+            .and_then(|slots| slots[kind.index()])
+            .map(|i| i as usize)
+    }
+
+    /// Registers (field, kind) if new; returns its column index and whether it was added.
+    pub fn register(&mut self, field: &str, kind: ValueKind) -> (usize, bool) {
+        if let Some(i) = self.column_of(field, kind) {
+            return (i, false);
+        }
+        let first_type = self
+            .by_field
+            .get(field)
+            .is_none_or(|slots| slots.iter().all(Option::is_none));
+        let base = if first_type {
+            field.to_owned()
+        } else {
+            format!("{field}__{}", kind.suffix())
+        };
+        let name = self.free_name(base, kind);
+        let index = self.columns.len();
+        self.taken.insert(name.to_ascii_lowercase());
+        self.by_field.entry(field.to_owned()).or_default()[kind.index()] = Some(index as u32);
+        self.columns.push(ColumnSpec {
+            name,
+            field: field.to_owned(),
+            kind,
+        });
+        (index, true)
+    }
+
+    /// Registers every (field, type) the records carry, in record order; returns true if the
+    /// registry changed (the hub must then persist it before uploading the chunk).
+    pub fn observe<'a, I>(&mut self, fields: I) -> bool
+    where
+        I: IntoIterator<Item = &'a (String, Value)>,
+    {
+        let mut changed = false;
+        for (name, value) in fields {
+            changed |= self.register(name, ValueKind::of(value)).1;
+        }
+        changed
+    }
+
+    /// Registers the fields of records; see [`FieldRegistry::observe`].
+    pub fn observe_records<'a, I>(&mut self, records: I) -> bool
+    where
+        I: IntoIterator<Item = &'a crate::TierRecord>,
+    {
+        let mut changed = false;
+        for r in records {
+            changed |= self.observe(&r.fields);
+        }
+        changed
+    }
+
+    /// A free column name starting from `base`: fixed columns force the typed form, then
+    /// `__2`, `__3`, ... until nothing collides.
+    fn free_name(&self, base: String, kind: ValueKind) -> String {
+        let is_free = |n: &str| {
+            let lower = n.to_ascii_lowercase();
+            !self.taken.contains(&lower) && !FIXED_COLUMNS.contains(&lower.as_str())
+        };
+        if is_free(&base) {
+            return base;
+        }
+        let typed = if base.ends_with(&format!("__{}", kind.suffix())) {
+            base
+        } else {
+            format!("{base}__{}", kind.suffix())
+        };
+        if is_free(&typed) {
+            return typed;
+        }
+        (2u32..)
+            .map(|n| format!("{typed}__{n}"))
+            .find(|n| is_free(n))
+            .expect("an unbounded counter finds a free name")
+    }
+}
+
+impl TryFrom<Vec<ColumnSpec>> for FieldRegistry {
+    type Error = RegistryError;
+    fn try_from(columns: Vec<ColumnSpec>) -> Result<Self, Self::Error> {
+        FieldRegistry::from_columns(columns)
+    }
+}
+
+impl From<FieldRegistry> for Vec<ColumnSpec> {
+    fn from(reg: FieldRegistry) -> Self {
+        reg.columns
+    }
+}
+
+/// FNV-1a: the encoder hashes short strings (field names, keys, devices) millions of times per
+/// second; SipHash's DoS resistance buys nothing for data the hub already accepted.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Fnv(u64);
+
+impl Default for Fnv {
+    fn default() -> Self {
+        Fnv(0xcbf2_9ce4_8422_2325)
+    }
+}
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+}
+
+pub(crate) type FastHash = BuildHasherDefault<Fnv>;
