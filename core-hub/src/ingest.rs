@@ -344,6 +344,9 @@ pub struct Hub {
     streams: Arc<crate::streams::StreamManager>,
     /// Set by tiering: refuses new blocks while tier 1 is over its budget (see [`AdmissionGate`]).
     admission: RwLock<Option<AdmissionGate>>,
+    /// Bumped whenever tiering moved some lane's `tiered_seq` (see [`Hub::follow_tiering`]), so
+    /// each device connection can push the new mark to an idle agent (issue 7).
+    tiered_changed: Arc<watch::Sender<u64>>,
     /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
     _lock: std::fs::File,
 }
@@ -389,7 +392,11 @@ pub const RECORD_POOL_RECORDS_MAX: usize = 2 * sync::columnar::OFFLINE_BLOCK_REC
 impl RecordPool {
     /// A buffer to decode into (empty if none is free). Its records are stale: decode over them.
     pub fn take(&self) -> Vec<Record> {
-        self.free.lock().expect("record pool lock").pop().unwrap_or_default()
+        self.free
+            .lock()
+            .expect("record pool lock")
+            .pop()
+            .unwrap_or_default()
     }
 
     /// Returns a buffer; dropped instead when the pool is full or the buffer too large.
@@ -610,6 +617,7 @@ impl Hub {
             stats: Arc::new(IngestStats::default()),
             record_pool: Arc::new(RecordPool::default()),
             admission: RwLock::new(None),
+            tiered_changed: Arc::new(watch::channel(0).0),
             streams: streams_mgr,
             _lock: lock,
         }))
@@ -1005,6 +1013,23 @@ impl Hub {
             return Err(IngestError::Unavailable(CommitError::Full(why)));
         }
         self.authorize(device, stream)
+    }
+
+    /// A receiver that changes whenever tiering moved some lane's `tiered_seq`. Connections
+    /// subscribe at once, before tiering may even be open, so none misses a later change.
+    pub fn subscribe_tiered(&self) -> watch::Receiver<u64> {
+        self.tiered_changed.subscribe()
+    }
+
+    /// Relays tiering's change signal (`Tiering::subscribe_tiered`) to [`Hub::subscribe_tiered`]
+    /// until tiering drops its sender. Must run inside a tokio runtime.
+    pub fn follow_tiering(&self, mut from: watch::Receiver<u64>) -> tokio::task::JoinHandle<()> {
+        let to = self.tiered_changed.clone();
+        tokio::spawn(async move {
+            while from.changed().await.is_ok() {
+                to.send_modify(|g| *g = g.wrapping_add(1));
+            }
+        })
     }
 
     /// Installs (or with `None` removes) the admission gate tiering uses to push back.

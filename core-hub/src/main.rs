@@ -309,7 +309,15 @@ fn run(config: &Path) -> Result<()> {
     let cfg = HubConfig::load(config).with_context(|| format!("loading {}", config.display()))?;
     let hub = Hub::open(&cfg).context("opening the hub")?;
     tracing::info!(data_dir = %cfg.data_dir.display(), "hub open");
+    // Checks sealed WAL files against the block index at start and then periodically; damaged
+    // blocks are quarantined so readers skip them and the rest stays served.
+    let scrubber = core_hub::scrub::Scrubber::start(
+        hub.clone(),
+        &cfg.data_dir,
+        core_hub::scrub::DEFAULT_INTERVAL,
+    );
     runtime()?.block_on(serve(hub.clone(), &cfg))?;
+    drop(scrubber);
     hub.shutdown();
     Ok(())
 }
@@ -359,6 +367,8 @@ async fn serve(hub: Arc<Hub>, cfg: &HubConfig) -> Result<()> {
     .await
     .context("opening tier 2")?;
     tracing::info!(url = %cfg.tier2.url, "tiering to tier 2");
+    // Agents learn new tiered_seq marks even when idle (issue 7): connections push them.
+    let _tier_follow = hub.follow_tiering(tiering.subscribe_tiered());
     let tier_task = tiering.spawn(stop_rx.clone());
     shutdown_signal().await;
     let _ = stop_tx.send(true);

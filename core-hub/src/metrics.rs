@@ -115,6 +115,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     if let Some(t) = tracker {
         completeness_metrics(&mut out, hub, t);
     }
+    crate::scrub::render_metrics(&mut out);
     out
 }
 

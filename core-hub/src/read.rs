@@ -109,32 +109,114 @@ pub fn scan(
     from: u64,
     to: u64,
     limit: usize,
+    accept: impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
+    out: &mut Vec<ReadRecord>,
+) -> Result<u64, ReadError> {
+    scan_in(hub, snap, None, from, to, limit, accept, out)
+}
+
+/// As [`scan`]; `segment` is a hint that `accept` keeps only that segment's records, so
+/// tier-2 reads fetch only its chunks (a reader group's segment reads).
+///
+/// Offsets below the stream's tier-1 start (`evicted_end`, once tiering evicted WAL files)
+/// are read from tier 2 ([`crate::tiering::read::TierReader`], with read-ahead) and filtered
+/// exactly like tier-1 records (graph location, then `accept`); reading hands over to tier 1
+/// at that offset. A tier-1 block that fails to load because eviction removed its file while
+/// this reader held its index row is read again through tier 2.
+#[allow(clippy::too_many_arguments)]
+pub fn scan_in(
+    hub: &Hub,
+    snap: &StreamSnapshot,
+    segment: Option<SegmentId>,
+    from: u64,
+    to: u64,
+    limit: usize,
     mut accept: impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
     out: &mut Vec<ReadRecord>,
 ) -> Result<u64, ReadError> {
     let to = to.min(snap.end);
-    let graph = &snap.graph;
     let start_len = out.len();
     let mut next = from;
+    let tiering = hub.streams().tiering();
     while next < to && out.len() - start_len < limit {
+        let tier1_start = match &tiering {
+            Some(_) => crate::tiering::store::state(hub.catalog(), snap.stream)?.evicted_end,
+            None => 0,
+        };
+        if next < tier1_start {
+            let t = tiering.clone().expect("tier-1 start is 0 without tiering");
+            let room = limit - (out.len() - start_len);
+            let bound = tier1_start.min(to);
+            let moved = scan_tier2(t, snap, segment, next, bound, room, &mut accept, out)?;
+            if moved <= next {
+                return Err(ReadError::Internal(format!(
+                    "tier 2 read of stream {} made no progress at offset {next}",
+                    snap.stream
+                )));
+            }
+            next = moved;
+            continue;
+        }
+        match scan_tier1(hub, snap, &mut next, to, limit, start_len, &mut accept, out) {
+            Ok(()) => return Ok(next),
+            Err(e) => {
+                // Eviction may have removed the file after the index rows were fetched: the
+                // records are in tier 2 now, read them there.
+                let evicted = match &tiering {
+                    Some(_) => crate::tiering::store::state(hub.catalog(), snap.stream)?.evicted_end,
+                    None => 0,
+                };
+                if matches!(e, ReadError::Wal(_)) && next < evicted {
+                    continue;
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok(next)
+}
+
+/// The tier-1 part of [`scan_in`]: from `*next` (at or past the tier-1 start) through the
+/// block index and the WAL. `*next` stays the offset after the last record examined, also
+/// when an error interrupts.
+#[allow(clippy::too_many_arguments)]
+fn scan_tier1(
+    hub: &Hub,
+    snap: &StreamSnapshot,
+    next: &mut u64,
+    to: u64,
+    limit: usize,
+    start_len: usize,
+    accept: &mut impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
+    out: &mut Vec<ReadRecord>,
+) -> Result<(), ReadError> {
+    let graph = &snap.graph;
+    while *next < to && out.len() - start_len < limit {
         let rows = hub
             .catalog()
-            .blocks_from(snap.stream, next, INDEX_PAGE_BLOCKS)?;
+            .blocks_from(snap.stream, *next, INDEX_PAGE_BLOCKS)?;
         if rows.is_empty() {
             break;
         }
         for row in &rows {
             if row.hub_offset_base >= to {
-                return Ok(to);
+                *next = to;
+                return Ok(());
+            }
+            // The scrubber found this block damaged: skip it, serve the rest of the stream.
+            if crate::scrub::is_quarantined(row) {
+                *next = (*next).max((row.hub_offset_base + row.count()).min(to));
+                continue;
             }
             let b = load_block(hub, row)?;
             let first = next.saturating_sub(row.hub_offset_base) as usize;
             for i in first..b.records.len() {
                 let o = row.hub_offset_base + i as u64;
                 if o >= to {
-                    return Ok(to);
+                    *next = to;
+                    return Ok(());
                 }
-                next = o + 1;
+                *next = o + 1;
                 let (p, r) = (b.points[i], &b.records[i]);
                 let seg = graph.locate(o, p);
                 if accept(graph, seg, o, p, r) {
@@ -150,13 +232,116 @@ pub fn scan(
                         segment: seg,
                     });
                     if out.len() - start_len >= limit {
-                        return Ok(next);
+                        return Ok(());
                     }
                 }
             }
         }
     }
-    Ok(next)
+    Ok(())
+}
+
+/// Tier-2 records fetched per [`crate::tiering::read::TierReader`] page.
+const TIER2_PAGE: usize = 4096;
+
+/// The tier-2 part of [`scan_in`]: offsets `[from, bound)`, all below the tier-1 start.
+/// Returns the offset after the last record examined (`bound` once it is exhausted).
+#[allow(clippy::too_many_arguments)]
+fn scan_tier2(
+    tiering: Arc<crate::tiering::Tiering>,
+    snap: &StreamSnapshot,
+    segment: Option<SegmentId>,
+    from: u64,
+    bound: u64,
+    limit: usize,
+    accept: &mut impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
+    out: &mut Vec<ReadRecord>,
+) -> Result<u64, ReadError> {
+    let name = tiering
+        .hub()
+        .stream_name(snap.stream)
+        .ok_or_else(|| ReadError::UnknownStream(format!("#{}", snap.stream)))?;
+    let graph = &snap.graph;
+    let start_len = out.len();
+    let mut next = from;
+    let mut reader = crate::tiering::read::TierReader::new(
+        tiering,
+        &name,
+        segment.map(u64::from),
+        from,
+    )
+    .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?
+    .until(bound);
+    while next < bound && out.len() - start_len < limit {
+        let page = block_on_tier2(reader.next_page(TIER2_PAGE))
+            .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?;
+        let position = reader.position();
+        if page.records.is_empty() {
+            // Nothing committed past here below the tier-1 start (a segment's chunks end,
+            // or retention removed the range): the bound is reached.
+            return Ok(bound.max(next));
+        }
+        for tr in page.records {
+            let o = tr.offset;
+            if o >= bound {
+                return Ok(bound);
+            }
+            if o < next {
+                continue;
+            }
+            next = o + 1;
+            let r = Record {
+                key: tr.key,
+                ts: tr.ts,
+                fields: tr.fields,
+            };
+            let p = key_point(&r.key);
+            let seg = graph.locate(o, p);
+            if accept(graph, seg, o, p, &r) {
+                out.push(ReadRecord {
+                    device: tr.device,
+                    epoch: tr.epoch,
+                    seq: tr.seq,
+                    key: r.key,
+                    ts: r.ts,
+                    fields: r.fields,
+                    offset: o,
+                    ingest_ts: tr.ingest_ts,
+                    segment: seg,
+                });
+                if out.len() - start_len >= limit {
+                    return Ok(next);
+                }
+            }
+        }
+        // A segment read skips offsets of other segments: they hold nothing for it.
+        next = next.max(position.min(bound));
+    }
+    Ok(next.min(bound).max(from))
+}
+
+/// Runs a tier-2 read to completion from synchronous code, whatever the calling context
+/// (a blocking thread, a plain thread, or a runtime worker): on a fresh thread, on a small
+/// runtime of its own, so it never blocks the caller's runtime from driving it.
+fn block_on_tier2<F>(fut: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    static RT: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    let rt = RT.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("tier2-read")
+            .enable_all()
+            .build()
+            .expect("tier-2 read runtime")
+    });
+    std::thread::scope(|s| {
+        s.spawn(|| rt.block_on(fut))
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e))
+    })
 }
 
 /// The decoded, verified block of `row`, through the stream manager's cache.

@@ -44,6 +44,7 @@
 //! (the first backtick-quoted word). The agent then leaves that stream out of its next sessions
 //! (`edge_agent::replicator`), so its allowed streams keep flowing after one reconnect.
 
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
@@ -437,6 +438,12 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
     // The control stream carries small frames (blocks come on their own streams); it is read
     // chunk by chunk from quinn's own buffers, so an idle connection holds no read buffer.
     let frame_max = ctx.receiver_cfg.frame_bytes_max as usize + 16;
+    // Tiering moves tiered_seq long after the last ack of new data; an idle agent hears of it
+    // only through this signal (issue 7), so it can free what tier 2 now holds.
+    let mut tiered_rx = ctx.hub.subscribe_tiered();
+    // The last seq each lane announced in the Hello (the first control frame): Backlog frames
+    // carry no seqs, and completeness needs it to report how many records a device owes.
+    let mut announced: Option<HashMap<(String, u64), u64>> = None;
     loop {
         // Blocks the receiver acknowledged again without a commit (replays of what the hub
         // holds) count with the hub's duplicates.
@@ -458,7 +465,15 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
         }
         while let Some(ev) = rx.poll_event() {
             progressed = true;
-            if let Some(end) = handle_event(&ctx, &device, &mut rx, ev, &done_tx).await {
+            let lasts = announced.as_ref();
+            if let Some(end) = handle_event(&ctx, &device, &mut rx, ev, &done_tx, lasts).await {
+                // The Error frame the receiver queued with its close goes out first: the agent
+                // acts on its code (a refused stream is left out of the next session).
+                while let Some(t) = rx.poll_transmit() {
+                    if ctl_tx.write_all(&t.frame).await.is_err() {
+                        break;
+                    }
+                }
                 let _ = ctl_tx.finish();
                 let _ = tokio::time::timeout(Duration::from_secs(2), ctl_tx.stopped()).await;
                 conn.close(
@@ -480,7 +495,12 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
                     frames.push(&chunk.bytes);
                     loop {
                         match frames.next_frame() {
-                            Ok(Some(f)) => rx.handle_frame(ctx.now(), &f),
+                            Ok(Some(f)) => {
+                                if announced.is_none() {
+                                    announced = Some(announced_last_seqs(&f, ctx.receiver_cfg.frame_bytes_max));
+                                }
+                                rx.handle_frame(ctx.now(), &f)
+                            }
                             Ok(None) => break,
                             Err(e) => {
                                 rx.close(ctx.now(), ErrorCode::FrameTooLarge, &e.to_string());
@@ -513,6 +533,7 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
                 }
                 Done::Failed(e) => rx.close(ctx.now(), error_code(&e), &e.to_string()),
             },
+            Ok(()) = tiered_rx.changed() => push_tiered(&ctx, &device, &mut rx),
             _ = ctx.revoke_rx.changed() => {
                 if ctx.revocations.current().is_revoked(&device) {
                     tracing::warn!(%device, "certificate revoked; disconnecting");
@@ -521,6 +542,16 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
             }
             _ = sleep_until(deadline) => rx.handle_timeout(ctx.now()),
             reason = conn.closed() => return Err(format!("{device}: {reason}")),
+        }
+    }
+}
+
+/// Sends an Ack for every lane of this session whose `tiered_seq` rose; the receiver keeps the
+/// last value it sent per lane and ignores lanes outside the session.
+fn push_tiered(ctx: &ConnCtx, device: &str, rx: &mut Receiver) {
+    for m in ctx.hub.marks(device) {
+        if m.tiered_seq > 0 {
+            rx.update_tiered(ctx.now(), &m.stream, m.epoch, m.tiered_seq);
         }
     }
 }
@@ -558,6 +589,7 @@ async fn handle_event(
     rx: &mut Receiver,
     ev: ReceiverEvent,
     done: &mpsc::UnboundedSender<Done>,
+    announced: Option<&HashMap<(String, u64), u64>>,
 ) -> Option<(ErrorCode, String)> {
     match ev {
         ReceiverEvent::NeedMarks {
@@ -579,7 +611,9 @@ async fn handle_event(
             epoch,
             item,
         } => commit(ctx, device, stream, epoch, item, done).await,
-        ReceiverEvent::Backlog { entries, .. } => record_backlog(ctx, device, &entries),
+        ReceiverEvent::Backlog { entries, .. } => {
+            record_backlog(ctx, device, &entries, announced)
+        }
         ReceiverEvent::Fenced {
             stream,
             epoch,
@@ -741,14 +775,39 @@ async fn commit(
     }
 }
 
-fn record_backlog(ctx: &ConnCtx, device: &str, entries: &[BacklogEntry]) {
+/// The `last_seq` of every lane a Hello frame announces; empty for any other frame (a
+/// malformed one is the receiver's to refuse).
+fn announced_last_seqs(frame: &[u8], frame_bytes_max: u32) -> HashMap<(String, u64), u64> {
+    match Frame::decode(frame, frame_bytes_max) {
+        Ok(Frame::Hello(h)) => h
+            .lanes
+            .into_iter()
+            .map(|l| ((l.stream, l.epoch), l.last_seq))
+            .collect(),
+        _ => HashMap::new(),
+    }
+}
+
+/// Stores a Backlog frame's figures. A lane's `last_seq` is the one it announced in the Hello
+/// (0, unknown, for a lane first written during the session); the device keeps appending, so
+/// it is a lower bound of what it holds.
+fn record_backlog(
+    ctx: &ConnCtx,
+    device: &str,
+    entries: &[BacklogEntry],
+    announced: Option<&HashMap<(String, u64), u64>>,
+) {
     ctx.hub.touch(device);
     for e in entries {
+        let last_seq = announced
+            .and_then(|a| a.get(&(e.stream.clone(), e.epoch)))
+            .copied()
+            .unwrap_or(0);
         let report = BacklogReport {
             blocks: e.backlog.blocks,
             bytes: e.backlog.bytes,
             oldest_unsent_ts: e.backlog.oldest_unsent_ts,
-            last_seq: 0,
+            last_seq,
         };
         if let Err(err) = ctx.hub.record_backlog(device, &e.stream, report) {
             tracing::warn!(%device, stream = %e.stream, error = %err, "recording backlog");

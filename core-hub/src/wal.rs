@@ -791,7 +791,8 @@ impl Writer {
         dones: &mut Vec<Done>,
     ) -> Result<bool, CommitError> {
         let bytes: usize = batch.iter().map(request_bytes).sum();
-        let mut buf: Vec<u8> = Vec::with_capacity(bytes.min(BATCH_BYTES_MAX + FRAME_BYTES_MAX as usize));
+        let mut buf: Vec<u8> =
+            Vec::with_capacity(bytes.min(BATCH_BYTES_MAX + FRAME_BYTES_MAX as usize));
         let mut marks: HashMap<(DeviceId, u64, StreamId), u64> = HashMap::new();
         let mut touched_streams = Vec::new();
         let mut wrote = false;

@@ -66,7 +66,12 @@ async fn produce(hub: Arc<Hub>, hot: u64, done: Arc<AtomicBool>) -> u64 {
         tasks.push(tokio::spawn(async move {
             let device = format!("d{d}");
             let mut seq = 1;
-            while seq <= hot / 2 {
+            // The hot records, and on until the stream has split (a slow machine needs longer).
+            let hot_deadline = std::time::Instant::now() + Duration::from_secs(30);
+            while seq <= hot / 2
+                || (hub.streams().stats().splits.load(Ordering::Relaxed) == 0
+                    && std::time::Instant::now() < hot_deadline)
+            {
                 hub.commit_block(&device, STREAM, &block_of(seq, 500, d))
                     .await
                     .unwrap();

@@ -83,20 +83,32 @@ async fn produce(
     hot_records: u64,
     load: Arc<Load>,
     cool_until: impl Fn() -> bool + Send + Sync + 'static,
+    stay_hot: impl Fn() -> bool + Send + Sync + 'static,
 ) -> u64 {
     let cool_until = Arc::new(cool_until);
+    let stay_hot = Arc::new(stay_hot);
     let per_device = hot_records / devices as u64 / block as u64;
     let mut tasks = Vec::new();
     for d in 0..devices {
-        let (hub, keys, load, cool_until) =
-            (hub.clone(), keys.clone(), load.clone(), cool_until.clone());
+        let (hub, keys, load, cool_until, stay_hot) = (
+            hub.clone(),
+            keys.clone(),
+            load.clone(),
+            cool_until.clone(),
+            stay_hot.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let device = format!("dev-{d}");
             let mut rng = rand::rngs::SmallRng::seed_from_u64(d as u64);
             let mut seq = 1u64;
             // Hot: as fast as the hub takes it (pipelined, as a connection would).
             let mut pending = std::collections::VecDeque::new();
-            for _ in 0..per_device {
+            // At least the hot records; longer while `stay_hot` (the splits are not done yet
+            // on a fast machine).
+            let hot_deadline = Instant::now() + Duration::from_secs(60);
+            let mut i = 0;
+            while i < per_device || (stay_hot() && Instant::now() < hot_deadline) {
+                i += 1;
                 let ks: Vec<&str> = (0..block)
                     .map(|_| keys[rng.random_range(0..keys.len())].as_str())
                     .collect();
@@ -263,7 +275,7 @@ async fn three_readers_read_live_through_three_splits_and_three_merges() {
         committed: AtomicU64::new(0),
     });
     let started = Instant::now();
-    let h = hub.clone();
+    let (h, h2) = (hub.clone(), hub.clone());
     let total = produce(
         hub.clone(),
         8,
@@ -272,6 +284,7 @@ async fn three_readers_read_live_through_three_splits_and_three_merges() {
         records,
         load.clone(),
         move || h.streams().stats().merges.load(Ordering::Relaxed) >= 3,
+        move || h2.streams().stats().splits.load(Ordering::Relaxed) < 3,
     )
     .await;
     let produced_in = started.elapsed();
@@ -346,8 +359,8 @@ async fn a_killed_reader_resumes_from_its_checkpoint() {
             .groups()
             .join(&hub, sid, "g", &format!("r{i}"))
             .unwrap();
-        // Reader 1 dies once it has delivered 20k records.
-        let kill = (i == 1).then_some(20_000);
+        // Reader 0 (which holds segment 0 from the start) dies once it delivered 20k records.
+        let kill = (i == 0).then_some(20_000);
         readers.push(tokio::spawn(run_reader(
             r,
             i,
@@ -361,9 +374,17 @@ async fn a_killed_reader_resumes_from_its_checkpoint() {
         committed: AtomicU64::new(0),
     });
     let h = hub.clone();
-    let total = produce(hub.clone(), 4, 1000, keys(1024), records, load, move || {
-        h.streams().stats().merges.load(Ordering::Relaxed) >= 1
-    })
+    let h2 = hub.clone();
+    let total = produce(
+        hub.clone(),
+        4,
+        1000,
+        keys(1024),
+        records,
+        load,
+        move || h.streams().stats().merges.load(Ordering::Relaxed) >= 1,
+        move || h2.streams().stats().splits.load(Ordering::Relaxed) < 1,
+    )
     .await;
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -384,9 +405,9 @@ async fn a_killed_reader_resumes_from_its_checkpoint() {
     for r in readers {
         r.await.unwrap();
     }
-    let cps = death.lock().unwrap().clone().expect("reader 1 was killed");
+    let cps = death.lock().unwrap().clone().expect("reader 0 was killed");
     let log = log.lock().unwrap();
-    let dups = verify(&log, total, &hub, Some((1, &cps)));
+    let dups = verify(&log, total, &hub, Some((0, &cps)));
     assert!(
         dups > 0,
         "the killed reader's last batch is delivered again from its checkpoint"
@@ -397,7 +418,7 @@ async fn a_killed_reader_resumes_from_its_checkpoint() {
         .status(sid, "g", &hub.streams().snapshot(sid).unwrap().graph)
         .unwrap();
     assert!(
-        status.readers.iter().all(|r| r.name != "r1"),
+        status.readers.iter().all(|r| r.name != "r0"),
         "the dead reader left the group"
     );
     eprintln!("{total} records, {dups} redelivered after the kill");

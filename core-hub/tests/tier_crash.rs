@@ -45,7 +45,10 @@ async fn fail_points_between_upload_and_commit() {
         let fail = Arc::new(move |p| p == TierFaultPoint::AfterUpload);
         let t = Tiering::open(hub.clone(), &cfg, Some(fail)).await.unwrap();
         let err = t.run_once(true).await.unwrap_err();
-        assert!(matches!(err, TierRunError::Fault(TierFaultPoint::AfterUpload)));
+        assert!(matches!(
+            err,
+            TierRunError::Fault(TierFaultPoint::AfterUpload)
+        ));
         let objects = t.store().list("streams/").await.unwrap();
         assert!(!objects.is_empty(), "the first chunk was uploaded");
         assert!(t.store().list("_tributary/").await.unwrap().is_empty());
@@ -58,7 +61,10 @@ async fn fail_points_between_upload_and_commit() {
         let fail = Arc::new(move |p| p == TierFaultPoint::AfterManifest);
         let t = Tiering::open(hub.clone(), &cfg, Some(fail)).await.unwrap();
         let err = t.run_once(true).await.unwrap_err();
-        assert!(matches!(err, TierRunError::Fault(TierFaultPoint::AfterManifest)));
+        assert!(matches!(
+            err,
+            TierRunError::Fault(TierFaultPoint::AfterManifest)
+        ));
         assert!(!t.store().list("_tributary/").await.unwrap().is_empty());
         assert_eq!(hub.tiered_seq("truck-0", "telemetry", 1), 0);
         // Nothing was evicted: the catalog does not count the chunk as tiered.
@@ -69,14 +75,23 @@ async fn fail_points_between_upload_and_commit() {
         let hub = core_hub::Hub::open(&cfg).unwrap();
         let hits = Arc::new(AtomicU64::new(0));
         let h = hits.clone();
-        let fail = Arc::new(move |p| p == TierFaultPoint::BeforeEvict && h.fetch_add(1, Ordering::SeqCst) == 0);
+        let fail = Arc::new(move |p| {
+            p == TierFaultPoint::BeforeEvict && h.fetch_add(1, Ordering::SeqCst) == 0
+        });
         let t = Tiering::open(hub.clone(), &cfg, Some(fail)).await.unwrap();
         let err = t.run_once(true).await.unwrap_err();
-        assert!(matches!(err, TierRunError::Fault(TierFaultPoint::BeforeEvict)));
+        assert!(matches!(
+            err,
+            TierRunError::Fault(TierFaultPoint::BeforeEvict)
+        ));
         flush(&t).await;
         let (records, files) = tier2_records(&t).await;
         assert_exactly(&records, &expect);
-        let manifests = t.store().list("_tributary/manifests/telemetry/").await.unwrap();
+        let manifests = t
+            .store()
+            .list("_tributary/manifests/telemetry/")
+            .await
+            .unwrap();
         assert_eq!(files, manifests.len(), "one object per chunk, no leftovers");
         for d in 0..DEVICES {
             assert_eq!(hub.tiered_seq(&format!("truck-{d}"), "telemetry", 1), 8_000);
@@ -147,7 +162,8 @@ fn child_hub() {
         println!("DONE");
         // Keep tiering until killed or until everything is tiered.
         loop {
-            let done = (0..DEVICES).all(|d| hub.tiered_seq(&format!("truck-{d}"), "telemetry", 1) >= total);
+            let done = (0..DEVICES)
+                .all(|d| hub.tiered_seq(&format!("truck-{d}"), "telemetry", 1) >= total);
             if done {
                 println!("TIERED");
                 break;
@@ -162,7 +178,13 @@ fn common_block(device: &str, first: u64, last: u64) -> Vec<u8> {
 }
 
 /// Runs a child until `kill_after` acks (SIGKILL) or to the end. `fault` sets the fault env.
-fn run_child(dir: &std::path::Path, endpoint: &str, total: u64, kill_after: Option<usize>, fault: Option<&str>) -> (usize, Option<i32>) {
+fn run_child(
+    dir: &std::path::Path,
+    endpoint: &str,
+    total: u64,
+    kill_after: Option<usize>,
+    fault: Option<&str>,
+) -> (usize, Option<i32>) {
     let exe = std::env::current_exe().unwrap();
     let mut cmd = Command::new(exe);
     cmd.args(["--exact", "child_hub", "--nocapture", "--test-threads=1"])
@@ -215,8 +237,18 @@ async fn kill_dash_nine_between_upload_and_commit() {
     tokio::task::spawn_blocking(move || {
         // Exits exactly between upload and commit (the process ends like a crash).
         for (i, point) in ["after_upload", "after_manifest"].iter().enumerate() {
-            let (_, code) = run_child(&d, &ep, total, None, Some(&format!("{point}:exit:{}", i + 1)));
-            assert_eq!(code, Some(core_hub::tiering::faults::FAULT_EXIT_CODE), "seed {seed}");
+            let (_, code) = run_child(
+                &d,
+                &ep,
+                total,
+                None,
+                Some(&format!("{point}:exit:{}", i + 1)),
+            );
+            assert_eq!(
+                code,
+                Some(core_hub::tiering::faults::FAULT_EXIT_CODE),
+                "seed {seed}"
+            );
         }
         // SIGKILL at random moments while ingesting and tiering.
         let mut mid = 0;
@@ -228,7 +260,10 @@ async fn kill_dash_nine_between_upload_and_commit() {
             }
             println!("child killed after {acks} events ({code:?})");
         }
-        assert!(mid > 0, "no kill landed while the child was running (seed {seed})");
+        assert!(
+            mid > 0,
+            "no kill landed while the child was running (seed {seed})"
+        );
         let (_, code) = run_child(&d, &ep, total, None, None);
         assert_eq!(code, Some(0), "the last child finishes (seed {seed})");
     })
@@ -238,10 +273,16 @@ async fn kill_dash_nine_between_upload_and_commit() {
     let cfg = config(dir.path(), &endpoint, |_| {});
     let (hub, t) = open(&cfg).await;
     flush(&t).await;
-    let expect: BTreeMap<String, u64> = (0..DEVICES).map(|d| (format!("truck-{d}"), total)).collect();
+    let expect: BTreeMap<String, u64> = (0..DEVICES)
+        .map(|d| (format!("truck-{d}"), total))
+        .collect();
     let (records, files) = tier2_records(&t).await;
     assert_exactly(&records, &expect);
-    let manifests = t.store().list("_tributary/manifests/telemetry/").await.unwrap();
+    let manifests = t
+        .store()
+        .list("_tributary/manifests/telemetry/")
+        .await
+        .unwrap();
     assert_eq!(files, manifests.len(), "one object per chunk (seed {seed})");
     assert_duckdb(&server.bucket_dir(), &expect);
     hub.shutdown();

@@ -48,7 +48,10 @@ async fn tier2_outage_pushes_back_then_recovers() {
         matches!(refused, IngestError::Unavailable(CommitError::Full(_))),
         "{refused:?}"
     );
-    assert!(!refused.is_peer_fault(), "pushback is retryable, not the device's fault");
+    assert!(
+        !refused.is_peer_fault(),
+        "pushback is retryable, not the device's fault"
+    );
     assert!(t.stats().tier2_down.load(Ordering::Relaxed));
     assert!(t.tier1_bytes() >= 3 << 20);
     let acked = next - 1;
@@ -56,7 +59,11 @@ async fn tier2_outage_pushes_back_then_recovers() {
     // Still refused while tier 2 stays down.
     let _ = t.run_once(true).await;
     let again = hub
-        .commit_block("truck-0", "telemetry", &common::block("truck-0", 1, next, next + 99))
+        .commit_block(
+            "truck-0",
+            "telemetry",
+            &common::block("truck-0", 1, next, next + 99),
+        )
         .await;
     assert!(again.is_err());
 

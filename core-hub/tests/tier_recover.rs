@@ -24,7 +24,14 @@ async fn rebuild_from_tier2_then_reship() {
         flush(&t).await;
         // More data that only tier 1 holds when the disk is lost.
         for d in 0..3 {
-            ingest(&hub, &format!("truck-{d}"), 6_001, 6_000 + 700 * (d + 1), 70).await;
+            ingest(
+                &hub,
+                &format!("truck-{d}"),
+                6_001,
+                6_000 + 700 * (d + 1),
+                70,
+            )
+            .await;
         }
         // One chunk uploaded but never committed (crash between upload and commit).
         let fail = std::sync::Arc::new(|p| p == core_hub::tiering::TierFaultPoint::AfterUpload);
@@ -41,9 +48,16 @@ async fn rebuild_from_tier2_then_reship() {
         .await
         .unwrap();
     assert_eq!(report.streams, 1);
-    assert!(report.adopted >= 1, "the uncommitted chunk file is adopted: {report:?}");
+    assert!(
+        report.adopted >= 1,
+        "the uncommitted chunk file is adopted: {report:?}"
+    );
     // Recovering twice is refused: the catalog exists now.
-    assert!(core_hub::tiering::recover::from_tier2(&cfg, |_, _, _| {}).await.is_err());
+    assert!(
+        core_hub::tiering::recover::from_tier2(&cfg, |_, _, _| {})
+            .await
+            .is_err()
+    );
 
     let (hub, t) = open(&cfg).await;
     let mut expect = BTreeMap::new();
@@ -62,7 +76,11 @@ async fn rebuild_from_tier2_then_reship() {
     flush(&t).await;
     let (records, files) = tier2_records(&t).await;
     assert_exactly(&records, &expect);
-    let manifests = t.store().list("_tributary/manifests/telemetry/").await.unwrap();
+    let manifests = t
+        .store()
+        .list("_tributary/manifests/telemetry/")
+        .await
+        .unwrap();
     assert_eq!(files, manifests.len());
     // Read-through works on the rebuilt catalog (tier 1 is empty below the rebuilt offsets).
     let page = core_hub::tiering::read::read_from(&t, "telemetry", None, 0, 3)
@@ -71,5 +89,94 @@ async fn rebuild_from_tier2_then_reship() {
     assert_eq!(page.records.len(), 3);
     assert_eq!(page.records[0].offset, 0);
     assert_duckdb(&server.bucket_dir(), &expect);
+    hub.shutdown();
+}
+
+/// A scaled stream: `recover --from-tier2` rebuilds its segment graph (ranges, starts, ends,
+/// predecessor links) from the manifests, and readers of the rebuilt hub see every tiered
+/// record once, in the segments it had, through tier 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebuild_restores_the_segment_graph() {
+    use core_hub::config::ScalePolicy;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("hub");
+    let cfg = common::config(&data, |c| {
+        c.wal.segment_bytes_max = 64 << 10;
+        c.streams.scale.insert(
+            "telemetry".into(),
+            ScalePolicy {
+                target_records_per_s: Some(20_000),
+                target_bytes_per_s: None,
+                window: Duration::from_millis(100),
+                min_segments: 1,
+                max_segments: 4,
+            },
+        );
+        let t = &mut c.tier2;
+        t.url = format!("file://{}", dir.path().join("tier2").display());
+        t.chunk_records_max = 2_000;
+        t.chunk_age_max = Duration::from_secs(3600);
+        t.tier1_retention_time = Duration::ZERO;
+        t.tier1_retention_bytes = 0;
+    });
+    let (before, tiered_end) = {
+        let (hub, t) = open(&cfg).await;
+        let mut seq = 1;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while seq <= 30_000
+            || (hub.streams().stats().splits.load(Ordering::Relaxed) == 0
+                && Instant::now() < deadline)
+        {
+            for d in 0..2 {
+                let dev = format!("truck-{d}");
+                hub.commit_block(&dev, "telemetry", &common::block(&dev, 1, seq, seq + 299))
+                    .await
+                    .unwrap();
+            }
+            seq += 300;
+        }
+        assert!(hub.streams().stats().splits.load(Ordering::Relaxed) >= 1);
+        flush(&t).await;
+        let sid = hub.stream_id("telemetry").unwrap();
+        let st = core_hub::tiering::store::state(hub.catalog(), sid).unwrap();
+        let graph = hub.streams().snapshot(sid).unwrap().graph.clone();
+        hub.shutdown();
+        (graph, st.tiered_end)
+    };
+    std::fs::remove_dir_all(&data).unwrap();
+
+    let report = core_hub::tiering::recover::from_tier2(&cfg, |_, _, _| {})
+        .await
+        .unwrap();
+    let (hub, _t) = open(&cfg).await;
+    let sid = hub.stream_id("telemetry").unwrap();
+    let snap = hub.streams().snapshot(sid).unwrap();
+    assert_eq!(snap.end, tiered_end);
+    let want = core_hub::streams::graph::truncate_at(before.segments().to_vec(), tiered_end);
+    assert!(want.len() > 1, "the stream had split below the tiered end");
+    assert_eq!(report.segments, want.len() as u64, "{report:?}");
+    let got = snap.graph.segments();
+    assert_eq!(got.len(), want.len());
+    for (g, w) in got.iter().zip(&want) {
+        assert_eq!(
+            (g.id, g.lo, g.hi, g.start, g.end, &g.preds, &g.succs),
+            (w.id, w.lo, w.hi, w.start, w.end, &w.preds, &w.succs),
+            "segment {}",
+            w.id
+        );
+    }
+    // Every tiered record once, in offset order, tagged with the segment the graph locates.
+    let h = hub.clone();
+    let all = tokio::task::spawn_blocking(move || common::read_all(&h, "telemetry"))
+        .await
+        .unwrap();
+    assert_eq!(all.len() as u64, tiered_end);
+    for (i, r) in all.iter().enumerate() {
+        assert_eq!(r.offset, i as u64);
+        let p = core_hub::streams::key_point(&r.key);
+        assert_eq!(r.segment, snap.graph.locate(r.offset, p));
+    }
     hub.shutdown();
 }

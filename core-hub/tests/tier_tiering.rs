@@ -25,7 +25,10 @@ async fn tiering_eviction_and_read_through() {
         expect.insert(dev, PER_DEVICE);
     }
     let wal_files_before = core_hub::wal::list_wal_files(&cfg.wal_dir()).unwrap().len();
-    assert!(wal_files_before >= 2, "the test needs several WAL files ({wal_files_before})");
+    assert!(
+        wal_files_before >= 2,
+        "the test needs several WAL files ({wal_files_before})"
+    );
     flush(&t).await;
 
     // Every record is in tier 2 exactly once, under deterministic names.
@@ -38,7 +41,11 @@ async fn tiering_eviction_and_read_through() {
         assert!(o.path.contains("/seg-"), "{}", o.path);
     }
     assert!(
-        !t.store().list("_tributary/manifests/telemetry/").await.unwrap().is_empty(),
+        !t.store()
+            .list("_tributary/manifests/telemetry/")
+            .await
+            .unwrap()
+            .is_empty(),
         "manifests live outside streams/"
     );
 
@@ -55,7 +62,14 @@ async fn tiering_eviction_and_read_through() {
 
     // New data stays in tier 1 until tiered; a reader from 0 crosses the boundary.
     for d in 0..DEVICES {
-        ingest(&hub, &format!("truck-{d}"), PER_DEVICE + 1, PER_DEVICE + 500, 50).await;
+        ingest(
+            &hub,
+            &format!("truck-{d}"),
+            PER_DEVICE + 1,
+            PER_DEVICE + 500,
+            50,
+        )
+        .await;
     }
     let mut reader =
         core_hub::tiering::read::TierReader::new(t.clone(), "telemetry", None, 0).unwrap();
@@ -105,7 +119,11 @@ async fn tier2_retention_deletes_old_chunks() {
     assert!(!left.is_empty());
     assert!(t.stats().tier2_chunks_deleted.load(Ordering::Relaxed) > 0);
     // Manifests of deleted chunks are gone too.
-    let manifests = t.store().list("_tributary/manifests/telemetry/").await.unwrap();
+    let manifests = t
+        .store()
+        .list("_tributary/manifests/telemetry/")
+        .await
+        .unwrap();
     assert_eq!(manifests.len(), left.len());
     // A reader from 0 starts at the oldest record still kept.
     let page = core_hub::tiering::read::read_from(&t, "telemetry", None, 0, 5)

@@ -32,14 +32,20 @@ use crate::log::{self as locallog, LogHandle};
 /// How long a stream the hub refused stays out of the sessions before it is offered again.
 pub const REFUSED_STREAM_RETRY: Duration = Duration::from_secs(600);
 
-/// Streams the hub refused, with when; see [`REFUSED_STREAM_RETRY`].
+/// Streams left out of every session: those the hub refused, with when (see
+/// [`REFUSED_STREAM_RETRY`]), and those configured to stay on the device.
 #[derive(Debug, Default)]
 struct Refused {
     streams: std::collections::HashMap<String, StdInstant>,
+    /// `replicate = false` streams: never announced, never shipped.
+    local_only: std::collections::HashSet<String>,
 }
 
 impl Refused {
     fn contains(&mut self, stream: &str) -> bool {
+        if self.local_only.contains(stream) {
+            return true;
+        }
         self.streams
             .retain(|_, at| at.elapsed() < REFUSED_STREAM_RETRY);
         self.streams.contains_key(stream)
@@ -82,6 +88,9 @@ pub struct ReplicatorConfig {
     pub reblock_records_max: usize,
     /// Body version of re-sealed blocks; version 2 (columnar) is what makes backlog cheap.
     pub reblock_version: u8,
+    /// Streams that stay on the device (`replicate = false`): never announced or shipped, so
+    /// the hub never acknowledges them as tiered and local retention alone frees them.
+    pub local_only: Vec<String>,
     pub sender: SenderConfig,
 }
 
@@ -97,6 +106,7 @@ impl ReplicatorConfig {
             priorities: Vec::new(),
             reblock_records_max: sync::columnar::OFFLINE_BLOCK_RECORDS,
             reblock_version: sync::block::VERSION_COLUMNAR,
+            local_only: Vec::new(),
             sender: SenderConfig::default(),
         }
     }
@@ -284,7 +294,10 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
         }
     };
     let clock = StdInstant::now();
-    let mut refused = Refused::default();
+    let mut refused = Refused {
+        local_only: cfg.local_only.iter().cloned().collect(),
+        ..Refused::default()
+    };
     loop {
         status.set("connecting", None);
         status.connects.fetch_add(1, Ordering::Relaxed);
@@ -804,6 +817,18 @@ mod tests {
         assert_eq!(r.note("stream `a`").as_deref(), Some("a"));
         assert_eq!(r.note("stream `a`"), None, "counted once per retry period");
         assert!(r.contains("a") && !r.contains("b"));
+    }
+
+    #[test]
+    fn local_only_streams_are_always_left_out() {
+        let mut r = Refused {
+            local_only: ["raw".to_string()].into_iter().collect(),
+            ..Refused::default()
+        };
+        assert!(r.contains("raw"), "a replicate = false stream is never offered");
+        assert!(!r.contains("filtered"));
+        assert_eq!(r.note("stream `filtered`").as_deref(), Some("filtered"));
+        assert!(r.contains("raw") && r.contains("filtered"));
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! - [`mosquitto`]: a real broker on a free port.
 //! - [`netns`]: two namespaces joined by veth, with counted iptables DROP rules.
 //! - [`netem`]: delay, jitter, loss, reordering, duplication and a rate cap for UDP (QUIC).
+//! - [`tier2`]: the hub's tiering marks (from its catalog) and tier 2 as DuckDB reads it.
 //! - [`peers`]: `nats-server` (JetStream) with a minimal client, and a keep-alive HTTP poster,
 //!   for the side-by-side benchmarks against peer systems.
 //!
@@ -26,3 +27,4 @@ pub mod netns;
 pub mod peers;
 pub mod ports;
 pub mod procs;
+pub mod tier2;

@@ -186,11 +186,15 @@ fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
     // written after it are both acknowledged and stored.
     ingest(&producer, &mut ledger, "other", &batch("allowed", 300, 300))?;
     ingest(&producer, &mut ledger, STREAM, &batch("forbidden", 300, 50))?;
-    wait_until(WAIT, "the allowed stream to be acknowledged in full", || {
-        cluster::status(spec.http)
-            .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 600)
-            .unwrap_or(false)
-    })
+    wait_until(
+        WAIT,
+        "the allowed stream to be acknowledged in full",
+        || {
+            cluster::status(spec.http)
+                .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 600)
+                .unwrap_or(false)
+        },
+    )
     .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
     let status = cluster::status(spec.http)?;
     assert_eq!(

@@ -362,6 +362,122 @@ pub fn store_event(
     Ok(())
 }
 
+/// The segments as compact JSON for tier-2 manifests: one array per segment,
+/// `[id, lo, hi, start, end|null, created_ns, sealed_ns|null, [preds]]`.
+pub fn to_json(segments: &[Segment]) -> serde_json::Value {
+    serde_json::Value::Array(
+        segments
+            .iter()
+            .map(|s| {
+                serde_json::json!([
+                    s.id, s.lo, s.hi, s.start, s.end, s.created_ns, s.sealed_ns, s.preds
+                ])
+            })
+            .collect(),
+    )
+}
+
+/// Parses [`to_json`] output back (successor links derived from the predecessors). `None`
+/// when it is not a well-formed graph: ids dense from 0, predecessors earlier than their
+/// successors.
+pub fn from_json(v: &serde_json::Value) -> Option<Vec<Segment>> {
+    let mut out: Vec<Segment> = Vec::new();
+    for (i, item) in v.as_array()?.iter().enumerate() {
+        let a = item.as_array()?;
+        let u = |k: usize| a.get(k).and_then(serde_json::Value::as_u64);
+        let id = SegmentId::try_from(u(0)?).ok()?;
+        if id as usize != i {
+            return None;
+        }
+        let preds: Vec<SegmentId> = a
+            .get(7)?
+            .as_array()?
+            .iter()
+            .map(|p| p.as_u64().and_then(|p| SegmentId::try_from(p).ok()))
+            .collect::<Option<_>>()?;
+        if preds.iter().any(|&p| p >= id) {
+            return None;
+        }
+        out.push(Segment {
+            id,
+            lo: u(1)?,
+            hi: u(2)?,
+            start: u(3)?,
+            end: a.get(4).and_then(serde_json::Value::as_u64),
+            preds,
+            succs: Vec::new(),
+            created_ns: a.get(5).and_then(serde_json::Value::as_i64).unwrap_or(0),
+            sealed_ns: a.get(6).and_then(serde_json::Value::as_i64),
+        });
+    }
+    if out.is_empty() {
+        return None;
+    }
+    for i in 0..out.len() {
+        for p in out[i].preds.clone() {
+            let id = out[i].id;
+            out[p as usize].succs.push(id);
+        }
+    }
+    Some(out)
+}
+
+/// The graph as it stood for a stream whose records end at `end`: segments created at or
+/// after `end` are dropped (always a suffix of the ids) and their predecessors reopened.
+pub fn truncate_at(mut segments: Vec<Segment>, end: u64) -> Vec<Segment> {
+    // Segment 0 always stays (a stream has at least one segment).
+    let keep = segments
+        .iter()
+        .position(|s| s.id > 0 && s.start >= end)
+        .unwrap_or(segments.len());
+    segments.truncate(keep);
+    for s in &mut segments {
+        s.succs.retain(|&x| (x as usize) < keep);
+        if s.succs.is_empty() {
+            s.end = None;
+            s.sealed_ns = None;
+        }
+    }
+    segments
+}
+
+/// Stores a whole graph for a stream that has none (catalog rebuild from tier 2), in one
+/// transaction.
+pub fn store_all(
+    catalog: &Catalog,
+    stream: StreamId,
+    segments: &[Segment],
+) -> Result<(), CatalogError> {
+    catalog.with_write_conn(|c| -> rusqlite::Result<()> {
+        let tx = c.transaction()?;
+        for s in segments {
+            tx.execute(
+                "INSERT OR REPLACE INTO segments
+                 (stream, id, lo, hi, start_offset, end_offset, created_ns, sealed_ns)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
+                params![
+                    i64::from(stream),
+                    i64::from(s.id),
+                    s.lo as i64,
+                    s.hi as i64,
+                    s.start as i64,
+                    s.end.map(|e| e as i64),
+                    s.created_ns,
+                    s.sealed_ns
+                ],
+            )?;
+            for &p in &s.preds {
+                tx.execute(
+                    "INSERT OR IGNORE INTO segment_links (stream, pred, succ) VALUES (?1, ?2, ?3)",
+                    params![i64::from(stream), i64::from(p), i64::from(s.id)],
+                )?;
+            }
+        }
+        tx.commit()
+    })?;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -19,7 +19,7 @@ use super::graph::{Graph, SegmentId};
 use super::reader::{Start, offset_at_time};
 use crate::catalog::{Catalog, CatalogError, StreamId};
 use crate::ingest::Hub;
-use crate::read::{ReadError, ReadRecord, scan};
+use crate::read::{ReadError, ReadRecord, scan_in};
 use rusqlite::params;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
@@ -563,9 +563,10 @@ impl GroupReader {
             let next = if room == 0 {
                 c
             } else {
-                scan(
+                scan_in(
                     &self.hub,
                     &snap,
+                    Some(s),
                     c,
                     to,
                     room,

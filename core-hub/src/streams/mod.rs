@@ -50,6 +50,8 @@ pub enum StreamsError {
     Catalog(#[from] CatalogError),
     #[error("unknown stream id {0}")]
     UnknownStream(StreamId),
+    #[error("cannot start the scaling thread: {0}")]
+    Thread(std::io::Error),
 }
 
 /// One committed block as the stream manager sees it.
@@ -121,6 +123,9 @@ pub struct StreamManager {
     cache: reader::BlockCache,
     stats: StreamStats,
     stop: AtomicBool,
+    /// Tier 2, once tiering is open: readers go there below a stream's tier-1 start. Weak,
+    /// since tiering holds the hub that holds this manager.
+    tiering: Mutex<std::sync::Weak<crate::tiering::Tiering>>,
 }
 
 impl std::fmt::Debug for StreamManager {
@@ -176,6 +181,7 @@ impl StreamManager {
             cache: reader::BlockCache::new(reader::BLOCK_CACHE_ENTRIES),
             stats: StreamStats::default(),
             stop: AtomicBool::new(false),
+            tiering: Mutex::new(std::sync::Weak::new()),
         });
         let tick = policy
             .scale
@@ -187,12 +193,18 @@ impl StreamManager {
         std::thread::Builder::new()
             .name("stream-scaler".into())
             .spawn(move || ticker(weak, tick))
-            .map_err(|e| {
-                StreamsError::Catalog(CatalogError::from(rusqlite::Error::ToSqlConversionFailure(
-                    Box::new(e),
-                )))
-            })?;
+            .map_err(StreamsError::Thread)?;
         Ok(mgr)
+    }
+
+    /// Registers tier 2 for read-through (called by [`crate::tiering::Tiering::open`]).
+    pub fn set_tiering(&self, t: &Arc<crate::tiering::Tiering>) {
+        *self.tiering.lock().expect("tiering lock") = Arc::downgrade(t);
+    }
+
+    /// Tier 2, if tiering is open.
+    pub fn tiering(&self) -> Option<Arc<crate::tiering::Tiering>> {
+        self.tiering.lock().expect("tiering lock").upgrade()
     }
 
     /// Stops the ticker thread (it also stops once the manager is dropped).

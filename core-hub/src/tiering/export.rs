@@ -84,7 +84,10 @@ pub async fn export(
     let mut report = ExportReport::default();
     let mut records: Vec<TierRecord> = Vec::new();
     for m in &wanted {
-        let chunk = t2.read_chunk(&m.path).await.map_err(tier::TierError::from)?;
+        let chunk = t2
+            .read_chunk(&m.path)
+            .await
+            .map_err(tier::TierError::from)?;
         records.extend(
             chunk
                 .into_iter()

@@ -2,7 +2,8 @@
 //!
 //! A fault makes the step fail (the uploader stops this round and retries later), or, with
 //! `TRIBUTARY_TIER_FAULT=<point>:exit`, ends the whole process at once with exit code 86, which
-//! is how the crash tests kill a real hub exactly between upload and commit. Production never
+//! is how the crash tests kill a real hub exactly between upload and commit; `<point>:delay:MS`
+//! only holds the step open, so that the system crash loop's random kills land there. Production never
 //! sets either: no hook is installed and the variable is absent.
 
 use std::sync::Arc;
@@ -38,13 +39,18 @@ pub type TierFaultHook = Arc<dyn Fn(TierFaultPoint) -> bool + Send + Sync>;
 
 /// The hook described by [`FAULT_ENV`], if set: `after_upload:exit` exits the process at that
 /// point (after `skip` earlier hits, with `after_upload:exit:3`), `after_upload:fail` fails it
-/// every time.
+/// every time, `after_upload:delay:300` holds that step open for 300 ms and goes on.
 pub fn hook_from_env() -> Option<TierFaultHook> {
     let spec = std::env::var(FAULT_ENV).ok()?;
     let mut parts = spec.split(':');
     let point = parts.next()?.to_string();
     let action = parts.next().unwrap_or("fail").to_string();
-    let skip: u64 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let number: u64 = parts.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+    let (skip, spec_delay_ms) = if action == "delay" {
+        (0, number)
+    } else {
+        (number, 0)
+    };
     let hits = std::sync::atomic::AtomicU64::new(0);
     tracing::error!(%spec, "{FAULT_ENV} is set: tiering fault injection is ON (tests only)");
     Some(Arc::new(move |p: TierFaultPoint| {
@@ -52,6 +58,18 @@ pub fn hook_from_env() -> Option<TierFaultHook> {
             return false;
         }
         if hits.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < skip {
+            return false;
+        }
+        if action == "delay" {
+            // `<point>:delay:MS` holds the step open for MS milliseconds and lets it go on: the
+            // crash loop widens the window between upload and commit so that random kills land
+            // in it. The counter field is the delay here, not a skip count.
+            let ms = spec_delay_ms;
+            let wait = || std::thread::sleep(std::time::Duration::from_millis(ms));
+            match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+                Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(wait),
+                _ => wait(),
+            }
             return false;
         }
         if action == "exit" {

@@ -44,7 +44,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 use store::{COMMITTED, ChunkRow, PLANNED, RangeCommit};
 use thiserror::Error;
-use tier::{EncodeOptions, FieldRegistry, Manifest, TierRecord, Tier2};
+use tier::{EncodeOptions, FieldRegistry, Manifest, Tier2, TierRecord};
 use tokio::sync::watch;
 
 /// Decode limits for blocks already committed (see `read.rs`).
@@ -333,6 +333,8 @@ impl Tiering {
             wal_dir,
         });
         t.install_gate();
+        // Readers of the hub read evicted offsets through tier 2 (`crate::read::scan`).
+        t.hub.streams().set_tiering(&t);
         Ok(t)
     }
 
@@ -472,7 +474,10 @@ impl Tiering {
         let pending = store::pending_chunks(self.hub.catalog())?;
         let mut groups: BTreeMap<(StreamId, u64), Vec<ChunkRow>> = BTreeMap::new();
         for ch in pending {
-            groups.entry((ch.stream, ch.range_first)).or_default().push(ch);
+            groups
+                .entry((ch.stream, ch.range_first))
+                .or_default()
+                .push(ch);
         }
         for ((stream, _), chunks) in groups {
             let (n, records) = self.upload_range(stream, chunks).await?;
@@ -592,11 +597,12 @@ impl Tiering {
                     continue;
                 }
                 let mut opts = encode.clone();
-                opts.metadata.push(("tributary.stream".into(), stream_name.clone()));
+                opts.metadata
+                    .push(("tributary.stream".into(), stream_name.clone()));
                 opts.metadata
                     .push(("tributary.segment".into(), ch.segment.to_string()));
-                let (bytes, summary) = tier::encode_chunk(&recs, &registry, &opts)
-                    .map_err(tier::TierError::from)?;
+                let (bytes, summary) =
+                    tier::encode_chunk(&recs, &registry, &opts).map_err(tier::TierError::from)?;
                 out.push(Some((bytes, summary)));
             }
             Ok::<_, TierRunError>((registry, out))
@@ -637,6 +643,17 @@ impl Tiering {
                     *e = (*e).max(r.max_seq);
                 }
                 let seg = segment_of(&self.hub, ch);
+                // The segment's own start and predecessors, and (in the first manifest of the
+                // range) the whole segment graph so far: `recover` rebuilds the graph from them.
+                let (segment_start, preds, graph) =
+                    graph_for_manifest(&self.hub, stream, ch.segment, manifests.is_empty());
+                let mut extra = serde_json::json!({
+                    "range_first": ch.range_first,
+                    "range_end": commit.tiered_end,
+                });
+                if let Some(g) = graph {
+                    extra["segments"] = g;
+                }
                 manifests.push(Manifest {
                     version: tier::layout::MANIFEST_VERSION,
                     stream: name.clone(),
@@ -648,13 +665,10 @@ impl Tiering {
                     columns: registry.columns().to_vec(),
                     hash_lo: seg.hash_lo as i64,
                     hash_hi: seg.hash_hi as i64,
-                    segment_start: seg.start,
-                    preds: Vec::new(),
+                    segment_start: segment_start.unwrap_or(seg.start),
+                    preds,
                     committed_ns: now_ns(),
-                    extra: serde_json::json!({
-                        "range_first": ch.range_first,
-                        "range_end": commit.tiered_end,
-                    }),
+                    extra,
                 });
             }
             commit.chunks.push(row);
@@ -791,7 +805,11 @@ impl Tiering {
                     deleted += 1;
                 }
                 total -= bytes;
-                new_start = chunks.iter().map(|c| c.end_offset).max().unwrap_or(new_start);
+                new_start = chunks
+                    .iter()
+                    .map(|c| c.end_offset)
+                    .max()
+                    .unwrap_or(new_start);
                 store::drop_chunks_below(&cat, sid, new_start)?;
             }
         }
@@ -799,6 +817,31 @@ impl Tiering {
             .tier2_chunks_deleted
             .fetch_add(deleted, Ordering::Relaxed);
         Ok(deleted)
+    }
+}
+
+/// For a manifest of `segment`: its start and predecessors in the stream's graph, and with
+/// `whole` the graph's segments encoded for [`recover`] (`crate::streams::graph::to_json`).
+fn graph_for_manifest(
+    hub: &Hub,
+    stream: StreamId,
+    segment: u64,
+    whole: bool,
+) -> (Option<u64>, Vec<u64>, Option<serde_json::Value>) {
+    let Ok(snap) = hub.streams().snapshot(stream) else {
+        return (None, Vec::new(), None);
+    };
+    let own = u32::try_from(segment)
+        .ok()
+        .and_then(|id| snap.graph.segment(id));
+    let graph = whole.then(|| crate::streams::graph::to_json(snap.graph.segments()));
+    match own {
+        Some(s) => (
+            Some(s.start),
+            s.preds.iter().map(|&p| u64::from(p)).collect(),
+            graph,
+        ),
+        None => (None, Vec::new(), graph),
     }
 }
 
@@ -873,9 +916,12 @@ fn append_block(
         && u64::from(entry.count) == row.count()
         && entry.hub_offset_base == row.hub_offset_base;
     if !same {
-        return Err(bad(format!("entry header {entry:?} differs from its index row")));
+        return Err(bad(format!(
+            "entry header {entry:?} differs from its index row"
+        )));
     }
-    let decoded = sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| bad(e.to_string()))?;
+    let decoded =
+        sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| bad(e.to_string()))?;
     if decoded.records.len() as u64 != row.count() {
         return Err(bad("block holds a different record count".into()));
     }

@@ -12,8 +12,8 @@
 //! the stream's column order rather than the producer's, and its `ingest_ts` has microsecond
 //! precision.
 
-use super::store::{self, ChunkRow};
 use super::Tiering;
+use super::store::{self, ChunkRow};
 use crate::catalog::{CatalogError, StreamId};
 use crate::read::{ReadError, ReadPage, ReadRecord};
 use std::collections::VecDeque;
@@ -35,7 +35,9 @@ pub enum ReadThroughError {
     Tier1(#[from] ReadError),
     #[error("tier 2: {0}")]
     Tier2(#[from] tier::GetError),
-    #[error("tier 2 has no committed chunk at offset {offset} of `{stream}`, below the tier-1 start {evicted_end}")]
+    #[error(
+        "tier 2 has no committed chunk at offset {offset} of `{stream}`, below the tier-1 start {evicted_end}"
+    )]
     Missing {
         stream: String,
         offset: u64,
@@ -52,8 +54,12 @@ pub struct TierReader {
     sid: StreamId,
     segment: Option<u64>,
     next: u64,
-    /// The chunk being consumed: its row and its remaining records.
-    current: Option<(ChunkRow, VecDeque<TierRecord>)>,
+    /// Reading stops before this offset ([`TierReader::until`]).
+    end: u64,
+    /// The chunk being consumed (for a whole-stream read, every chunk of one plan range,
+    /// merged in offset order; the row then spans them): its row and its remaining records
+    /// with their segments.
+    current: Option<(ChunkRow, VecDeque<(u64, TierRecord)>)>,
     /// Chunks being fetched, in offset order.
     ahead: VecDeque<(ChunkRow, Fetch)>,
 }
@@ -109,9 +115,18 @@ impl TierReader {
             sid,
             segment,
             next: from,
+            end: u64::MAX,
             current: None,
             ahead: VecDeque::new(),
         })
+    }
+
+    /// Stops reading before offset `end`: pages hold only records below it, and a page
+    /// reaching it is the last (an empty page then). Readers that go on in tier 1 themselves
+    /// bound the reader by the tier-1 start this way.
+    pub fn until(mut self, end: u64) -> TierReader {
+        self.end = end;
+        self
     }
 
     /// The offset the next record will have at least.
@@ -129,7 +144,7 @@ impl TierReader {
     /// at the end of what is committed.
     pub async fn next_page(&mut self, limit: usize) -> Result<ReadPage, ReadThroughError> {
         let mut records = Vec::new();
-        while records.len() < limit {
+        while records.len() < limit && self.next < self.end {
             let st = store::state(self.tiering.hub().catalog(), self.sid)?;
             // Retention removed everything below tier2_start from both tiers.
             self.next = self.next.max(st.tier2_start);
@@ -145,8 +160,9 @@ impl TierReader {
                     offset: from,
                     evicted_end: st.evicted_end,
                 })??;
-                self.next = page.next;
-                records.extend(page.records);
+                let end = self.end;
+                self.next = page.next.min(end);
+                records.extend(page.records.into_iter().filter(|r| r.offset < end));
                 break;
             }
             if !self.fill_current(st.evicted_end).await? {
@@ -154,10 +170,14 @@ impl TierReader {
             }
             let (row, recs) = self.current.as_mut().expect("filled");
             while records.len() < limit {
-                let Some(r) = recs.pop_front() else { break };
+                if recs.front().is_some_and(|(_, r)| r.offset >= self.end) {
+                    self.next = self.next.max(self.end);
+                    break;
+                }
+                let Some((seg, r)) = recs.pop_front() else { break };
                 if r.offset >= self.next {
                     self.next = r.offset + 1;
-                    records.push(to_read_record(r, row.segment));
+                    records.push(to_read_record(r, seg));
                 }
             }
             if recs.is_empty() {
@@ -181,20 +201,45 @@ impl TierReader {
             return Ok(true);
         }
         // Drop read-ahead that the position has passed.
-        while self.ahead.front().is_some_and(|(c, _)| c.end_offset <= self.next) {
+        while self
+            .ahead
+            .front()
+            .is_some_and(|(c, _)| c.end_offset <= self.next)
+        {
             if let Some((_, f)) = self.ahead.pop_front() {
                 f.abort();
             }
         }
         let want = READ_AHEAD + 1;
-        let rows = store::committed_chunks_from(
+        // A plan range yields one chunk per segment, over overlapping offsets: a whole-stream
+        // read takes all chunks of a range together (grouped by `range_first`).
+        let query = if self.segment.is_some() { want } else { 1024 };
+        let mut rows = store::committed_chunks_from(
             self.tiering.hub().catalog(),
             self.sid,
             self.segment,
             self.next,
-            want,
+            query,
         )?;
+        if self.segment.is_none() {
+            let mut ranges: Vec<u64> = Vec::new();
+            rows.retain(|r| {
+                if !ranges.contains(&r.range_first) {
+                    if ranges.len() >= want {
+                        return false;
+                    }
+                    ranges.push(r.range_first);
+                }
+                true
+            });
+        }
         let Some(first) = rows.first().cloned() else {
+            if self.segment.is_some() {
+                // Every offset below evicted_end is tiered: this segment has nothing more
+                // there (it was sealed, or merged away).
+                self.next = self.next.max(evicted_end);
+                return Ok(false);
+            }
             return Err(ReadThroughError::Missing {
                 stream: self.stream.clone(),
                 offset: self.next,
@@ -214,20 +259,38 @@ impl TierReader {
                 self.ahead.push_back((r.clone(), f));
             }
         }
-        let Some(pos) = self.ahead.iter().position(|(c, _)| c.path == first.path) else {
-            return Ok(false);
+        let group: Vec<ChunkRow> = if self.segment.is_some() {
+            vec![first.clone()]
+        } else {
+            rows.iter()
+                .filter(|r| r.range_first == first.range_first)
+                .cloned()
+                .collect()
         };
-        let (row, fetch) = self.ahead.remove(pos).expect("position is valid");
-        let recs = match fetch.await {
-            Ok(r) => r?,
-            Err(e) => {
-                return Err(ReadThroughError::Missing {
-                    stream: format!("{}: fetch task failed: {e}", self.stream),
-                    offset: self.next,
-                    evicted_end,
-                });
-            }
-        };
+        let mut row = first.clone();
+        let mut recs: Vec<(u64, TierRecord)> = Vec::new();
+        for ch in &group {
+            let Some(pos) = self.ahead.iter().position(|(c, _)| c.path == ch.path) else {
+                return Ok(false);
+            };
+            let (ch, fetch) = self.ahead.remove(pos).expect("position is valid");
+            let got = match fetch.await {
+                Ok(r) => r?,
+                Err(e) => {
+                    return Err(ReadThroughError::Missing {
+                        stream: format!("{}: fetch task failed: {e}", self.stream),
+                        offset: self.next,
+                        evicted_end,
+                    });
+                }
+            };
+            row.first_offset = row.first_offset.min(ch.first_offset);
+            row.end_offset = row.end_offset.max(ch.end_offset);
+            recs.extend(got.into_iter().map(|r| (ch.segment, r)));
+        }
+        if group.len() > 1 {
+            recs.sort_by_key(|(_, r)| r.offset);
+        }
         if recs.is_empty() {
             self.next = self.next.max(row.end_offset);
             return Ok(false);

@@ -52,6 +52,81 @@ pub struct RecoverReport {
     pub lanes: u64,
     /// Chunk files that had no manifest and were adopted.
     pub adopted: u64,
+    /// Segments of the rebuilt segment graphs (merged streams).
+    pub segments: u64,
+}
+
+/// The segment graph of a stream whose tier-2 records end at `end`, from its manifests: the
+/// latest graph a manifest carries (`extra.segments`, written with the first manifest of
+/// every range), else the per-chunk fields (`segment`, `hash_lo`/`hash_hi`, `segment_start`,
+/// `preds`). Segments created at or past `end` are dropped, their predecessors reopened.
+/// `None` when no consistent graph (open segments partitioning the hash space) results.
+fn rebuild_graph(manifests: &[Manifest], end: u64) -> Option<Vec<crate::streams::Segment>> {
+    use crate::streams::Segment;
+    use crate::streams::graph::{from_json, truncate_at};
+    let carried = manifests
+        .iter()
+        .filter_map(|m| m.extra.get("segments").and_then(from_json))
+        .max_by_key(Vec::len);
+    let segments = match carried {
+        Some(g) => g,
+        None => {
+            // One entry per segment id, which must be dense from 0.
+            let mut by_id: BTreeMap<u64, &Manifest> = BTreeMap::new();
+            for m in manifests {
+                by_id.entry(m.segment).or_insert(m);
+            }
+            let mut segs: Vec<Segment> = Vec::new();
+            for (i, (&id, m)) in by_id.iter().enumerate() {
+                let sid = crate::streams::SegmentId::try_from(id).ok()?;
+                if id != i as u64 || (id > 0 && m.preds.is_empty()) {
+                    return None;
+                }
+                let preds = m
+                    .preds
+                    .iter()
+                    .map(|&p| crate::streams::SegmentId::try_from(p).ok().filter(|&p| p < sid))
+                    .collect::<Option<Vec<_>>>()?;
+                segs.push(Segment {
+                    id: sid,
+                    lo: u64::try_from(m.hash_lo).ok()?,
+                    hi: u64::try_from(m.hash_hi).ok()?,
+                    start: if id == 0 { 0 } else { m.segment_start },
+                    end: None,
+                    preds,
+                    succs: Vec::new(),
+                    created_ns: m.committed_ns,
+                    sealed_ns: None,
+                });
+            }
+            for i in 0..segs.len() {
+                for p in segs[i].preds.clone() {
+                    let (id, start, at) = (segs[i].id, segs[i].start, segs[i].created_ns);
+                    let pred = &mut segs[p as usize];
+                    pred.succs.push(id);
+                    pred.end = Some(start);
+                    pred.sealed_ns = Some(at);
+                }
+            }
+            segs
+        }
+    };
+    let segments = truncate_at(segments, end);
+    // The open segments must partition the hash space, as the stream manager assumes.
+    let mut open: Vec<(u64, u64)> = segments
+        .iter()
+        .filter(|s| s.end.is_none())
+        .map(|s| (s.lo, s.hi))
+        .collect();
+    open.sort_unstable();
+    let mut at = 0;
+    for (lo, hi) in open {
+        if lo != at || hi <= lo {
+            return None;
+        }
+        at = hi;
+    }
+    (at == crate::streams::hash::HASH_SPACE).then_some(segments)
 }
 
 /// Parses `seg-{segment:08}-{first_offset:020}.parquet` at the end of a chunk path.
@@ -121,7 +196,11 @@ pub async fn from_tier2(
         .collect();
     // Streams whose only chunk files lack manifests (a crash before the first commit).
     for o in t2.list("streams/").await.map_err(tier::TierError::from)? {
-        if let Some(name) = o.path.strip_prefix("streams/").and_then(|r| r.split('/').next()) {
+        if let Some(name) = o
+            .path
+            .strip_prefix("streams/")
+            .and_then(|r| r.split('/').next())
+        {
             names.insert(name.to_string());
         }
     }
@@ -146,7 +225,10 @@ pub async fn from_tier2(
                 tracing::warn!(path = %o.path, "ignoring a file that is not a chunk name");
                 continue;
             };
-            let records = t2.read_chunk(&o.path).await.map_err(tier::TierError::from)?;
+            let records = t2
+                .read_chunk(&o.path)
+                .await
+                .map_err(tier::TierError::from)?;
             if records.is_empty() {
                 continue;
             }
@@ -231,6 +313,17 @@ pub async fn from_tier2(
             progress(&name, i as u64 + 1, total);
         }
         store::insert_plan(&cat, sid, &rows, end)?;
+        match rebuild_graph(&manifests, end) {
+            Some(segments) => {
+                crate::streams::graph::init_schema(&cat)?;
+                crate::streams::graph::store_all(&cat, sid, &segments)?;
+                report.segments += segments.len() as u64;
+            }
+            None => tracing::warn!(
+                stream = %name,
+                "the manifests hold no consistent segment graph; the stream restarts with one segment"
+            ),
+        }
         let marks: Vec<_> = lanes.iter().map(|(&(d, e), &s)| (d, e, sid, s)).collect();
         cat.commit_group(&GroupCommit {
             marks,

@@ -193,7 +193,12 @@ pub fn pending_chunks(cat: &Catalog) -> Result<Vec<ChunkRow>, CatalogError> {
 }
 
 /// Marks one chunk uploaded (verified in tier 2, manifest not committed yet).
-pub fn set_uploaded(cat: &Catalog, ch: &ChunkRow, rows: u64, bytes: u64) -> Result<(), CatalogError> {
+pub fn set_uploaded(
+    cat: &Catalog,
+    ch: &ChunkRow,
+    rows: u64,
+    bytes: u64,
+) -> Result<(), CatalogError> {
     cat.with_write_conn(|c| {
         c.execute(
             "UPDATE tier_chunks SET state = max(state, ?4), rows = ?5, bytes = ?6
@@ -228,13 +233,7 @@ pub fn committed_chunks_from(
         ))?;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let rows = st.query_map(
-            params![
-                i64::from(stream),
-                COMMITTED,
-                i(from),
-                segment.map(i),
-                limit
-            ],
+            params![i64::from(stream), COMMITTED, i(from), segment.map(i), limit],
             chunk_row,
         )?;
         rows.collect::<Result<Vec<_>, _>>()
@@ -254,7 +253,9 @@ pub fn fields(cat: &Catalog, stream: StreamId) -> Result<Vec<ColumnSpec>, Catalo
         let mut st = c.prepare_cached(
             "SELECT name, field, kind FROM tier_fields WHERE stream = ?1 ORDER BY ordinal",
         )?;
-        let rows = st.query_map([i64::from(stream)], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
+        let rows = st.query_map([i64::from(stream)], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+        })?;
         rows.collect::<Result<Vec<_>, _>>()
     })?;
     Ok(rows
@@ -286,7 +287,10 @@ pub struct RangeCommit {
 /// A lane's `tiered_seq` becomes the highest seq it has in the range, or its durable mark when
 /// no block of the lane lies beyond the range (so trailing gaps count as tiered too). Ranges
 /// commit in offset order, so every lower seq of the lane is already tiered.
-pub fn commit_range(cat: &Catalog, rc: &RangeCommit) -> Result<Vec<(DeviceId, u64, u64)>, CatalogError> {
+pub fn commit_range(
+    cat: &Catalog,
+    rc: &RangeCommit,
+) -> Result<Vec<(DeviceId, u64, u64)>, CatalogError> {
     cat.with_write_conn(|c| {
         let tx = c.transaction()?;
         let mut moved = Vec::new();
@@ -399,7 +403,11 @@ pub fn tier1_floor(cat: &Catalog) -> Result<u64, CatalogError> {
 
 /// Removes committed chunks of `stream` below `new_start` (tier-2 retention), after their
 /// objects were deleted, and moves `tier2_start`.
-pub fn drop_chunks_below(cat: &Catalog, stream: StreamId, new_start: u64) -> Result<(), CatalogError> {
+pub fn drop_chunks_below(
+    cat: &Catalog,
+    stream: StreamId,
+    new_start: u64,
+) -> Result<(), CatalogError> {
     cat.with_write_conn(|c| {
         let tx = c.transaction()?;
         tx.execute(

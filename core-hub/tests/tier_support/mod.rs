@@ -14,7 +14,8 @@ use tier::testing::S3sFs;
 
 /// Starts s3s-fs (installed by `.ci/run`).
 pub fn s3() -> S3sFs {
-    S3sFs::start().expect("s3s-fs must be installed: cargo install s3s-fs@0.14.1 --features binary --locked")
+    S3sFs::start()
+        .expect("s3s-fs must be installed: cargo install s3s-fs@0.14.1 --features binary --locked")
 }
 
 /// A hub config in `dir` with tier 2 on `server`, small WAL files and small chunks.

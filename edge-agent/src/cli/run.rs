@@ -66,6 +66,12 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
             .iter()
             .map(|s| (s.name.clone(), s.priority))
             .collect();
+        rcfg.local_only = cfg
+            .streams
+            .iter()
+            .filter(|s| !s.replicate)
+            .map(|s| s.name.clone())
+            .collect();
         let status = Arc::new(LinkStatus::default());
         let _ = app.replication.set(status.clone());
         let mut up = status.subscribe_up();

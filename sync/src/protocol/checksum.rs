@@ -107,7 +107,9 @@ mod tests {
         assert_ne!(whole, range_checksum(5, &swapped));
         let mut hashes = vec![7];
         record_hashes_into(5, &recs, &mut hashes);
-        let one_by_one: Vec<u64> = (0..10).map(|k| record_hash(5 + k, &recs[k as usize])).collect();
+        let one_by_one: Vec<u64> = (0..10)
+            .map(|k| record_hash(5 + k, &recs[k as usize]))
+            .collect();
         assert_eq!(hashes[1..], one_by_one[..]);
         assert_eq!(hashes[0], 7);
     }
