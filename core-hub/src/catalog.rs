@@ -120,6 +120,11 @@ pub struct BlockRow {
     pub ingest_ts: i64,
     pub min_ts: i64,
     pub max_ts: i64,
+    /// Smallest and largest key hash point (`streams::hash::key_point`) of the block's
+    /// records, so a segment reader can skip blocks outside its hash range. `None` for rows
+    /// written before the hub filled them (and for a block without records).
+    pub key_hash_min: Option<u32>,
+    pub key_hash_max: Option<u32>,
 }
 
 impl BlockRow {
@@ -486,7 +491,7 @@ impl Catalog {
         let start = start.unwrap_or(0);
         let mut st = c.prepare_cached(
             "SELECT device, epoch, stream, first_seq, last_seq, checksum, hub_offset_base, wal_file, wal_pos,
-                    frame_len, ingest_ts, min_ts, max_ts
+                    frame_len, ingest_ts, min_ts, max_ts, key_hash_min, key_hash_max
              FROM blocks WHERE stream = ?1 AND hub_offset_base >= ?2 ORDER BY hub_offset_base LIMIT ?3",
         )?;
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -503,7 +508,7 @@ impl Catalog {
         let c = self.r();
         let mut st = c.prepare(
             "SELECT device, epoch, stream, first_seq, last_seq, checksum, hub_offset_base, wal_file, wal_pos,
-                    frame_len, ingest_ts, min_ts, max_ts
+                    frame_len, ingest_ts, min_ts, max_ts, key_hash_min, key_hash_max
              FROM blocks WHERE wal_file = ?1 ORDER BY wal_pos",
         )?;
         let rows = st.query_map([i(wal_file)], block_row)?;
@@ -606,14 +611,22 @@ fn block_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<BlockRow> {
         ingest_ts: r.get(10)?,
         min_ts: r.get(11)?,
         max_ts: r.get(12)?,
+        key_hash_min: hash_point(r.get(13)?),
+        key_hash_max: hash_point(r.get(14)?),
     })
+}
+
+/// A stored hash point; anything outside `u32` (never written) reads as unknown.
+fn hash_point(v: Option<i64>) -> Option<u32> {
+    v.and_then(|v| u32::try_from(v).ok())
 }
 
 fn insert_blocks(tx: &rusqlite::Transaction<'_>, blocks: &[BlockRow]) -> Result<(), CatalogError> {
     let mut st = tx.prepare_cached(
         "INSERT INTO blocks (device, epoch, stream, first_seq, last_seq, count, checksum, hub_offset_base,
-                             wal_file, wal_pos, frame_len, ingest_ts, min_ts, max_ts)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                             wal_file, wal_pos, frame_len, ingest_ts, min_ts, max_ts,
+                             key_hash_min, key_hash_max)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16)",
     )?;
     for b in blocks {
         st.execute(params![
@@ -630,7 +643,9 @@ fn insert_blocks(tx: &rusqlite::Transaction<'_>, blocks: &[BlockRow]) -> Result<
             i64::from(b.frame_len),
             b.ingest_ts,
             b.min_ts,
-            b.max_ts
+            b.max_ts,
+            b.key_hash_min.map(i64::from),
+            b.key_hash_max.map(i64::from)
         ])?;
     }
     Ok(())
@@ -695,6 +710,8 @@ mod tests {
             ingest_ts: 1,
             min_ts: 1,
             max_ts: 2,
+            key_hash_min: (first > 1).then_some(7),
+            key_hash_max: (first > 1).then_some(u32::MAX),
         }
     }
 
@@ -730,7 +747,14 @@ mod tests {
         let from = cat.blocks_from(s, 15, 10).unwrap();
         assert_eq!(from.len(), 1);
         assert_eq!(from[0].first_seq, 11);
-        assert_eq!(cat.blocks_from(s, 0, 10).unwrap().len(), 2);
+        let all = cat.blocks_from(s, 0, 10).unwrap();
+        assert_eq!(all.len(), 2);
+        // Hash ranges round-trip, the full u32 range included; unknown stays unknown.
+        assert_eq!((all[0].key_hash_min, all[0].key_hash_max), (None, None));
+        assert_eq!(
+            (all[1].key_hash_min, all[1].key_hash_max),
+            (Some(7), Some(u32::MAX))
+        );
         assert!(cat.blocks_from(s, 20, 10).unwrap().is_empty());
         assert_eq!(cat.tiered_seq(d, 1, s).unwrap(), 0);
         cat.set_tiered_seq(d, 1, s, 12).unwrap();

@@ -178,14 +178,20 @@ pub async fn get_streaming(
             }
             rest.extend_from_slice(&chunk[..n]);
         }
-        head.body = if chunked { dechunk(&rest).unwrap_or(rest) } else { rest };
+        head.body = if chunked {
+            dechunk(&rest).unwrap_or(rest)
+        } else {
+            rest
+        };
         return Ok(head);
     }
     loop {
         if chunked {
             // Hand over every complete chunk in `rest`.
             loop {
-                let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else { break };
+                let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
+                    break;
+                };
                 let size_text = std::str::from_utf8(&rest[..eol])
                     .map_err(|_| ClientError::Malformed("chunk size"))?;
                 let size_text = size_text.split(';').next().unwrap_or("").trim();
@@ -221,8 +227,7 @@ pub async fn get_streaming(
 
 /// The status line and headers of a response (no body).
 fn parse_head(raw: &[u8]) -> Result<HttpResponse, ClientError> {
-    let head =
-        std::str::from_utf8(raw).map_err(|_| ClientError::Malformed("non-UTF-8 header"))?;
+    let head = std::str::from_utf8(raw).map_err(|_| ClientError::Malformed("non-UTF-8 header"))?;
     let mut lines = head.split("\r\n");
     let status = lines
         .next()

@@ -144,6 +144,9 @@ pub struct StreamPolicy {
     /// Auto-scaling policies by stream name (`[[streams]] scale = {..}`); a stream without
     /// one keeps a single segment.
     pub scale: BTreeMap<String, ScalePolicy>,
+    /// Streams whose record keys must start with `{device}/` (`[[streams]]
+    /// keys_prefixed_by_device = true`, issue 6 §1): a device writes only its own keys.
+    pub keys_prefixed_by_device: BTreeSet<String>,
 }
 
 /// When a stream's segments split and merge (see `crate::streams` and docs/streams.md).
@@ -283,6 +286,7 @@ pub struct RawIngest {
 pub struct RawStream {
     pub name: String,
     pub scale: Option<RawScale>,
+    pub keys_prefixed_by_device: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -477,7 +481,10 @@ fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
 }
 
 fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigError> {
-    let url = raw.url.clone().unwrap_or_else(|| format!("file://{}", data_dir.join("tier2").display()));
+    let url = raw
+        .url
+        .clone()
+        .unwrap_or_else(|| format!("file://{}", data_dir.join("tier2").display()));
     let (scheme, rest) = url.split_once("://").ok_or_else(|| {
         ConfigError::key(
             "tier2.url",
@@ -520,7 +527,11 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
             "must be at least 1",
         ));
     }
-    let chunk_bytes_max = bytes("chunk_bytes_max", &raw.chunk_bytes_max, DEFAULT_CHUNK_BYTES_MAX)?;
+    let chunk_bytes_max = bytes(
+        "chunk_bytes_max",
+        &raw.chunk_bytes_max,
+        DEFAULT_CHUNK_BYTES_MAX,
+    )?;
     let tier1_budget_bytes = bytes(
         "tier1_budget_bytes",
         &raw.tier1_budget_bytes,
@@ -673,6 +684,7 @@ fn parse_streams(
 ) -> Result<StreamPolicy, ConfigError> {
     let mut configured = BTreeSet::new();
     let mut scale = BTreeMap::new();
+    let mut keys_prefixed_by_device = BTreeSet::new();
     for (i, s) in streams.into_iter().enumerate() {
         if !valid_stream_name(&s.name) {
             return Err(ConfigError::key(
@@ -681,7 +693,13 @@ fn parse_streams(
             ));
         }
         if let Some(raw) = s.scale {
-            scale.insert(s.name.clone(), parse_scale(&format!("streams[{i}].scale"), raw)?);
+            scale.insert(
+                s.name.clone(),
+                parse_scale(&format!("streams[{i}].scale"), raw)?,
+            );
+        }
+        if s.keys_prefixed_by_device == Some(true) {
+            keys_prefixed_by_device.insert(s.name.clone());
         }
         configured.insert(s.name);
     }
@@ -717,6 +735,7 @@ fn parse_streams(
         configured,
         device_allow,
         scale,
+        keys_prefixed_by_device,
     })
 }
 
@@ -724,7 +743,9 @@ fn parse_scale(key: &str, raw: RawScale) -> Result<ScalePolicy, ConfigError> {
     let bytes = raw
         .target_bytes_per_s
         .as_deref()
-        .map(|s| parse_bytes(s).map_err(|p| ConfigError::key(format!("{key}.target_bytes_per_s"), p)))
+        .map(|s| {
+            parse_bytes(s).map_err(|p| ConfigError::key(format!("{key}.target_bytes_per_s"), p))
+        })
         .transpose()?;
     if raw.target_records_per_s.is_none() && bytes.is_none() {
         return Err(ConfigError::key(
@@ -849,13 +870,18 @@ mod tests {
         assert_eq!(t.chunk_age_max, Duration::from_secs(10));
         assert_eq!(t.tier1_retention_bytes, 1 << 30);
         assert_eq!(t.tier1_budget_bytes, 4 << 30);
-        assert_eq!(t.tier2_retention_time, Some(Duration::from_secs(30 * 86400)));
+        assert_eq!(
+            t.tier2_retention_time,
+            Some(Duration::from_secs(30 * 86400))
+        );
         assert_eq!(t.tier2_retention_bytes, Some(1 << 40));
         let d = HubConfig::from_toml("data_dir = \"/d\"").unwrap().tier2;
         assert_eq!(d.tier1_budget_bytes, DEFAULT_TIER1_BUDGET_BYTES);
         assert!(d.tier2_retention_time.is_none());
         assert_eq!(
-            problem_key("data_dir = \"/d\"\n[tier2]\ntier1_retention_bytes = \"2GiB\"\ntier1_budget_bytes = \"1GiB\""),
+            problem_key(
+                "data_dir = \"/d\"\n[tier2]\ntier1_retention_bytes = \"2GiB\"\ntier1_budget_bytes = \"1GiB\""
+            ),
             "tier2.tier1_retention_bytes"
         );
     }
@@ -1053,10 +1079,24 @@ mod tests {
         assert_eq!(p.window, Duration::from_millis(200));
         assert_eq!((p.min_segments, p.max_segments), (1, DEFAULT_MAX_SEGMENTS));
         assert!(!c.streams.scale.contains_key("u"));
-        let base = "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\n";
-        assert_eq!(problem_key(&format!("{base}scale = {{ window = \"1s\" }}")), "streams[0].scale");
+        assert!(c.streams.keys_prefixed_by_device.is_empty());
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\nkeys_prefixed_by_device = true\n[[streams]]\nname = \"u\"\nkeys_prefixed_by_device = false\n",
+        )
+        .unwrap();
         assert_eq!(
-            problem_key(&format!("{base}scale = {{ target_records_per_s = 5, window = \"soon\" }}")),
+            c.streams.keys_prefixed_by_device.iter().collect::<Vec<_>>(),
+            vec!["t"]
+        );
+        let base = "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\n";
+        assert_eq!(
+            problem_key(&format!("{base}scale = {{ window = \"1s\" }}")),
+            "streams[0].scale"
+        );
+        assert_eq!(
+            problem_key(&format!(
+                "{base}scale = {{ target_records_per_s = 5, window = \"soon\" }}"
+            )),
             "streams[0].scale.window"
         );
         assert_eq!(

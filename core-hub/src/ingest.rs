@@ -103,6 +103,15 @@ pub enum IngestError {
     BadStreamName(String),
     #[error("device may not write stream `{0}`")]
     Unauthorized(String),
+    /// The stream admits only keys starting with `{device}/` (`keys_prefixed_by_device`); the
+    /// whole block is refused. On the wire this is `UNAUTHORIZED_STREAM`: the device may not
+    /// write this content to the stream, and the message names the stream first.
+    #[error("stream `{stream}` accepts only keys starting with \"{prefix}\"; key {key:?} does not")]
+    ForbiddenKey {
+        stream: String,
+        key: String,
+        prefix: String,
+    },
     #[error("block of {len} bytes exceeds the {limit}-byte limit")]
     TooLarge { len: usize, limit: usize },
     #[error("bad block: {0}")]
@@ -133,6 +142,7 @@ impl IngestError {
             IngestError::BadDeviceId => "bad_device_id",
             IngestError::BadStreamName(_) => "bad_stream_name",
             IngestError::Unauthorized(_) => "unauthorized",
+            IngestError::ForbiddenKey { .. } => "forbidden_key",
             IngestError::TooLarge { .. } => "too_large",
             IngestError::BadBlock(_) => "bad_block",
             IngestError::ReservedSeq => "reserved_seq",
@@ -347,6 +357,8 @@ pub struct Hub {
     /// Bumped whenever tiering moved some lane's `tiered_seq` (see [`Hub::follow_tiering`]), so
     /// each device connection can push the new mark to an idle agent (issue 7).
     tiered_changed: Arc<watch::Sender<u64>>,
+    /// Tiering's counters, for `/metrics`; set once tiering is open (see `main.rs`).
+    tier_stats: std::sync::OnceLock<Arc<crate::tiering::TierStats>>,
     /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
     _lock: std::fs::File,
 }
@@ -618,6 +630,7 @@ impl Hub {
             record_pool: Arc::new(RecordPool::default()),
             admission: RwLock::new(None),
             tiered_changed: Arc::new(watch::channel(0).0),
+            tier_stats: std::sync::OnceLock::new(),
             streams: streams_mgr,
             _lock: lock,
         }))
@@ -964,6 +977,7 @@ impl Hub {
         dec: Decoded,
         permit: OwnedSemaphorePermit,
     ) -> Result<PendingCommit, IngestError> {
+        self.check_keys(device, stream, &dec.records)?;
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
         let epoch = dec.epoch;
         let cell = self.cell(d, epoch, s);
@@ -1030,6 +1044,16 @@ impl Hub {
                 to.send_modify(|g| *g = g.wrapping_add(1));
             }
         })
+    }
+
+    /// Registers tiering's counters so `/metrics` exports them; later calls are ignored.
+    pub fn set_tier_stats(&self, stats: Arc<crate::tiering::TierStats>) {
+        let _ = self.tier_stats.set(stats);
+    }
+
+    /// Tiering's counters, once tiering is running.
+    pub fn tier_stats(&self) -> Option<&Arc<crate::tiering::TierStats>> {
+        self.tier_stats.get()
     }
 
     /// Installs (or with `None` removes) the admission gate tiering uses to push back.
@@ -1153,6 +1177,30 @@ impl Hub {
                 trimmed: 0,
             })),
             _ => self.reencode(dec, skip).await,
+        }
+    }
+
+    /// Refuses a block with a key outside the device's own prefix on a stream configured with
+    /// `keys_prefixed_by_device` (issue 6 §1). Every record of the block counts, resent ones
+    /// included, so a block is either wholly admitted or wholly refused.
+    fn check_keys(
+        &self,
+        device: &str,
+        stream: &str,
+        records: &[Record],
+    ) -> Result<(), IngestError> {
+        if !self.policy.keys_prefixed_by_device.contains(stream) {
+            return Ok(());
+        }
+        let prefix = format!("{device}/");
+        match records.iter().find(|r| !r.key.starts_with(&prefix)) {
+            None => Ok(()),
+            Some(r) => Err(IngestError::ForbiddenKey {
+                stream: stream.to_owned(),
+                // A hostile key could be huge; the error only needs to identify it.
+                key: r.key.chars().take(120).collect(),
+                prefix,
+            }),
         }
     }
 

@@ -24,12 +24,12 @@ pub mod ingest;
 pub mod metrics;
 pub mod pki;
 pub mod read;
-pub mod scrub;
 pub mod republish;
+pub mod scrub;
 pub mod server;
+pub mod status;
 pub mod streams;
 pub mod tiering;
-pub mod status;
 pub mod wal;
 
 pub use config::HubConfig;

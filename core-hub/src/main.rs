@@ -208,7 +208,9 @@ fn main() -> Result<()> {
                 limit,
             };
             match (group, reader) {
-                (Some(g), Some(r)) => runtime()?.block_on(read_group(&stream, &g, &r, &opts, &target)),
+                (Some(g), Some(r)) => {
+                    runtime()?.block_on(read_group(&stream, &g, &r, &opts, &target))
+                }
                 _ => runtime()?.block_on(read(&stream, &opts, &target)),
             }
         }
@@ -286,8 +288,7 @@ async fn export(config: &Path, stream: &str, from: &str, to: &str, out: &Path) -
     let (from, to) = (parse_time(from)?, parse_time(to)?);
     let style = indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks {msg}")?;
     let mut bar = Bar(indicatif::ProgressBar::new(0).with_style(style));
-    let report =
-        core_hub::tiering::export::export(&cfg, stream, from, to, out, &mut bar).await?;
+    let report = core_hub::tiering::export::export(&cfg, stream, from, to, out, &mut bar).await?;
     bar.0.finish_and_clear();
     println!(
         "wrote {} records ({} bytes) from {} chunks to {}",
@@ -369,6 +370,7 @@ async fn serve(hub: Arc<Hub>, cfg: &HubConfig) -> Result<()> {
     tracing::info!(url = %cfg.tier2.url, "tiering to tier 2");
     // Agents learn new tiered_seq marks even when idle (issue 7): connections push them.
     let _tier_follow = hub.follow_tiering(tiering.subscribe_tiered());
+    hub.set_tier_stats(tiering.stats().clone());
     let tier_task = tiering.spawn(stop_rx.clone());
     shutdown_signal().await;
     let _ = stop_tx.send(true);
@@ -517,7 +519,11 @@ async fn read(stream: &str, o: &ReadOpts, t: &Target) -> Result<()> {
     if !o.follow || left == 0 {
         return Ok(());
     }
-    let limit = if left == u64::MAX { String::new() } else { format!("&limit={left}") };
+    let limit = if left == u64::MAX {
+        String::new()
+    } else {
+        format!("&limit={left}")
+    };
     let path = format!(
         "/v1/streams/{stream}/records?from={}&follow=true{limit}{key}",
         client::query_escape(&from)
@@ -544,7 +550,13 @@ async fn read(stream: &str, o: &ReadOpts, t: &Target) -> Result<()> {
 }
 
 /// Reads as a reader-group member: poll a batch, print it, checkpoint it with the next poll.
-async fn read_group(stream: &str, group: &str, reader: &str, o: &ReadOpts, t: &Target) -> Result<()> {
+async fn read_group(
+    stream: &str,
+    group: &str,
+    reader: &str,
+    o: &ReadOpts,
+    t: &Target,
+) -> Result<()> {
     if o.key.is_some() {
         bail!("--key cannot be combined with --group: a group reads whole segments");
     }
@@ -580,7 +592,10 @@ async fn read_group(stream: &str, group: &str, reader: &str, o: &ReadOpts, t: &T
         left = left.saturating_sub(lines);
     }
     if !positions.is_empty() {
-        let path = format!("{base}/checkpoint?positions={}", client::query_escape(&positions));
+        let path = format!(
+            "{base}/checkpoint?positions={}",
+            client::query_escape(&positions)
+        );
         check_status(&client::post(&target, &path).await?)?;
     }
     Ok(())

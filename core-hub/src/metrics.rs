@@ -112,6 +112,10 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     );
     group_commit_histogram(&mut out, w);
     catalog_metrics(&mut out, hub);
+    streams_metrics(&mut out, hub);
+    if let Some(t) = hub.tier_stats() {
+        tier_metrics(&mut out, t);
+    }
     if let Some(t) = tracker {
         completeness_metrics(&mut out, hub, t);
     }
@@ -276,6 +280,147 @@ fn catalog_metrics(out: &mut String, hub: &Hub) {
             m.durable_seq
         );
     }
+}
+
+/// Merged streams: scale events, open segments per stream and each open segment's rates.
+fn streams_metrics(out: &mut String, hub: &Hub) {
+    let st = hub.streams().stats();
+    counter(
+        out,
+        "tributary_hub_segment_splits_total",
+        "Segment splits applied by the scalers.",
+        st.splits.load(Ordering::Relaxed),
+    );
+    counter(
+        out,
+        "tributary_hub_segment_merges_total",
+        "Segment merges applied by the scalers.",
+        st.merges.load(Ordering::Relaxed),
+    );
+    counter(
+        out,
+        "tributary_hub_scale_errors_total",
+        "Scale events that could not be applied or stored.",
+        st.scale_errors.load(Ordering::Relaxed),
+    );
+    let mut open = Vec::new();
+    let mut rates = Vec::new();
+    for s in hub.catalog().streams().unwrap_or_default() {
+        let name = escape(&s.name);
+        if let Ok(snap) = hub.streams().snapshot(s.id) {
+            open.push((name.clone(), snap.graph.open().count()));
+        }
+        if let Ok((r, _)) = hub.streams().rates(s.id) {
+            rates.push((name, r));
+        }
+    }
+    let name = "tributary_hub_stream_open_segments";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Open segments per stream.\n# TYPE {name} gauge"
+    );
+    for (stream, n) in &open {
+        let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {n}");
+    }
+    let families: [(&str, &str); 3] = [
+        (
+            "tributary_hub_segment_records_per_second",
+            "Recent records/s per open segment, as its scaler measures it.",
+        ),
+        (
+            "tributary_hub_segment_bytes_per_second",
+            "Recent tier-1 block bytes/s per open segment.",
+        ),
+        (
+            "tributary_hub_segment_load",
+            "Segment rate relative to the stream's scale target (1 = at target, 0 without a policy).",
+        ),
+    ];
+    for (i, (name, help)) in families.iter().enumerate() {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+        for (stream, segs) in &rates {
+            for r in segs {
+                let v = match i {
+                    0 => r.records_per_s,
+                    1 => r.bytes_per_s,
+                    _ => r.load,
+                };
+                let _ = writeln!(
+                    out,
+                    "{name}{{stream=\"{stream}\",segment=\"{}\"}} {v}",
+                    r.segment
+                );
+            }
+        }
+    }
+}
+
+/// Tiering to tier 2 (see [`crate::tiering`]): rounds, uploads, eviction and pushback.
+fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let flag = |a: &std::sync::atomic::AtomicBool| u64::from(a.load(Ordering::Relaxed));
+    let counters: [(&str, &str, u64); 9] = [
+        (
+            "tributary_hub_tier_rounds_total",
+            "Tiering rounds run.",
+            load(&t.rounds),
+        ),
+        (
+            "tributary_hub_tier_round_errors_total",
+            "Tiering rounds that failed.",
+            load(&t.round_errors),
+        ),
+        (
+            "tributary_hub_tier_chunks_committed_total",
+            "Tier-2 chunks committed to the catalog.",
+            load(&t.chunks_committed),
+        ),
+        (
+            "tributary_hub_tier_records_tiered_total",
+            "Records committed to tier 2.",
+            load(&t.records_tiered),
+        ),
+        (
+            "tributary_hub_tier_bytes_uploaded_total",
+            "Bytes uploaded to tier 2.",
+            load(&t.bytes_uploaded),
+        ),
+        (
+            "tributary_hub_tier_wal_files_evicted_total",
+            "Tier-1 WAL files evicted after tiering.",
+            load(&t.wal_files_evicted),
+        ),
+        (
+            "tributary_hub_tier_wal_bytes_evicted_total",
+            "Tier-1 WAL bytes evicted after tiering.",
+            load(&t.wal_bytes_evicted),
+        ),
+        (
+            "tributary_hub_tier2_chunks_deleted_total",
+            "Tier-2 chunks deleted (retention or cleanup).",
+            load(&t.tier2_chunks_deleted),
+        ),
+        (
+            "tributary_hub_tier_pushbacks_total",
+            "Blocks refused while tier 1 was over its budget.",
+            load(&t.pushbacks),
+        ),
+    ];
+    for (name, help, v) in counters {
+        counter(out, name, help, v);
+    }
+    gauge(
+        out,
+        "tributary_hub_tier2_down",
+        "1 while the last tiering round failed talking to tier 2.",
+        flag(&t.tier2_down),
+    );
+    gauge(
+        out,
+        "tributary_hub_tier_pushing_back",
+        "1 while the admission gate refuses new blocks.",
+        flag(&t.pushing_back),
+    );
 }
 
 /// Escapes a Prometheus label value.

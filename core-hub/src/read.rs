@@ -7,8 +7,15 @@
 //! readable end, which the stream manager publishes once a commit is routed into segments
 //! (see [`crate::streams`]).
 //!
-//! [`read_records`] is the paging reader behind `from=<hub offset>`; [`scan`] is the loop
-//! every reader shares; the NDJSON line format ([`write_ndjson_line`]) is the stable surface.
+//! [`read_records`] is the paging reader behind `from=<hub offset>`; [`scan`] / [`scan_in`]
+//! is the loop every reader shares (records API, [`crate::streams::reader::StreamReader`],
+//! reader groups, `core-hub read`); the NDJSON line format ([`write_ndjson_line`]) is the
+//! stable surface.
+//!
+//! Read-through: once tiering evicted WAL files, offsets below the stream's tier-1 start
+//! (`evicted_end`) are read from tier 2 inside the same loop (the block rows stay in the
+//! index, their files are gone), filtered exactly like tier-1 records, and reading continues
+//! in tier 1 at that offset. Blocks the scrubber quarantined are skipped.
 
 use crate::catalog::BlockRow;
 use crate::ingest::Hub;
@@ -163,7 +170,9 @@ pub fn scan_in(
                 // Eviction may have removed the file after the index rows were fetched: the
                 // records are in tier 2 now, read them there.
                 let evicted = match &tiering {
-                    Some(_) => crate::tiering::store::state(hub.catalog(), snap.stream)?.evicted_end,
+                    Some(_) => {
+                        crate::tiering::store::state(hub.catalog(), snap.stream)?.evicted_end
+                    }
                     None => 0,
                 };
                 if matches!(e, ReadError::Wal(_)) && next < evicted {
@@ -264,14 +273,10 @@ fn scan_tier2(
     let graph = &snap.graph;
     let start_len = out.len();
     let mut next = from;
-    let mut reader = crate::tiering::read::TierReader::new(
-        tiering,
-        &name,
-        segment.map(u64::from),
-        from,
-    )
-    .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?
-    .until(bound);
+    let mut reader =
+        crate::tiering::read::TierReader::new(tiering, &name, segment.map(u64::from), from)
+            .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?
+            .until(bound);
     while next < bound && out.len() - start_len < limit {
         let page = block_on_tier2(reader.next_page(TIER2_PAGE))
             .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?;

@@ -567,9 +567,11 @@ fn error_code(e: &IngestError) -> ErrorCode {
     match e {
         IngestError::Fenced(_) => ErrorCode::DeviceFenced,
         IngestError::Conflict { .. } => ErrorCode::ConflictFenced,
-        IngestError::BadStreamName(_) | IngestError::Unauthorized(_) => {
-            ErrorCode::UnauthorizedStream
-        }
+        // A forbidden key is content the device may not write to that stream: the stream is
+        // refused (the message names it first), the device's other streams keep flowing.
+        IngestError::BadStreamName(_)
+        | IngestError::Unauthorized(_)
+        | IngestError::ForbiddenKey { .. } => ErrorCode::UnauthorizedStream,
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
         IngestError::BadDeviceId | IngestError::ReservedSeq | IngestError::BadGap { .. } => {
             ErrorCode::ProtocolViolation
@@ -611,9 +613,7 @@ async fn handle_event(
             epoch,
             item,
         } => commit(ctx, device, stream, epoch, item, done).await,
-        ReceiverEvent::Backlog { entries, .. } => {
-            record_backlog(ctx, device, &entries, announced)
-        }
+        ReceiverEvent::Backlog { entries, .. } => record_backlog(ctx, device, &entries, announced),
         ReceiverEvent::Fenced {
             stream,
             epoch,
@@ -812,5 +812,43 @@ fn record_backlog(
         if let Err(err) = ctx.hub.record_backlog(device, &e.stream, report) {
             tracing::warn!(%device, stream = %e.stream, error = %err, "recording backlog");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sync::protocol::frame::Hello;
+    use sync::protocol::{Backlog, LaneAnnounce};
+
+    #[test]
+    fn hello_lanes_give_the_announced_last_seqs() {
+        let lane = |stream: &str, epoch, last_seq| LaneAnnounce {
+            stream: stream.into(),
+            epoch,
+            first_seq: 1,
+            last_seq,
+            acked_seq: 0,
+            backlog: Backlog::default(),
+            gaps: Vec::new(),
+        };
+        let hello = Frame::Hello(Hello {
+            version_min: 1,
+            version_max: 1,
+            current_epoch: 2,
+            lanes: vec![
+                lane("telemetry", 1, 90),
+                lane("telemetry", 2, 7),
+                lane("status", 2, 3),
+            ],
+        });
+        let got = announced_last_seqs(&hello.encode(), 1 << 20);
+        assert_eq!(got.len(), 3);
+        assert_eq!(got[&("telemetry".to_string(), 1)], 90);
+        assert_eq!(got[&("telemetry".to_string(), 2)], 7);
+        assert_eq!(got[&("status".to_string(), 2)], 3);
+        // Any other first frame (or garbage) announces nothing; the receiver refuses it.
+        assert!(announced_last_seqs(&Frame::Ping.encode(), 1 << 20).is_empty());
+        assert!(announced_last_seqs(b"\x00\x01", 1 << 20).is_empty());
     }
 }

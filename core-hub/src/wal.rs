@@ -848,6 +848,11 @@ impl Writer {
                         ingest_ts,
                         min_ts: a.min_ts,
                         max_ts: a.max_ts,
+                        // An empty summary (no records) has no range to skip by.
+                        key_hash_min: (!a.key_hashes.buckets.is_empty())
+                            .then_some(a.key_hashes.min),
+                        key_hash_max: (!a.key_hashes.buckets.is_empty())
+                            .then_some(a.key_hashes.max),
                     });
                     self.routed.push(crate::streams::CommittedBlock {
                         stream: a.stream,

@@ -81,7 +81,10 @@ fn check(what: &str, got: &[(u64, String, String, u64)], from: u64, end: u64) {
     let mut last: HashMap<(&str, &str), u64> = HashMap::new();
     for (o, device, key, seq) in got {
         if let Some(prev) = last.insert((device, key), *seq) {
-            assert!(prev < *seq, "{what}: key {key} of {device} out of order at {o}");
+            assert!(
+                prev < *seq,
+                "{what}: key {key} of {device} out of order at {o}"
+            );
         }
     }
 }
@@ -138,7 +141,10 @@ async fn evicted_history_reads_through_tier2_exactly_once() {
     flush(&t).await;
     let st = core_hub::tiering::store::state(hub.catalog(), sid).unwrap();
     let files = core_hub::wal::list_wal_files(&cfg.wal_dir()).unwrap();
-    assert!(st.evicted_end > 0, "tier 1 evicted something: {st:?}, files {files:?}");
+    assert!(
+        st.evicted_end > 0,
+        "tier 1 evicted something: {st:?}, files {files:?}"
+    );
     // Then some records only tier 1 holds, so the reads cross the boundary.
     for d in 0..DEVICES {
         let s = &mut seq[d as usize];
@@ -152,7 +158,10 @@ async fn evicted_history_reads_through_tier2_exactly_once() {
     assert_eq!(snap.end, total);
     assert!(st.evicted_end < total);
     assert!(
-        snap.graph.segments().iter().any(|s| s.start > 0 && s.start < st.evicted_end),
+        snap.graph
+            .segments()
+            .iter()
+            .any(|s| s.start > 0 && s.start < st.evicted_end),
         "a split lies in the evicted range"
     );
 

@@ -825,7 +825,10 @@ mod tests {
             local_only: ["raw".to_string()].into_iter().collect(),
             ..Refused::default()
         };
-        assert!(r.contains("raw"), "a replicate = false stream is never offered");
+        assert!(
+            r.contains("raw"),
+            "a replicate = false stream is never offered"
+        );
         assert!(!r.contains("filtered"));
         assert_eq!(r.note("stream `filtered`").as_deref(), Some("filtered"));
         assert!(r.contains("raw") && r.contains("filtered"));

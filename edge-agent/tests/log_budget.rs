@@ -214,3 +214,74 @@ fn retention_frees_only_what_tiered_seq_covers() {
         "retention is not loss: no gap markers"
     );
 }
+
+/// Waits for `cond` with a deadline, checking every few milliseconds.
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn seqs_continue_after_everything_was_tiered_and_the_agent_restarted() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_cfg(dir.path());
+    let (epoch, last) = {
+        let h = open(&cfg);
+        let mut last = 0;
+        for b in 0..40 {
+            last = h.append_blocking("s", batch(b * 4, 4)).unwrap().last_seq;
+        }
+        (h.epoch(), last)
+    };
+    assert!(seg_files(dir.path()).len() >= 3, "need several segments");
+
+    // After a restart no segment is open for appending; the hub then reports everything tiered.
+    let h = open(&cfg);
+    h.set_acked("s", epoch, last, last).unwrap();
+    wait_for("retention", || seg_files(dir.path()).len() <= 1);
+    assert_eq!(
+        seg_files(dir.path()).len(),
+        1,
+        "the newest segment stays: it holds the highest seq assigned"
+    );
+    drop(h);
+
+    // The next run continues the epoch after `last`; it never assigns a seq twice.
+    let h = open(&cfg);
+    assert_eq!(h.epoch(), epoch);
+    let next = h.append_blocking("s", batch(5000, 2)).unwrap();
+    assert_eq!(next.first_seq, last + 1, "seqs continue, none reused");
+}
+
+#[test]
+fn acknowledged_seqs_are_never_reassigned_when_their_segments_are_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_cfg(dir.path());
+    let (epoch, acked) = {
+        let h = open(&cfg);
+        let mut last = 0;
+        for b in 0..10 {
+            last = h.append_blocking("s", batch(b * 4, 4)).unwrap().last_seq;
+        }
+        h.set_acked("s", h.epoch(), last, last).unwrap();
+        // An append is a barrier: the acknowledgement above is stored before it is answered.
+        h.append_blocking("s", batch(900, 1)).unwrap();
+        (h.epoch(), last)
+    };
+    // Every segment file removed behind the agent's back (for example by an older agent's
+    // retention); the catalog still holds what the hub acknowledged.
+    for (_, p) in seg_files(dir.path()) {
+        std::fs::remove_file(p).unwrap();
+    }
+    let h = open(&cfg);
+    assert_eq!(h.epoch(), epoch);
+    let next = h.append_blocking("s", batch(6000, 1)).unwrap();
+    assert!(
+        next.first_seq > acked,
+        "seq {} reuses an acknowledged seq (acknowledged up to {acked})",
+        next.first_seq
+    );
+}

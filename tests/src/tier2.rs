@@ -92,15 +92,17 @@ pub fn wait_tiered(
     timeout: Duration,
 ) -> Result<TierProgress> {
     let mut last = TierProgress::default();
-    wait_until(timeout, "tier 2 to catch up (tiered_end == next_offset)", || {
-        match tier_progress(catalog, stream) {
+    wait_until(
+        timeout,
+        "tier 2 to catch up (tiered_end == next_offset)",
+        || match tier_progress(catalog, stream) {
             Ok(p) => {
                 last = p;
                 p.next_offset >= min_records && p.tiered_end == p.next_offset
             }
             Err(_) => false,
-        }
-    })
+        },
+    )
     .with_context(|| format!("last tier progress: {last:?}"))?;
     Ok(last)
 }

@@ -227,6 +227,12 @@ fn crash_loop_while_ingesting_and_tiering() -> Result<()> {
         mid += usize::from(landed);
     }
     let kills_done = started.elapsed();
+    // Printed now as well, so a run that fails later still shows where its kills landed.
+    println!(
+        "crash_loop: {} kills ({hub_kills} hub) in {kills_done:.1?}: {mid} mid-transfer ({mid_hub} \
+         hub), {mid_upload} hub kills mid-upload, {tier_pending} with tiering pending",
+        schedule.len()
+    );
 
     // Every check runs and every failure is reported together, so one run shows all of what
     // broke (a producer stops at the first inconsistent acknowledgement it sees).
@@ -276,7 +282,9 @@ fn crash_loop_while_ingesting_and_tiering() -> Result<()> {
         .filter(|r| !agent_specs.iter().any(|s| s.cert.id == r.device))
         .count();
     if strangers > 0 {
-        failures.push(format!("{strangers} records from devices that never sent any"));
+        failures.push(format!(
+            "{strangers} records from devices that never sent any"
+        ));
     }
     if progress.next_offset != observed.len() as u64 {
         failures.push(format!(

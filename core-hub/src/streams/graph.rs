@@ -370,7 +370,14 @@ pub fn to_json(segments: &[Segment]) -> serde_json::Value {
             .iter()
             .map(|s| {
                 serde_json::json!([
-                    s.id, s.lo, s.hi, s.start, s.end, s.created_ns, s.sealed_ns, s.preds
+                    s.id,
+                    s.lo,
+                    s.hi,
+                    s.start,
+                    s.end,
+                    s.created_ns,
+                    s.sealed_ns,
+                    s.preds
                 ])
             })
             .collect(),
@@ -530,5 +537,13 @@ mod tests {
                 assert_eq!(again.locate(o, p), g.locate(o, p));
             }
         }
+        // The manifest encoding round-trips; truncating before the merge reopens 1 and 2.
+        let back = from_json(&to_json(g.segments())).unwrap();
+        assert_eq!(back, g.segments().to_vec());
+        let cut = truncate_at(back, 15);
+        assert_eq!(cut.len(), 3);
+        assert!(cut[1].end.is_none() && cut[2].end.is_none() && cut[1].succs.is_empty());
+        assert_eq!(cut[0].end, Some(10));
+        assert!(from_json(&serde_json::json!([[1, 0, 1, 0, null, 0, null, []]])).is_none());
     }
 }

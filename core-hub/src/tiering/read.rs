@@ -174,7 +174,9 @@ impl TierReader {
                     self.next = self.next.max(self.end);
                     break;
                 }
-                let Some((seg, r)) = recs.pop_front() else { break };
+                let Some((seg, r)) = recs.pop_front() else {
+                    break;
+                };
                 if r.offset >= self.next {
                     self.next = r.offset + 1;
                     records.push(to_read_record(r, seg));

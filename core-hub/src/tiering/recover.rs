@@ -85,7 +85,11 @@ fn rebuild_graph(manifests: &[Manifest], end: u64) -> Option<Vec<crate::streams:
                 let preds = m
                     .preds
                     .iter()
-                    .map(|&p| crate::streams::SegmentId::try_from(p).ok().filter(|&p| p < sid))
+                    .map(|&p| {
+                        crate::streams::SegmentId::try_from(p)
+                            .ok()
+                            .filter(|&p| p < sid)
+                    })
                     .collect::<Option<Vec<_>>>()?;
                 segs.push(Segment {
                     id: sid,

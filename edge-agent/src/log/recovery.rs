@@ -110,9 +110,20 @@ pub(crate) fn recover(
     let acks = catalog.acks().unwrap_or_default();
     for (name, segs) in cfg.streams.iter().zip(files) {
         let dir = streams_dir.join(name);
-        let (mut idx, init) = recover_stream(&mut cx, name, &dir, segs, &epochs)?;
+        let (mut idx, mut init) = recover_stream(&mut cx, name, &dir, segs, &epochs)?;
         for (_, epoch, d, t) in acks.iter().filter(|a| a.0 == *name) {
             idx.acks.insert(*epoch, (*d, *t));
+        }
+        // Seqs the hub acknowledged in the current epoch were assigned even if no segment holds
+        // them any more (retention keeps the newest segment, but a data directory written
+        // before that rule may lack it): never assign them again.
+        let current = *epochs.last().expect("an epoch");
+        let acked = idx.acks.get(&current).map_or(0, |&(d, t)| d.max(t));
+        if acked >= idx.next_seq {
+            tracing::warn!(stream = %name, epoch = current, acked, "continuing after the hub's acknowledged seq: the newest segment is gone");
+            idx.next_seq = acked + 1;
+            init.next_seq = acked + 1;
+            init.tail = None;
         }
         state.disk_bytes += idx.segments.iter().map(|s| s.bytes).sum::<u64>();
         cx.report.segments += idx.segments.len();

@@ -826,9 +826,14 @@ impl Writer {
                 let s = self.shared.lock();
                 let active = self.streams[j].active.as_ref().map(|a| &a.path);
                 let idx = &s.streams[&self.streams[j].name];
+                // The newest segment (segments are ordered by epoch, then seq) always stays: it
+                // holds the highest seq this stream ever assigned, which is what recovery
+                // continues from. Without it a restart after everything was tiered would start
+                // the current epoch at seq 1 again and reuse seqs.
+                let newest = idx.segments.last().map(|g| &g.path);
                 idx.segments
                     .iter()
-                    .filter(|g| Some(&g.path) != active)
+                    .filter(|g| Some(&g.path) != active && Some(&g.path) != newest)
                     .filter(|g| {
                         // Freed once tiered, or once moved into a newer epoch (rekey).
                         let tiered = idx.acks.get(&g.epoch).map_or(0, |a| a.1);

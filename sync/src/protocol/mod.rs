@@ -34,8 +34,8 @@ pub use frame::{
     LaneAnnounce, PROTOCOL_VERSION,
 };
 pub use receiver::{
-    CommitItem, DecodedBlock, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
-    ReceiverStats,
+    CommitItem, DecodedBlock, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig,
+    ReceiverEvent, ReceiverStats,
 };
 pub use sender::{OfferError, Rekey, Sender, SenderConfig, SenderEvent};
 
