@@ -2,8 +2,9 @@
 //!
 //! - [`tier_progress`] reads the hub's catalog (`catalog.sqlite`, read-only, with python's
 //!   `sqlite3`): the stream's next offset and the tiering marks `planned_end`, `tiered_end`,
-//!   `evicted_end`, plus the chunk rows not yet committed. The hub does not export tiering
-//!   counters in `/metrics`, and the catalog is the ground truth of what is tiered anyway.
+//!   `evicted_end`, plus the chunk rows not yet committed. `/metrics` has tiering counters
+//!   (`tributary_hub_tier_*`), but per-stream marks and uncommitted chunk rows are only in the
+//!   catalog, which is the ground truth of what is tiered anyway.
 //! - [`parquet_ids`] reads `<tier2>/streams/<stream>/**/*.parquet` with python `duckdb` (as SQL
 //!   users will), returning the row count, the distinct `(device, epoch, seq)` count and the ids.
 //!
