@@ -5,6 +5,7 @@
 //! - [`procs`]: start, `kill9`, `terminate` and restart binaries found by [`procs::bin_path`];
 //!   [`procs::wait_until`] is the one deadline-bounded wait.
 //! - [`cluster`]: pki, configs, and a hub with its agents as real processes.
+//! - [`chaos`]: seeds, soak switch, paced producers and mid-transfer checks for kill schedules.
 //! - [`http`]: a tiny blocking HTTP/1.1 client for `/healthz`, `/metrics` and NDJSON.
 //! - [`ports`]: free loopback ports, never handed out twice in one process.
 //! - [`ledger`]: what producers were acknowledged, checked against what the hub holds.
@@ -18,6 +19,7 @@
 //! Every wait in here has a deadline, and every fault helper reports how many faults it actually
 //! applied, so a fault test can prove its faults happened.
 
+pub mod chaos;
 pub mod cluster;
 pub mod http;
 pub mod ledger;

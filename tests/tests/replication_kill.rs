@@ -13,17 +13,14 @@
 //! Those records are in flight or being committed, which is the window where a crash could lose
 //! or duplicate them. The test fails if no kill landed there.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
-use serde_json::json;
+use tributary_tests::chaos::{Target, ensure_running, mid_transfer, produce, seed, soak};
 use tributary_tests::cluster::{self, AgentSpec, HubSpec, Pki};
-use tributary_tests::ledger::{Ledger, PostOutcome, Producer, SentRecord};
-use tributary_tests::procs::{Proc, wait_until};
 
 const AGENTS: usize = 3;
 const STREAM: &str = "telemetry";
@@ -31,98 +28,6 @@ const STREAM: &str = "telemetry";
 const PRODUCE_OVER: Duration = Duration::from_secs(25);
 /// How long after the last kill the agents get to ship everything.
 const CATCH_UP: Duration = Duration::from_secs(120);
-
-fn soak() -> bool {
-    std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1")
-}
-
-fn seed() -> u64 {
-    std::env::var("TRIBUTARY_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(1, |d| d.as_nanos() as u64)
-        })
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Target {
-    Hub,
-    Agent(usize),
-}
-
-/// One producer thread: posts paced batches of 500 to 1000 records until `quota` records were
-/// acknowledged or left unknown; waits for a killed agent to come back.
-fn produce(device: String, addr: SocketAddr, quota: usize, seed: u64) -> Result<Ledger> {
-    let mut ledger = Ledger::new();
-    let producer = Producer::new(&device, addr);
-    let mut rng = StdRng::seed_from_u64(seed);
-    let started = Instant::now();
-    let mut posted = 0usize;
-    let mut next = 0u64;
-    while posted < quota {
-        // Pacing keeps data flowing for the whole kill schedule instead of a burst at the start.
-        let due =
-            (quota as f64 * started.elapsed().as_secs_f64() / PRODUCE_OVER.as_secs_f64()) as usize;
-        if posted > due {
-            std::thread::sleep(Duration::from_millis(20));
-            continue;
-        }
-        let n = rng.random_range(500..=1000).min(quota - posted);
-        let batch: Vec<SentRecord> = (0..n as u64)
-            .map(|i| {
-                let id = next + i;
-                SentRecord::new(
-                    format!("k{}", id % 16),
-                    1_700_000_000_000 + id as i64,
-                    json!({ "i": id, "dev": device, "v": (id * 7) % 1000 }),
-                )
-            })
-            .collect();
-        next += n as u64;
-        match producer.post(&mut ledger, STREAM, &batch, None)? {
-            PostOutcome::Acked(_) => posted += n,
-            PostOutcome::Unknown { .. } => {
-                // The agent was probably killed mid-request: the batch may or may not exist.
-                posted += n;
-                wait_until(
-                    Duration::from_secs(60),
-                    "the agent to accept requests again",
-                    || cluster::status(addr).is_ok(),
-                )?;
-            }
-            PostOutcome::Rejected { status, body } => {
-                if status != 503 {
-                    bail!("{device}: ingest rejected with {status}: {body}");
-                }
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
-    }
-    Ok(ledger)
-}
-
-/// Whether a kill of `target` right now lands mid-transfer (see the file comment).
-fn mid_transfer(target: Target, agents: &[AgentSpec]) -> bool {
-    let busy = |spec: &AgentSpec| {
-        cluster::status(spec.http)
-            .map(|s| cluster::link(&s) == "up" && cluster::unacked(&s) > 0)
-            .unwrap_or(false)
-    };
-    match target {
-        Target::Hub => agents.iter().any(busy),
-        Target::Agent(i) => busy(&agents[i]),
-    }
-}
-
-fn ensure_running(proc: &mut Proc) -> Result<()> {
-    if !proc.is_running() {
-        bail!("{} died on its own\n{}", proc.name(), proc.log_tail(40));
-    }
-    Ok(())
-}
 
 #[test]
 fn kill9_hub_and_agents_keeps_exactly_once() -> Result<()> {
@@ -156,7 +61,9 @@ fn kill9_hub_and_agents_keeps_exactly_once() -> Result<()> {
             let addr = spec.http;
             let quota = records_total / AGENTS;
             let producer_seed = seed ^ (i as u64 + 1);
-            std::thread::spawn(move || produce(device, addr, quota, producer_seed))
+            std::thread::spawn(move || {
+                produce(device, addr, STREAM, quota, PRODUCE_OVER, producer_seed)
+            })
         })
         .collect();
 
