@@ -792,7 +792,14 @@ async fn verify(fleet: &Fleet) -> Result<bool> {
 }
 
 fn print_where(root: &Path, hub_toml: &Path, hub_http: SocketAddr) {
-    println!("hub data: {}", root.join("hub").join("data").display());
+    let data = root.join("hub").join("data");
+    println!("hub data: {}", data.display());
+    let parquet = data.join("tier2").join("streams").join(STREAM);
+    println!(
+        "tier 2 (Parquet): {}  e.g. duckdb: SELECT device, count(*) FROM read_parquet('{}/**/*.parquet') GROUP BY device",
+        parquet.display(),
+        parquet.display()
+    );
     println!(
         "query it: core-hub run --config {} &  then  core-hub read {STREAM} --url http://{hub_http}",
         hub_toml.display()

@@ -194,7 +194,8 @@ pub fn toml_str(s: &str) -> String {
 pub fn hub_toml(data_dir: &Path, quic: SocketAddr, http: SocketAddr, pki_dir: &Path) -> String {
     let p = |path: PathBuf| toml_str(&path.display().to_string());
     format!(
-        "# Written by `core-hub demo`.\ndata_dir = {}\n\n[listen]\nquic = \"{quic}\"\nhttp = \"{http}\"\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n",
+        "# Written by `core-hub demo`.\ndata_dir = {}\n\n[listen]\nquic = \"{quic}\"\nhttp = \"{http}\"\n\n[tls]\nca = {}\ncert = {}\nkey = {}\n\n\
+         # Short chunks, so a demo run leaves Parquet files in tier 2 (data_dir/tier2).\n[tier2]\nchunk_age_max = \"5s\"\n",
         p(data_dir.to_owned()),
         p(pki_dir.join("ca.pem")),
         p(pki_dir.join("hub.pem")),
