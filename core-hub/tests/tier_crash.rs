@@ -57,7 +57,7 @@ async fn fail_points_between_upload_and_commit() {
     }
     {
         // Crash 2 (after a restart): manifests written, catalog not committed.
-        let hub = core_hub::Hub::open(&cfg).unwrap();
+        let hub = reopen(&cfg).await;
         let fail = Arc::new(move |p| p == TierFaultPoint::AfterManifest);
         let t = Tiering::open(hub.clone(), &cfg, Some(fail)).await.unwrap();
         let err = t.run_once(true).await.unwrap_err();
@@ -72,7 +72,7 @@ async fn fail_points_between_upload_and_commit() {
     }
     {
         // Crash 3: a fault after some commits, before eviction.
-        let hub = core_hub::Hub::open(&cfg).unwrap();
+        let hub = reopen(&cfg).await;
         let hits = Arc::new(AtomicU64::new(0));
         let h = hits.clone();
         let fail = Arc::new(move |p| {
@@ -120,7 +120,7 @@ fn child_hub() {
             c.tier2.chunk_age_max = std::time::Duration::ZERO;
             c.tier2.poll_interval = std::time::Duration::from_millis(5);
         });
-        let hub = core_hub::Hub::open(&cfg).unwrap();
+        let hub = reopen(&cfg).await;
         let faults = core_hub::tiering::faults::hook_from_env();
         let t = Tiering::open(hub.clone(), &cfg, faults).await.unwrap();
         let (_stop_tx, stop_rx) = tokio::sync::watch::channel(false);

@@ -42,7 +42,7 @@ pub fn config(dir: &Path, endpoint: &str, edit: impl FnOnce(&mut HubConfig)) -> 
 
 /// Opens a hub and its tiering.
 pub async fn open(cfg: &HubConfig) -> (Arc<Hub>, Arc<Tiering>) {
-    let hub = Hub::open(cfg).unwrap();
+    let hub = reopen(cfg).await;
     let t = Tiering::open(hub.clone(), cfg, None).await.unwrap();
     (hub, t)
 }
@@ -170,5 +170,26 @@ pub fn assert_duckdb(root: &Path, expect: &BTreeMap<String, u64>) {
     for (dev, avg, n) in per {
         assert_eq!(n, expect[&dev], "{dev} count");
         assert!((avg - expected_avg(n)).abs() < 1e-9, "{dev} average {avg}");
+    }
+}
+
+/// Opens the hub again after a simulated crash. Tasks of the previous instance (spawned on this
+/// test's runtime) may still hold it, and with it the data directory's lock, until they next
+/// run: yield to them until the lock is free, within a deadline.
+pub async fn reopen(cfg: &HubConfig) -> Arc<Hub> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match Hub::open(cfg) {
+            Ok(hub) => return hub,
+            Err(core_hub::ingest::OpenError::Locked(path)) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{} stayed locked by the previous instance",
+                    path.display()
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("reopening the hub: {e}"),
+        }
     }
 }
