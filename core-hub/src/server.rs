@@ -52,8 +52,8 @@ use std::time::{Duration, Instant as StdInstant};
 use rustls::pki_types::CertificateDer;
 use sync::protocol::Instant;
 use sync::protocol::{
-    BacklogEntry, CommitItem, DecodedBlock, ErrorCode, Frame, FrameBuffer, LaneMarks, Marks,
-    MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
+    Backlog, BacklogEntry, CommitItem, DecodedBlock, ErrorCode, Frame, FrameBuffer, LaneMarks,
+    Marks, MarksQuery, Receiver, ReceiverConfig, ReceiverEvent,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 
@@ -441,9 +441,10 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
     // Tiering moves tiered_seq long after the last ack of new data; an idle agent hears of it
     // only through this signal (issue 7), so it can free what tier 2 now holds.
     let mut tiered_rx = ctx.hub.subscribe_tiered();
-    // The last seq each lane announced in the Hello (the first control frame): Backlog frames
-    // carry no seqs, and completeness needs it to report how many records a device owes.
-    let mut announced: Option<HashMap<(String, u64), u64>> = None;
+    // What each lane announced in the Hello (the first control frame): its last seq (Backlog
+    // frames carry no seqs, and completeness needs it to report how many records a device
+    // owes) and its backlog, recorded once the session is established.
+    let mut announced: Option<Announced> = None;
     loop {
         // Blocks the receiver acknowledged again without a commit (replays of what the hub
         // holds) count with the hub's duplicates.
@@ -591,7 +592,7 @@ async fn handle_event(
     rx: &mut Receiver,
     ev: ReceiverEvent,
     done: &mpsc::UnboundedSender<Done>,
-    announced: Option<&HashMap<(String, u64), u64>>,
+    announced: Option<&Announced>,
 ) -> Option<(ErrorCode, String)> {
     match ev {
         ReceiverEvent::NeedMarks {
@@ -607,6 +608,21 @@ async fn handle_event(
         } => {
             tracing::info!(%device, version, current_epoch, "session established");
             ctx.hub.touch(device);
+            // The Hello's backlog is recorded before any block of this session commits: a
+            // device that comes back owing data is never taken for complete on its first
+            // commit alone. The Backlog frame the edge sends right after corrects any figure
+            // the hub's marks made stale.
+            if let Some(a) = announced {
+                let entries: Vec<BacklogEntry> = a
+                    .iter()
+                    .map(|((stream, epoch), &(_, backlog))| BacklogEntry {
+                        stream: stream.clone(),
+                        epoch: *epoch,
+                        backlog,
+                    })
+                    .collect();
+                record_backlog(ctx, device, &entries, announced);
+            }
         }
         ReceiverEvent::Commit {
             stream,
@@ -775,14 +791,17 @@ async fn commit(
     }
 }
 
-/// The `last_seq` of every lane a Hello frame announces; empty for any other frame (a
-/// malformed one is the receiver's to refuse).
-fn announced_last_seqs(frame: &[u8], frame_bytes_max: u32) -> HashMap<(String, u64), u64> {
+/// Per `(stream, epoch)`: the last seq and the backlog a lane announced in the Hello.
+type Announced = HashMap<(String, u64), (u64, Backlog)>;
+
+/// The `last_seq` and backlog of every lane a Hello frame announces; empty for any other frame
+/// (a malformed one is the receiver's to refuse).
+fn announced_last_seqs(frame: &[u8], frame_bytes_max: u32) -> Announced {
     match Frame::decode(frame, frame_bytes_max) {
         Ok(Frame::Hello(h)) => h
             .lanes
             .into_iter()
-            .map(|l| ((l.stream, l.epoch), l.last_seq))
+            .map(|l| ((l.stream, l.epoch), (l.last_seq, l.backlog)))
             .collect(),
         _ => HashMap::new(),
     }
@@ -795,14 +814,13 @@ fn record_backlog(
     ctx: &ConnCtx,
     device: &str,
     entries: &[BacklogEntry],
-    announced: Option<&HashMap<(String, u64), u64>>,
+    announced: Option<&Announced>,
 ) {
     ctx.hub.touch(device);
     for e in entries {
         let last_seq = announced
             .and_then(|a| a.get(&(e.stream.clone(), e.epoch)))
-            .copied()
-            .unwrap_or(0);
+            .map_or(0, |&(last, _)| last);
         let report = BacklogReport {
             blocks: e.backlog.blocks,
             bytes: e.backlog.bytes,
@@ -844,9 +862,9 @@ mod tests {
         });
         let got = announced_last_seqs(&hello.encode(), 1 << 20);
         assert_eq!(got.len(), 3);
-        assert_eq!(got[&("telemetry".to_string(), 1)], 90);
-        assert_eq!(got[&("telemetry".to_string(), 2)], 7);
-        assert_eq!(got[&("status".to_string(), 2)], 3);
+        assert_eq!(got[&("telemetry".to_string(), 1)].0, 90);
+        assert_eq!(got[&("telemetry".to_string(), 2)].0, 7);
+        assert_eq!(got[&("status".to_string(), 2)].0, 3);
         // Any other first frame (or garbage) announces nothing; the receiver refuses it.
         assert!(announced_last_seqs(&Frame::Ping.encode(), 1 << 20).is_empty());
         assert!(announced_last_seqs(b"\x00\x01", 1 << 20).is_empty());
