@@ -1,6 +1,7 @@
 //! Replication through network faults, with the real hub and agent binaries.
 //!
-//! - A 60 s partition: the hub runs in its own network namespace, the agent in the peer one,
+//! - A partition of minutes (150 s; two hours with `TRIBUTARY_SOAK=1`, any length with
+//!   `TRIBUTARY_PARTITION_SECS`): the hub runs in its own network namespace, the agent in the peer one,
 //!   and iptables DROP rules on both sides cut the link. The agent keeps taking data meanwhile;
 //!   after healing it reconnects by itself and its lag (durable but unacknowledged records)
 //!   returns to zero within [`RECOVERY_BOUND`]: the reconnect backoff cap (30 s by default) plus
@@ -10,10 +11,11 @@
 //! - A link that flaps every 2 s with 20% loss both ways while the agent takes data: the agent
 //!   never stalls (its lag returns to zero within [`FLAP_RECOVERY_BOUND`] of the link settling),
 //!   its memory stays bounded, and the hub holds every record exactly once. Cuts of 2 s are
-//!   shorter than the 30 s QUIC idle timeout, so the session rides through them (the 60 s
+//!   shorter than the 30 s QUIC idle timeout, so the session rides through them (the long
 //!   partition above covers reconnecting).
 //!
-//! The partition test takes about 80 s on purpose (the issue asks for 60 s of partition).
+//! The partition test takes about three minutes on purpose (the issue asks for minutes of
+//! partition in CI and hours in soak mode).
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -24,11 +26,15 @@ use tributary_tests::cluster::{self, AgentSpec, HubSpec, Pki};
 use tributary_tests::ledger::{Ledger, PostOutcome, Producer, SentRecord};
 use tributary_tests::netem::{Impairment, ProxyConfig, UdpImpairProxy};
 use tributary_tests::netns::{DropSpec, L4, NetnsPair, Partition, Side};
+use tributary_tests::chaos::soak;
 use tributary_tests::procs::wait_until;
 
 const STREAM: &str = "telemetry";
 const WAIT: Duration = Duration::from_secs(60);
-const PARTITION: Duration = Duration::from_secs(60);
+/// The partition's length in CI.
+const PARTITION_CI: Duration = Duration::from_secs(150);
+/// ... and in soak mode.
+const PARTITION_SOAK: Duration = Duration::from_secs(2 * 3600);
 /// The agent's default reconnect backoff cap (30 s) plus 15 s to reconnect and drain.
 const RECOVERY_BOUND: Duration = Duration::from_secs(45);
 /// After a flapping link settles: the agent's backoff cap (set to 2 s in that test) plus the
@@ -69,8 +75,28 @@ fn ingest_all(producer: &Producer, ledger: &mut Ledger, batch: &[SentRecord]) ->
     Ok(())
 }
 
+/// The partition's length and how often the agent takes a batch of 200 records meanwhile
+/// (rarer in soak mode, so that hours of ledger stay small).
+fn partition_plan() -> Result<(Duration, Duration)> {
+    let length = match std::env::var("TRIBUTARY_PARTITION_SECS") {
+        Ok(s) => Duration::from_secs(
+            s.parse()
+                .with_context(|| format!("TRIBUTARY_PARTITION_SECS={s:?} is not whole seconds"))?,
+        ),
+        Err(_) if soak() => PARTITION_SOAK,
+        Err(_) => PARTITION_CI,
+    };
+    let every = if length > Duration::from_secs(600) {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_millis(250)
+    };
+    Ok((length, every))
+}
+
 #[test]
-fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
+fn a_partition_of_minutes_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
+    let (partition_len, ingest_every) = partition_plan()?;
     let pair = NetnsPair::create()?;
     let root = tempfile::Builder::new().prefix("trb-part-").tempdir()?;
     let pki = Pki::init(root.path().join("pki"))?;
@@ -131,13 +157,15 @@ fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
     let mut next = 5_000;
     let mut saw_down = false;
     // The agent keeps ingesting for the whole partition; the loop is the partition's length.
-    while cut_at.elapsed() < PARTITION {
+    let mut batches = 0u64;
+    while cut_at.elapsed() < partition_len {
         let batch = records("during", next, 200, 16);
         next += 200;
+        batches += 1;
         pair.in_ns(Side::B, || ingest_all(&producer, &mut ledger, &batch))??;
         let status = agent_status()?;
         saw_down |= cluster::link(&status) != "up";
-        std::thread::sleep(Duration::from_millis(250));
+        std::thread::sleep(ingest_every);
     }
     let lag_at_heal = cluster::unacked(&agent_status()?);
     let dropped = pair.heal(&partition)?;
@@ -145,7 +173,7 @@ fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
     ensure!(dropped > 0, "the partition dropped no packets");
     assert!(
         saw_down,
-        "the link never showed as down during a 60 s partition"
+        "the link never showed as down during a {partition_len:?} partition"
     );
     assert!(lag_at_heal > 0, "no lag built up during the partition");
 
@@ -161,8 +189,9 @@ fn a_60s_partition_heals_by_itself_and_lag_returns_to_zero() -> Result<()> {
     let report = ledger.check(observed);
     assert!(report.is_ok(), "{}", report.summary());
     println!(
-        "partition: {dropped} packets dropped in {PARTITION:?}; lag at heal {lag_at_heal} records; \
-         lag back to zero {recovery:.1?} after healing (bound {RECOVERY_BOUND:?}); {} records acked",
+        "partition: {dropped} packets dropped in {partition_len:?}; {batches} batches taken \
+         meanwhile; lag at heal {lag_at_heal} records; lag back to zero {recovery:.1?} after \
+         healing (bound {RECOVERY_BOUND:?}); {} records acked",
         ledger.acked_len()
     );
     hub.kill9()?;
