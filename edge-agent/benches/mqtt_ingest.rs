@@ -92,7 +92,12 @@ fn start_broker() -> anyhow::Result<Broker> {
 }
 
 /// Publishes `n` QoS 1 messages on `topic`, pipelined up to the broker's inflight window.
-async fn publish(port: u16, topic: &str, n: u64) -> anyhow::Result<()> {
+async fn publish(
+    port: u16,
+    topic: &str,
+    n: u64,
+    progress: Arc<std::sync::atomic::AtomicU64>,
+) -> anyhow::Result<()> {
     let mut opts = MqttOptions::new(format!("bench-pub-{topic}"), "127.0.0.1", port);
     opts.set_inflight(1000);
     opts.set_keep_alive(Duration::from_secs(30));
@@ -111,6 +116,7 @@ async fn publish(port: u16, topic: &str, n: u64) -> anyhow::Result<()> {
     while acked < n {
         if let Event::Incoming(Packet::PubAck(_)) = eventloop.poll().await? {
             acked += 1;
+            progress.store(acked, std::sync::atomic::Ordering::Relaxed);
         }
     }
     let _client = sender.await??;
@@ -129,7 +135,7 @@ async fn plain(port: u16, n: u64) -> anyhow::Result<f64> {
         }
     }
     let start = Instant::now();
-    let publisher = tokio::spawn(publish(port, "bench/plain/x", n));
+    let publisher = tokio::spawn(publish(port, "bench/plain/x", n, Default::default()));
     let mut got = 0;
     while got < n {
         if let Event::Incoming(Packet::Publish(_)) = eventloop.poll().await? {
@@ -164,7 +170,8 @@ async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow:
     }
     let mut durable = log.durable_watch();
     let start = Instant::now();
-    let publisher = tokio::spawn(publish(port, "bench/agent/x", n));
+    let published = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let publisher = tokio::spawn(publish(port, "bench/agent/x", n, published.clone()));
     let stored = || {
         log.status()
             .streams
@@ -182,10 +189,20 @@ async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow:
     })
     .await;
     if waited.is_err() {
+        let stats = app
+            .sources
+            .mqtt_stats(0)
+            .context("the MQTT source's counters")?;
+        let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         bail!(
-            "the agent stalled: {} of {n} messages durable after 120 s ({:.0} msg/s until then)",
+            "the agent stalled: {} of {n} messages durable after 120 s ({:.0} msg/s until then); \
+             the broker acked {} publishes; the source received {} ({} DUP) and stored {}",
             stored(),
-            stored() as f64 / start.elapsed().as_secs_f64()
+            stored() as f64 / start.elapsed().as_secs_f64(),
+            load(&published),
+            load(&stats.received),
+            load(&stats.dup_received),
+            load(&stats.records),
         );
     }
     let secs = start.elapsed().as_secs_f64();

@@ -7,7 +7,8 @@
 //! The broker runs with the recommended settings (`max_inflight_messages 1000`,
 //! `max_queued_messages 1000000`, persistence on). The default run publishes 100,000 messages
 //! (about 3 s on a 2-core box); `TRIBUTARY_SOAK=1` publishes 1,000,000.
-//! `TRIBUTARY_MQTT_MESSAGES=N` overrides both.
+//! `TRIBUTARY_MQTT_MESSAGES=N` overrides both. A second test floods the agent from a broker
+//! without an inflight limit.
 
 mod process_support;
 
@@ -30,14 +31,20 @@ struct Broker {
 }
 
 impl Broker {
+    /// The recommended settings: at most 1,000 unacknowledged messages in flight per client.
     fn start() -> Broker {
+        Broker::start_with_inflight(1000)
+    }
+
+    /// `max_inflight_messages` as given; 0 means no limit.
+    fn start_with_inflight(inflight: u32) -> Broker {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let conf = dir.path().join("mosquitto.conf");
         std::fs::write(
             &conf,
             format!(
-                "listener {port} 127.0.0.1\nallow_anonymous true\nmax_inflight_messages 1000\n\
+                "listener {port} 127.0.0.1\nallow_anonymous true\nmax_inflight_messages {inflight}\n\
                  max_queued_messages 1000000\npersistence true\npersistence_location {}/\n",
                 dir.path().display()
             ),
@@ -302,6 +309,93 @@ fn kill9_during_qos1_stream_stores_every_message_exactly_once() {
         "no redelivered message had been stored: the kills never hit between append and ack"
     );
     assert!(dropped <= dup);
+}
+
+/// A broker that sends without waiting for acks (no inflight limit, as some brokers are set up,
+/// and as mosquitto behaves when it ignores `max_inflight_messages`) floods the source faster
+/// than one ack per read. Every message is stored, the source never stops, and every ack
+/// reaches the broker: after a clean restart the broker redelivers nothing. With acks through
+/// rumqttc's request channel this flood stopped the source before its subscription was even
+/// granted.
+#[test]
+fn a_broker_without_an_inflight_limit_never_stalls_the_source() {
+    let broker = Broker::start_with_inflight(0);
+    let n: u64 = std::env::var("FLOOD_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150_000);
+    let setup =
+        Setup::new(&std::env::var("FLOOD_FSYNC").unwrap_or("fsync = \"interval:10ms\"".into()));
+    let config = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(
+        &setup.config,
+        format!(
+            "{config}[[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{}\"\n\
+             topics = [\"sensors/#\"]\nstream = \"telemetry\"\nformat = \"json\"\n",
+            broker.port
+        ),
+    )
+    .unwrap();
+    // The first start creates the persistent session; the broker then queues the whole load
+    // while the agent is down and sends it as fast as it can once the agent is back: the
+    // heaviest flood, as after an outage.
+    let mut agent: Agent = setup.start();
+    agent.terminate();
+    let acked = Arc::new(AtomicU64::new(0));
+    let (release, released) = tokio::sync::mpsc::unbounded_channel();
+    let publisher = publish_all(broker.port, n, acked.clone(), released);
+    release.send(n).unwrap();
+    publisher.join().unwrap();
+    let started = Instant::now();
+    let mut agent = setup.start();
+    let mut last = (0, Instant::now());
+    loop {
+        let stored = durable_seq(&setup);
+        if stored >= n {
+            break;
+        }
+        if stored > last.0 {
+            last = (stored, Instant::now());
+        }
+        assert!(
+            last.1.elapsed() < Duration::from_secs(30),
+            "the MQTT source stalled at {stored} of {n} messages stored:\n{}",
+            agent.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let drained = started.elapsed();
+    agent.terminate();
+    let first_run = agent.log_text();
+    assert!(
+        !first_run.contains("redeliveries received"),
+        "redeliveries though every earlier message was acked:\n{first_run}"
+    );
+
+    // Restart; one more message goes behind anything the broker still holds for the session.
+    let agent = setup.start();
+    let (release, released) = tokio::sync::mpsc::unbounded_channel();
+    let marker = publish_all(broker.port, 1, Arc::new(AtomicU64::new(0)), released);
+    release.send(1).unwrap();
+    marker.join().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while durable_seq(&setup) < n + 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the marker message never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = agent.log_text();
+    let dup = log_sum(&log, "mqtt: redeliveries received", "dup");
+    println!(
+        "{n} messages without an inflight limit: queued while the agent was down, all stored {drained:.1?} after it came back; {dup} redelivered after a clean restart"
+    );
+    assert_eq!(
+        dup, 0,
+        "the broker redelivered messages the agent had acked"
+    );
+    assert_eq!(durable_seq(&setup), n + 1);
 }
 
 /// `GET /healthz` from the agent at `setup`: status and body.

@@ -13,6 +13,14 @@
 //! (up to [`BATCH_MESSAGES_MAX`]), appends it as one atomic batch through
 //! [`Ingest::ingest`](crate::http::Ingest::ingest), waits for durability, and then sends the
 //! PUBACKs in the order the messages arrived (MQTT 3.1.1 §4.6 requires acks in receive order).
+//!
+//! The acks go back to the event loop task over a channel of this connection's, and that task
+//! writes them straight onto the connection before it polls again, and whenever it would
+//! otherwise wait. They do not go through rumqttc's request channel: its event loop reads up to
+//! ten packets per turn but takes one request, so under a broker that sends faster than that
+//! (one that ignores `max_inflight_messages`, or has it at 0) queued acks fell behind, the
+//! request channel filled, the writer waited on it while the event loop task waited on the
+//! writer, and the source stopped for good.
 //! When storage is slow, the channel fills, the event loop task stops reading the socket, and the
 //! broker stops sending once its inflight window (`max_inflight_messages`) is full of unacked
 //! messages: memory stays bounded and nothing is lost, because the broker holds the rest.
@@ -73,8 +81,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rumqttc::{
-    AsyncClient, Event, EventLoop, MqttOptions, Packet, Publish, QoS, SubscribeFilter,
-    TlsConfiguration, Transport,
+    AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, PubAck, PubRec, Publish, QoS,
+    SubscribeFilter, TlsConfiguration, Transport,
 };
 use sync::block::{DecodeLimits, decode_block};
 use sync::parse::{ParseOptions, parse_line_protocol};
@@ -95,10 +103,9 @@ pub const DIGEST_FIELD: &str = "_mqtt_digest";
 pub const BATCH_MESSAGES_MAX: usize = 1024;
 /// Messages queued between the event loop task and the writer.
 const CHANNEL_MESSAGES: usize = 2048;
-/// rumqttc's request channel; acks go through it. It must hold every possible outstanding
-/// ack (at most one per packet id) so the writer never waits on it while the event loop task
-/// waits on the writer.
-const REQUEST_CHANNEL: usize = 65_536;
+/// rumqttc's request channel. Only the subscription goes through it; acks take the
+/// connection's own ack channel (see the module docs).
+const REQUEST_CHANNEL: usize = 16;
 /// Largest incoming packet accepted.
 const PACKET_BYTES_MAX: usize = 1 << 20;
 
@@ -170,11 +177,55 @@ pub fn tls_client_config(t: &crate::config::MqttTlsConfig) -> Result<rustls::Cli
     }
 }
 
-/// A received message and the client of the connection it came on (to ack it there).
+/// A received message and the ack channel of the connection it came on (to ack it there).
 struct Incoming {
     publish: Publish,
-    client: AsyncClient,
+    acks: mpsc::UnboundedSender<Ack>,
     received_ns: i64,
+}
+
+/// A PUBACK (QoS 1) or PUBREC (QoS 2) owed for a durable message.
+#[derive(Debug, Clone, Copy)]
+struct Ack {
+    pkid: u16,
+    qos: QoS,
+}
+
+impl Ack {
+    fn packet(self) -> Packet {
+        match self.qos {
+            QoS::ExactlyOnce => Packet::PubRec(PubRec::new(self.pkid)),
+            _ => Packet::PubAck(PubAck::new(self.pkid)),
+        }
+    }
+}
+
+/// Writes `first` and every ack queued behind it onto the connection, in order, and flushes.
+async fn send_acks(
+    eventloop: &mut EventLoop,
+    first: Option<Ack>,
+    acks: &mut mpsc::UnboundedReceiver<Ack>,
+) -> Result<(), String> {
+    let Some(network) = eventloop.network.as_mut() else {
+        return Ok(()); // not connected: these acks belong to a connection that is gone
+    };
+    let mut wrote = false;
+    let mut next = first.or_else(|| acks.try_recv().ok());
+    while let Some(ack) = next {
+        network
+            .write(ack.packet())
+            .await
+            .map_err(|e| format!("sending an ack: {e}"))?;
+        wrote = true;
+        next = acks.try_recv().ok();
+    }
+    if wrote {
+        network
+            .flush()
+            .await
+            .map_err(|e| format!("sending acks: {e}"))?;
+    }
+    Ok(())
 }
 
 impl MqttSource {
@@ -289,10 +340,34 @@ impl MqttSource {
         tx: &mpsc::Sender<Incoming>,
     ) -> Connection {
         let mut was_up = false;
+        // Acks for this connection only: when it ends the receiver goes, and an ack the writer
+        // sends for one of its messages fails there instead of reaching a new connection, where
+        // its packet id could name another message.
+        let (ack_tx, mut ack_rx) = mpsc::unbounded_channel::<Ack>();
+        let mut first_ack = None;
+        // Set once the subscription request is on the wire. From then on nothing goes through
+        // rumqttc's request channel, so a poll cancelled while it waits loses no request.
+        let mut requests_sent = false;
         loop {
-            let event = match eventloop.poll().await {
-                Ok(e) => e,
-                Err(e) => {
+            if let Err(why) = send_acks(&mut eventloop, first_ack.take(), &mut ack_rx).await {
+                return Connection::Lost { was_up, why };
+            }
+            let polled = if requests_sent {
+                tokio::select! {
+                    biased;
+                    e = eventloop.poll() => Some(e),
+                    ack = ack_rx.recv() => {
+                        first_ack = ack;
+                        None
+                    }
+                }
+            } else {
+                Some(eventloop.poll().await)
+            };
+            let event = match polled {
+                None => continue,
+                Some(Ok(e)) => e,
+                Some(Err(e)) => {
                     return Connection::Lost {
                         was_up,
                         why: e.to_string(),
@@ -331,6 +406,7 @@ impl MqttSource {
                         error!(source = self.index, refused = ?refused, "the broker refused subscriptions: check its ACLs");
                     }
                 }
+                Event::Outgoing(Outgoing::Subscribe(_)) => requests_sent = true,
                 Event::Incoming(Packet::Publish(publish)) => {
                     self.stats.received.fetch_add(1, Ordering::Relaxed);
                     if publish.dup {
@@ -338,12 +414,24 @@ impl MqttSource {
                     }
                     let msg = Incoming {
                         publish,
-                        client: client.clone(),
+                        acks: ack_tx.clone(),
                         received_ns: now_ns(),
                     };
-                    // Waiting here is the backpressure: the socket is not read meanwhile.
-                    if tx.send(msg).await.is_err() {
-                        return Connection::WriterGone;
+                    // Waiting for room is the backpressure: the socket is not read meanwhile.
+                    // Acks the writer hands back during the wait still go out.
+                    let permit = loop {
+                        tokio::select! {
+                            p = tx.reserve() => break p,
+                            ack = ack_rx.recv() => {
+                                if let Err(why) = send_acks(&mut eventloop, ack, &mut ack_rx).await {
+                                    return Connection::Lost { was_up, why };
+                                }
+                            }
+                        }
+                    };
+                    match permit {
+                        Ok(p) => p.send(msg),
+                        Err(_) => return Connection::WriterGone,
                     }
                 }
                 _ => {}
@@ -377,7 +465,10 @@ impl Writer {
             // a connection that has ended fails here, harmlessly, and is never sent.
             for m in batch.drain(..) {
                 if m.publish.qos != QoS::AtMostOnce {
-                    let _ = m.client.ack(&m.publish).await;
+                    let _ = m.acks.send(Ack {
+                        pkid: m.publish.pkid,
+                        qos: m.publish.qos,
+                    });
                 }
             }
         }
