@@ -1,6 +1,8 @@
 //! The hub's HTTP API (axum): health, metrics, and the minimal reader API.
 //!
-//! - `GET /healthz`: `ok`, or 503 once the tier-1 log is poisoned. Always open.
+//! - `GET /healthz`: `ok`, or 503 with the reason while the tier-1 log is poisoned or its disk
+//!   is full (naming the path). Always open. Quarantined
+//!   tier-1 blocks and tier-2 objects are listed after the `ok` ([`crate::scrub::health_detail`]).
 //! - `GET /metrics`: Prometheus text ([`crate::metrics`]). Always open.
 //! - `GET /v1/streams`: JSON list of streams with their next hub offset (= records committed).
 //! - `GET /v1/streams/{s}/records?from=start|<hub offset>|<RFC 3339>|<cut>&limit=N&key=K&follow=true`:
@@ -142,15 +144,15 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 async fn healthz(State(st): State<AppState>) -> Response {
-    if st
-        .hub
-        .wal_stats()
-        .poisoned
-        .load(std::sync::atomic::Ordering::Relaxed)
-    {
-        return (StatusCode::SERVICE_UNAVAILABLE, "tier-1 log poisoned\n").into_response();
+    if let Err(why) = st.hub.health() {
+        return (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
     }
-    "ok\n".into_response()
+    let mut body = String::from("ok\n");
+    for line in crate::scrub::health_detail() {
+        body.push_str(&line);
+        body.push('\n');
+    }
+    body.into_response()
 }
 
 async fn metrics(State(st): State<AppState>) -> Response {

@@ -108,6 +108,10 @@ pub struct Tier2Config {
     pub tier2_retention_time: Option<Duration>,
     /// Oldest tier-2 chunks are deleted while a stream holds more than this; `None`: no limit.
     pub tier2_retention_bytes: Option<u64>,
+    /// Time between two full passes of the tier-2 scrub (`crate::scrub::scrub_tier2`).
+    pub scrub_interval: Duration,
+    /// Read rate bound of the tier-2 scrub, bytes per second (0: unbounded).
+    pub scrub_bytes_per_sec_max: u64,
 }
 
 /// The tier-1 write-ahead log.
@@ -262,6 +266,8 @@ pub struct RawTier2 {
     pub tier1_budget_bytes: Option<String>,
     pub tier2_retention_time: Option<String>,
     pub tier2_retention_bytes: Option<String>,
+    pub scrub_interval: Option<String>,
+    pub scrub_bytes_per_sec_max: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -582,6 +588,16 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         tier1_budget_bytes,
         tier2_retention_time: opt_dur("tier2_retention_time", &raw.tier2_retention_time)?,
         tier2_retention_bytes,
+        scrub_interval: dur(
+            "scrub_interval",
+            &raw.scrub_interval,
+            crate::scrub::DEFAULT_TIER2_INTERVAL,
+        )?,
+        scrub_bytes_per_sec_max: bytes(
+            "scrub_bytes_per_sec_max",
+            &raw.scrub_bytes_per_sec_max,
+            crate::scrub::DEFAULT_TIER2_BYTES_PER_SEC_MAX,
+        )?,
     })
 }
 

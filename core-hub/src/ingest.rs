@@ -245,7 +245,10 @@ pub fn block_cost(block_len: usize, h: &BlockHeader) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Durable {
     seq: u64,
-    failed: bool,
+    /// Bumped by every roll-back of the key (see [`KeyCell::roll_back`]).
+    rollbacks: u64,
+    /// The accepted mark right after the latest roll-back: seqs above it were abandoned.
+    floor: u64,
 }
 
 /// Seq bookkeeping of one `(device, epoch, stream)`.
@@ -257,6 +260,24 @@ struct KeyState {
     accepted: u64,
     /// Queued, not yet durable ranges `(first, last, checksum)`, in seq order.
     pending: VecDeque<(u64, u64, u64)>,
+    /// Roll-backs so far; a waiter on a queued range fails when one abandons its seq.
+    rollbacks: u64,
+    /// The highest seq ever accepted (not lowered by roll-backs): a block past `accepted + 1`
+    /// but within `high + 1` continues abandoned seqs (a retry is due), not a protocol error.
+    high: u64,
+}
+
+impl KeyState {
+    /// The error for a block or gap starting at `first`, past `accepted + 1`.
+    fn ahead_error(&self, first: u64) -> IngestError {
+        if first <= self.high + 1 {
+            IngestError::Unavailable(CommitError::EarlierFailed)
+        } else {
+            IngestError::OutOfOrder {
+                expected: self.accepted + 1,
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -273,10 +294,13 @@ impl KeyCell {
             durable,
             accepted: durable,
             pending: VecDeque::new(),
+            rollbacks: 0,
+            high: durable,
         };
         let (durable_tx, _) = watch::channel(Durable {
             seq: durable,
-            failed: false,
+            rollbacks: 0,
+            floor: durable,
         });
         Arc::new(KeyCell {
             order: tokio::sync::Mutex::new(()),
@@ -289,7 +313,7 @@ impl KeyCell {
         self.state.lock().expect("key state lock")
     }
 
-    /// Runs on the WAL writer thread after the catalog commit.
+    /// Runs on the WAL committer thread after the catalog commit.
     fn mark_durable(&self, last: u64) {
         let mut s = self.lock();
         s.durable = s.durable.max(last);
@@ -297,29 +321,39 @@ impl KeyCell {
         while s.pending.front().is_some_and(|&(_, l, _)| l <= durable) {
             s.pending.pop_front();
         }
-        drop(s);
-        self.durable_tx.send_replace(Durable {
-            seq: durable,
-            failed: false,
+        // Published under the lock, so a racing roll-back cannot publish out of order.
+        self.durable_tx.send_modify(|d| d.seq = d.seq.max(durable));
+    }
+
+    /// Abandons the queued seqs from `first` on: their commit failed (a full disk, or a
+    /// poisoned log), so nothing at or above `first` will become durable from what is queued,
+    /// and the next block accepted for this key must start at `first` again. Runs on the WAL
+    /// threads, before the writer drains what is queued (see `wal::Writer::fail_and_drain`).
+    fn roll_back(&self, first: u64) {
+        let mut s = self.lock();
+        let floor = first.saturating_sub(1).max(s.durable);
+        s.accepted = s.accepted.min(floor);
+        s.pending.retain(|&(f, _, _)| f < first);
+        s.rollbacks += 1;
+        let (rollbacks, floor) = (s.rollbacks, s.accepted);
+        self.durable_tx.send_modify(|d| {
+            d.rollbacks = rollbacks;
+            d.floor = floor;
         });
     }
 
-    fn mark_failed(&self) {
-        let seq = self.lock().durable;
-        self.durable_tx.send_replace(Durable { seq, failed: true });
-    }
-
-    /// Waits until `seq` is durable, returning the durable mark.
-    async fn wait_durable(&self, seq: u64) -> Result<u64, IngestError> {
+    /// Waits until `seq` is durable, returning the durable mark. `rollbacks` is the key's roll-back
+    /// count when `seq` was found accepted: a later roll-back below `seq` fails the wait.
+    async fn wait_durable(&self, seq: u64, rollbacks: u64) -> Result<u64, IngestError> {
         let mut rx = self.durable_tx.subscribe();
         let d = *rx
-            .wait_for(|d| d.failed || d.seq >= seq)
+            .wait_for(|d| d.seq >= seq || (d.rollbacks != rollbacks && d.floor < seq))
             .await
             .map_err(|_| IngestError::Unavailable(CommitError::Stopped))?;
         if d.seq >= seq {
             Ok(d.seq)
         } else {
-            Err(IngestError::Unavailable(CommitError::Poisoned))
+            Err(IngestError::Unavailable(CommitError::EarlierFailed))
         }
     }
 }
@@ -450,8 +484,21 @@ impl Decoded {
 
 /// What step 4 decided.
 enum Plan {
-    Duplicate { last: u64 },
+    /// Already accepted; `rollbacks` is the key's roll-back count when that was checked.
+    Duplicate {
+        last: u64,
+        rollbacks: u64,
+    },
     Append(Append),
+}
+
+/// What [`Hub::queue_gap`] did.
+enum GapQueued {
+    /// The gap's seqs were accepted already; wait for them with this roll-back count.
+    Already {
+        rollbacks: u64,
+    },
+    Queued(oneshot::Receiver<Result<(), CommitError>>),
 }
 
 /// A block ready for the WAL.
@@ -479,6 +526,7 @@ enum Wait {
     Duplicate {
         cell: Arc<KeyCell>,
         last: u64,
+        rollbacks: u64,
     },
     Append {
         rx: oneshot::Receiver<Result<AppendDone, CommitError>>,
@@ -501,8 +549,12 @@ impl PendingCommit {
     pub async fn wait(self) -> Result<CommitOutcome, IngestError> {
         let stats = self.stats;
         let result = match self.wait {
-            Wait::Duplicate { cell, last } => cell
-                .wait_durable(last)
+            Wait::Duplicate {
+                cell,
+                last,
+                rollbacks,
+            } => cell
+                .wait_durable(last, rollbacks)
                 .await
                 .map(|durable_seq| CommitOutcome::Duplicate { durable_seq }),
             Wait::Append {
@@ -818,46 +870,74 @@ impl Hub {
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
         let cell = self.cell(d, epoch, s);
         let order = cell.order.lock().await;
-        let accepted = cell.lock().accepted;
-        if last <= accepted {
-            drop(order);
-            return cell.wait_durable(last).await;
-        }
-        if first > accepted + 1 {
-            return Err(IngestError::OutOfOrder {
-                expected: accepted + 1,
-            });
-        }
-        let gap = GapRow {
-            device: d,
-            epoch,
-            stream: s,
-            first_seq: first.max(accepted + 1),
-            last_seq: last,
-            reason: reason.to_string(),
-            reported_at_ns: now_ns(),
-        };
-        let (tx, rx) = oneshot::channel();
-        let done_cell = cell.clone();
-        let done = Box::new(move |r: Result<(), CommitError>| {
-            match &r {
-                Ok(()) => done_cell.mark_durable(last),
-                Err(_) => done_cell.mark_failed(),
+        let rx = match self.queue_gap(&cell, (d, epoch, s), first, last, reason)? {
+            GapQueued::Already { rollbacks } => {
+                drop(order);
+                return cell.wait_durable(last, rollbacks).await;
             }
-            let _ = tx.send(r);
-        });
-        cell.lock().accepted = last;
-        self.wal.gap(GapRequest {
-            gap,
-            new_mark: Some(last),
-            done,
-        });
+            GapQueued::Queued(rx) => rx,
+        };
         drop(order);
         self.stats.gaps.fetch_add(1, Ordering::Relaxed);
         rx.await
             .map_err(|_| IngestError::Unavailable(CommitError::Stopped))?
             .map_err(IngestError::Unavailable)?;
         Ok(last)
+    }
+
+    /// Checks a gap against the accepted mark and queues it, under the key's state lock (see
+    /// [`Hub::enqueue`]).
+    fn queue_gap(
+        &self,
+        cell: &Arc<KeyCell>,
+        (d, epoch, s): (DeviceId, u64, StreamId),
+        first: u64,
+        last: u64,
+        reason: &str,
+    ) -> Result<GapQueued, IngestError> {
+        let (tx, rx) = oneshot::channel();
+        let mut st = cell.lock();
+        let accepted = st.accepted;
+        if last <= accepted {
+            let rollbacks = st.rollbacks;
+            return Ok(GapQueued::Already { rollbacks });
+        }
+        if first > accepted + 1 {
+            return Err(st.ahead_error(first));
+        }
+        let gap_first = first.max(accepted + 1);
+        let gap = GapRow {
+            device: d,
+            epoch,
+            stream: s,
+            first_seq: gap_first,
+            last_seq: last,
+            reason: reason.to_string(),
+            reported_at_ns: now_ns(),
+        };
+        let done_cell = cell.clone();
+        let done = Box::new(move |r: Result<(), CommitError>| {
+            match &r {
+                Ok(()) => done_cell.mark_durable(last),
+                Err(_) => done_cell.roll_back(gap_first),
+            }
+            let _ = tx.send(r);
+        });
+        st.accepted = last;
+        st.high = st.high.max(last);
+        let unsent = self
+            .wal
+            .try_gap(GapRequest {
+                gap,
+                new_mark: Some(last),
+                done,
+            })
+            .err();
+        drop(st);
+        if let Some(req) = unsent {
+            (req.done)(Err(CommitError::Stopped));
+        }
+        Ok(GapQueued::Queued(rx))
     }
 
     /// Commits one block from `device` to `stream`; see the module docs for the steps.
@@ -984,19 +1064,20 @@ impl Hub {
         let _order = cell.order.lock().await;
         let stats = self.stats.clone();
         match self.plan(device, d, s, &cell, dec).await? {
-            Plan::Duplicate { last } => {
+            Plan::Duplicate { last, rollbacks } => {
                 stats.duplicates.fetch_add(1, Ordering::Relaxed);
                 Ok(PendingCommit {
                     stats,
                     wait: Wait::Duplicate {
                         cell: cell.clone(),
                         last,
+                        rollbacks,
                     },
                 })
             }
             Plan::Append(a) => {
                 let (count, bytes, trimmed) = (a.count, a.block.len() as u64, a.trimmed);
-                let rx = self.enqueue(&cell, d, s, epoch, a);
+                let rx = self.enqueue(&cell, d, s, epoch, a)?;
                 Ok(PendingCommit {
                     stats,
                     wait: Wait::Append {
@@ -1021,6 +1102,14 @@ impl Hub {
         }
         if self.wal.stats().poisoned.load(Ordering::Relaxed) {
             return Err(IngestError::Unavailable(CommitError::Poisoned));
+        }
+        // Refused before any decoding while the disk is full: cheap, and retryable.
+        if let Some(e) = self.wal.stats().disk_full() {
+            self.wal
+                .stats()
+                .disk_full_refused
+                .fetch_add(1, Ordering::Relaxed);
+            return Err(IngestError::Unavailable(e));
         }
         let gate = self.admission.read().expect("admission lock").clone();
         if let Some(why) = gate.and_then(|g| g()) {
@@ -1141,22 +1230,20 @@ impl Hub {
         let (first, last) = (dec.first, dec.last());
         // Snapshot the pending ranges before querying the catalog: a range enters the catalog
         // before it leaves `pending`, so this order never misses one.
-        let (accepted, pending) = {
+        let (accepted, pending, rollbacks) = {
             let st = cell.lock();
-            (st.accepted, st.pending.clone())
+            if first > st.accepted + 1 {
+                return Err(st.ahead_error(first));
+            }
+            (st.accepted, st.pending.clone(), st.rollbacks)
         };
-        if first > accepted + 1 {
-            return Err(IngestError::OutOfOrder {
-                expected: accepted + 1,
-            });
-        }
         // The mutation switch stores a resent block again, whole, under its own seqs.
         let mutated = dedupe_disabled() && first <= accepted;
         if first <= accepted && !mutated {
             self.check_conflicts(device, d, s, &dec, accepted, &pending)?;
         }
         if last <= accepted && !mutated {
-            return Ok(Plan::Duplicate { last });
+            return Ok(Plan::Duplicate { last, rollbacks });
         }
         let skip = if mutated {
             0
@@ -1273,6 +1360,13 @@ impl Hub {
     }
 
     /// Step 5: queues the block to the WAL and advances the accepted mark.
+    ///
+    /// The check against the accepted mark and the queueing happen under the key's state
+    /// lock, the same lock a failed commit's roll-back takes: either the roll-back comes first
+    /// and this block (which continues the abandoned seqs) is refused here, or the block is
+    /// queued before the roll-back runs, and the WAL writer, which drains its queue after the
+    /// roll-backs of a failed group, fails it too. Either way no block is committed past a
+    /// hole.
     fn enqueue(
         &self,
         cell: &Arc<KeyCell>,
@@ -1280,23 +1374,15 @@ impl Hub {
         stream: StreamId,
         epoch: u64,
         a: Append,
-    ) -> oneshot::Receiver<Result<AppendDone, CommitError>> {
+    ) -> Result<oneshot::Receiver<Result<AppendDone, CommitError>>, IngestError> {
         let last = a.first + u64::from(a.count) - 1;
-        {
-            let mut st = cell.lock();
-            assert!(
-                a.first == st.accepted + 1 || dedupe_disabled(),
-                "blocks are queued contiguously"
-            );
-            st.accepted = st.accepted.max(last);
-            st.pending.push_back((a.first, last, a.checksum));
-        }
+        let (first, checksum) = (a.first, a.checksum);
         let (tx, rx) = oneshot::channel();
         let done_cell = cell.clone();
         let done = Box::new(move |r: Result<AppendDone, CommitError>| {
             match &r {
                 Ok(done) => done_cell.mark_durable(done.last_seq),
-                Err(_) => done_cell.mark_failed(),
+                Err(_) => done_cell.roll_back(first),
             }
             let _ = tx.send(r);
         });
@@ -1313,8 +1399,20 @@ impl Hub {
             key_hashes: a.key_hashes,
             done,
         };
-        self.wal.append(req);
-        rx
+        let mut st = cell.lock();
+        if first != st.accepted + 1 && !dedupe_disabled() {
+            // A failed commit rolled this key back after `plan` checked the block.
+            return Err(IngestError::Unavailable(CommitError::EarlierFailed));
+        }
+        st.accepted = st.accepted.max(last);
+        st.high = st.high.max(last);
+        st.pending.push_back((first, last, checksum));
+        let unsent = self.wal.try_append(req).err();
+        drop(st);
+        if let Some(req) = unsent {
+            (req.done)(Err(CommitError::Stopped));
+        }
+        Ok(rx)
     }
 
     fn cell(&self, d: DeviceId, epoch: u64, s: StreamId) -> Arc<KeyCell> {
@@ -1404,6 +1502,21 @@ impl Hub {
     /// The WAL writer's counters.
     pub fn wal_stats(&self) -> &Arc<wal::WalStats> {
         self.wal.stats()
+    }
+
+    /// Why tier 1 cannot take writes right now, for `/healthz`: a poisoned log (until a
+    /// restart) or a full disk (until space is free again; the message names the path).
+    pub fn health(&self) -> Result<(), String> {
+        let stats = self.wal.stats();
+        if stats.poisoned.load(Ordering::Relaxed) {
+            return Err("tier-1 log poisoned after a storage failure; restart the hub".into());
+        }
+        match stats.disk_full() {
+            Some(e) => Err(format!(
+                "tier-1 disk full, writes refused until space is free: {e}"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Record buffers for decoding blocks; records handed to [`Hub::submit_verified`] return

@@ -101,6 +101,10 @@ enum Cmd {
         to: String,
         #[arg(long)]
         out: PathBuf,
+        /// Leave out chunks whose tier-2 object is damaged or missing (each is named and
+        /// counted) instead of failing the export.
+        #[arg(long)]
+        skip_damaged: bool,
         #[arg(long, default_value = "hub.toml")]
         config: PathBuf,
     },
@@ -234,8 +238,9 @@ fn main() -> Result<()> {
             from,
             to,
             out,
+            skip_damaged,
             config,
-        } => runtime()?.block_on(export(&config, &stream, &from, &to, &out)),
+        } => runtime()?.block_on(export(&config, &stream, &from, &to, &out, skip_damaged)),
     }
 }
 
@@ -283,12 +288,24 @@ impl core_hub::tiering::export::ExportProgress for Bar {
 }
 
 /// `core-hub export STREAM --from T --to T --out FILE.parquet`.
-async fn export(config: &Path, stream: &str, from: &str, to: &str, out: &Path) -> Result<()> {
+async fn export(
+    config: &Path,
+    stream: &str,
+    from: &str,
+    to: &str,
+    out: &Path,
+    skip_damaged: bool,
+) -> Result<()> {
+    use core_hub::tiering::export::{ExportOptions, export_with};
     let cfg = HubConfig::load(config).with_context(|| format!("loading {}", config.display()))?;
     let (from, to) = (parse_time(from)?, parse_time(to)?);
     let style = indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} chunks {msg}")?;
     let mut bar = Bar(indicatif::ProgressBar::new(0).with_style(style));
-    let report = core_hub::tiering::export::export(&cfg, stream, from, to, out, &mut bar).await?;
+    let opts = ExportOptions {
+        skip_damaged,
+        ..ExportOptions::default()
+    };
+    let report = export_with(&cfg, stream, from, to, out, &mut bar, &opts).await?;
     bar.0.finish_and_clear();
     println!(
         "wrote {} records ({} bytes) from {} chunks to {}",
@@ -297,6 +314,12 @@ async fn export(config: &Path, stream: &str, from: &str, to: &str, out: &Path) -
         report.chunks_read,
         out.display()
     );
+    if report.skipped_chunks > 0 {
+        println!(
+            "left out {} damaged or missing chunks ({} records); the log names each",
+            report.skipped_chunks, report.skipped_records
+        );
+    }
     Ok(())
 }
 
@@ -372,9 +395,16 @@ async fn serve(hub: Arc<Hub>, cfg: &HubConfig) -> Result<()> {
     let _tier_follow = hub.follow_tiering(tiering.subscribe_tiered());
     hub.set_tier_stats(tiering.stats().clone());
     let tier_task = tiering.spawn(stop_rx.clone());
+    // Tier-2 scrub: chunk objects against their crc32c; quarantine and repair (issue 9).
+    let tier2_scrub = core_hub::scrub::start_tier2(
+        tiering.clone(),
+        core_hub::scrub::Tier2ScrubConfig::from(&cfg.tier2),
+        stop_rx.clone(),
+    );
     shutdown_signal().await;
     let _ = stop_tx.send(true);
     let _ = tier_task.await;
+    let _ = tier2_scrub.await;
     for task in republish {
         let _ = task.await;
     }

@@ -101,8 +101,32 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     gauge(
         &mut out,
         "tributary_hub_wal_poisoned",
-        "1 once a WAL write or fsync failed.",
+        "1 once a WAL write or fsync failed (not for a full disk); cleared by a restart.",
         u64::from(w.poisoned.load(Ordering::Relaxed)),
+    );
+    gauge(
+        &mut out,
+        "tributary_hub_wal_disk_full",
+        "1 while tier-1 writes are refused because the disk is full (resumes on its own).",
+        u64::from(w.disk_full.load(Ordering::Relaxed)),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_disk_full_failures_total",
+        "Group commits that failed for a full disk and were rolled back.",
+        load(&w.disk_full_failures),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_disk_full_refused_total",
+        "Requests refused without being written while the disk was full.",
+        load(&w.disk_full_refused),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_disk_full_resumed_total",
+        "Times tier-1 writes resumed after a full disk.",
+        load(&w.disk_full_resumed),
     );
     gauge(
         &mut out,

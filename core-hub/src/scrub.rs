@@ -1,5 +1,7 @@
-//! Scrubbing tier 1 at rest: finding bit flips in WAL files before a reader trips over them.
+//! Scrubbing at rest: finding bit flips in tier-1 WAL files and in tier-2 Parquet objects
+//! before a reader trips over them, quarantining what is damaged, and reporting it.
 //!
+//! # Tier 1
 //! Recovery verifies only the active WAL file when the hub opens (`wal::recover`); sealed files
 //! are checked frame by frame only when a reader fetches a block, and a damaged frame then
 //! fails the whole read. Storage rots silently, so the hub must look for damage itself, name
@@ -18,12 +20,38 @@
 //! that still holds them can be asked to resend (a later issue); until then the quarantine
 //! file is the authoritative list of what is missing.
 //!
+//! # Tier 2
+//!
+//! Every chunk object's size and crc32c are recorded at upload (catalog `tier_objects`, and
+//! `extra.crc32c` in its manifest). Read-through (`tiering::read`) checks every object it
+//! fetches; [`scrub_tier2`] reads every committed object at a bounded rate
+//! (`[tier2] scrub_bytes_per_sec_max`) every `[tier2] scrub_interval` ([`start_tier2`], the
+//! time of the last pass persisted in the catalog). A damaged object (size, crc32c, a file
+//! that does not decode, or one gone while its chunk is committed) is:
+//!
+//! - **quarantined** ([`report_tier2_damage`]): recorded in the catalog (`tier_quarantine`),
+//!   after which readers skip its records (with a gap report) instead of serving corrupt rows;
+//!   its bytes are moved to `_tributary/quarantine/<path>`, out of `streams/`, so SQL engines
+//!   stop reading them ([`tend_tier2_quarantine`]);
+//! - **reported**: one `error` log line naming the object, `tributary_hub_tier2_*` metrics
+//!   (`tributary_hub_tier2_corrupt_objects_total`, `..._quarantined_objects`, ...) and lines in
+//!   `/healthz` ([`health_detail`]);
+//! - **repaired** when tier 1 still holds all its records: re-read from the WAL, encoded with
+//!   the columns its manifest lists, uploaded to the same name (so SQL engines see each record
+//!   once again), verified, its new check and manifest written. Otherwise it stays
+//!   quarantined and reported.
+//!
+//! Quarantine and repair run under the uploader's round lock: no upload, eviction or
+//! retention interleaves with them.
+//!
 //! # Hooks (outside this file)
 //!
 //! - `main.rs`, after `Hub::open`: `let _scrub = core_hub::scrub::Scrubber::start(hub.clone(), &cfg.data_dir, core_hub::scrub::DEFAULT_INTERVAL);`
+//!   and, after `Tiering::open`: `core_hub::scrub::start_tier2(tiering.clone(), (&cfg.tier2).into(), stop_rx.clone())`.
 //! - `read.rs`, first line of the loop over index rows in `read_records`:
 //!   `if crate::scrub::is_quarantined(row) { continue; }`
 //! - `metrics.rs`, in `render`: `crate::scrub::render_metrics(&mut out);`
+//! - `api.rs`, `/healthz`: [`health_detail`] lines after `ok`.
 
 use crate::catalog::{BlockRow, Catalog, CatalogError};
 use crate::ingest::Hub;
@@ -301,6 +329,7 @@ pub fn render_metrics(out: &mut String) {
         "WAL blocks found damaged and quarantined (listed in quarantine.json).",
         quarantined as u64,
     );
+    render_tier2_metrics(out);
 }
 
 /// A background thread that scrubs at start and then every `interval`.
@@ -410,6 +439,610 @@ fn run_once(hub: &Hub, wal_dir: &Path, quarantine: &Quarantine) {
     );
 }
 
+// ---------------------------------------------------------------------------------------
+// Tier 2: chunk objects at rest.
+// ---------------------------------------------------------------------------------------
+
+/// Settings of the tier-2 scrub (`[tier2] scrub_interval`, `scrub_bytes_per_sec_max`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tier2ScrubConfig {
+    /// Time between the starts of two full passes (persisted, so restarts do not reset it).
+    pub interval: Duration,
+    /// Read rate bound of a pass, in object bytes per second (0: unbounded).
+    pub bytes_per_sec_max: u64,
+}
+
+impl Default for Tier2ScrubConfig {
+    fn default() -> Self {
+        Tier2ScrubConfig {
+            interval: DEFAULT_TIER2_INTERVAL,
+            bytes_per_sec_max: DEFAULT_TIER2_BYTES_PER_SEC_MAX,
+        }
+    }
+}
+
+impl From<&crate::config::Tier2Config> for Tier2ScrubConfig {
+    fn from(c: &crate::config::Tier2Config) -> Self {
+        Tier2ScrubConfig {
+            interval: c.scrub_interval,
+            bytes_per_sec_max: c.scrub_bytes_per_sec_max,
+        }
+    }
+}
+
+/// Default time between two full tier-2 scrub passes.
+pub const DEFAULT_TIER2_INTERVAL: Duration = Duration::from_secs(24 * 3600);
+/// Default read rate of the tier-2 scrub.
+pub const DEFAULT_TIER2_BYTES_PER_SEC_MAX: u64 = 16 << 20;
+/// Where quarantined chunk objects are moved, outside `streams/` (SQL engines never see them):
+/// `_tributary/quarantine/{original path}`.
+pub const TIER2_QUARANTINE_PREFIX: &str = "_tributary/quarantine/";
+/// Key in `tier_meta`: wall time (ns) of the start of the last complete tier-2 pass.
+const META_TIER2_SCRUB_LAST: &str = "tier2_scrub_last_ns";
+
+/// What one tier-2 pass (or quarantine round) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Tier2ScrubReport {
+    pub objects_checked: u64,
+    pub bytes_checked: u64,
+    /// Objects without a recorded check (uploaded before checks existed) that decoded
+    /// cleanly and got one now.
+    pub checks_recorded: u64,
+    /// Paths found damaged in this pass (newly quarantined).
+    pub damaged: Vec<String>,
+    /// Paths re-uploaded from tier 1 and verified.
+    pub repaired: Vec<String>,
+    /// Paths that stay quarantined: tier 1 no longer holds their records.
+    pub unrepairable: Vec<String>,
+}
+
+/// Why a tier-2 pass stopped (damage is a finding, not an error).
+#[derive(Debug, Error)]
+pub enum Tier2ScrubError {
+    #[error("catalog: {0}")]
+    Catalog(#[from] CatalogError),
+    #[error("tier 2: {0}")]
+    Tier2(#[from] tier::TierError),
+    #[error("tier 2 did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Process-wide tier-2 scrub counters (one hub per process, like the tier-1 quarantine).
+#[derive(Debug, Default)]
+struct Tier2Global {
+    runs: AtomicU64,
+    failures: AtomicU64,
+    objects_checked: AtomicU64,
+    bytes_checked: AtomicU64,
+    corrupt: AtomicU64,
+    repaired: AtomicU64,
+    records_skipped: AtomicU64,
+    quarantined: AtomicU64,
+    /// Paths quarantined now (for `/healthz`), refreshed from the catalog on every change.
+    quarantined_paths: RwLock<Vec<String>>,
+    /// Wakes the tier-2 scrubber when a reader quarantined something.
+    wake: tokio::sync::Notify,
+}
+
+fn tier2_global() -> &'static Tier2Global {
+    static G: std::sync::OnceLock<Tier2Global> = std::sync::OnceLock::new();
+    G.get_or_init(Tier2Global::default)
+}
+
+fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+}
+
+/// Counts records a reader skipped because their chunk is quarantined.
+pub fn note_tier2_records_skipped(rows: u64) {
+    tier2_global()
+        .records_skipped
+        .fetch_add(rows, Ordering::Relaxed);
+}
+
+/// Refreshes the quarantined gauge and path list from the catalog.
+fn refresh_tier2_gauge(cat: &Catalog) -> Result<(), CatalogError> {
+    let list = crate::tiering::store::quarantine_list(cat)?;
+    let paths: Vec<String> = list
+        .into_iter()
+        .filter(|q| q.state == crate::tiering::store::QUARANTINED)
+        .map(|q| q.path)
+        .collect();
+    let g = tier2_global();
+    g.quarantined.store(paths.len() as u64, Ordering::Relaxed);
+    *g.quarantined_paths.write().expect("tier-2 quarantine list") = paths;
+    Ok(())
+}
+
+/// Quarantines a damaged chunk object found by a reader or the scrub: catalog entry (readers
+/// skip it from now on), one `error` log line naming the object, the
+/// `tributary_hub_tier2_corrupt_objects_total` counter, and a wake-up of the tier-2 scrubber,
+/// which moves the bytes aside and repairs the chunk from tier 1 when it still holds it.
+/// Returns whether this was a new finding.
+pub fn report_tier2_damage(
+    tiering: &crate::tiering::Tiering,
+    ch: &crate::tiering::store::ChunkRow,
+    what: &str,
+) -> Result<bool, CatalogError> {
+    let cat = tiering.hub().catalog();
+    let new = crate::tiering::store::quarantine_chunk(cat, ch, what, now_ns())?;
+    if new {
+        let g = tier2_global();
+        g.corrupt.fetch_add(1, Ordering::Relaxed);
+        tracing::error!(
+            path = %ch.path,
+            stream = %tiering.hub().stream_name(ch.stream).unwrap_or_default(),
+            segment = ch.segment, first_offset = ch.first_offset, end_offset = ch.end_offset,
+            rows = ch.rows, what,
+            "tier-2 chunk object damaged: quarantined, its records are not served"
+        );
+        refresh_tier2_gauge(cat)?;
+        g.wake.notify_one();
+    }
+    Ok(new)
+}
+
+/// One line per problem for `/healthz` (empty when tier 2 holds no quarantined object).
+/// The hub stays healthy (it serves everything else); this only names what is lost.
+pub fn health_detail() -> Vec<String> {
+    let g = tier2_global();
+    let paths = g.quarantined_paths.read().expect("tier-2 quarantine list");
+    let mut out = Vec::new();
+    if !paths.is_empty() {
+        out.push(format!(
+            "tier 2: {} chunk object(s) quarantined (damaged, records not served):",
+            paths.len()
+        ));
+        out.extend(paths.iter().take(20).map(|p| format!("  {p}")));
+    }
+    if let Some(q) = global()
+        .quarantine
+        .read()
+        .expect("quarantine slot")
+        .as_ref()
+        && !q.is_empty()
+    {
+        out.push(format!(
+            "tier 1: {} WAL block(s) quarantined (see {QUARANTINE_FILE})",
+            q.len()
+        ));
+    }
+    out
+}
+
+/// Appends the `tributary_hub_tier2_*` scrub and quarantine metrics.
+fn render_tier2_metrics(out: &mut String) {
+    let g = tier2_global();
+    let mut line = |kind: &str, name: &str, help: &str, v: u64| {
+        out.push_str(&format!(
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
+        ));
+    };
+    line(
+        "counter",
+        "tributary_hub_tier2_scrub_runs_total",
+        "Completed tier-2 scrub passes.",
+        g.runs.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
+        "tributary_hub_tier2_scrub_failures_total",
+        "Tier-2 scrub passes that stopped on an error (tier 2 down, catalog).",
+        g.failures.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
+        "tributary_hub_tier2_scrub_objects_checked_total",
+        "Tier-2 chunk objects read and verified by the scrubber.",
+        g.objects_checked.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
+        "tributary_hub_tier2_scrub_bytes_checked_total",
+        "Tier-2 chunk object bytes verified by the scrubber.",
+        g.bytes_checked.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
+        "tributary_hub_tier2_corrupt_objects_total",
+        "Tier-2 chunk objects found damaged (size, crc32c or decode) and quarantined.",
+        g.corrupt.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
+        "tributary_hub_tier2_repaired_objects_total",
+        "Quarantined tier-2 chunk objects re-uploaded from tier 1 and verified.",
+        g.repaired.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
+        "tributary_hub_tier2_records_skipped_total",
+        "Records readers skipped because their tier-2 chunk is quarantined.",
+        g.records_skipped.load(Ordering::Relaxed),
+    );
+    line(
+        "gauge",
+        "tributary_hub_tier2_quarantined_objects",
+        "Tier-2 chunk objects quarantined now (not repairable from tier 1, or not yet).",
+        g.quarantined.load(Ordering::Relaxed),
+    );
+}
+
+async fn bounded<T, E: Into<tier::TierError>>(
+    limit: Duration,
+    f: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, Tier2ScrubError> {
+    match tokio::time::timeout(limit, f).await {
+        Ok(r) => r.map_err(|e| Tier2ScrubError::Tier2(e.into())),
+        Err(_) => Err(Tier2ScrubError::Timeout(limit)),
+    }
+}
+
+/// One full tier-2 pass: first the quarantine (move aside, repair), then every committed
+/// chunk object of every stream is read and compared with its recorded size and crc32c
+/// (objects without one are decoded instead, and get one). Reads are paced to
+/// `cfg.bytes_per_sec_max`. Damaged objects are quarantined and repaired when tier 1 still
+/// holds their records. `stop` ends the pass early (the report covers what was done).
+pub async fn scrub_tier2(
+    tiering: &Arc<crate::tiering::Tiering>,
+    cfg: &Tier2ScrubConfig,
+    stop: Option<&tokio::sync::watch::Receiver<bool>>,
+) -> Result<Tier2ScrubReport, Tier2ScrubError> {
+    use crate::tiering::read::{Fetched, fetch_verified};
+    use crate::tiering::store;
+    let started_ns = now_ns();
+    let mut report = tend_tier2_quarantine(tiering).await?;
+    let cat = tiering.hub().catalog().clone();
+    let limit = tiering.config().request_timeout;
+    let started = std::time::Instant::now();
+    let stopped = || stop.is_some_and(|s| *s.borrow());
+    for (sid, _) in store::streams_with_state(&cat)? {
+        let mut after = None;
+        loop {
+            let page = store::committed_chunks_after(&cat, sid, after, 256)?;
+            let Some(last) = page.last() else { break };
+            after = Some((last.first_offset, last.segment));
+            let quarantined = store::quarantined_in(&cat, sid)?;
+            for ch in &page {
+                if stopped() {
+                    return Ok(report);
+                }
+                if quarantined.contains(&(ch.segment, ch.first_offset)) {
+                    continue;
+                }
+                let check = store::object_check(&cat, ch.stream, ch.segment, ch.first_offset)?;
+                let fetched = match tokio::time::timeout(
+                    limit,
+                    fetch_verified(tiering.store(), &ch.path, check),
+                )
+                .await
+                {
+                    Err(_) => return Err(Tier2ScrubError::Timeout(limit)),
+                    Ok(Ok(f)) => f,
+                    Ok(Err(tier::GetError::NotFound { .. })) => {
+                        // Retention may have deleted it since the page was read.
+                        if store::committed_chunk(&cat, ch.stream, ch.segment, ch.first_offset)?
+                            .is_none()
+                        {
+                            continue;
+                        }
+                        Fetched::Damaged("object missing".into())
+                    }
+                    Ok(Err(e)) => return Err(Tier2ScrubError::Tier2(e.into())),
+                };
+                report.objects_checked += 1;
+                report.bytes_checked += ch.bytes;
+                let g = tier2_global();
+                g.objects_checked.fetch_add(1, Ordering::Relaxed);
+                g.bytes_checked.fetch_add(ch.bytes, Ordering::Relaxed);
+                match fetched {
+                    Fetched::Records(records) if check.is_none() => {
+                        // Legacy object: it decodes and holds the rows the catalog expects,
+                        // so its current bytes become its check.
+                        if records.len() as u64 == ch.rows
+                            && let Ok(bytes) = bounded(limit, tiering.store().get(&ch.path)).await
+                        {
+                            let c = store::ObjectCheck::of(&bytes);
+                            store::set_object_check(
+                                &cat,
+                                ch.stream,
+                                ch.segment,
+                                ch.first_offset,
+                                c,
+                            )?;
+                            report.checks_recorded += 1;
+                        } else if records.len() as u64 != ch.rows {
+                            let what = format!(
+                                "holds {} rows, the catalog committed {}",
+                                records.len(),
+                                ch.rows
+                            );
+                            damaged(tiering, ch, &what, &mut report).await?;
+                        }
+                    }
+                    Fetched::Records(_) => {}
+                    Fetched::Damaged(what) => damaged(tiering, ch, &what, &mut report).await?,
+                }
+                // Pace the reads: a pass never takes more than its share of tier 2.
+                if cfg.bytes_per_sec_max > 0 {
+                    let due = Duration::from_secs_f64(
+                        report.bytes_checked as f64 / cfg.bytes_per_sec_max as f64,
+                    );
+                    if let Some(ahead) = due.checked_sub(started.elapsed()) {
+                        match stop {
+                            Some(s) => {
+                                let mut s = s.clone();
+                                tokio::select! {
+                                    _ = tokio::time::sleep(ahead) => {}
+                                    _ = s.wait_for(|v| *v) => return Ok(report),
+                                }
+                            }
+                            None => tokio::time::sleep(ahead).await,
+                        }
+                    }
+                }
+            }
+        }
+    }
+    cat.with_write_conn(|c| {
+        c.execute(
+            "INSERT INTO tier_meta (key, value) VALUES (?1, ?2)
+             ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+            rusqlite::params![META_TIER2_SCRUB_LAST, started_ns],
+        )
+    })
+    .map_err(CatalogError::from)?;
+    tier2_global().runs.fetch_add(1, Ordering::Relaxed);
+    tracing::info!(
+        objects = report.objects_checked,
+        bytes = report.bytes_checked,
+        damaged = report.damaged.len(),
+        repaired = report.repaired.len(),
+        "tier-2 scrub pass done"
+    );
+    Ok(report)
+}
+
+/// A damaged object found by the pass: confirm under the round lock (a repair or an upload
+/// may just have replaced it), quarantine, then tend it at once.
+async fn damaged(
+    tiering: &Arc<crate::tiering::Tiering>,
+    ch: &crate::tiering::store::ChunkRow,
+    what: &str,
+    report: &mut Tier2ScrubReport,
+) -> Result<(), Tier2ScrubError> {
+    if report_tier2_damage(tiering, ch, what)? {
+        report.damaged.push(ch.path.clone());
+    }
+    let more = tend_tier2_quarantine(tiering).await?;
+    report.repaired.extend(more.repaired);
+    for p in more.unrepairable {
+        if !report.unrepairable.contains(&p) {
+            report.unrepairable.push(p);
+        }
+    }
+    Ok(())
+}
+
+/// Works through every quarantined chunk: moves its damaged bytes to
+/// [`TIER2_QUARANTINE_PREFIX`] (out of `streams/`, so SQL engines stop reading them), then
+/// re-uploads it from tier 1 if tier 1 still holds all its records (same name, so SQL engines
+/// see it again exactly once), verifies it and records its new check; otherwise it stays
+/// quarantined and reported. Runs under the uploader's round lock, so that no upload,
+/// eviction or retention interleaves.
+pub async fn tend_tier2_quarantine(
+    tiering: &Arc<crate::tiering::Tiering>,
+) -> Result<Tier2ScrubReport, Tier2ScrubError> {
+    use crate::tiering::read::{Fetched, fetch_verified};
+    use crate::tiering::store;
+    let cat = tiering.hub().catalog().clone();
+    let limit = tiering.config().request_timeout;
+    let mut report = Tier2ScrubReport::default();
+    let list: Vec<_> = store::quarantine_list(&cat)?
+        .into_iter()
+        .filter(|q| q.state == store::QUARANTINED)
+        .collect();
+    if list.is_empty() {
+        return Ok(report);
+    }
+    let _round = tiering.lock_rounds().await;
+    for q in list {
+        let Some(ch) = store::committed_chunk(&cat, q.stream, q.segment, q.first_offset)? else {
+            continue; // deleted by retention
+        };
+        let check = store::object_check(&cat, q.stream, q.segment, q.first_offset)?;
+        if !q.moved {
+            match bounded(limit, fetch_verified(tiering.store(), &q.path, check)).await {
+                Ok(Fetched::Records(_)) if check.is_some() => {
+                    // Good again (a transient read, or already replaced): serve it.
+                    tracing::warn!(path = %q.path, "tier-2 chunk object reads clean now: released from quarantine");
+                    store::set_repaired(&cat, &q, now_ns())?;
+                    continue;
+                }
+                Ok(_) => {
+                    let bytes = bounded(limit, tiering.store().get(&q.path)).await?;
+                    let aside = format!("{TIER2_QUARANTINE_PREFIX}{}", q.path);
+                    bounded(limit, tiering.store().raw_put(&aside, bytes)).await?;
+                    bounded(limit, tiering.store().delete(&q.path)).await?;
+                    tracing::warn!(path = %q.path, to = %aside, "moved a damaged tier-2 chunk object aside");
+                }
+                Err(Tier2ScrubError::Tier2(tier::TierError::Get(tier::GetError::NotFound {
+                    ..
+                }))) => {}
+                Err(e) => return Err(e),
+            }
+            store::set_quarantine_moved(&cat, &q)?;
+        }
+        match repair_from_tier1(tiering, &ch).await {
+            Ok(true) => {
+                store::set_repaired(&cat, &q, now_ns())?;
+                tier2_global().repaired.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(path = %q.path, rows = ch.rows, "tier-2 chunk object repaired from tier 1");
+                report.repaired.push(q.path.clone());
+            }
+            Ok(false) => {
+                tracing::warn!(
+                    path = %q.path, first_offset = q.first_offset, end_offset = q.end_offset,
+                    "quarantined tier-2 chunk cannot be repaired: tier 1 no longer holds its records"
+                );
+                report.unrepairable.push(q.path.clone());
+            }
+            Err(e) => {
+                tracing::error!(path = %q.path, error = %e, "repairing a tier-2 chunk object failed; retried on the next pass");
+                report.unrepairable.push(q.path.clone());
+            }
+        }
+    }
+    refresh_tier2_gauge(&cat)?;
+    Ok(report)
+}
+
+/// Re-uploads `ch` from tier 1: the same records (its offsets, its segment's keys) encoded with
+/// the columns its manifest lists, to the same name; verified; the new size and crc32c and
+/// the manifest updated. `Ok(false)` when tier 1 no longer holds every record of it.
+async fn repair_from_tier1(
+    tiering: &Arc<crate::tiering::Tiering>,
+    ch: &crate::tiering::store::ChunkRow,
+) -> Result<bool, Tier2ScrubError> {
+    use crate::tiering::store;
+    let hub = tiering.hub().clone();
+    let cat = hub.catalog().clone();
+    let limit = tiering.config().request_timeout;
+    let st = store::state(&cat, ch.stream)?;
+    if ch.first_offset < st.evicted_end {
+        return Ok(false);
+    }
+    let Some(stream) = hub.stream_name(ch.stream) else {
+        return Ok(false);
+    };
+    let manifest_path = tier::manifest_path(&stream, ch.segment, ch.first_offset);
+    let manifest = bounded(limit, tiering.store().get_manifest(&manifest_path))
+        .await
+        .ok();
+    let columns = match &manifest {
+        Some(m) => m.columns.clone(),
+        None => store::fields(&cat, ch.stream)?,
+    };
+    let row = ch.clone();
+    let h = hub.clone();
+    let encoded = tokio::task::spawn_blocking(move || {
+        let seg =
+            crate::tiering::segments_overlapping(&h, row.stream, row.first_offset, row.end_offset)
+                .ok()
+                .and_then(|v| v.into_iter().find(|s| s.id == row.segment))
+                .map(|s| crate::tiering::SegmentSpan {
+                    start: row.first_offset,
+                    end: Some(row.end_offset),
+                    ..s
+                })
+                .unwrap_or(crate::tiering::SegmentSpan {
+                    id: row.segment,
+                    start: row.first_offset,
+                    end: Some(row.end_offset),
+                    ..crate::tiering::SegmentSpan::WHOLE
+                });
+        let records = crate::tiering::chunk_records(&h, &row, &seg).map_err(|e| e.to_string())?;
+        if records.len() as u64 != row.rows {
+            return Err(format!(
+                "tier 1 yields {} records, the chunk held {}",
+                records.len(),
+                row.rows
+            ));
+        }
+        let mut registry = tier::FieldRegistry::from_columns(columns).map_err(|e| e.to_string())?;
+        registry.observe_records(&records);
+        let mut opts = tier::EncodeOptions::default();
+        opts.metadata.push(("tributary.stream".into(), stream));
+        opts.metadata
+            .push(("tributary.segment".into(), row.segment.to_string()));
+        tier::encode_chunk(&records, &registry, &opts)
+            .map(|(bytes, summary)| (bytes, summary, registry.columns().to_vec()))
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    let (bytes, summary, columns) = match encoded {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            tracing::warn!(path = %ch.path, error = %e, "cannot rebuild a tier-2 chunk from tier 1");
+            return Ok(false);
+        }
+        Err(e) => {
+            tracing::warn!(path = %ch.path, error = %e, "rebuilding a tier-2 chunk failed");
+            return Ok(false);
+        }
+    };
+    let check = store::ObjectCheck::of(&bytes);
+    bounded(limit, tiering.store().put_chunk(&ch.path, bytes)).await?;
+    bounded(limit, tiering.store().verify_chunk(&ch.path, &summary)).await?;
+    store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, check)?;
+    if let Some(mut m) = manifest {
+        m.summary = summary;
+        m.columns = columns;
+        if !m.extra.is_object() {
+            m.extra = serde_json::json!({});
+        }
+        m.extra["crc32c"] = check.crc32c.into();
+        m.extra["repaired_ns"] = now_ns().into();
+        bounded(limit, tiering.store().put_manifest(&m)).await?;
+    }
+    Ok(true)
+}
+
+/// The background tier-2 scrubber: tends the quarantine at start and whenever a reader
+/// quarantines something, and runs a full pass every `interval` (measured from the last
+/// complete pass, persisted in the catalog, so frequent restarts do not postpone it forever).
+pub fn start_tier2(
+    tiering: Arc<crate::tiering::Tiering>,
+    cfg: Tier2ScrubConfig,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let g = tier2_global();
+        if let Err(e) = refresh_tier2_gauge(tiering.hub().catalog()) {
+            tracing::error!(error = %e, "reading the tier-2 quarantine");
+        }
+        loop {
+            if let Err(e) = tend_tier2_quarantine(&tiering).await {
+                tracing::warn!(error = %e, "tending the tier-2 quarantine failed; retried later");
+            }
+            let last: i64 = tiering
+                .hub()
+                .catalog()
+                .with_read_conn(|c| {
+                    c.query_row(
+                        "SELECT value FROM tier_meta WHERE key = ?1",
+                        [META_TIER2_SCRUB_LAST],
+                        |r| r.get(0),
+                    )
+                })
+                .unwrap_or(0);
+            let since = Duration::from_nanos(now_ns().saturating_sub(last).max(0) as u64);
+            let wait = cfg.interval.saturating_sub(since);
+            let full = tokio::select! {
+                _ = tokio::time::sleep(wait) => true,
+                _ = g.wake.notified() => false,
+                _ = stop.wait_for(|s| *s) => return,
+            };
+            if !full {
+                continue;
+            }
+            if let Err(e) = scrub_tier2(&tiering, &cfg, Some(&stop)).await {
+                g.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "tier-2 scrub pass failed; retried after the poll interval");
+                tokio::select! {
+                    _ = tokio::time::sleep(tiering.config().poll_interval.max(Duration::from_secs(60))) => {}
+                    _ = stop.wait_for(|s| *s) => return,
+                }
+            }
+            if *stop.borrow() {
+                return;
+            }
+        }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -506,6 +1139,24 @@ mod tests {
         assert!(reloaded.contains(target.wal_file, target.wal_pos));
         assert_eq!(reloaded.list(), found.damaged);
         hub.shutdown();
+    }
+
+    #[test]
+    fn object_checks_name_truncation_and_bit_rot() {
+        use crate::tiering::store::ObjectCheck;
+        let bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let check = ObjectCheck::of(&bytes);
+        assert_eq!(check.mismatch(&bytes), None);
+        let what = check.mismatch(&bytes[..4000]).expect("truncated");
+        assert!(what.contains("size 4000"), "{what}");
+        let mut flipped = bytes.clone();
+        flipped[2048] ^= 0x20;
+        let what = check.mismatch(&flipped).expect("flipped");
+        assert!(what.contains("crc32c"), "{what}");
+        assert_eq!(
+            check.mismatch(&[]).map(|w| w.contains("size 0")),
+            Some(true)
+        );
     }
 
     #[test]

@@ -14,8 +14,8 @@
 //! writes group N+1 (at most [`PIPELINE_DEPTH`] groups ahead). Groups are committed in write
 //! order, so the committed WAL end and the marks only move forward, and an acknowledgement
 //! still follows both the fsync that covers its block and the catalog commit that records it.
-//! A failure on either thread poisons the log: the failed group and every group written after
-//! it fail, and nothing after the committed end survives recovery.
+//! A failure on either thread poisons the log (except a full disk, below): the failed group and
+//! every group written after it fail, and nothing after the committed end survives recovery.
 //!
 //! # Files
 //!
@@ -46,6 +46,32 @@
 //! After a failed write or fsync the writer is poisoned: it fails every later request until
 //! the hub is reopened and recovery has re-verified the log (a retried fsync may report
 //! success with the data lost).
+//!
+//! # A full disk
+//!
+//! ENOSPC or EDQUOT from a `write` (a WAL frame or a new file's header) or from the catalog
+//! commit (SQLite's `SQLITE_FULL`) does not poison: the bytes of the failed group are known, no
+//! catalog mark covers them, and no fsync failed, so the page cache is not in doubt. Instead:
+//!
+//! - **write failed** (writer thread): the file is truncated back to where the group started,
+//!   files the group rolled into are removed (one it rolled into right at its start stays,
+//!   emptied, as the active file), and the stream offsets the group assigned are restored.
+//!   Groups written before it are untouched and still commit.
+//! - **catalog commit failed** (committer thread): SQLite rolled the transaction back. The
+//!   committer fails these groups and every group that reaches it until the writer has
+//!   rewound: the writer truncates the log to the committed end, reloads the committed stream
+//!   offsets from the catalog, and sends a marker through the pipeline; the committer answers
+//!   it once everything written before the rewind has failed.
+//!
+//! In both cases the failed requests complete with [`CommitError::DiskFull`] (their callers
+//! roll back what they advanced for them), and afterwards every request already queued to the
+//! writer fails too: it may continue a lane whose earlier block just failed, and committing it
+//! would leave a hole. Requests queued later start from the rolled-back state. The writer then
+//! refuses everything cheaply ([`WalStats::disk_full`], which ingest checks before decoding)
+//! until a probe succeeds: after a backoff (doubling while retries fail, up to
+//! [`DISK_FULL_BACKOFF_MAX`]) and once the file system shows [`DISK_FULL_RESUME_FREE_BYTES`]
+//! free, writes resume on their own. No restart is needed, and committed data stays readable
+//! throughout (reads need no space).
 
 use crate::catalog::{BacklogRow, BlockRow, Catalog, DeviceId, GapRow, GroupCommit, StreamId};
 use std::collections::HashMap;
@@ -90,6 +116,17 @@ const BATCH_BYTES_MAX: usize = 64 << 20;
 const BATCH_REQUESTS_MAX: usize = 8192;
 /// How often an idle writer flushes deferred metadata (contacts, backlogs).
 const IDLE_FLUSH: Duration = Duration::from_secs(1);
+/// How often the writer wakes without requests: to carry out a rewind the committer asked for
+/// and, while the disk is full, to probe for free space.
+const WRITER_TICK: Duration = Duration::from_millis(100);
+/// The wait after a disk-full failure before writes are tried again.
+pub const DISK_FULL_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
+/// The longest wait between retries while the disk stays full (the wait doubles per retry
+/// that fails before anything committed).
+pub const DISK_FULL_BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// Free bytes the WAL's file system must report before writes resume after a full disk
+/// (quotas do not show in `statvfs`; the backoff bounds the retries there).
+pub const DISK_FULL_RESUME_FREE_BYTES: u64 = 1 << 20;
 
 /// The entry header of a WAL frame.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -286,6 +323,55 @@ pub fn recover(dir: &Path, committed_end: u64) -> Result<Recovered, WalOpenError
     })
 }
 
+/// Cuts the log back to `committed_end` while the hub runs, after a catalog commit failed for
+/// a full disk: later files are removed and the active one is truncated. Unlike [`recover`]
+/// it neither fsyncs nor re-verifies: no fsync failed, the bytes before the end are the
+/// committed ones, and the bytes cut are past the committed end, where recovery drops them
+/// anyway should the cut not survive a crash.
+fn rewind(dir: &Path, committed_end: u64) -> Result<Recovered, WalOpenError> {
+    let files = list_wal_files(dir).map_err(open_io(dir))?;
+    let Some(idx) = files.iter().rposition(|&f| f <= committed_end) else {
+        let what = "no WAL file covers that offset".to_string();
+        return Err(WalOpenError::Missing {
+            committed_end,
+            what,
+        });
+    };
+    let first = files[idx];
+    let mut dropped = 0;
+    for &later in &files[idx + 1..] {
+        let path = wal_file_path(dir, later);
+        dropped += std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+        std::fs::remove_file(&path).map_err(open_io(&path))?;
+    }
+    let path = wal_file_path(dir, first);
+    let need = WAL_HEADER_LEN as u64 + (committed_end - first);
+    let mut file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(open_io(&path))?;
+    let len = file.metadata().map_err(open_io(&path))?.len();
+    if len < need {
+        let what = format!("{} holds only {len} of its {need} bytes", path.display());
+        return Err(WalOpenError::Missing {
+            committed_end,
+            what,
+        });
+    }
+    if len > need {
+        dropped += len - need;
+        file.set_len(need).map_err(open_io(&path))?;
+    }
+    file.seek(SeekFrom::Start(need)).map_err(open_io(&path))?;
+    Ok(Recovered {
+        file,
+        first,
+        len: need,
+        dropped_bytes: dropped,
+    })
+}
+
 fn create_active(
     dir: &Path,
     first: u64,
@@ -309,6 +395,14 @@ fn create_active(
 
 /// Creates a WAL file holding just its header, fsynced. The caller syncs the directory.
 fn new_wal_file(path: &Path) -> std::io::Result<File> {
+    let file = create_wal_file(path)?;
+    file.sync_all()?;
+    Ok(file)
+}
+
+/// Creates a WAL file holding just its header, not yet synced: a failure here is a write
+/// failure (possibly a full disk), not an fsync failure.
+fn create_wal_file(path: &Path) -> std::io::Result<File> {
     let mut file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -316,8 +410,43 @@ fn new_wal_file(path: &Path) -> std::io::Result<File> {
         .truncate(true)
         .open(path)?;
     file.write_all(&wal_file_header())?;
-    file.sync_all()?;
     Ok(file)
+}
+
+/// Opens a WAL file (one a failed group rolled into) and empties it down to a valid header,
+/// positioned at its end. The header is rewritten only if its creation was cut short.
+fn empty_wal_file(path: &Path) -> std::io::Result<File> {
+    let mut file = OpenOptions::new().read(true).write(true).open(path)?;
+    let mut header = [0u8; WAL_HEADER_LEN];
+    let intact = file.read_exact(&mut header).is_ok() && header_ok(&header);
+    if !intact {
+        file.set_len(0)?;
+        file.write_all_at(&wal_file_header(), 0)?;
+    }
+    file.set_len(WAL_HEADER_LEN as u64)?;
+    file.seek(SeekFrom::Start(WAL_HEADER_LEN as u64))?;
+    Ok(file)
+}
+
+/// Whether a write failed only because the file system (or a quota) is full. Such a write
+/// can be undone by truncating; any other error leaves the file in an unknown state.
+pub fn is_disk_full(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
+    )
+}
+
+/// Bytes available to unprivileged writers on the file system holding `dir`.
+#[allow(unsafe_code)]
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` is plain old data; all-zero bytes are a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a valid NUL-terminated string and `st` a properly sized out-parameter.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 fn sync_dir(dir: &Path) -> std::io::Result<()> {
@@ -379,12 +508,34 @@ pub struct WalStats {
     pub batch_hist: [AtomicU64; BATCH_BUCKETS],
     /// Set once the writer is poisoned.
     pub poisoned: AtomicBool,
+    /// Set while writes are refused because the disk is full; cleared by the writer's probe.
+    pub disk_full: AtomicBool,
+    /// Groups that failed (and were rolled back) because the disk was full.
+    pub disk_full_failures: AtomicU64,
+    /// Requests refused, without being written, while the disk was full.
+    pub disk_full_refused: AtomicU64,
+    /// Times writes resumed after a full disk.
+    pub disk_full_resumed: AtomicU64,
+    /// The last disk-full error (names the path); kept after the disk has space again.
+    pub disk_full_error: Mutex<Option<CommitError>>,
 }
 
 /// Number of group-commit size histogram buckets (1, 2, 4, ... 2^14, +Inf).
 pub const BATCH_BUCKETS: usize = 16;
 
 impl WalStats {
+    /// The error writes are refused with while the disk is full, `None` otherwise.
+    pub fn disk_full(&self) -> Option<CommitError> {
+        if !self.disk_full.load(Ordering::Acquire) {
+            return None;
+        }
+        let last = self.disk_full_error.lock().expect("disk-full lock").clone();
+        Some(last.unwrap_or_else(|| CommitError::DiskFull {
+            path: PathBuf::new(),
+            detail: "no space left".into(),
+        }))
+    }
+
     fn record_batch(&self, n: usize) {
         let bucket = (usize::BITS - n.saturating_sub(1).leading_zeros()) as usize;
         self.batch_hist[bucket.min(BATCH_BUCKETS - 1)].fetch_add(1, Ordering::Relaxed);
@@ -408,6 +559,14 @@ pub enum CommitError {
     /// Tier 1 is over its budget (tier 2 down or behind); retry later. Set by tiering.
     #[error("tier 1 is full, retry later: {0}")]
     Full(String),
+    /// The hub's disk (or quota) is full: nothing of the request was kept, and writes resume on
+    /// their own once space is free; retry later.
+    #[error("the hub's disk is full at {}: {detail}; retry later", path.display())]
+    DiskFull { path: PathBuf, detail: String },
+    /// An earlier block of the same lane failed to commit after this one was checked, so this
+    /// one was not written either; resend from the hub's durable mark.
+    #[error("an earlier block of this lane failed to commit; resend from the durable mark")]
+    EarlierFailed,
 }
 
 /// A block made durable.
@@ -502,6 +661,11 @@ pub enum FaultPoint {
     Fsync,
     /// The catalog transaction, after the WAL fsync: the log holds the batch, the marks don't.
     CatalogCommit,
+    /// Appending the batch's frames: half of the bytes reach the file, then the write fails
+    /// with ENOSPC (a full disk, which is rolled back rather than poisoning).
+    WriteNoSpace,
+    /// The catalog transaction, after the WAL fsync, fails as SQLite does on a full disk.
+    CatalogNoSpace,
 }
 
 /// Called at every [`FaultPoint`]; returning `true` makes that step fail.
@@ -524,15 +688,36 @@ impl std::fmt::Debug for WalHandle {
 impl WalHandle {
     /// Queues a block. `done` runs once it is durable and in the catalog, or has failed.
     pub fn append(&self, req: AppendRequest) {
-        if let Err(mpsc::SendError(Request::Append(req))) = self.tx.send(Request::Append(req)) {
+        if let Err(req) = self.try_append(req) {
             (req.done)(Err(CommitError::Stopped));
+        }
+    }
+
+    /// As [`WalHandle::append`], but hands the request back instead of running its `done`
+    /// when the writer has stopped, so a caller may queue while holding a lock that `done`
+    /// takes.
+    pub fn try_append(&self, req: AppendRequest) -> Result<(), Box<AppendRequest>> {
+        match self.tx.send(Request::Append(req)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::SendError(Request::Append(req))) => Err(Box::new(req)),
+            Err(mpsc::SendError(_)) => unreachable!("the request sent was an append"),
         }
     }
 
     /// Queues a gap. `done` runs once it is in the catalog, or has failed.
     pub fn gap(&self, req: GapRequest) {
-        if let Err(mpsc::SendError(Request::Gap(req))) = self.tx.send(Request::Gap(req)) {
+        if let Err(req) = self.try_gap(req) {
             (req.done)(Err(CommitError::Stopped));
+        }
+    }
+
+    /// As [`WalHandle::gap`], but hands the request back when the writer has stopped (see
+    /// [`WalHandle::try_append`]).
+    pub fn try_gap(&self, req: GapRequest) -> Result<(), GapRequest> {
+        match self.tx.send(Request::Gap(req)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::SendError(Request::Gap(req))) => Err(req),
+            Err(mpsc::SendError(_)) => unreachable!("the request sent was a gap"),
         }
     }
 
@@ -582,11 +767,14 @@ pub fn start(
     let deferred = Arc::new(Mutex::new(DeferredMeta::default()));
     let (tx, rx) = mpsc::channel();
     let (written_tx, written_rx) = mpsc::sync_channel(PIPELINE_DEPTH);
+    let shared = Arc::new(Shared::default());
     let committer = Committer {
-        catalog,
+        catalog: catalog.clone(),
         cfg: cfg.clone(),
         stats: stats.clone(),
         deferred: deferred.clone(),
+        shared: shared.clone(),
+        data_dir: dir.parent().unwrap_or(dir).to_path_buf(),
     };
     let committer = std::thread::Builder::new()
         .name("wal-commit".into())
@@ -603,6 +791,11 @@ pub fn start(
         last_ingest_ts: 0,
         written: written_tx,
         routed: Vec::new(),
+        catalog,
+        shared,
+        created: Vec::new(),
+        group_offsets: HashMap::new(),
+        stop_seen: false,
     };
     let join = std::thread::Builder::new()
         .name("wal-writer".into())
@@ -631,6 +824,52 @@ pub fn start(
 /// bytes are already in the file).
 pub const PIPELINE_DEPTH: usize = 4;
 
+/// What the writer and the committer share to get through a full disk.
+#[derive(Debug, Default)]
+struct Shared {
+    /// Set by the committer after a catalog commit failed for a full disk: the writer must cut
+    /// the log back to the committed end before it writes anything else. Cleared by the
+    /// committer when the writer's [`Piped::Rewound`] marker reaches it.
+    rewind: AtomicBool,
+    /// When writes may be tried again.
+    full: Mutex<FullState>,
+}
+
+/// The retry schedule while the disk is full.
+#[derive(Debug, Default)]
+struct FullState {
+    backoff: Duration,
+    retry_at: Option<Instant>,
+    /// `group_commits` when writes last resumed: failing again before anything committed
+    /// means the disk is still full, and the wait doubles.
+    commits_at_resume: u64,
+}
+
+/// Enters (or stays in) the disk-full state after `e`: writes are refused until the writer's
+/// probe finds space again after the backoff.
+fn enter_disk_full(stats: &WalStats, shared: &Shared, e: &CommitError) {
+    stats.disk_full_failures.fetch_add(1, Ordering::Relaxed);
+    *stats.disk_full_error.lock().expect("disk-full lock") = Some(e.clone());
+    let mut f = shared.full.lock().expect("disk-full state lock");
+    if stats.disk_full.load(Ordering::Acquire) {
+        // Another group in flight failed too; the schedule is already set.
+        return;
+    }
+    let commits = stats.group_commits.load(Ordering::Relaxed);
+    f.backoff = if f.backoff.is_zero() || commits != f.commits_at_resume {
+        DISK_FULL_BACKOFF_INITIAL
+    } else {
+        (f.backoff * 2).min(DISK_FULL_BACKOFF_MAX)
+    };
+    f.retry_at = Some(Instant::now() + f.backoff);
+    stats.disk_full.store(true, Ordering::Release);
+    tracing::error!(
+        error = %e,
+        retry_in = ?f.backoff,
+        "tier-1 disk full: the failed group was rolled back; refusing writes until space is free"
+    );
+}
+
 /// Writes groups into the log, in order, and hands them to the [`Committer`].
 ///
 /// The write of group N+1 overlaps with the fsync and the catalog commit of group N. Nothing
@@ -646,9 +885,34 @@ struct Writer {
     cfg: WriterConfig,
     stats: Arc<WalStats>,
     last_ingest_ts: i64,
-    written: mpsc::SyncSender<Written>,
+    written: mpsc::SyncSender<Piped>,
     /// Blocks of the group being written, for [`WriterConfig::on_commit`].
     routed: Vec<crate::streams::CommittedBlock>,
+    /// Read for the committed stream offsets when the log is cut back to the committed end.
+    catalog: Arc<Catalog>,
+    shared: Arc<Shared>,
+    /// WAL files the group being written rolled into (removed if it fails for a full disk).
+    created: Vec<PathBuf>,
+    /// The next offset of each stream before the group being written assigned any.
+    group_offsets: HashMap<StreamId, u64>,
+    /// A stop request was drained while failing queued requests.
+    stop_seen: bool,
+}
+
+/// Where the group being written started, to cut it off again.
+struct GroupStart {
+    file: Arc<File>,
+    file_first: u64,
+    file_len: u64,
+}
+
+/// What travels from the writer to the committer.
+enum Piped {
+    /// A group in the file.
+    Group(Box<Written>),
+    /// The writer has cut the log back to the committed end (after the committer asked); the
+    /// committer acknowledges once every group before this marker has failed.
+    Rewound(mpsc::Sender<()>),
 }
 
 /// A group in the file, on its way to durability.
@@ -672,6 +936,9 @@ struct Committer {
     cfg: WriterConfig,
     stats: Arc<WalStats>,
     deferred: Arc<Mutex<DeferredMeta>>,
+    shared: Arc<Shared>,
+    /// Named in disk-full errors of the catalog, which lives there.
+    data_dir: PathBuf,
 }
 
 /// A completion waiting for its batch's outcome.
@@ -692,16 +959,56 @@ impl Done {
 
 impl Writer {
     fn run(mut self, rx: mpsc::Receiver<Request>) {
-        while let Ok(first) = rx.recv() {
-            if matches!(first, Request::Stop) {
-                break;
-            }
+        while !self.stop_seen {
+            let first = match rx.recv_timeout(WRITER_TICK) {
+                Ok(Request::Stop) | Err(RecvTimeoutError::Disconnected) => break,
+                Ok(r) => r,
+                Err(RecvTimeoutError::Timeout) => {
+                    self.tick(&rx);
+                    continue;
+                }
+            };
             let (batch, stop) = self.collect(first, &rx);
-            self.write(batch);
+            self.write(batch, &rx);
             if stop {
                 break;
             }
         }
+    }
+
+    /// Idle work: a rewind the committer asked for, and the disk-full probe.
+    fn tick(&mut self, rx: &mpsc::Receiver<Request>) {
+        if self.shared.rewind.load(Ordering::Acquire) {
+            self.rewind_to_committed(Vec::new(), rx);
+        }
+        self.probe();
+    }
+
+    /// Ends the disk-full state once the backoff has passed and the file system shows space.
+    /// The next groups are the real test: if they fail again, the wait doubles.
+    fn probe(&mut self) {
+        if !self.stats.disk_full.load(Ordering::Acquire)
+            || self.stats.poisoned.load(Ordering::Acquire)
+            || self.shared.rewind.load(Ordering::Acquire)
+        {
+            return;
+        }
+        let mut f = self.shared.full.lock().expect("disk-full state lock");
+        if f.retry_at.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        let free = free_bytes(&self.dir);
+        if free.is_some_and(|b| b < DISK_FULL_RESUME_FREE_BYTES) {
+            return;
+        }
+        f.commits_at_resume = self.stats.group_commits.load(Ordering::Relaxed);
+        self.stats.disk_full.store(false, Ordering::Release);
+        self.stats.disk_full_resumed.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            free_bytes = ?free,
+            dir = %self.dir.display(),
+            "the WAL's file system has space again; tier-1 writes resume"
+        );
     }
 
     /// Gathers what is queued, waiting up to the linger for more after the first request.
@@ -735,7 +1042,7 @@ impl Writer {
     }
 
     /// Writes one group and queues it for the committer (waiting while the pipeline is full).
-    fn write(&mut self, batch: Vec<Request>) {
+    fn write(&mut self, batch: Vec<Request>, rx: &mpsc::Receiver<Request>) {
         let requests = batch.len();
         if self.stats.poisoned.load(Ordering::Acquire) {
             for req in batch {
@@ -743,16 +1050,39 @@ impl Writer {
             }
             return;
         }
+        if self.shared.rewind.load(Ordering::Acquire) {
+            self.rewind_to_committed(batch, rx);
+            return;
+        }
+        if let Some(e) = self.stats.disk_full() {
+            self.fail_and_drain(batch, e, rx);
+            return;
+        }
         let ingest_ts = self.ingest_ts();
         let mut g = GroupCommit::default();
         let mut dones = Vec::with_capacity(requests);
-        let written = self.write_batch(batch, ingest_ts, &mut g, &mut dones);
+        let start = GroupStart {
+            file: self.file.clone(),
+            file_first: self.file_first,
+            file_len: self.file_len,
+        };
+        self.created.clear();
+        self.group_offsets.clear();
+        let mut pending = batch.into_iter();
+        let written = self.write_batch(&mut pending, ingest_ts, &mut g, &mut dones);
         let (file, error) = match written {
             Ok(true) => (Some(self.file.clone()), None),
             Ok(false) => (None, None),
+            Err(e @ CommitError::DiskFull { .. }) => {
+                self.undo_group(start, dones, pending.collect(), e, rx);
+                return;
+            }
             Err(e) => {
                 // Nothing after a failed write may be acknowledged: the file's tail is unknown.
                 poison(&self.stats, &e);
+                for req in pending {
+                    fail(req, e.clone());
+                }
                 (None, Some(e))
             }
         };
@@ -764,11 +1094,149 @@ impl Writer {
             error,
             routed: std::mem::take(&mut self.routed),
         };
-        if let Err(mpsc::SendError(w)) = self.written.send(w) {
+        if let Err(mpsc::SendError(Piped::Group(w))) = self.written.send(Piped::Group(Box::new(w)))
+        {
             for done in w.dones {
                 done.finish(Err(CommitError::Stopped));
             }
         }
+    }
+
+    /// Cuts off a group whose write failed for a full disk, fails its requests and everything
+    /// queued behind them, and starts refusing writes. Groups written before it are intact.
+    fn undo_group(
+        &mut self,
+        start: GroupStart,
+        dones: Vec<Done>,
+        rest: Vec<Request>,
+        e: CommitError,
+        rx: &mpsc::Receiver<Request>,
+    ) {
+        self.routed.clear();
+        if let Err(io) = self.cut_group(start) {
+            // The tail could not be cut: it is unknown again, as after any failed write.
+            let fatal = CommitError::Io(format!("cutting off a group after a full disk: {io}"));
+            poison(&self.stats, &fatal);
+        } else {
+            enter_disk_full(&self.stats, &self.shared, &e);
+        }
+        for done in dones {
+            done.finish(Err(e.clone()));
+        }
+        self.fail_and_drain(rest, e, rx);
+    }
+
+    /// Truncates the log to where the group started, removes the files it rolled into, and
+    /// restores the stream offsets it assigned.
+    ///
+    /// A file the group rolled into right where it started holds nothing older, and it stays
+    /// (emptied) as the active file: the file before it ends at or before the committed end,
+    /// so tiering may already have evicted it, and it must not become active again. Any other
+    /// rolled-into file starts past the group's start, which is past the committed end, so
+    /// the group's first file was never evictable and is active again.
+    fn cut_group(&mut self, start: GroupStart) -> std::io::Result<()> {
+        let cut_at = start.file_first + start.file_len - WAL_HEADER_LEN as u64;
+        let keep = wal_file_path(&self.dir, cut_at);
+        let created = std::mem::take(&mut self.created);
+        for path in created.iter().filter(|p| **p != keep) {
+            match std::fs::remove_file(path) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        if created.contains(&keep) {
+            self.file = Arc::new(empty_wal_file(&keep)?);
+            self.file_first = cut_at;
+            self.file_len = WAL_HEADER_LEN as u64;
+        } else {
+            start.file.set_len(start.file_len)?;
+            (&*start.file).seek(SeekFrom::Start(start.file_len))?;
+            self.file = start.file;
+            self.file_first = start.file_first;
+            self.file_len = start.file_len;
+        }
+        for (stream, next) in self.group_offsets.drain() {
+            self.next_offset.insert(stream, next);
+        }
+        Ok(())
+    }
+
+    /// Fails `reqs`, then every request already queued: one may continue a lane whose earlier
+    /// block just failed, and writing it would leave a hole.
+    ///
+    /// Ingest queues a lane's request under the lane's lock right after checking it against
+    /// the lane's accepted mark, and a failure's callback rolls that mark back under the same
+    /// lock. So a request that depends on a failed one was queued before that callback
+    /// returned, and this drain, which runs after every callback of the failed requests (here,
+    /// or on the committer before it acknowledged the rewind marker), finds it. Its own
+    /// callback runs before the next `try_recv`, so requests depending on it are found too.
+    fn fail_and_drain(&mut self, reqs: Vec<Request>, e: CommitError, rx: &mpsc::Receiver<Request>) {
+        let mut refused = 0u64;
+        for req in reqs {
+            refused += 1;
+            fail(req, e.clone());
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(Request::Stop) => self.stop_seen = true,
+                Ok(req) => {
+                    refused += 1;
+                    fail(req, e.clone());
+                }
+                Err(_) => break,
+            }
+        }
+        self.stats
+            .disk_full_refused
+            .fetch_add(refused, Ordering::Relaxed);
+    }
+
+    /// Cuts the log back to the committed end after a catalog commit failed for a full disk:
+    /// fails `batch`, rewinds the files and the stream offsets, waits until the committer has
+    /// failed every group written before the rewind, then fails what is queued.
+    fn rewind_to_committed(&mut self, batch: Vec<Request>, rx: &mpsc::Receiver<Request>) {
+        let e = self
+            .stats
+            .disk_full_error
+            .lock()
+            .expect("disk-full lock")
+            .clone()
+            .unwrap_or_else(|| CommitError::DiskFull {
+                path: self.dir.clone(),
+                detail: "no space left".into(),
+            });
+        for req in batch {
+            fail(req, e.clone());
+        }
+        self.routed.clear();
+        if let Err(why) = self.rewind_files() {
+            let fatal = CommitError::Io(format!("rewinding the WAL after a full disk: {why}"));
+            poison(&self.stats, &fatal);
+        }
+        let (ack_tx, ack_rx) = mpsc::channel();
+        if self.written.send(Piped::Rewound(ack_tx)).is_ok() {
+            let _ = ack_rx.recv();
+        }
+        self.fail_and_drain(Vec::new(), e, rx);
+    }
+
+    fn rewind_files(&mut self) -> Result<(), String> {
+        // The committer commits nothing while a rewind is pending, so this end is final.
+        let end = self.stats.committed_end.load(Ordering::Acquire);
+        let streams = self.catalog.streams().map_err(|e| e.to_string())?;
+        let rec = rewind(&self.dir, end).map_err(|e| e.to_string())?;
+        if rec.dropped_bytes > 0 {
+            tracing::warn!(
+                bytes = rec.dropped_bytes,
+                committed_end = end,
+                "cut the uncommitted WAL tail after a full disk"
+            );
+        }
+        self.file = Arc::new(rec.file);
+        self.file_first = rec.first;
+        self.file_len = rec.len;
+        self.next_offset = streams.into_iter().map(|s| (s.id, s.next_offset)).collect();
+        Ok(())
     }
 
     /// Hub ingest time for a batch: wall clock, but never moving backwards.
@@ -782,21 +1250,22 @@ impl Writer {
     }
 
     /// Writes every request's frame, rolling files as needed, without the fsync (the
-    /// committer's). Returns whether any bytes were written.
+    /// committer's). Returns whether any bytes were written. On an error, the requests not yet
+    /// turned into `dones` are left in `batch`.
     fn write_batch(
         &mut self,
-        batch: Vec<Request>,
+        batch: &mut std::vec::IntoIter<Request>,
         ingest_ts: i64,
         g: &mut GroupCommit,
         dones: &mut Vec<Done>,
     ) -> Result<bool, CommitError> {
-        let bytes: usize = batch.iter().map(request_bytes).sum();
+        let bytes: usize = batch.as_slice().iter().map(request_bytes).sum();
         let mut buf: Vec<u8> =
             Vec::with_capacity(bytes.min(BATCH_BYTES_MAX + FRAME_BYTES_MAX as usize));
         let mut marks: HashMap<(DeviceId, u64, StreamId), u64> = HashMap::new();
         let mut touched_streams = Vec::new();
         let mut wrote = false;
-        for req in batch {
+        for req in batch.by_ref() {
             match req {
                 Request::Append(a) => {
                     let frame_len = (FRAME_HEADER_LEN + ENTRY_HEADER_LEN + a.block.len()) as u64;
@@ -805,12 +1274,15 @@ impl Writer {
                         && pending + frame_len > self.cfg.segment_bytes_max
                     {
                         wrote |= !buf.is_empty();
-                        self.flush(&mut buf)?;
-                        self.roll()?;
+                        if let Err(e) = self.flush(&mut buf).and_then(|()| self.roll()) {
+                            (a.done)(Err(e.clone()));
+                            return Err(e);
+                        }
                     }
                     let next = self.next_offset.entry(a.stream).or_insert(0);
                     let base = *next;
                     *next += u64::from(a.count);
+                    self.group_offsets.entry(a.stream).or_insert(base);
                     touched_streams.push(a.stream);
                     let last_seq = a.first_seq + u64::from(a.count) - 1;
                     let header = EntryHeader {
@@ -917,9 +1389,15 @@ impl Writer {
             let _ = (&*self.file).write_all(&buf[..buf.len() / 2]);
             return Err(CommitError::Io("injected torn write".into()));
         }
+        let path = wal_file_path(&self.dir, self.file_first);
+        if fault(&self.cfg, FaultPoint::WriteNoSpace) {
+            let _ = (&*self.file).write_all(&buf[..buf.len() / 2]);
+            let e = std::io::Error::from(std::io::ErrorKind::StorageFull);
+            return Err(write_error(&path, e));
+        }
         (&*self.file)
             .write_all(buf)
-            .map_err(|e| CommitError::Io(e.to_string()))?;
+            .map_err(|e| write_error(&path, e))?;
         self.file_len += buf.len() as u64;
         self.stats
             .bytes
@@ -936,7 +1414,11 @@ impl Writer {
         self.file.sync_data().map_err(io)?;
         self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         let first = self.logical_end();
-        let file = new_wal_file(&wal_file_path(&self.dir, first)).map_err(io)?;
+        let path = wal_file_path(&self.dir, first);
+        // Recorded first: a failed creation may still leave the file behind.
+        self.created.push(path.clone());
+        let file = create_wal_file(&path).map_err(|e| write_error(&path, e))?;
+        file.sync_all().map_err(io)?;
         sync_dir(&self.dir).map_err(io)?;
         self.file = Arc::new(file);
         self.file_first = first;
@@ -946,7 +1428,7 @@ impl Writer {
 }
 
 impl Committer {
-    fn run(self, rx: mpsc::Receiver<Written>) {
+    fn run(self, rx: mpsc::Receiver<Piped>) {
         loop {
             let first = match rx.recv_timeout(IDLE_FLUSH) {
                 Ok(w) => w,
@@ -958,17 +1440,48 @@ impl Committer {
             };
             // Everything queued behind the first group is in the file already: one fsync
             // and one catalog transaction cover them all.
-            let mut groups = vec![first];
+            let mut items = vec![first];
             while let Ok(w) = rx.try_recv() {
-                groups.push(w);
+                items.push(w);
             }
-            self.commit(groups);
+            self.commit(items);
         }
         self.flush_deferred();
     }
 
-    /// Commits the groups before the first failed one, and fails the rest.
-    fn commit(&self, mut groups: Vec<Written>) {
+    /// Commits the groups between rewind markers; acknowledges each marker once every group
+    /// before it is done with.
+    fn commit(&self, items: Vec<Piped>) {
+        let mut run = Vec::with_capacity(items.len());
+        for item in items {
+            match item {
+                Piped::Group(w) => run.push(*w),
+                Piped::Rewound(ack) => {
+                    self.commit_run(std::mem::take(&mut run));
+                    self.shared.rewind.store(false, Ordering::Release);
+                    let _ = ack.send(());
+                }
+            }
+        }
+        self.commit_run(run);
+    }
+
+    /// Commits the groups before the first failed one, and fails the rest. While a rewind is
+    /// pending, every group fails: it was written after a group whose catalog commit failed,
+    /// and its bytes are being cut off.
+    fn commit_run(&self, mut groups: Vec<Written>) {
+        if groups.is_empty() {
+            return;
+        }
+        if self.shared.rewind.load(Ordering::Acquire) {
+            let e = self.disk_full_error();
+            for w in groups {
+                for done in w.dones {
+                    done.finish(Err(e.clone()));
+                }
+            }
+            return;
+        }
         let failed_at = groups
             .iter()
             .position(|w| w.error.is_some())
@@ -988,6 +1501,18 @@ impl Committer {
                 done.finish(Err(e.clone()));
             }
         }
+    }
+
+    fn disk_full_error(&self) -> CommitError {
+        self.stats
+            .disk_full_error
+            .lock()
+            .expect("disk-full lock")
+            .clone()
+            .unwrap_or_else(|| CommitError::DiskFull {
+                path: self.data_dir.clone(),
+                detail: "no space left".into(),
+            })
     }
 
     /// Fsync, catalog transaction, completions. Returns the outcome the callers saw.
@@ -1021,18 +1546,26 @@ impl Committer {
                 if fault(&self.cfg, FaultPoint::CatalogCommit) {
                     return Err(CommitError::Catalog("injected fault".into()));
                 }
+                if fault(&self.cfg, FaultPoint::CatalogNoSpace) {
+                    return Err(CommitError::DiskFull {
+                        path: self.data_dir.clone(),
+                        detail: "catalog: database or disk is full (injected)".into(),
+                    });
+                }
                 self.catalog
                     .commit_group(&g)
-                    .map_err(|e| CommitError::Catalog(e.to_string()))
+                    .map_err(|e| self.catalog_error(&e))
             })
         };
         match &result {
             Err(CommitError::Poisoned) => {}
+            // SQLite rolled the transaction back; the metadata goes with a later commit.
+            Err(CommitError::DiskFull { .. }) => self.restore_deferred(g),
             Err(e) => poison(&self.stats, e),
             Ok(()) => {
                 self.stats.record_batch(requests);
                 if let Some(end) = g.wal_end {
-                    self.stats.committed_end.store(end, Ordering::Relaxed);
+                    self.stats.committed_end.store(end, Ordering::Release);
                 }
                 // Readers see the blocks from here on; producers are acked after that.
                 if let Some(hook) = &self.cfg.on_commit
@@ -1042,10 +1575,35 @@ impl Committer {
                 }
             }
         }
+        if let Err(e @ CommitError::DiskFull { .. }) = &result {
+            // The rewind first: the writer checks it before the disk-full state, so it drains
+            // its queue only after the marker's acknowledgement, which comes after the
+            // callbacks below (see `Writer::fail_and_drain` for why the order matters). Set
+            // before the callbacks so their callers already see the disk-full state.
+            self.shared.rewind.store(true, Ordering::Release);
+            enter_disk_full(&self.stats, &self.shared, e);
+        }
         for done in dones {
             done.finish(result.clone());
         }
         result
+    }
+
+    /// A catalog failure: SQLite's `SQLITE_FULL` (ENOSPC or EDQUOT while writing its log) is
+    /// a full disk, rolled back; anything else poisons.
+    fn catalog_error(&self, e: &crate::catalog::CatalogError) -> CommitError {
+        let full = std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<rusqlite::Error>())
+            .and_then(rusqlite::Error::sqlite_error_code)
+            .is_some_and(|c| c == rusqlite::ErrorCode::DiskFull);
+        if full {
+            CommitError::DiskFull {
+                path: self.data_dir.clone(),
+                detail: e.to_string(),
+            }
+        } else {
+            CommitError::Catalog(e.to_string())
+        }
     }
 
     /// Makes the written groups durable: one `fdatasync` per file they touched.
@@ -1066,8 +1624,21 @@ impl Committer {
         g.backlogs.extend(d.backlogs.drain().map(|(_, b)| b));
     }
 
+    /// Puts back the metadata of a failed commit, unless newer values arrived meanwhile.
+    fn restore_deferred(&self, g: GroupCommit) {
+        let mut d = self.deferred.lock().expect("deferred lock");
+        for (device, at) in g.contacts {
+            d.contacts.entry(device).or_insert(at);
+        }
+        for b in g.backlogs {
+            d.backlogs.entry((b.device, b.stream)).or_insert(b);
+        }
+    }
+
     fn flush_deferred(&self) {
+        // While the disk is full the commit would only fail again; the metadata waits.
         if self.stats.poisoned.load(Ordering::Acquire)
+            || self.stats.disk_full.load(Ordering::Acquire)
             || self.deferred.lock().expect("deferred lock").is_empty()
         {
             return;
@@ -1076,7 +1647,22 @@ impl Committer {
         self.take_deferred(&mut g);
         if let Err(e) = self.catalog.commit_group(&g) {
             tracing::warn!(error = %e, "could not store device contacts and backlogs");
+            if matches!(self.catalog_error(&e), CommitError::DiskFull { .. }) {
+                self.restore_deferred(g);
+            }
         }
+    }
+}
+
+/// A failed write: a full disk (rolled back) or anything else (poisons).
+fn write_error(path: &Path, e: std::io::Error) -> CommitError {
+    if is_disk_full(&e) {
+        CommitError::DiskFull {
+            path: path.to_path_buf(),
+            detail: e.to_string(),
+        }
+    } else {
+        CommitError::Io(format!("{}: {e}", path.display()))
     }
 }
 

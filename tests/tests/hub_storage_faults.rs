@@ -2,10 +2,12 @@
 //!
 //! - **Full disk**: the hub's data directory is a small tmpfs (mounted here; the tests run as
 //!   root, as CI does). Once it is filled, ingest must be refused with a clear, retryable error
-//!   (`/healthz` 503, the log names the ENOSPC), the agent must keep the unshipped records, and
-//!   nothing already stored may be lost: reads keep serving it. After space is freed and the
-//!   hub restarted (a poisoned tier-1 log is only trusted again after recovery re-verified it),
-//!   the agent catches up and the ledger check passes: no loss, no duplicate.
+//!   (`/healthz` 503 naming the full disk and its path, the log names the ENOSPC, the
+//!   `tributary_hub_wal_disk_full` gauge is 1 and the log is *not* poisoned), the agent must
+//!   keep the unshipped records, and nothing already stored may be lost: reads keep serving
+//!   it. Then the test frees the space (deletes its filler file) and the SAME hub process
+//!   (same pid, never restarted) resumes on its own: `/healthz` is 200 again, the agent
+//!   reconnects and catches up, and the ledger check passes: no loss, no duplicate.
 //! - **Bit flip at rest**: one byte of a block in a sealed WAL file is flipped while the hub is
 //!   stopped (the test re-reads the frame and proves its crc32c no longer matches). The hub
 //!   must start, keep serving the other stream in full, and detect the damage: with the
@@ -14,8 +16,8 @@
 //!   stream; without it, the read of the damaged range fails naming the damaged frame instead
 //!   of serving wrong data.
 //!
-//! Each test asserts its fault happened: ENOSPC was hit while filling, the hub's log names it,
-//! and the flipped frame fails its checksum.
+//! Each test asserts its fault happened: ENOSPC was hit while filling, the hub itself failed a
+//! group commit for it (metric) and its log names it, and the flipped frame fails its checksum.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -137,7 +139,7 @@ fn ingest(
 }
 
 #[test]
-fn hub_disk_full_refuses_ingest_keeps_data_and_recovers() -> Result<()> {
+fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Result<()> {
     let root = tempfile::Builder::new().prefix("trb-hubfull-").tempdir()?;
     let mount = TmpfsMount::new(&root.path().join("hubfs"), "24m")?;
     let pki = Pki::init(root.path().join("pki"))?;
@@ -145,7 +147,13 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_recovers() -> Result<()> {
     let mut hub_spec = HubSpec::new(root.path());
     hub_spec.data_dir = mount.path.join("data");
     let mut hub = hub_spec.start(&pki)?;
-    let agent_spec = AgentSpec::new(root.path(), "agent", cert, Some(hub_spec.quic));
+    let pid = hub.pid();
+    let mut agent_spec = AgentSpec::new(root.path(), "agent", cert, Some(hub_spec.quic));
+    // The agent's reconnect backoff is capped at 30 s by default; 5 s keeps the test short.
+    // Either way it retries on its own: a refused block closes the session with `internal`.
+    agent_spec
+        .env
+        .push(("TRIBUTARY_EDGE__HUB__BACKOFF_MAX".into(), "5s".into()));
     let _agent = agent_spec.start()?;
     let producer = Producer::new("dev-full", agent_spec.http);
     let mut ledger = Ledger::new();
@@ -179,15 +187,31 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_recovers() -> Result<()> {
     wait_until(WAIT, "the hub to refuse ingest (healthz 503)", || {
         http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 503)
     })?;
+    let health = http::get(hub_spec.http, "/healthz")?.text();
+    ensure!(
+        health.contains("disk full") && health.contains(&mount.path.display().to_string()),
+        "healthz does not name the full disk and its path: {health}"
+    );
     let log = hub.stderr();
     ensure!(
         log.contains("No space left on device") || log.contains("disk is full"),
         "the hub's log does not name the full disk:\n{}",
         hub.log_tail(30)
     );
+    // The fault happened in the hub: a group commit failed for it and was rolled back.
+    let failures =
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full_failures_total")?;
     ensure!(
-        cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_poisoned")? == 1.0,
-        "the tier-1 log is not reported as refusing writes"
+        failures >= 1.0,
+        "the hub never failed a group commit for the full disk"
+    );
+    ensure!(
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full")? == 1.0,
+        "the tier-1 log is not reported as refusing writes for a full disk"
+    );
+    ensure!(
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_poisoned")? == 0.0,
+        "a full disk must not poison the tier-1 log"
     );
     let status = cluster::status(agent_spec.http)?;
     ensure!(
@@ -202,11 +226,11 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_recovers() -> Result<()> {
         stored_full.len()
     );
 
-    // Free the space; the hub re-verifies its log at restart and the agent catches up.
+    // Free the space. The same hub process resumes on its own, and the agent catches up.
     std::fs::remove_file(&filler)?;
-    hub.terminate(STOP)?;
-    hub.restart()?;
-    hub.wait_http_ok(hub_spec.http, "/healthz", cluster::START_TIMEOUT)?;
+    wait_until(WAIT, "the hub to take writes again (healthz 200)", || {
+        http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 200)
+    })?;
     ingest(
         &producer,
         &mut ledger,
@@ -214,10 +238,82 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_recovers() -> Result<()> {
         &batch("after", 4_000, 1_000),
     )?;
     cluster::wait_caught_up(agent_spec.http, WAIT)?;
+    ensure!(
+        hub.is_running() && hub.pid() == pid && hub.spawns() == 1,
+        "the hub was restarted (pid {pid} -> {}, {} spawns)",
+        hub.pid(),
+        hub.spawns()
+    );
+    ensure!(
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full_resumed_total")? >= 1.0
+            && cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full")? == 0.0,
+        "the hub does not report having resumed"
+    );
     let report = ledger.check(cluster::read_stream(hub_spec.http, "telemetry")?);
     eprintln!("{}", report.summary());
     report.assert_ok();
     ensure!(report.matched == 5_000, "{}", report.summary());
+
+    // Round two, with large incompressible records: the WAL write itself now hits ENOSPC
+    // (round one may hit it in the catalog commit first, when a small block still fits the
+    // WAL file's last page). Both paths must roll back and resume.
+    let filled = fill(&filler)?;
+    eprintln!("filled the hub's tmpfs again with {filled} bytes");
+    ingest(
+        &producer,
+        &mut ledger,
+        "telemetry",
+        &blob_batch("during2", 5_000, 100),
+    )?;
+    wait_until(WAIT, "the hub to refuse ingest again (healthz 503)", || {
+        http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 503)
+    })?;
+    let health = http::get(hub_spec.http, "/healthz")?.text();
+    ensure!(
+        health.contains("No space left on device") && health.contains(".wal"),
+        "round two did not fail a WAL write for the full disk: {health}"
+    );
+    ensure!(
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full_failures_total")?
+            > failures,
+        "round two failed no group commit"
+    );
+    std::fs::remove_file(&filler)?;
+    wait_until(WAIT, "the hub to take writes again after round two", || {
+        http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 200)
+    })?;
+    ingest(
+        &producer,
+        &mut ledger,
+        "telemetry",
+        &batch("after2", 5_100, 500),
+    )?;
+    cluster::wait_caught_up(agent_spec.http, WAIT)?;
+    ensure!(
+        hub.is_running() && hub.pid() == pid && hub.spawns() == 1,
+        "the hub was restarted in round two"
+    );
+    let report = ledger.check(cluster::read_stream(hub_spec.http, "telemetry")?);
+    eprintln!("round two: {}", report.summary());
+    report.assert_ok();
+    ensure!(report.matched == 5_600, "{}", report.summary());
+
+    for line in hub
+        .stderr()
+        .lines()
+        .filter(|l| l.contains("disk full") || l.contains("resume"))
+    {
+        eprintln!("hub: {line}");
+    }
+    // And the resumed log is sound: a restart re-verifies it and serves the same records.
+    let stored = cluster::read_stream(hub_spec.http, "telemetry")?;
+    hub.terminate(STOP)?;
+    hub.restart()?;
+    hub.wait_http_ok(hub_spec.http, "/healthz", cluster::START_TIMEOUT)?;
+    ensure!(
+        cluster::read_stream(hub_spec.http, "telemetry")? == stored,
+        "the records changed across a restart after the resume"
+    );
     Ok(())
 }
 

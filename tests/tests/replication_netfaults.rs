@@ -22,11 +22,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, ensure};
 use serde_json::json;
+use tributary_tests::chaos::soak;
 use tributary_tests::cluster::{self, AgentSpec, HubSpec, Pki};
 use tributary_tests::ledger::{Ledger, PostOutcome, Producer, SentRecord};
 use tributary_tests::netem::{Impairment, ProxyConfig, UdpImpairProxy};
 use tributary_tests::netns::{DropSpec, L4, NetnsPair, Partition, Side};
-use tributary_tests::chaos::soak;
 use tributary_tests::procs::wait_until;
 
 const STREAM: &str = "telemetry";

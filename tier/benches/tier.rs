@@ -1,10 +1,15 @@
 //! Tier-2 benchmarks, a program (not a timed test):
 //!
-//! 1. upload: chunk encode + PUT + verify to s3s-fs, against raw PUTs of objects of the same
-//!    sizes to the same server in the same run (target: >= 70% of the raw rate);
-//! 2. size: Parquet bytes per record on the telemetry set, next to zstd -3 over the same
+//! 1. encode cost: records per CPU-second (parsed records and a fresh in-order copy), the
+//!    memory floor of reading the records, and the wall-clock rate on every core;
+//! 2. upload, all against s3s-fs in the same run: (a) raw PUT of incompressible objects of the
+//!    chunk files' sizes; (b) the upload stage alone, already-encoded chunks through
+//!    `Tier2::put_chunk` + `verify_chunk` as the hub does it, as % of (a); (c) end to end,
+//!    encode + PUT + verify pipelined with encoding on every core, in MB/s, records/s and % of
+//!    (a) (target: >= 70%), with variants (one chunk on all cores; one core);
+//! 3. size: Parquet bytes per record on the telemetry set, next to zstd -3 over the same
 //!    records as JSON lines (per chunk, the same grouping);
-//! 3. cold read-through: GET + decode of every chunk by a fresh `Tier2` (target: >= 1M
+//! 4. cold read-through: GET + decode of every chunk by a fresh `Tier2` (target: >= 1M
 //!    records/s), and decode alone.
 //!
 //! ```text
@@ -16,12 +21,16 @@
 //! `shared/data/gen_telemetry.py --devices 200 --seconds 3000` (600,000 records). Device =
 //! the key's first path component, seq per device, offsets dense, ingest time = event time.
 //! `TRIBUTARY_BENCH_CHUNK_ROWS` sets the rows per chunk (default 131072). Needs s3s-fs.
+//! `TRIBUTARY_BENCH_ONLY=encode` stops after the encode costs (for `perf record`);
+//! `TRIBUTARY_BENCH_DUMP=FILE` writes the first chunk's Parquet file there (to inspect its
+//! encodings, e.g. with DuckDB's `parquet_metadata`). Lines starting with `BENCH ` are JSON.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -32,7 +41,7 @@ use sync::record::Value;
 use tier::testing::S3sFs;
 use tier::{
     ChunkSummary, EncodeOptions, FieldRegistry, Tier2, TierRecord, chunk_path,
-    decode_chunk_with_threads, encode_chunk, ingest_date,
+    decode_chunk_with_threads, encode_chunk, encode_chunk_with_threads, ingest_date,
 };
 
 const DEFAULT_DATA: &str = "/tmp/tributary-telemetry-200x3000.ndjson";
@@ -58,12 +67,92 @@ fn main() -> Result<()> {
     let chunks: Vec<&[TierRecord]> = records.chunks(chunk_rows).collect();
     let line_chunks: Vec<&[&str]> = lines.chunks(chunk_rows).collect();
 
+    if let Ok(dump) = std::env::var("TRIBUTARY_BENCH_DUMP") {
+        std::fs::write(
+            &dump,
+            encode_chunk(chunks[0], &registry, &EncodeOptions::default())?.0,
+        )?;
+    }
+    encode_costs(&records, chunk_rows, &registry)?;
+    if std::env::var("TRIBUTARY_BENCH_ONLY").as_deref() == Ok("encode") {
+        return Ok(());
+    }
     sizes(&records, &chunks, &line_chunks, &registry)?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(upload_and_read(&records, &chunks, &line_chunks, &registry))
+}
+
+/// Encode cost with the default options: records per CPU-second of the calling thread on the
+/// records as parsed (scattered over the heap by the JSON parser) and on a fresh copy (laid
+/// out in order, as the hub builds a chunk's records right before encoding it), the cost of
+/// merely reading every key, device, field name and value of the parsed records (the memory
+/// floor), and the wall-clock rate with one chunk per core.
+fn encode_costs(records: &[TierRecord], chunk_rows: usize, registry: &FieldRegistry) -> Result<()> {
+    let opts = EncodeOptions::default();
+    let parsed = per_cpu_second(records.len(), || {
+        for c in records.chunks(chunk_rows) {
+            encode_chunk(c, registry, &opts)?;
+        }
+        Ok(())
+    })?;
+    let fresh: Vec<TierRecord> = records.to_vec();
+    let copied = per_cpu_second(records.len(), || {
+        for c in fresh.chunks(chunk_rows) {
+            encode_chunk(c, registry, &opts)?;
+        }
+        Ok(())
+    })?;
+    let touch = per_cpu_second(records.len(), || {
+        let mut acc = 0u64;
+        for r in records {
+            acc += u64::from(r.key.as_bytes().first().copied().unwrap_or(0));
+            acc += u64::from(r.device.as_bytes().first().copied().unwrap_or(0));
+            for (n, v) in &r.fields {
+                acc += u64::from(n.as_bytes().first().copied().unwrap_or(0));
+                acc += u64::from(v.type_tag());
+            }
+        }
+        Ok(acc)
+    })?;
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let mut best = Duration::MAX;
+    for _ in 0..RUNS {
+        let start = Instant::now();
+        let parts: Vec<&[TierRecord]> = fresh.chunks(chunk_rows).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| -> Result<()> {
+            let handles: Vec<_> = (0..cores)
+                .map(|_| {
+                    scope.spawn(|| -> Result<()> {
+                        loop {
+                            let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            let Some(c) = parts.get(i) else { return Ok(()) };
+                            encode_chunk(c, registry, &opts)?;
+                        }
+                    })
+                })
+                .collect();
+            for h in handles {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("encoder panicked"))??;
+            }
+            Ok(())
+        })?;
+        best = best.min(start.elapsed());
+    }
+    let wall = records.len() as f64 / best.as_secs_f64();
+    println!(
+        "cpu: encode (default options, zstd-{}) {parsed:.0} records per CPU-second on the parsed records, {copied:.0} on a fresh copy; reading every key, device, field name and value of the parsed records alone: {touch:.0} records per CPU-second",
+        opts.zstd_level
+    );
+    println!("wall: encode with one chunk per thread on {cores} threads: {wall:.0} records/s");
+    println!(
+        "BENCH {{\"bench\":\"tier2_encode\",\"cpu_records_per_s_parsed\":{parsed:.0},\"cpu_records_per_s_fresh\":{copied:.0},\"cpu_records_per_s_touch_only\":{touch:.0},\"wall_records_per_s\":{wall:.0},\"threads\":{cores}}}"
+    );
+    Ok(())
 }
 
 fn sizes(
@@ -99,7 +188,7 @@ fn sizes(
             },
         ),
         (
-            "floats BYTE_STREAM_SPLIT instead of dictionary/PLAIN",
+            "all floats BYTE_STREAM_SPLIT (not only the mostly distinct ones)",
             EncodeOptions {
                 float_byte_stream_split: true,
                 ..EncodeOptions::default()
@@ -112,18 +201,12 @@ fn sizes(
             .map(|c| encode_chunk(c, registry, &options).map(|r| r.0.len()))
             .sum::<Result<_, _>>()?;
         println!(
-            "size: parquet zstd-3 {what}: {:.2} bytes/record, encode {:.0} records/s",
+            "size: parquet default (zstd-1) {what}: {:.2} bytes/record, encode {:.0} records/s",
             bytes as f64 / n,
             n / start.elapsed().as_secs_f64()
         );
     }
     let opts = EncodeOptions::default();
-    let encode_cpu = per_cpu_second(records.len(), || {
-        for c in chunks {
-            encode_chunk(c, registry, &opts)?;
-        }
-        Ok(())
-    })?;
     let files: Vec<Bytes> = chunks
         .iter()
         .map(|c| encode_chunk(c, registry, &opts).map(|r| r.0))
@@ -135,9 +218,7 @@ fn sizes(
         }
         Ok(())
     })?;
-    println!(
-        "cpu: encode zstd-3 {encode_cpu:.0} records per CPU-second; decode (1 thread, incl. drop) {decode_cpu:.0} records per CPU-second"
-    );
+    println!("cpu: decode (1 thread, incl. drop) {decode_cpu:.0} records per CPU-second");
     let mut json = 0usize;
     let mut zstd3 = 0usize;
     for c in line_chunks {
@@ -179,10 +260,8 @@ async fn upload_and_read(
 
     // The hub builds each chunk's records once (from tier-1 blocks) and hands them over; build
     // them outside the timed sections so both modes measure encode + upload + verify only.
-    let owned_chunks: Vec<std::sync::Arc<Vec<TierRecord>>> = chunks
-        .iter()
-        .map(|c| std::sync::Arc::new(c.to_vec()))
-        .collect();
+    let owned_chunks: Vec<Arc<Vec<TierRecord>>> =
+        chunks.iter().map(|c| Arc::new(c.to_vec())).collect();
     let json_payloads: Vec<Bytes> = line_chunks
         .iter()
         .map(|c| {
@@ -194,22 +273,41 @@ async fn upload_and_read(
             Bytes::from(buf)
         })
         .collect();
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let mut best_json = Duration::MAX;
     let mut best_raw = Duration::MAX;
-    let mut best_seq = Duration::MAX;
-    let mut best_pipe = Duration::MAX;
+    let mut best_stage = Duration::MAX;
+    let mut best_e2e = Duration::MAX;
+    let mut best_e2e_cols = Duration::MAX;
+    let mut best_e2e_one = Duration::MAX;
+    let encoded: Vec<(Bytes, ChunkSummary)> = owned_chunks
+        .iter()
+        .map(|c| encode_chunk(c, registry, &options))
+        .collect::<Result<_, _>>()?;
     for run in 0..RUNS {
-        // Raw PUT of same-size objects (incompressible content, freshly made per object).
+        // (a) Raw PUT of same-size objects (incompressible content, freshly made per object)
+        // and (b) the upload stage alone: the already-encoded chunks through the Tier2 path
+        // the hub uses, PUT then verify (HEAD + footer check). Interleaved object by object,
+        // so that load from other processes on the shared box hits both alike.
         let payloads: Vec<Bytes> = sizes
             .iter()
             .enumerate()
             .map(|(i, s)| Bytes::from(pseudo_random(*s, (run * 1000 + i) as u64)))
             .collect();
-        let start = Instant::now();
-        for (i, p) in payloads.into_iter().enumerate() {
+        let (mut raw, mut stage) = (Duration::ZERO, Duration::ZERO);
+        for (i, ((c, (bytes, summary)), p)) in chunks.iter().zip(&encoded).zip(payloads).enumerate()
+        {
+            let start = Instant::now();
             tier.raw_put(&format!("_bench/raw/{run}-{i}"), p).await?;
+            raw += start.elapsed();
+            let start = Instant::now();
+            let path = path_of(c, 1000 + i as u64 + 10 * run as u64);
+            tier.put_chunk(&path, bytes.clone()).await?;
+            tier.verify_chunk(&path, summary).await?;
+            stage += start.elapsed();
         }
-        best_raw = best_raw.min(start.elapsed());
+        best_raw = best_raw.min(raw);
+        best_stage = best_stage.min(stage);
 
         // Raw PUT of the same records as uncompressed JSON lines (what shipping the data
         // without any conversion would move).
@@ -220,83 +318,112 @@ async fn upload_and_read(
         }
         best_json = best_json.min(start.elapsed());
 
-        // Sequential: encode, put, verify, one chunk after the other.
+        // (c) End to end: encode + PUT + verify, pipelined. Up to `cores` chunks encode at
+        // once on blocking threads (one thread each) while the oldest finished one uploads.
         let start = Instant::now();
-        for (i, c) in chunks.iter().enumerate() {
-            let (bytes, summary) = encode_chunk(c, registry, &options)?;
-            let path = path_of(c, i as u64 + 10 * run as u64);
-            tier.put_chunk(&path, bytes).await?;
-            tier.verify_chunk(&path, &summary).await?;
-        }
-        best_seq = best_seq.min(start.elapsed());
+        pipeline(
+            &tier,
+            chunks,
+            &owned_chunks,
+            registry,
+            &options,
+            cores,
+            1,
+            100 + 10 * run as u64,
+        )
+        .await?;
+        best_e2e = best_e2e.min(start.elapsed());
 
-        // Pipelined: encode chunk i+1 on a blocking thread while chunk i uploads, as the hub's
-        // tiering loop can.
+        // (c') The same with one chunk encoding at a time, its columns on `cores` threads.
         let start = Instant::now();
-        let mut pending: Option<(String, tokio::task::JoinHandle<Result<(), tier::TierError>>)> =
-            None;
-        for (i, c) in chunks.iter().enumerate() {
-            let owned = owned_chunks[i].clone();
-            let reg = registry.clone();
-            let opts = options.clone();
-            let encoded: (Bytes, ChunkSummary) =
-                tokio::task::spawn_blocking(move || encode_chunk(&owned, &reg, &opts)).await??;
-            if let Some((_, h)) = pending.take() {
-                h.await??;
-            }
-            let path = path_of(c, 100 + i as u64 + 10 * run as u64);
-            let t = tier.clone();
-            let p = path.clone();
-            pending = Some((
-                path,
-                tokio::spawn(async move {
-                    t.put_chunk(&p, encoded.0).await?;
-                    t.verify_chunk(&p, &encoded.1).await?;
-                    Ok(())
-                }),
-            ));
-        }
-        if let Some((_, h)) = pending.take() {
-            h.await??;
-        }
-        best_pipe = best_pipe.min(start.elapsed());
+        pipeline(
+            &tier,
+            chunks,
+            &owned_chunks,
+            registry,
+            &options,
+            1,
+            cores,
+            200 + 10 * run as u64,
+        )
+        .await?;
+        best_e2e_cols = best_e2e_cols.min(start.elapsed());
+
+        // (c'') One chunk encoding at a time on one thread (the hub before issue 7's tuning).
+        let start = Instant::now();
+        pipeline(
+            &tier,
+            chunks,
+            &owned_chunks,
+            registry,
+            &options,
+            1,
+            1,
+            300 + 10 * run as u64,
+        )
+        .await?;
+        best_e2e_one = best_e2e_one.min(start.elapsed());
     }
     let mb = total_bytes as f64 / 1e6;
     let rate = |d: Duration| mb / d.as_secs_f64();
+    let pct = |d: Duration| 100.0 * best_raw.as_secs_f64() / d.as_secs_f64();
+    // The better of the two parallel end-to-end modes is the figure reported.
+    let best_end = best_e2e.min(best_e2e_cols);
     println!(
-        "upload: raw PUT {:.1} MB/s ({} objects, {mb:.1} MB, best of {RUNS})",
+        "upload: (a) raw PUT {:.1} MB/s ({} objects, {mb:.1} MB, best of {RUNS})",
         rate(best_raw),
         sizes.len()
     );
     println!(
-        "upload: raw PUT of the same records as JSON lines {:.0} records/s ({:.1} MB/s)",
+        "upload: (b) upload stage (PUT + verify of encoded chunks) {:.1} MB/s = {:.0}% of raw",
+        rate(best_stage),
+        pct(best_stage)
+    );
+    for (what, d) in [
+        (
+            format!("(c) end to end, {cores} chunks encoding at once"),
+            best_e2e,
+        ),
+        (
+            format!("(c') end to end, 1 chunk at a time on {cores} threads"),
+            best_e2e_cols,
+        ),
+        (
+            "(c'') end to end, 1 chunk at a time on 1 thread".to_owned(),
+            best_e2e_one,
+        ),
+    ] {
+        println!(
+            "upload: {what}: {:.1} MB/s = {:.0}% of raw, {:.0} records/s",
+            rate(d),
+            pct(d),
+            n / d.as_secs_f64()
+        );
+    }
+    println!(
+        "upload: raw PUT of the same records as JSON lines {:.0} records/s ({:.1} MB/s); best end to end = {:.0}% of it in records/s",
         n / best_json.as_secs_f64(),
-        json_payloads.iter().map(Bytes::len).sum::<usize>() as f64 / 1e6 / best_json.as_secs_f64()
+        json_payloads.iter().map(Bytes::len).sum::<usize>() as f64 / 1e6 / best_json.as_secs_f64(),
+        100.0 * best_json.as_secs_f64() / best_end.as_secs_f64()
     );
     println!(
-        "upload: encode+put+verify sequential {:.1} MB/s = {:.0}% of raw ({:.0} records/s)",
-        rate(best_seq),
-        100.0 * best_raw.as_secs_f64() / best_seq.as_secs_f64(),
-        n / best_seq.as_secs_f64()
-    );
-    println!(
-        "upload: encode+put+verify pipelined {:.1} MB/s = {:.0}% of raw ({:.0} records/s)",
-        rate(best_pipe),
-        100.0 * best_raw.as_secs_f64() / best_pipe.as_secs_f64(),
-        n / best_pipe.as_secs_f64()
-    );
-    println!(
-        "upload: in records/s, best tier mode = {:.0}% of raw PUT of the records as JSON lines",
-        100.0 * best_json.as_secs_f64() / best_seq.min(best_pipe).as_secs_f64()
+        "BENCH {{\"bench\":\"tier2_upload\",\"records\":{},\"bytes\":{total_bytes},\"raw_put_mb_s\":{:.1},\"upload_stage_mb_s\":{:.1},\"upload_stage_pct_of_raw\":{:.1},\"e2e_mb_s\":{:.1},\"e2e_records_s\":{:.0},\"e2e_pct_of_raw\":{:.1},\"cores\":{cores}}}",
+        records.len(),
+        rate(best_raw),
+        rate(best_stage),
+        pct(best_stage),
+        rate(best_end),
+        n / best_end.as_secs_f64(),
+        pct(best_end)
     );
 
-    // Cold read-through: a fresh client reads every chunk of the last sequential run, one
+    // Cold read-through: a fresh client reads every chunk of the last upload-stage run, one
     // after the other; then with read-ahead (the next chunk's GET in flight while the current
     // one decodes), as the hub's tier-2 reader does.
     let paths: Vec<String> = chunks
         .iter()
         .enumerate()
-        .map(|(i, c)| path_of(c, i as u64 + 10 * (RUNS as u64 - 1)))
+        .map(|(i, c)| path_of(c, 1000 + i as u64 + 10 * (RUNS as u64 - 1)))
         .collect();
     let mut best = [Duration::MAX; 5];
     for _ in 0..RUNS {
@@ -366,6 +493,54 @@ async fn upload_and_read(
         r(best[4])
     );
     std::io::stdout().flush()?;
+    Ok(())
+}
+
+/// Encode + PUT + verify of every chunk, in chunk order: up to `parallel` chunks encode at
+/// once on blocking threads (each on `threads` threads) while the oldest encoded chunk uploads.
+#[allow(clippy::too_many_arguments)]
+async fn pipeline(
+    tier: &Tier2,
+    chunks: &[&[TierRecord]],
+    owned: &[Arc<Vec<TierRecord>>],
+    registry: &FieldRegistry,
+    options: &EncodeOptions,
+    parallel: usize,
+    threads: usize,
+    segment_base: u64,
+) -> Result<()> {
+    type Encoding = tokio::task::JoinHandle<Result<(Bytes, ChunkSummary), tier::EncodeError>>;
+    let registry = Arc::new(registry.clone());
+    let mut encoding: VecDeque<Encoding> = VecDeque::new();
+    let mut next = 0;
+    let mut upload: Option<tokio::task::JoinHandle<Result<(), tier::TierError>>> = None;
+    for (i, c) in chunks.iter().enumerate() {
+        while next < owned.len() && encoding.len() < parallel {
+            let (recs, reg, opts) = (owned[next].clone(), registry.clone(), options.clone());
+            encoding.push_back(tokio::task::spawn_blocking(move || {
+                encode_chunk_with_threads(&recs, &reg, &opts, threads)
+            }));
+            next += 1;
+        }
+        let Some(h) = encoding.pop_front() else {
+            bail!("no encode in flight");
+        };
+        let (bytes, summary) = h.await??;
+        // One upload in flight, as the hub's tiering loop does: wait for the previous one.
+        if let Some(u) = upload.take() {
+            u.await??;
+        }
+        let path = path_of(c, segment_base + i as u64);
+        let t = tier.clone();
+        upload = Some(tokio::spawn(async move {
+            t.put_chunk(&path, bytes).await?;
+            t.verify_chunk(&path, &summary).await?;
+            Ok(())
+        }));
+    }
+    if let Some(u) = upload.take() {
+        u.await??;
+    }
     Ok(())
 }
 

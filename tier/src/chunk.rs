@@ -6,21 +6,29 @@
 //! records and [`crate::Tier2::verify_chunk`] checks the uploaded object against.
 //! [`decode_chunk`] reads a file back into records for read-through and recovery.
 //!
+//! Encoding is built for throughput (issue 7: tier-2 upload near the store's raw PUT rate):
+//! one pass over the records fills typed column buffers directly (each field resolved to its
+//! column once per position and name change, not per value; values written at their row, so
+//! nulls cost nothing), number columns whose values are mostly distinct skip Parquet's
+//! dictionary (interning them only to overflow the dictionary page was the dearest step), and
+//! the (row group, column) chunks can be encoded on several threads
+//! ([`encode_chunk_with_threads`]) with the same bytes as on one.
+//!
 //! Event time is stored as `ts` TIMESTAMP(MICROS, UTC) — the type DuckDB, Spark and DataFusion
 //! all read without flags — plus `ts_ns_rem` (0..=999, the nanoseconds below the microsecond) so
 //! the exact nanosecond `ts` round-trips. `ingest_ts` is kept at microsecond precision only.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
-use arrow_array::builder::{
-    BinaryBuilder, BooleanBuilder, Float64Builder, Int64Builder, StringBuilder,
-};
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float64Type, Int32Type, Int64Type, TimestampMicrosecondType};
 use arrow_array::{
-    Array, ArrayRef, Int32Array, Int64Array, RecordBatch, StringArray, TimestampMicrosecondArray,
+    Array, ArrayRef, BinaryArray, BooleanArray, Float64Array, Int32Array, Int64Array, RecordBatch,
+    StringArray, TimestampMicrosecondArray,
 };
+use arrow_buffer::{BooleanBuffer, Buffer, NullBuffer, OffsetBuffer, ScalarBuffer};
 use arrow_schema::{DataType, Field, Schema, TimeUnit};
 use bytes::Bytes;
 use parquet::arrow::ArrowWriter;
@@ -28,7 +36,10 @@ use parquet::arrow::arrow_reader::{
     ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder, RowSelection,
     RowSelector,
 };
-use parquet::basic::{Compression, ZstdLevel};
+use parquet::arrow::arrow_writer::{
+    ArrowColumnChunk, ArrowColumnWriter, ArrowLeafColumn, compute_leaves,
+};
+use parquet::basic::{Compression, Encoding, ZstdLevel};
 use parquet::file::metadata::PageIndexPolicy;
 use parquet::file::metadata::{KeyValue, SortingColumn};
 use parquet::file::properties::{EnabledStatistics, WriterProperties};
@@ -111,13 +122,16 @@ impl TierRecord {
 pub struct EncodeOptions {
     /// Maximum rows per row group.
     pub row_group_rows: usize,
-    /// zstd level of every column.
+    /// zstd level of every column. Default 1: on the telemetry set it is both faster and (with
+    /// the encodings chosen per column) smaller than level 3 (18.9 vs 19.3 bytes/record,
+    /// `benches/tier.rs`).
     pub zstd_level: i32,
     /// Write a bloom filter on `key` (lets engines skip row groups on `key = '...'`).
     pub key_bloom_filter: bool,
-    /// Write f64 field columns with BYTE_STREAM_SPLIT instead of dictionary/PLAIN. Off by
-    /// default: on the telemetry set (values rounded by the sensors, so dictionaries hit) it is
-    /// 24% larger (32.3 vs 26.0 bytes/record, `benches/tier.rs`).
+    /// Write every f64 field column with BYTE_STREAM_SPLIT. Off by default, where only mostly
+    /// distinct f64 columns get it and the others keep a dictionary: on the telemetry set
+    /// (values rounded by the sensors, so dictionaries hit) all-BYTE_STREAM_SPLIT is 58% larger
+    /// (29.9 vs 18.9 bytes/record, `benches/tier.rs`).
     pub float_byte_stream_split: bool,
     /// Extra key-value metadata written into the file footer (e.g. stream and segment).
     pub metadata: Vec<(String, String)>,
@@ -127,7 +141,7 @@ impl Default for EncodeOptions {
     fn default() -> Self {
         EncodeOptions {
             row_group_rows: DEFAULT_ROW_GROUP_ROWS,
-            zstd_level: 3,
+            zstd_level: 1,
             key_bloom_filter: true,
             float_byte_stream_split: false,
             metadata: Vec::new(),
@@ -181,6 +195,8 @@ pub enum EncodeError {
         what: &'static str,
         value: u64,
     },
+    #[error("column {column:?} holds more than 2 GiB in one chunk")]
+    ColumnTooLarge { column: String },
     #[error("invalid encode options: {0}")]
     Options(String),
     #[error("writing parquet: {0}")]
@@ -242,62 +258,245 @@ pub fn arrow_schema(registry: &FieldRegistry) -> Schema {
     Schema::new(fields)
 }
 
-/// A field column being built; `filled` rows have been appended so far.
-enum ColumnBuilder {
-    F64(Float64Builder),
-    I64(Int64Builder),
-    Bool(BooleanBuilder),
-    Str(StringBuilder),
-    Bytes(BinaryBuilder),
+/// Rows of a chunk whose values [`encode_chunk`] samples, per number column, to choose between
+/// dictionary and plain encoding.
+const CARDINALITY_SAMPLE: usize = 4096;
+
+/// A number column whose sample is more than this fraction distinct (in 1/8ths) is written
+/// without a dictionary: Parquet would intern every value only to overflow the dictionary
+/// page and fall back to PLAIN anyway (lat/lon/odometer on the telemetry set).
+const DISTINCT_EIGHTHS: usize = 6;
+
+/// A field column being built: every value at its row, nulls where a record lacks the field.
+struct FieldColumn {
+    data: FieldData,
+    /// One validity bit per row, least significant bit first (Arrow's order).
+    valid: Vec<u8>,
+    /// Rows holding a value.
+    present: usize,
 }
 
-impl ColumnBuilder {
-    fn new(kind: ValueKind, rows: usize) -> ColumnBuilder {
-        match kind {
-            ValueKind::F64 => ColumnBuilder::F64(Float64Builder::with_capacity(rows)),
-            ValueKind::I64 => ColumnBuilder::I64(Int64Builder::with_capacity(rows)),
-            ValueKind::Bool => ColumnBuilder::Bool(BooleanBuilder::with_capacity(rows)),
-            ValueKind::Str => ColumnBuilder::Str(StringBuilder::with_capacity(rows, rows * 8)),
-            ValueKind::Bytes => ColumnBuilder::Bytes(BinaryBuilder::with_capacity(rows, rows * 8)),
+enum FieldData {
+    F64(Vec<f64>),
+    I64(Vec<i64>),
+    /// Values as bits, like `valid`.
+    Bool(Vec<u8>),
+    Str(VarColumn),
+    Bytes(VarColumn),
+}
+
+/// A variable-length column appended in row order; `offsets` covers rows `0..offsets.len() - 1`
+/// (a row skipped by a later append is an empty slot, i.e. a null).
+struct VarColumn {
+    offsets: Vec<i32>,
+    bytes: Vec<u8>,
+}
+
+impl VarColumn {
+    fn new(rows: usize, bytes_hint: usize) -> VarColumn {
+        let mut offsets = Vec::with_capacity(rows + 1);
+        offsets.push(0);
+        VarColumn {
+            offsets,
+            bytes: Vec::with_capacity(bytes_hint),
         }
     }
 
-    fn append_nulls(&mut self, n: usize) {
-        if n == 0 {
-            return;
-        }
-        match self {
-            ColumnBuilder::F64(b) => b.append_nulls(n),
-            ColumnBuilder::I64(b) => b.append_nulls(n),
-            ColumnBuilder::Bool(b) => b.append_nulls(n),
-            ColumnBuilder::Str(b) => b.append_nulls(n),
-            ColumnBuilder::Bytes(b) => b.append_nulls(n),
+    /// Appends `value` at `row` (> every row appended before).
+    fn push(&mut self, row: usize, value: &[u8], column: &str) -> Result<(), EncodeError> {
+        let last = self.offsets.last().copied().unwrap_or(0);
+        self.offsets.resize(row + 1, last);
+        self.bytes.extend_from_slice(value);
+        let end = i32::try_from(self.bytes.len()).map_err(|_| EncodeError::ColumnTooLarge {
+            column: column.to_owned(),
+        })?;
+        self.offsets.push(end);
+        Ok(())
+    }
+
+    fn finish(mut self, rows: usize) -> (OffsetBuffer<i32>, Buffer) {
+        let last = self.offsets.last().copied().unwrap_or(0);
+        self.offsets.resize(rows + 1, last);
+        (
+            OffsetBuffer::new(ScalarBuffer::from(self.offsets)),
+            Buffer::from_vec(self.bytes),
+        )
+    }
+}
+
+impl FieldColumn {
+    fn new(kind: ValueKind, rows: usize) -> FieldColumn {
+        let data = match kind {
+            ValueKind::F64 => FieldData::F64(vec![0.0; rows]),
+            ValueKind::I64 => FieldData::I64(vec![0; rows]),
+            ValueKind::Bool => FieldData::Bool(vec![0; rows.div_ceil(8)]),
+            ValueKind::Str => FieldData::Str(VarColumn::new(rows, 0)),
+            ValueKind::Bytes => FieldData::Bytes(VarColumn::new(rows, 0)),
+        };
+        FieldColumn {
+            data,
+            valid: vec![0; rows.div_ceil(8)],
+            present: 0,
         }
     }
 
-    /// Appends `value`; the registry lookup guarantees its kind matches the builder.
-    fn append(&mut self, value: &Value) {
-        match (self, value) {
-            (ColumnBuilder::F64(b), Value::F64(v)) => b.append_value(*v),
-            (ColumnBuilder::I64(b), Value::I64(v)) => b.append_value(*v),
-            (ColumnBuilder::Bool(b), Value::Bool(v)) => b.append_value(*v),
-            (ColumnBuilder::Str(b), Value::Str(v)) => b.append_value(v),
-            (ColumnBuilder::Bytes(b), Value::Bytes(v)) => b.append_value(v),
-            // Unreachable by construction (column chosen by the value's kind); a null keeps
-            // the column aligned rather than panicking.
-            (b, _) => b.append_nulls(1),
+    /// Sets `value` at `row`; false if the row already holds one (a duplicate field).
+    #[inline]
+    fn set(&mut self, row: usize, value: &Value, name: &str) -> Result<bool, EncodeError> {
+        let (byte, mask) = (row >> 3, 1u8 << (row & 7));
+        if self.valid[byte] & mask != 0 {
+            return Ok(false);
+        }
+        match (&mut self.data, value) {
+            (FieldData::F64(v), Value::F64(x)) => v[row] = *x,
+            (FieldData::I64(v), Value::I64(x)) => v[row] = *x,
+            (FieldData::Bool(v), Value::Bool(x)) => {
+                if *x {
+                    v[byte] |= mask;
+                }
+            }
+            (FieldData::Str(c), Value::Str(s)) => c.push(row, s.as_bytes(), name)?,
+            (FieldData::Bytes(c), Value::Bytes(b)) => c.push(row, b, name)?,
+            // Unreachable by construction (the column is chosen by the value's kind); leaving
+            // the row null keeps the column aligned rather than panicking.
+            _ => return Ok(true),
+        }
+        self.valid[byte] |= mask;
+        self.present += 1;
+        Ok(true)
+    }
+
+    /// Whether a sample of the values looks mostly distinct (see [`DISTINCT_EIGHTHS`]). Only
+    /// number columns are judged; strings keep Parquet's dictionary with its own fallback.
+    fn mostly_distinct(&self) -> bool {
+        let sample = |bits: &mut dyn Iterator<Item = u64>| {
+            let mut seen: HashSet<u64, FastHash> = HashSet::default();
+            let mut n = 0usize;
+            for b in bits.take(CARDINALITY_SAMPLE) {
+                seen.insert(b);
+                n += 1;
+            }
+            n >= 64 && seen.len() * 8 > n * DISTINCT_EIGHTHS
+        };
+        let valid = |row: usize| self.valid[row >> 3] & (1 << (row & 7)) != 0;
+        match &self.data {
+            FieldData::F64(v) => sample(
+                &mut v
+                    .iter()
+                    .enumerate()
+                    .filter(|(r, _)| valid(*r))
+                    .map(|(_, x)| x.to_bits()),
+            ),
+            FieldData::I64(v) => sample(
+                &mut v
+                    .iter()
+                    .enumerate()
+                    .filter(|(r, _)| valid(*r))
+                    .map(|(_, x)| *x as u64),
+            ),
+            _ => false,
         }
     }
 
-    fn finish(&mut self) -> ArrayRef {
-        match self {
-            ColumnBuilder::F64(b) => Arc::new(b.finish()),
-            ColumnBuilder::I64(b) => Arc::new(b.finish()),
-            ColumnBuilder::Bool(b) => Arc::new(b.finish()),
-            ColumnBuilder::Str(b) => Arc::new(b.finish()),
-            ColumnBuilder::Bytes(b) => Arc::new(b.finish()),
-        }
+    fn finish(self, rows: usize) -> Result<ArrayRef, EncodeError> {
+        let nulls = (self.present < rows)
+            .then(|| NullBuffer::new(BooleanBuffer::new(Buffer::from_vec(self.valid), 0, rows)));
+        Ok(match self.data {
+            FieldData::F64(v) => Arc::new(Float64Array::new(ScalarBuffer::from(v), nulls)),
+            FieldData::I64(v) => Arc::new(Int64Array::new(ScalarBuffer::from(v), nulls)),
+            FieldData::Bool(v) => Arc::new(BooleanArray::new(
+                BooleanBuffer::new(Buffer::from_vec(v), 0, rows),
+                nulls,
+            )),
+            FieldData::Str(c) => {
+                let (offsets, bytes) = c.finish(rows);
+                Arc::new(StringArray::try_new(offsets, bytes, nulls)?)
+            }
+            FieldData::Bytes(c) => {
+                let (offsets, bytes) = c.finish(rows);
+                Arc::new(BinaryArray::try_new(offsets, bytes, nulls)?)
+            }
+        })
     }
+}
+
+/// Field names compared without a `memcmp` call for the usual short names: the encoder checks
+/// every field of every record against the column it went to in the previous record.
+#[inline]
+fn same_name(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let n = a.len();
+    if n != b.len() {
+        return false;
+    }
+    let word = |s: &[u8], i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&s[i..i + 8]);
+        u64::from_ne_bytes(w)
+    };
+    let half = |s: &[u8], i: usize| {
+        let mut w = [0u8; 4];
+        w.copy_from_slice(&s[i..i + 4]);
+        u32::from_ne_bytes(w)
+    };
+    match n {
+        0 => true,
+        1..=3 => a == b,
+        4..=7 => half(a, 0) == half(b, 0) && half(a, n - 4) == half(b, n - 4),
+        8..=16 => word(a, 0) == word(b, 0) && word(a, n - 8) == word(b, n - 8),
+        17..=32 => {
+            word(a, 0) == word(b, 0)
+                && word(a, 8) == word(b, 8)
+                && word(a, n - 16) == word(b, n - 16)
+                && word(a, n - 8) == word(b, n - 8)
+        }
+        _ => a == b,
+    }
+}
+
+/// A string hash-map key compared with [`same_name`]: devices and keys are looked up once per
+/// record, and `str`'s `==` calls `memcmp` for them.
+#[derive(Clone, Copy)]
+struct ShortStr<'a>(&'a str);
+
+impl PartialEq for ShortStr<'_> {
+    #[inline]
+    fn eq(&self, other: &Self) -> bool {
+        same_name(self.0, other.0)
+    }
+}
+
+impl Eq for ShortStr<'_> {}
+
+impl std::hash::Hash for ShortStr<'_> {
+    #[inline]
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.0.hash(state);
+    }
+}
+
+/// A non-null Utf8 column built from its offsets and bytes.
+fn utf8(offsets: Vec<i32>, bytes: Vec<u8>) -> Result<ArrayRef, EncodeError> {
+    Ok(Arc::new(StringArray::try_new(
+        OffsetBuffer::new(ScalarBuffer::from(offsets)),
+        Buffer::from_vec(bytes),
+        None,
+    )?))
+}
+
+fn push_str(
+    offsets: &mut Vec<i32>,
+    bytes: &mut Vec<u8>,
+    s: &str,
+    column: &'static str,
+) -> Result<(), EncodeError> {
+    bytes.extend_from_slice(s.as_bytes());
+    offsets.push(
+        i32::try_from(bytes.len()).map_err(|_| EncodeError::ColumnTooLarge {
+            column: column.to_owned(),
+        })?,
+    );
+    Ok(())
 }
 
 fn to_i64(offset: u64, what: &'static str, value: u64) -> Result<i64, EncodeError> {
@@ -308,13 +507,86 @@ fn to_i64(offset: u64, what: &'static str, value: u64) -> Result<i64, EncodeErro
     })
 }
 
+/// The per-(device, epoch) seq ranges of a chunk, with devices interned once per record.
+#[derive(Default)]
+struct SeqRanges<'a> {
+    devices: HashMap<ShortStr<'a>, usize, FastHash>,
+    /// Per interned device: (epoch, index into `ranges`), almost always one entry.
+    epochs: Vec<Vec<(u64, usize)>>,
+    ranges: Vec<(&'a str, SeqRange)>,
+}
+
+impl<'a> SeqRanges<'a> {
+    #[inline]
+    fn add(&mut self, device: &'a str, epoch: u64, seq: u64) {
+        let next = self.epochs.len();
+        let d = *self.devices.entry(ShortStr(device)).or_insert(next);
+        if d == next {
+            self.epochs.push(Vec::new());
+        }
+        let slot = self.epochs[d]
+            .iter()
+            .find(|(e, _)| *e == epoch)
+            .map(|x| x.1);
+        match slot {
+            Some(i) => {
+                let s = &mut self.ranges[i].1;
+                s.min_seq = s.min_seq.min(seq);
+                s.max_seq = s.max_seq.max(seq);
+                s.count += 1;
+            }
+            None => {
+                self.epochs[d].push((epoch, self.ranges.len()));
+                self.ranges.push((
+                    device,
+                    SeqRange {
+                        device: String::new(),
+                        epoch,
+                        min_seq: seq,
+                        max_seq: seq,
+                        count: 1,
+                    },
+                ));
+            }
+        }
+    }
+
+    fn finish(self) -> Vec<SeqRange> {
+        let mut out: Vec<SeqRange> = self
+            .ranges
+            .into_iter()
+            .map(|(device, mut s)| {
+                s.device = device.to_owned();
+                s
+            })
+            .collect();
+        out.sort_by(|a, b| a.device.cmp(&b.device).then(a.epoch.cmp(&b.epoch)));
+        out
+    }
+}
+
 /// Encodes `records` (one chunk, normally in offset order) as a Parquet file with the columns
 /// of `registry`, which must already contain every (field, type) the records carry (see
 /// [`FieldRegistry::observe_records`]).
+///
+/// The output is a pure function of the records, the registry and the options. Encodes on the
+/// calling thread; see [`encode_chunk_with_threads`].
 pub fn encode_chunk(
     records: &[TierRecord],
     registry: &FieldRegistry,
     options: &EncodeOptions,
+) -> Result<(Bytes, ChunkSummary), EncodeError> {
+    encode_chunk_with_threads(records, registry, options, 1)
+}
+
+/// [`encode_chunk`] with the file's column chunks (one per column and row group) encoded on up
+/// to `threads` scoped threads (1 = the calling thread only). The bytes are the same for every
+/// thread count: chunks are spliced into the file in schema order.
+pub fn encode_chunk_with_threads(
+    records: &[TierRecord],
+    registry: &FieldRegistry,
+    options: &EncodeOptions,
+    threads: usize,
 ) -> Result<(Bytes, ChunkSummary), EncodeError> {
     if records.is_empty() {
         return Err(EncodeError::Empty);
@@ -325,27 +597,30 @@ pub fn encode_chunk(
     let level = ZstdLevel::try_new(options.zstd_level)
         .map_err(|e| EncodeError::Options(format!("zstd level: {e}")))?;
     let rows = records.len();
+    let first = &records[0];
 
-    let mut device = StringBuilder::with_capacity(rows, rows * 8);
+    let mut device_offsets = Vec::with_capacity(rows + 1);
+    let mut device_bytes = Vec::with_capacity(rows * first.device.len().max(1));
+    let mut key_offsets = Vec::with_capacity(rows + 1);
+    let mut key_bytes = Vec::with_capacity(rows * first.key.len().max(1));
+    device_offsets.push(0i32);
+    key_offsets.push(0i32);
     let mut epoch = Vec::with_capacity(rows);
     let mut seq = Vec::with_capacity(rows);
     let mut offset = Vec::with_capacity(rows);
-    let mut key = StringBuilder::with_capacity(rows, rows * 16);
     let mut ts = Vec::with_capacity(rows);
     let mut ts_rem = Vec::with_capacity(rows);
     let mut ingest = Vec::with_capacity(rows);
-    let mut columns: Vec<ColumnBuilder> = registry
+    let mut columns: Vec<FieldColumn> = registry
         .columns()
         .iter()
-        .map(|c| ColumnBuilder::new(c.kind, rows))
+        .map(|c| FieldColumn::new(c.kind, rows))
         .collect();
-    let mut filled = vec![0usize; columns.len()];
 
-    let mut seq_ranges: HashMap<(&str, u64), SeqRange, FastHash> = HashMap::default();
+    let mut seq_ranges = SeqRanges::default();
     // Records of a stream mostly carry the same fields in the same order: remember which column
     // the field at each position went to and skip the registry lookup when it repeats.
-    let mut field_cache: Vec<Option<(&str, ValueKind, usize)>> = Vec::new();
-    let first = &records[0];
+    let mut field_cache: Vec<(&str, ValueKind, usize)> = Vec::new();
     let mut summary = ChunkSummary {
         rows: rows as u64,
         bytes: 0,
@@ -359,27 +634,24 @@ pub fn encode_chunk(
     };
     let mut sorted_by_offset = true;
     let mut prev_offset = None;
-    let mut keys: HashSet<&str, FastHash> = HashSet::default();
+    let mut keys: HashSet<ShortStr, FastHash> = HashSet::default();
 
     for (row, r) in records.iter().enumerate() {
-        device.append_value(&r.device);
+        push_str(&mut device_offsets, &mut device_bytes, &r.device, "device")?;
+        push_str(&mut key_offsets, &mut key_bytes, &r.key, "key")?;
         epoch.push(to_i64(r.offset, "epoch", r.epoch)?);
         seq.push(to_i64(r.offset, "seq", r.seq)?);
         offset.push(to_i64(r.offset, "offset", r.offset)?);
-        key.append_value(&r.key);
         if options.key_bloom_filter {
-            keys.insert(&r.key);
+            keys.insert(ShortStr(&r.key));
         }
         ts.push(r.ts_ns.div_euclid(1000));
         ts_rem.push(r.ts_ns.rem_euclid(1000) as i32);
         ingest.push(r.ingest_ts_ns.div_euclid(1000));
         for (pos, (name, value)) in r.fields.iter().enumerate() {
             let kind = ValueKind::of(value);
-            if field_cache.len() <= pos {
-                field_cache.push(None);
-            }
-            let col = match field_cache[pos] {
-                Some((n, k, col)) if k == kind && n == name => col,
+            let col = match field_cache.get(pos) {
+                Some(&(n, k, col)) if k == kind && same_name(n, name) => col,
                 _ => {
                     let Some(col) = registry.column_of(name, kind) else {
                         return Err(EncodeError::UnregisteredField {
@@ -388,19 +660,20 @@ pub fn encode_chunk(
                             kind,
                         });
                     };
-                    field_cache[pos] = Some((name.as_str(), kind, col));
+                    let entry = (name.as_str(), kind, col);
+                    match field_cache.get_mut(pos) {
+                        Some(slot) => *slot = entry,
+                        None => field_cache.push(entry),
+                    }
                     col
                 }
             };
-            if filled[col] > row {
+            if !columns[col].set(row, value, name)? {
                 return Err(EncodeError::DuplicateField {
                     offset: r.offset,
                     field: name.clone(),
                 });
             }
-            columns[col].append_nulls(row - filled[col]);
-            columns[col].append(value);
-            filled[col] = row + 1;
         }
 
         summary.min_offset = summary.min_offset.min(r.offset);
@@ -413,43 +686,58 @@ pub fn encode_chunk(
             sorted_by_offset = false;
         }
         prev_offset = Some(r.offset);
-        seq_ranges
-            .entry((r.device.as_str(), r.epoch))
-            .and_modify(|s| {
-                s.min_seq = s.min_seq.min(r.seq);
-                s.max_seq = s.max_seq.max(r.seq);
-                s.count += 1;
-            })
-            .or_insert_with(|| SeqRange {
-                device: r.device.clone(),
-                epoch: r.epoch,
-                min_seq: r.seq,
-                max_seq: r.seq,
-                count: 1,
-            });
+        seq_ranges.add(&r.device, r.epoch, r.seq);
     }
-    summary.seq_ranges = seq_ranges.into_values().collect();
-    summary
-        .seq_ranges
-        .sort_by(|a, b| a.device.cmp(&b.device).then(a.epoch.cmp(&b.epoch)));
+    summary.seq_ranges = seq_ranges.finish();
 
+    // Number columns whose values are mostly distinct skip the dictionary.
+    let plain: Vec<bool> = columns.iter().map(FieldColumn::mostly_distinct).collect();
     let schema = Arc::new(arrow_schema(registry));
     let mut arrays: Vec<ArrayRef> = vec![
-        Arc::new(device.finish()),
+        utf8(device_offsets, device_bytes)?,
         Arc::new(Int64Array::from(epoch)),
         Arc::new(Int64Array::from(seq)),
         Arc::new(Int64Array::from(offset)),
-        Arc::new(key.finish()),
+        utf8(key_offsets, key_bytes)?,
         Arc::new(TimestampMicrosecondArray::from(ts).with_timezone("UTC")),
         Arc::new(Int32Array::from(ts_rem)),
         Arc::new(TimestampMicrosecondArray::from(ingest).with_timezone("UTC")),
     ];
-    for (col, b) in columns.iter_mut().enumerate() {
-        b.append_nulls(rows - filled[col]);
-        arrays.push(b.finish());
+    for c in columns {
+        arrays.push(c.finish(rows)?);
     }
-    let batch = RecordBatch::try_new(schema.clone(), arrays)?;
 
+    let props = writer_properties(
+        registry,
+        options,
+        level,
+        &plain,
+        sorted_by_offset,
+        keys.len(),
+    )?;
+    let mut out = Vec::with_capacity(rows * 32);
+    write_parallel(
+        &mut out,
+        schema,
+        props,
+        &arrays,
+        options.row_group_rows,
+        threads,
+    )?;
+    summary.bytes = out.len() as u64;
+    Ok((Bytes::from(out), summary))
+}
+
+/// The writer settings of one chunk: zstd, statistics, delta encodings for the sequential
+/// fixed columns, no dictionary for `plain` field columns, the key bloom filter.
+fn writer_properties(
+    registry: &FieldRegistry,
+    options: &EncodeOptions,
+    level: ZstdLevel,
+    plain: &[bool],
+    sorted_by_offset: bool,
+    distinct_keys: usize,
+) -> Result<WriterProperties, EncodeError> {
     let columns_json = serde_json::to_string(registry.columns())
         .map_err(|e| EncodeError::Options(format!("serializing column specs: {e}")))?;
     let mut kv = vec![
@@ -466,29 +754,14 @@ pub fn encode_chunk(
         .set_compression(Compression::ZSTD(level))
         .set_max_row_group_row_count(Some(options.row_group_rows))
         .set_statistics_enabled(EnabledStatistics::Page)
-        .set_key_value_metadata(Some(kv))
-        // Offsets and the fixed integer columns are near-sequential: delta encoding beats
-        // dictionaries there.
-        .set_column_dictionary_enabled(ColumnPath::from("hub_offset"), false)
-        .set_column_dictionary_enabled(ColumnPath::from("seq"), false)
-        .set_column_dictionary_enabled(ColumnPath::from("ts"), false)
-        .set_column_dictionary_enabled(ColumnPath::from("ingest_ts"), false)
-        .set_column_encoding(
-            ColumnPath::from("hub_offset"),
-            parquet::basic::Encoding::DELTA_BINARY_PACKED,
-        )
-        .set_column_encoding(
-            ColumnPath::from("seq"),
-            parquet::basic::Encoding::DELTA_BINARY_PACKED,
-        )
-        .set_column_encoding(
-            ColumnPath::from("ts"),
-            parquet::basic::Encoding::DELTA_BINARY_PACKED,
-        )
-        .set_column_encoding(
-            ColumnPath::from("ingest_ts"),
-            parquet::basic::Encoding::DELTA_BINARY_PACKED,
-        );
+        .set_key_value_metadata(Some(kv));
+    // Offsets and the fixed integer columns are near-sequential: delta encoding beats
+    // dictionaries there.
+    for name in ["hub_offset", "seq", "ts", "ingest_ts"] {
+        props = props
+            .set_column_dictionary_enabled(ColumnPath::from(name), false)
+            .set_column_encoding(ColumnPath::from(name), Encoding::DELTA_BINARY_PACKED);
+    }
     if sorted_by_offset {
         // Tells engines the file is ordered by hub_offset (ascending, no nulls).
         let offset_idx = FIXED_COLUMNS
@@ -501,31 +774,131 @@ pub fn encode_chunk(
             nulls_first: false,
         }]));
     }
-    if options.float_byte_stream_split {
-        for spec in registry
-            .columns()
-            .iter()
-            .filter(|c| c.kind == ValueKind::F64)
-        {
-            let path = ColumnPath::from(spec.name.as_str());
+    for (spec, plain) in registry.columns().iter().zip(plain) {
+        let path = ColumnPath::from(spec.name.as_str());
+        if options.float_byte_stream_split && spec.kind == ValueKind::F64 {
             props = props
-                .set_column_dictionary_enabled(path.clone(), false)
-                .set_column_encoding(path, parquet::basic::Encoding::BYTE_STREAM_SPLIT);
+                .set_column_dictionary_enabled(path, false)
+                .set_column_encoding(
+                    ColumnPath::from(spec.name.as_str()),
+                    Encoding::BYTE_STREAM_SPLIT,
+                );
+        } else if *plain {
+            // Mostly distinct doubles (coordinates): byte-stream-split groups the sign/exponent
+            // and high mantissa bytes, which zstd then packs well; integers stay PLAIN, which
+            // measured smaller than DELTA_BINARY_PACKED for interleaved device counters.
+            props = props.set_column_dictionary_enabled(path, false);
+            if spec.kind == ValueKind::F64 {
+                props = props.set_column_encoding(
+                    ColumnPath::from(spec.name.as_str()),
+                    Encoding::BYTE_STREAM_SPLIT,
+                );
+            }
         }
     }
     if options.key_bloom_filter {
-        let ndv = keys.len().clamp(1, options.row_group_rows) as u64;
+        let ndv = distinct_keys.clamp(1, options.row_group_rows) as u64;
         props = props
             .set_column_bloom_filter_enabled(ColumnPath::from("key"), true)
             .set_column_bloom_filter_max_ndv(ColumnPath::from("key"), ndv)
             .set_column_bloom_filter_fpp(ColumnPath::from("key"), 0.01);
     }
-    let mut out = Vec::with_capacity(rows * 16);
-    let mut writer = ArrowWriter::try_new(&mut out, schema, Some(props.build()))?;
-    writer.write(&batch)?;
-    writer.close()?;
-    summary.bytes = out.len() as u64;
-    Ok((Bytes::from(out), summary))
+    Ok(props.build())
+}
+
+/// Writes `arrays` (one per schema field) as a Parquet file into `out`, split into row groups
+/// of `group_rows`, encoding the (row group, column) chunks on up to `threads` threads. Chunks are spliced into the file in schema order, so the bytes do
+/// not depend on the thread count.
+fn write_parallel(
+    out: &mut Vec<u8>,
+    schema: Arc<Schema>,
+    props: WriterProperties,
+    arrays: &[ArrayRef],
+    group_rows: usize,
+    threads: usize,
+) -> Result<(), EncodeError> {
+    let rows = arrays.first().map_or(0, |a| a.len());
+    let writer = ArrowWriter::try_new(out, schema.clone(), Some(props))?;
+    let (mut file, factory) = writer.into_serialized_writer()?;
+    let groups = rows.div_ceil(group_rows);
+    let mut tasks = Vec::with_capacity(groups * arrays.len());
+    for g in 0..groups {
+        let start = g * group_rows;
+        let len = group_rows.min(rows - start);
+        let writers = factory.create_column_writers(g)?;
+        for ((writer, field), array) in writers.into_iter().zip(schema.fields()).zip(arrays) {
+            let leaves = compute_leaves(field, &array.slice(start, len))?;
+            tasks.push(Mutex::new(Some((writer, leaves))));
+        }
+    }
+    let encode = |task: &Mutex<Option<(ArrowColumnWriter, Vec<ArrowLeafColumn>)>>| {
+        let taken = task.lock().ok().and_then(|mut t| t.take());
+        let Some((mut writer, leaves)) = taken else {
+            return Err(EncodeError::Options("column task taken twice".into()));
+        };
+        for leaf in &leaves {
+            writer.write(leaf)?;
+        }
+        Ok(writer.close()?)
+    };
+    let threads = threads.clamp(1, tasks.len().max(1));
+    let mut chunks: Vec<Option<Result<ArrowColumnChunk, EncodeError>>> =
+        (0..tasks.len()).map(|_| None).collect();
+    if threads == 1 {
+        for (slot, task) in chunks.iter_mut().zip(&tasks) {
+            *slot = Some(encode(task));
+        }
+    } else {
+        let next = AtomicUsize::new(0);
+        let done: Vec<Vec<(usize, Result<ArrowColumnChunk, EncodeError>)>> =
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = (0..threads)
+                    .map(|_| {
+                        let (next, tasks, encode) = (&next, &tasks, &encode);
+                        scope.spawn(move || {
+                            let mut mine = Vec::new();
+                            loop {
+                                let i = next.fetch_add(1, Ordering::Relaxed);
+                                let Some(task) = tasks.get(i) else { break };
+                                mine.push((i, encode(task)));
+                            }
+                            mine
+                        })
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| {
+                        h.join().unwrap_or_else(|_| {
+                            vec![(
+                                usize::MAX,
+                                Err(EncodeError::Options("encoder thread panicked".into())),
+                            )]
+                        })
+                    })
+                    .collect()
+            });
+        for (i, result) in done.into_iter().flatten() {
+            match chunks.get_mut(i) {
+                Some(slot) => *slot = Some(result),
+                None => return result.map(|_| ()),
+            }
+        }
+    }
+    let mut chunks = chunks.into_iter();
+    for _ in 0..groups {
+        let mut rg = file.next_row_group()?;
+        for _ in 0..arrays.len() {
+            let chunk = chunks
+                .next()
+                .flatten()
+                .ok_or_else(|| EncodeError::Options("a column chunk was not encoded".into()))??;
+            chunk.append_to_row_group(&mut rg)?;
+        }
+        rg.close()?;
+    }
+    file.close()?;
+    Ok(())
 }
 
 /// The field columns of a decoded file: from its `tributary.columns` metadata when present,
@@ -637,6 +1010,37 @@ fn nonneg(v: i64, row: usize, what: &'static str) -> Result<u64, DecodeError> {
     u64::try_from(v).map_err(|_| DecodeError::BadValue { row, what })
 }
 
+/// Rejects a file whose offset index places a page outside its column chunk: the parquet
+/// reader trusts those offsets (a page before the chunk's start underflows in its arithmetic,
+/// which panics in debug builds), and a flipped bit in the footer must be an error instead.
+fn check_page_locations(
+    meta: &parquet::file::metadata::ParquetMetaData,
+) -> Result<(), DecodeError> {
+    for (g, rg) in meta.row_groups().iter().enumerate() {
+        let index = meta.page_index_for_row_group(g);
+        for (c, column) in rg.columns().iter().enumerate() {
+            let Some(pages) = index.page_locations(c) else {
+                continue;
+            };
+            let (start, len) = column.byte_range();
+            let end = start.saturating_add(len);
+            for page in pages {
+                let inside = u64::try_from(page.offset).is_ok_and(|o| {
+                    o >= start
+                        && u64::try_from(page.compressed_page_size)
+                            .is_ok_and(|size| o.saturating_add(size) <= end)
+                });
+                if !inside {
+                    return Err(DecodeError::Metadata(format!(
+                        "row group {g} column {c}: page index points outside the column chunk"
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Rows below which [`decode_chunk`] does not split the work across threads.
 const PARALLEL_DECODE_MIN_ROWS: usize = 32 * 1024;
 
@@ -656,6 +1060,7 @@ pub fn decode_chunk_with_threads(
 ) -> Result<Vec<TierRecord>, DecodeError> {
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
     let metadata = ArrowReaderMetadata::load(&bytes, options)?;
+    check_page_locations(metadata.metadata())?;
     let rows = usize::try_from(metadata.metadata().file_metadata().num_rows()).unwrap_or(0);
     let specs = field_columns(
         metadata.schema(),

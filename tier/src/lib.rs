@@ -23,7 +23,7 @@ pub mod testing;
 
 pub use chunk::{
     ChunkSummary, DecodeError, EncodeError, EncodeOptions, SeqRange, TierRecord, decode_chunk,
-    decode_chunk_with_threads, encode_chunk,
+    decode_chunk_with_threads, encode_chunk, encode_chunk_with_threads,
 };
 pub use config::TierConfig;
 pub use layout::{

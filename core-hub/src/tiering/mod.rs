@@ -395,6 +395,12 @@ impl Tiering {
         self.tiered_tx.subscribe()
     }
 
+    /// Holds off upload rounds (and with them eviction and retention) while the tier-2 scrub
+    /// quarantines or repairs a chunk object (`crate::scrub`).
+    pub(crate) async fn lock_rounds(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.round.lock().await
+    }
+
     /// Runs one tier-2 request within `request_timeout`.
     async fn bounded<T, E: Into<tier::TierError>>(
         &self,
@@ -590,6 +596,11 @@ impl Tiering {
                 registry.observe_records(&recs);
                 per_chunk.push(recs);
             }
+            // Encoding is the slow stage of an upload (issue 7): each chunk's column chunks
+            // are encoded on every core (`benches/tier.rs`: about as fast as one chunk per
+            // core, with half the records in flight). The bytes do not depend on the thread
+            // count.
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
             let mut out = Vec::new();
             for (ch, recs) in plan.iter().zip(per_chunk) {
                 if recs.is_empty() {
@@ -602,7 +613,8 @@ impl Tiering {
                 opts.metadata
                     .push(("tributary.segment".into(), ch.segment.to_string()));
                 let (bytes, summary) =
-                    tier::encode_chunk(&recs, &registry, &opts).map_err(tier::TierError::from)?;
+                    tier::encode_chunk_with_threads(&recs, &registry, &opts, threads)
+                        .map_err(tier::TierError::from)?;
                 out.push(Some((bytes, summary)));
             }
             Ok::<_, TierRunError>((registry, out))
@@ -624,10 +636,14 @@ impl Tiering {
             row.state = COMMITTED;
             if let Some((bytes, summary)) = enc {
                 let len = bytes.len() as u64;
+                // The object's size and crc32c, so read-through and the tier-2 scrub detect
+                // bit rot and truncation (`crate::scrub`).
+                let check = store::ObjectCheck::of(&bytes);
                 self.bounded(self.store.put_chunk(&ch.path, bytes)).await?;
                 self.bounded(self.store.verify_chunk(&ch.path, &summary))
                     .await?;
                 store::set_uploaded(&cat, ch, summary.rows, len)?;
+                store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, check)?;
                 self.stats.bytes_uploaded.fetch_add(len, Ordering::Relaxed);
                 row.rows = summary.rows;
                 row.bytes = len;
@@ -653,6 +669,17 @@ impl Tiering {
                 });
                 if let Some(g) = graph {
                     extra["segments"] = g;
+                }
+                extra["crc32c"] = check.crc32c.into();
+                if manifests.is_empty() {
+                    // The range's dedupe checksums, for `recover` (see `store::block_ranges_json`).
+                    extra["block_ranges"] = store::block_ranges_json(
+                        &cat,
+                        stream,
+                        ch.range_first,
+                        commit.tiered_end,
+                        &|d| self.hub.device_name(d),
+                    )?;
                 }
                 manifests.push(Manifest {
                     version: tier::layout::MANIFEST_VERSION,

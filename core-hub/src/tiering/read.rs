@@ -11,6 +11,19 @@
 //! Differences a reader can see between the tiers: a record from tier 2 lists its fields in
 //! the stream's column order rather than the producer's, and its `ingest_ts` has microsecond
 //! precision.
+//!
+//! # Damaged objects
+//!
+//! Every fetched object is compared with the size and crc32c recorded at upload
+//! ([`store::ObjectCheck`]) before it is decoded. A mismatch (bit rot, truncation), a file that
+//! no longer decodes, or an object gone while its chunk row is committed is read once more (a
+//! repair may have just replaced it); if it is still bad, the chunk is quarantined
+//! (`crate::scrub::report_tier2_damage`: catalog, error log with the object name, metrics,
+//! and the tier-2 scrubber is woken to move it aside and repair it from tier 1 if it can).
+//! The reader then **skips** the chunk's records and goes on: no corrupt row is ever served,
+//! the reader never stalls on a damaged object, and the skipped range is reported to the
+//! caller ([`TierReader::gaps`]), in the log and in `tributary_hub_tier2_*` metrics. Chunks
+//! already quarantined are skipped the same way without being fetched.
 
 use super::Tiering;
 use super::store::{self, ChunkRow};
@@ -45,7 +58,47 @@ pub enum ReadThroughError {
     },
 }
 
-type Fetch = tokio::task::JoinHandle<Result<Vec<TierRecord>, tier::GetError>>;
+/// A fetched chunk object: its records, or why its bytes cannot be trusted.
+#[derive(Debug)]
+pub(crate) enum Fetched {
+    Records(Vec<TierRecord>),
+    Damaged(String),
+}
+
+type Fetch = tokio::task::JoinHandle<Result<Fetched, tier::GetError>>;
+
+/// A chunk a reader skipped because its object is damaged (quarantined): its records are
+/// not served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedChunk {
+    pub path: String,
+    pub segment: u64,
+    pub first_offset: u64,
+    pub end_offset: u64,
+    /// Rows the chunk held (from the catalog).
+    pub rows: u64,
+}
+
+/// Reads `path` and checks it against `check` (size and crc32c) before decoding it. A
+/// mismatch or a decode failure is `Damaged`, not an error: the object is there but wrong.
+pub(crate) async fn fetch_verified(
+    store: &tier::Tier2,
+    path: &str,
+    check: Option<store::ObjectCheck>,
+) -> Result<Fetched, tier::GetError> {
+    let bytes = store.get(path).await?;
+    if let Some(what) = check.and_then(|c| c.mismatch(&bytes)) {
+        return Ok(Fetched::Damaged(what));
+    }
+    match tokio::task::spawn_blocking(move || tier::decode_chunk(bytes)).await {
+        Ok(Ok(records)) => Ok(Fetched::Records(records)),
+        Ok(Err(e)) => Ok(Fetched::Damaged(format!("does not decode: {e}"))),
+        Err(join) => Err(tier::GetError::Decode {
+            path: path.to_owned(),
+            source: tier::DecodeError::Metadata(format!("decoder task failed: {join}")),
+        }),
+    }
+}
 
 /// A cursor over one stream (optionally one segment) that reads tier 2, then tier 1.
 pub struct TierReader {
@@ -62,6 +115,8 @@ pub struct TierReader {
     current: Option<(ChunkRow, VecDeque<(u64, TierRecord)>)>,
     /// Chunks being fetched, in offset order.
     ahead: VecDeque<(ChunkRow, Fetch)>,
+    /// Damaged chunks skipped so far.
+    gaps: Vec<SkippedChunk>,
 }
 
 impl std::fmt::Debug for TierReader {
@@ -118,6 +173,7 @@ impl TierReader {
             end: u64::MAX,
             current: None,
             ahead: VecDeque::new(),
+            gaps: Vec::new(),
         })
     }
 
@@ -134,10 +190,70 @@ impl TierReader {
         self.next
     }
 
-    fn fetch(&self, ch: &ChunkRow) -> Fetch {
+    /// The damaged chunks this reader skipped (their records were not served), in the order
+    /// met.
+    pub fn gaps(&self) -> &[SkippedChunk] {
+        &self.gaps
+    }
+
+    fn fetch(&self, ch: &ChunkRow) -> Result<Fetch, ReadThroughError> {
         let store = self.tiering.store().clone();
         let path = ch.path.clone();
-        tokio::spawn(async move { store.read_chunk(&path).await })
+        let check = store::object_check(
+            self.tiering.hub().catalog(),
+            ch.stream,
+            ch.segment,
+            ch.first_offset,
+        )?;
+        Ok(tokio::spawn(async move {
+            fetch_verified(&store, &path, check).await
+        }))
+    }
+
+    /// Records a skipped damaged chunk (once per reader).
+    fn skip(&mut self, ch: &ChunkRow) {
+        if self.gaps.iter().any(|g| g.path == ch.path) {
+            return;
+        }
+        tracing::warn!(
+            stream = %self.stream, path = %ch.path, first_offset = ch.first_offset,
+            end_offset = ch.end_offset, rows = ch.rows,
+            "skipping a quarantined tier-2 chunk: its records are not served"
+        );
+        crate::scrub::note_tier2_records_skipped(ch.rows);
+        self.gaps.push(SkippedChunk {
+            path: ch.path.clone(),
+            segment: ch.segment,
+            first_offset: ch.first_offset,
+            end_offset: ch.end_offset,
+            rows: ch.rows,
+        });
+    }
+
+    /// A fetched chunk looked damaged: reads it once more against the current check (a repair
+    /// may have replaced it, or the read itself was bad), and quarantines it if it still is.
+    /// `Some(records)` when the second read is good.
+    async fn confirm_damage(
+        &self,
+        ch: &ChunkRow,
+        what: String,
+    ) -> Result<Option<Vec<TierRecord>>, ReadThroughError> {
+        let cat = self.tiering.hub().catalog();
+        let check = store::object_check(cat, ch.stream, ch.segment, ch.first_offset)?;
+        let what = match fetch_verified(self.tiering.store(), &ch.path, check).await {
+            Ok(Fetched::Records(r)) => return Ok(Some(r)),
+            Ok(Fetched::Damaged(w)) => w,
+            Err(tier::GetError::NotFound { .. }) => {
+                if store::committed_chunk(cat, ch.stream, ch.segment, ch.first_offset)?.is_none() {
+                    // Retention deleted it meanwhile: a hole, not damage.
+                    return Ok(Some(Vec::new()));
+                }
+                format!("object missing ({what})")
+            }
+            Err(e) => return Err(e.into()),
+        };
+        crate::scrub::report_tier2_damage(&self.tiering, ch, &what)?;
+        Ok(None)
     }
 
     /// Up to `limit` records from the current position; an empty page means the reader is
@@ -255,9 +371,11 @@ impl TierReader {
                 return Ok(false);
             }
         }
+        let quarantined = store::quarantined_in(self.tiering.hub().catalog(), self.sid)?;
+        let is_quarantined = |r: &ChunkRow| quarantined.contains(&(r.segment, r.first_offset));
         for r in &rows {
-            if !self.ahead.iter().any(|(c, _)| c.path == r.path) {
-                let f = self.fetch(r);
+            if !is_quarantined(r) && !self.ahead.iter().any(|(c, _)| c.path == r.path) {
+                let f = self.fetch(r)?;
                 self.ahead.push_back((r.clone(), f));
             }
         }
@@ -272,12 +390,22 @@ impl TierReader {
         let mut row = first.clone();
         let mut recs: Vec<(u64, TierRecord)> = Vec::new();
         for ch in &group {
+            row.first_offset = row.first_offset.min(ch.first_offset);
+            row.end_offset = row.end_offset.max(ch.end_offset);
+            if is_quarantined(ch) {
+                self.skip(ch);
+                continue;
+            }
             let Some(pos) = self.ahead.iter().position(|(c, _)| c.path == ch.path) else {
                 return Ok(false);
             };
             let (ch, fetch) = self.ahead.remove(pos).expect("position is valid");
-            let got = match fetch.await {
-                Ok(r) => r?,
+            let fetched = match fetch.await {
+                Ok(Ok(f)) => f,
+                Ok(Err(tier::GetError::NotFound { .. })) => {
+                    Fetched::Damaged("object missing".into())
+                }
+                Ok(Err(e)) => return Err(e.into()),
                 Err(e) => {
                     return Err(ReadThroughError::Missing {
                         stream: format!("{}: fetch task failed: {e}", self.stream),
@@ -286,8 +414,16 @@ impl TierReader {
                     });
                 }
             };
-            row.first_offset = row.first_offset.min(ch.first_offset);
-            row.end_offset = row.end_offset.max(ch.end_offset);
+            let got = match fetched {
+                Fetched::Records(r) => r,
+                Fetched::Damaged(what) => match self.confirm_damage(&ch, what).await? {
+                    Some(r) => r,
+                    None => {
+                        self.skip(&ch);
+                        continue;
+                    }
+                },
+            };
             recs.extend(got.into_iter().map(|r| (ch.segment, r)));
         }
         if group.len() > 1 {

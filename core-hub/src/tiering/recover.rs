@@ -14,10 +14,32 @@
 //! (a crash between the two). SQL engines already see it, so it is adopted (its manifest is
 //! written now) rather than re-shipped under new offsets, which would duplicate it. What the
 //! old catalog alone knew is gone: tier-1 data that never reached tier 2 (the agents re-ship
-//! it), fences, gaps and the checksums of old ranges.
+//! it), fences and gaps.
+//!
+//! # Range checksums
+//!
+//! The hub detects a device re-shipping *different* content for seqs it already holds by the
+//! content checksum of every committed block range (`blocks.checksum`, see `ingest.rs`). The
+//! first manifest of every plan range carries those ranges as the hub stored them
+//! (`extra.block_ranges`, written at upload by `store::block_ranges_json`); recovery restores
+//! them as block index rows that point to no WAL file ([`RECOVERED_WAL_FILE`]), exactly like
+//! the rows eviction leaves behind. A re-ship after recovery is therefore compared exactly as
+//! before the loss: identical content is a duplicate, different content is a conflict and
+//! fences the device. (The checksums are not recomputed from the Parquet rows: the checksum
+//! covers each record's fields in the producer's order, which Parquet does not keep.) Ranges
+//! of chunks uploaded before manifests carried them, and of adopted chunk files, cannot be
+//! restored; resent records there are treated as duplicates without comparison
+//! ([`RecoverReport::unverified_chunks`]).
+//!
+//! # Object checks
+//!
+//! Each manifest also carries its object's crc32c (`extra.crc32c`); recovery restores the
+//! check so that read-through and the tier-2 scrub keep detecting damage. A manifest whose
+//! object is gone from `streams/` is recovered as a quarantined chunk (reported, skipped by
+//! readers) rather than failing the whole rebuild.
 
-use super::store::{self, COMMITTED, ChunkRow, RangeCommit, TierState};
-use crate::catalog::{Catalog, CatalogError, GroupCommit};
+use super::store::{self, COMMITTED, ChunkRow, ObjectCheck, RangeCommit, TierState};
+use crate::catalog::{BlockRow, Catalog, CatalogError, GroupCommit, StreamId};
 use crate::config::HubConfig;
 use std::collections::{BTreeMap, BTreeSet};
 use thiserror::Error;
@@ -41,6 +63,8 @@ pub enum RecoverError {
     },
     #[error("stream `{stream}`: tier 2 is not contiguous: {what}")]
     Hole { stream: String, what: String },
+    #[error("manifest {path}: {what}")]
+    Manifest { path: String, what: String },
 }
 
 /// What recovery rebuilt.
@@ -54,6 +78,87 @@ pub struct RecoverReport {
     pub adopted: u64,
     /// Segments of the rebuilt segment graphs (merged streams).
     pub segments: u64,
+    /// Block ranges whose content checksums were restored (dedupe and conflict detection).
+    pub ranges: u64,
+    /// Chunks whose manifest carries no block ranges (uploaded before they were recorded, or
+    /// adopted): re-shipped records there cannot be compared.
+    pub unverified_chunks: u64,
+    /// Chunks whose object is missing: recovered quarantined.
+    pub missing_objects: u64,
+}
+
+/// The WAL file of restored block index rows: none. No WAL file ever has this first offset,
+/// so readers, eviction and the scrubber never look for their frames; they only carry the
+/// dedupe checksums (like the rows of evicted WAL files).
+pub const RECOVERED_WAL_FILE: u64 = u64::MAX;
+
+/// Block index rows from a manifest's `extra.block_ranges` (see `store::block_ranges_json`).
+/// `None` when the manifest carries none (or an unknown version).
+fn block_rows(
+    cat: &Catalog,
+    stream: StreamId,
+    m: &Manifest,
+) -> Result<Option<Vec<BlockRow>>, RecoverError> {
+    let Some(br) = m.extra.get("block_ranges") else {
+        return Ok(None);
+    };
+    if br.get("v").and_then(serde_json::Value::as_u64) != Some(store::BLOCK_RANGES_VERSION) {
+        return Ok(None);
+    }
+    let bad = |what: &str| RecoverError::Manifest {
+        path: m.path(),
+        what: format!("block_ranges: {what}"),
+    };
+    let lanes = br
+        .get("lanes")
+        .and_then(serde_json::Value::as_array)
+        .ok_or_else(|| bad("no lanes"))?;
+    let mut out = Vec::new();
+    for lane in lanes {
+        let device = lane
+            .get("device")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| bad("lane without device"))?;
+        let epoch = lane
+            .get("epoch")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| bad("lane without epoch"))?;
+        let d = cat.intern_device(device)?;
+        let blocks = lane
+            .get("blocks")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| bad("lane without blocks"))?;
+        for b in blocks.split(';').filter(|b| !b.is_empty()) {
+            let v: Vec<&str> = b.split(',').collect();
+            if v.len() != 7 {
+                return Err(bad("block entry"));
+            }
+            let n = |k: usize| v[k].parse::<u64>().map_err(|_| bad("block field"));
+            let t = |k: usize| v[k].parse::<i64>().map_err(|_| bad("block time"));
+            let (first_seq, last_seq) = (n(0)?, n(1)?);
+            if last_seq < first_seq {
+                return Err(bad("block with last_seq < first_seq"));
+            }
+            out.push(BlockRow {
+                device: d,
+                epoch,
+                stream,
+                first_seq,
+                last_seq,
+                checksum: n(2)?,
+                hub_offset_base: n(3)?,
+                wal_file: RECOVERED_WAL_FILE,
+                wal_pos: 0,
+                frame_len: 0,
+                ingest_ts: t(4)?,
+                min_ts: t(5)?,
+                max_ts: t(6)?,
+                key_hash_min: None,
+                key_hash_max: None,
+            });
+        }
+    }
+    Ok(Some(out))
 }
 
 /// The segment graph of a stream whose tier-2 records end at `end`, from its manifests: the
@@ -221,6 +326,7 @@ pub async fn from_tier2(
             .list(&tier::chunks_prefix(&name))
             .await
             .map_err(tier::TierError::from)?;
+        let present: BTreeSet<String> = objects.iter().map(|o| o.path.clone()).collect();
         for o in objects.iter().filter(|o| o.path.ends_with(".parquet")) {
             if known.contains(&o.path) {
                 continue;
@@ -356,6 +462,48 @@ pub async fn from_tier2(
                 tier2_start: start,
             },
         )?;
+        // Dedupe checksums of the old ranges, object checks, missing objects.
+        let mut blocks = Vec::new();
+        let mut with_ranges: BTreeSet<u64> = BTreeSet::new();
+        for m in &manifests {
+            if let Some(rows) = block_rows(&cat, sid, m)? {
+                let range_first = m
+                    .extra
+                    .get("range_first")
+                    .and_then(serde_json::Value::as_u64)
+                    .unwrap_or(m.first_offset);
+                with_ranges.insert(range_first);
+                blocks.extend(rows);
+            }
+            if let Some(crc) = m
+                .extra
+                .get("crc32c")
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|c| u32::try_from(c).ok())
+            {
+                let check = ObjectCheck {
+                    bytes: m.summary.bytes,
+                    crc32c: crc,
+                };
+                store::set_object_check(&cat, sid, m.segment, m.first_offset, check)?;
+            }
+        }
+        for chunk in blocks.chunks(10_000) {
+            cat.commit_group(&GroupCommit {
+                blocks: chunk.to_vec(),
+                ..GroupCommit::default()
+            })?;
+        }
+        report.ranges += blocks.len() as u64;
+        report.unverified_chunks += rows
+            .iter()
+            .filter(|r| !with_ranges.contains(&r.range_first))
+            .count() as u64;
+        for r in rows.iter().filter(|r| !present.contains(&r.path)) {
+            tracing::error!(path = %r.path, "tier-2 chunk object missing: recovered quarantined");
+            store::quarantine_chunk(&cat, r, "object missing at recovery", super::now_ns())?;
+            report.missing_objects += 1;
+        }
         report.streams += 1;
         report.chunks += total;
         report.lanes += lanes.len() as u64;

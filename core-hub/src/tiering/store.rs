@@ -1,5 +1,6 @@
-//! The tiering tables in the hub catalog: chunk plans, the per-stream field registry and the
-//! per-stream tier state.
+//! The tiering tables in the hub catalog: chunk plans, the per-stream field registry, the
+//! per-stream tier state, and the integrity of uploaded objects (their size and crc32c, and
+//! the quarantine of damaged ones, see `crate::scrub`).
 //!
 //! Chunk boundaries are written here (state `planned`) BEFORE anything is uploaded, so a
 //! restart re-uploads exactly the same records to exactly the same object name. A chunk moves
@@ -52,6 +53,31 @@ CREATE TABLE IF NOT EXISTS tier_state (
     tier2_start INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS tier_meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+-- what an uploaded chunk object must look like: its size and the crc32c of its bytes,
+-- recorded at upload (and at repair); read-through and the tier-2 scrub compare against it
+CREATE TABLE IF NOT EXISTS tier_objects (
+    stream INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    first_offset INTEGER NOT NULL,
+    bytes INTEGER NOT NULL,
+    crc32c INTEGER NOT NULL,
+    PRIMARY KEY (stream, segment, first_offset)
+) WITHOUT ROWID;
+-- chunk objects found damaged (state 1: quarantined, not served) or repaired (state 2)
+CREATE TABLE IF NOT EXISTS tier_quarantine (
+    stream INTEGER NOT NULL,
+    segment INTEGER NOT NULL,
+    first_offset INTEGER NOT NULL,
+    end_offset INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    what TEXT NOT NULL,
+    found_ns INTEGER NOT NULL,
+    state INTEGER NOT NULL,
+    -- 1 once the damaged bytes were moved to _tributary/quarantine/ (out of streams/)
+    moved INTEGER NOT NULL DEFAULT 0,
+    repaired_ns INTEGER,
+    PRIMARY KEY (stream, segment, first_offset)
+) WITHOUT ROWID;
 ";
 
 /// Chunk states.
@@ -414,6 +440,17 @@ pub fn drop_chunks_below(
             "DELETE FROM tier_chunks WHERE stream = ?1 AND state = ?2 AND end_offset <= ?3",
             params![i64::from(stream), COMMITTED, i(new_start)],
         )?;
+        // Checks and quarantine entries of deleted chunks go with them.
+        tx.execute(
+            "DELETE FROM tier_objects WHERE stream = ?1 AND first_offset < ?2
+             AND NOT EXISTS (SELECT 1 FROM tier_chunks c WHERE c.stream = tier_objects.stream
+                 AND c.segment = tier_objects.segment AND c.first_offset = tier_objects.first_offset)",
+            params![i64::from(stream), i(new_start)],
+        )?;
+        tx.execute(
+            "DELETE FROM tier_quarantine WHERE stream = ?1 AND end_offset <= ?2",
+            params![i64::from(stream), i(new_start)],
+        )?;
         tx.execute(
             "INSERT INTO tier_state (stream, tier2_start) VALUES (?1, ?2)
              ON CONFLICT (stream) DO UPDATE SET tier2_start = max(tier2_start, excluded.tier2_start)",
@@ -462,4 +499,332 @@ pub fn restore_state(cat: &Catalog, stream: StreamId, st: TierState) -> Result<(
         )
     })?;
     Ok(())
+}
+
+/// What an uploaded chunk object must look like (recorded at upload and at repair).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectCheck {
+    pub bytes: u64,
+    pub crc32c: u32,
+}
+
+impl ObjectCheck {
+    /// The check of `bytes` as uploaded.
+    pub fn of(bytes: &[u8]) -> ObjectCheck {
+        ObjectCheck {
+            bytes: bytes.len() as u64,
+            crc32c: crc32c::crc32c(bytes),
+        }
+    }
+
+    /// Why `bytes` (as read back) differ from this check, if they do.
+    pub fn mismatch(&self, bytes: &[u8]) -> Option<String> {
+        if bytes.len() as u64 != self.bytes {
+            return Some(format!(
+                "size {} bytes, {} expected (truncated or replaced)",
+                bytes.len(),
+                self.bytes
+            ));
+        }
+        let crc = crc32c::crc32c(bytes);
+        (crc != self.crc32c).then(|| {
+            format!(
+                "crc32c {crc:#010x}, {:#010x} expected (bit rot)",
+                self.crc32c
+            )
+        })
+    }
+}
+
+/// Records the check of a chunk object (upload or repair) and its size in the chunk row.
+pub fn set_object_check(
+    cat: &Catalog,
+    stream: StreamId,
+    segment: u64,
+    first_offset: u64,
+    check: ObjectCheck,
+) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        let tx = c.transaction()?;
+        tx.execute(
+            "INSERT OR REPLACE INTO tier_objects (stream, segment, first_offset, bytes, crc32c)
+             VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![
+                i64::from(stream),
+                i(segment),
+                i(first_offset),
+                i(check.bytes),
+                i64::from(check.crc32c)
+            ],
+        )?;
+        tx.execute(
+            "UPDATE tier_chunks SET bytes = ?4 WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
+            params![
+                i64::from(stream),
+                i(segment),
+                i(first_offset),
+                i(check.bytes)
+            ],
+        )?;
+        tx.commit()
+    })?;
+    Ok(())
+}
+
+/// The recorded check of a chunk object; `None` for objects uploaded before checks existed.
+pub fn object_check(
+    cat: &Catalog,
+    stream: StreamId,
+    segment: u64,
+    first_offset: u64,
+) -> Result<Option<ObjectCheck>, CatalogError> {
+    let r = cat.with_read_conn(|c| {
+        c.prepare_cached(
+            "SELECT bytes, crc32c FROM tier_objects WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
+        )?
+        .query_row(
+            params![i64::from(stream), i(segment), i(first_offset)],
+            |r| {
+                Ok(ObjectCheck {
+                    bytes: u(r.get(0)?),
+                    crc32c: r.get::<_, i64>(1)? as u32,
+                })
+            },
+        )
+        .optional()
+    })?;
+    Ok(r)
+}
+
+/// Quarantine states.
+pub const QUARANTINED: i64 = 1;
+/// Re-uploaded from tier 1 and verified: served again.
+pub const REPAIRED: i64 = 2;
+
+/// A chunk object found damaged.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuarantineRow {
+    pub stream: StreamId,
+    pub segment: u64,
+    pub first_offset: u64,
+    pub end_offset: u64,
+    pub path: String,
+    pub what: String,
+    pub found_ns: i64,
+    pub state: i64,
+    pub moved: bool,
+    pub repaired_ns: Option<i64>,
+}
+
+const QUARANTINE_COLS: &str =
+    "stream, segment, first_offset, end_offset, path, what, found_ns, state, moved, repaired_ns";
+
+fn quarantine_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<QuarantineRow> {
+    Ok(QuarantineRow {
+        stream: r.get::<_, i64>(0)? as StreamId,
+        segment: u(r.get(1)?),
+        first_offset: u(r.get(2)?),
+        end_offset: u(r.get(3)?),
+        path: r.get(4)?,
+        what: r.get(5)?,
+        found_ns: r.get(6)?,
+        state: r.get(7)?,
+        moved: r.get::<_, i64>(8)? != 0,
+        repaired_ns: r.get(9)?,
+    })
+}
+
+/// Quarantines `ch` (readers skip it from now on). Returns `true` when it was not already
+/// quarantined (a new finding: report it).
+pub fn quarantine_chunk(
+    cat: &Catalog,
+    ch: &ChunkRow,
+    what: &str,
+    now_ns: i64,
+) -> Result<bool, CatalogError> {
+    let n = cat.with_write_conn(|c| {
+        c.execute(
+            &format!(
+                "INSERT INTO tier_quarantine ({QUARANTINE_COLS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 0, NULL)
+                 ON CONFLICT (stream, segment, first_offset) DO UPDATE SET
+                     state = excluded.state, what = excluded.what, found_ns = excluded.found_ns,
+                     path = excluded.path, moved = 0, repaired_ns = NULL
+                 WHERE tier_quarantine.state != excluded.state"
+            ),
+            params![
+                i64::from(ch.stream),
+                i(ch.segment),
+                i(ch.first_offset),
+                i(ch.end_offset),
+                ch.path,
+                what,
+                now_ns,
+                QUARANTINED
+            ],
+        )
+    })?;
+    Ok(n > 0)
+}
+
+/// Records that the damaged bytes of a quarantined chunk were moved out of `streams/`.
+pub fn set_quarantine_moved(cat: &Catalog, q: &QuarantineRow) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        c.execute(
+            "UPDATE tier_quarantine SET moved = 1 WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
+            params![i64::from(q.stream), i(q.segment), i(q.first_offset)],
+        )
+    })?;
+    Ok(())
+}
+
+/// Marks a quarantined chunk repaired (served again).
+pub fn set_repaired(cat: &Catalog, q: &QuarantineRow, now_ns: i64) -> Result<(), CatalogError> {
+    cat.with_write_conn(|c| {
+        c.execute(
+            "UPDATE tier_quarantine SET state = ?4, repaired_ns = ?5
+             WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
+            params![
+                i64::from(q.stream),
+                i(q.segment),
+                i(q.first_offset),
+                REPAIRED,
+                now_ns
+            ],
+        )
+    })?;
+    Ok(())
+}
+
+/// Every quarantine entry (both states), oldest finding first.
+pub fn quarantine_list(cat: &Catalog) -> Result<Vec<QuarantineRow>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {QUARANTINE_COLS} FROM tier_quarantine ORDER BY found_ns, stream, first_offset, segment"
+        ))?;
+        let rows = st.query_map([], quarantine_row)?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// The chunks of `stream` quarantined now, as `(segment, first_offset)`.
+pub fn quarantined_in(cat: &Catalog, stream: StreamId) -> Result<Vec<(u64, u64)>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare_cached(
+            "SELECT segment, first_offset FROM tier_quarantine WHERE stream = ?1 AND state = ?2",
+        )?;
+        let rows = st.query_map(params![i64::from(stream), QUARANTINED], |r| {
+            Ok((u(r.get(0)?), u(r.get(1)?)))
+        })?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Committed chunks of `stream` after `(first_offset, segment)` in that order (exclusive;
+/// `None` from the start), at most `limit`: the tier-2 scrub's walk.
+pub fn committed_chunks_after(
+    cat: &Catalog,
+    stream: StreamId,
+    after: Option<(u64, u64)>,
+    limit: usize,
+) -> Result<Vec<ChunkRow>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {CHUNK_COLS} FROM tier_chunks
+             WHERE stream = ?1 AND state = ?2 AND (?3 IS NULL OR (first_offset, segment) > (?3, ?4))
+             ORDER BY first_offset, segment LIMIT ?5"
+        ))?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let (f, s) = after.map_or((None, 0), |(f, s)| (Some(i(f)), i(s)));
+        let rows = st.query_map(
+            params![i64::from(stream), COMMITTED, f, s, limit],
+            chunk_row,
+        )?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// One committed chunk row, if it (still) exists.
+pub fn committed_chunk(
+    cat: &Catalog,
+    stream: StreamId,
+    segment: u64,
+    first_offset: u64,
+) -> Result<Option<ChunkRow>, CatalogError> {
+    cat.with_read_conn(|c| {
+        c.prepare_cached(&format!(
+            "SELECT {CHUNK_COLS} FROM tier_chunks WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3 AND state = ?4"
+        ))?
+        .query_row(
+            params![i64::from(stream), i(segment), i(first_offset), COMMITTED],
+            chunk_row,
+        )
+        .optional()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Version of the `block_ranges` entry of a manifest's `extra`.
+pub const BLOCK_RANGES_VERSION: u64 = 1;
+
+/// The committed block ranges of `stream` with offsets in `[first, end)`, for the first
+/// manifest of a plan range (`extra.block_ranges`): per `(device, epoch)` lane, a string of
+/// `first_seq,last_seq,checksum,hub_offset_base,ingest_ts,min_ts,max_ts` per block, the
+/// blocks separated by `;` (compact: manifests are pretty-printed JSON, and a range holds
+/// thousands of blocks).
+/// `core-hub recover --from-tier2` restores them as dedupe ranges, so a resent old range is
+/// compared exactly as before the loss. The checksums are the ones the hub stored at ingest:
+/// they cannot be recomputed from the Parquet rows, which do not keep the producer's field
+/// order that the checksum covers.
+pub fn block_ranges_json(
+    cat: &Catalog,
+    stream: StreamId,
+    first: u64,
+    end: u64,
+    device_name: &dyn Fn(DeviceId) -> Option<String>,
+) -> Result<serde_json::Value, CatalogError> {
+    use std::fmt::Write as _;
+    let mut lanes: std::collections::BTreeMap<(DeviceId, u64), String> =
+        std::collections::BTreeMap::new();
+    let mut from = first;
+    'pages: while from < end {
+        let rows = cat.blocks_from(stream, from, 1024)?;
+        if rows.is_empty() {
+            break;
+        }
+        for b in &rows {
+            if b.hub_offset_base >= end {
+                break 'pages;
+            }
+            from = b.hub_offset_base + b.count();
+            let lane = lanes.entry((b.device, b.epoch)).or_default();
+            if !lane.is_empty() {
+                lane.push(';');
+            }
+            let _ = write!(
+                lane,
+                "{},{},{},{},{},{},{}",
+                b.first_seq,
+                b.last_seq,
+                b.checksum,
+                b.hub_offset_base,
+                b.ingest_ts,
+                b.min_ts,
+                b.max_ts
+            );
+        }
+    }
+    let lanes: Vec<serde_json::Value> = lanes
+        .into_iter()
+        .map(|((d, epoch), blocks)| {
+            serde_json::json!({
+                "device": device_name(d).unwrap_or_else(|| format!("#{d}")),
+                "epoch": epoch,
+                "blocks": blocks,
+            })
+        })
+        .collect();
+    Ok(serde_json::json!({ "v": BLOCK_RANGES_VERSION, "lanes": lanes }))
 }
