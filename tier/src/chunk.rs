@@ -222,6 +222,8 @@ pub enum DecodeError {
     Metadata(String),
     #[error("row {row}: {what} is null or negative")]
     BadValue { row: usize, what: &'static str },
+    #[error("malformed Parquet file (the reader gave up: {0})")]
+    Malformed(String),
 }
 
 /// The Arrow type of a field column.
@@ -1022,7 +1024,18 @@ fn check_page_locations(
             let Some(pages) = index.page_locations(c) else {
                 continue;
             };
-            let (start, len) = column.byte_range();
+            // `byte_range()` asserts on negative offsets; a damaged footer must be an error.
+            let start = column
+                .dictionary_page_offset()
+                .unwrap_or_else(|| column.data_page_offset());
+            let (Ok(start), Ok(len)) = (
+                u64::try_from(start),
+                u64::try_from(column.compressed_size()),
+            ) else {
+                return Err(DecodeError::Malformed(format!(
+                    "row group {g} column {c}: negative column chunk offset or size"
+                )));
+            };
             let end = start.saturating_add(len);
             for page in pages {
                 let inside = u64::try_from(page.offset).is_ok_and(|o| {
@@ -1058,6 +1071,24 @@ pub fn decode_chunk_with_threads(
     bytes: Bytes,
     threads: usize,
 ) -> Result<Vec<TierRecord>, DecodeError> {
+    // The parquet crate asserts on some malformed files (a dictionary-encoded page without its
+    // dictionary, for one) rather than returning an error, in more places than can be checked
+    // up front. A damaged tier-2 object must be a decode error that the reader quarantines,
+    // never a panic in the hub.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        decode_chunk_unchecked(bytes, threads)
+    }))
+    .unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_owned());
+        Err(DecodeError::Malformed(why))
+    })
+}
+
+fn decode_chunk_unchecked(bytes: Bytes, threads: usize) -> Result<Vec<TierRecord>, DecodeError> {
     let options = ArrowReaderOptions::new().with_page_index_policy(PageIndexPolicy::Optional);
     let metadata = ArrowReaderMetadata::load(&bytes, options)?;
     check_page_locations(metadata.metadata())?;

@@ -379,9 +379,10 @@ fn numeric(r: &Record, field: &str, stats: &FilterStats) -> Option<f64> {
     }
 }
 
-/// The start of the tumbling window holding `ts`.
+/// The start of the tumbling window holding `ts`. Producers choose `ts`: near `i64::MIN` the
+/// window starts at `i64::MIN` rather than overflowing.
 fn window_start(ts: i64, interval: i64) -> i64 {
-    ts - ts.rem_euclid(interval)
+    ts.saturating_sub(ts.rem_euclid(interval))
 }
 
 struct Where(predicate::Predicate);

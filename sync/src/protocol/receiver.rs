@@ -357,7 +357,10 @@ impl Lane {
     /// Where verification starts for this lane: the first seq the edge may not share with us.
     fn verify_from(&self) -> u64 {
         match &self.announced {
-            Some(a) => a.acked_seq.max(a.first_seq.saturating_sub(1)) + 1,
+            Some(a) => a
+                .acked_seq
+                .max(a.first_seq.saturating_sub(1))
+                .saturating_add(1),
             None => 1,
         }
     }

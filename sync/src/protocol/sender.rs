@@ -594,7 +594,7 @@ impl Sender {
         };
         lane.hub_mark = lw.durable_seq;
         lane.hub_tiered = lw.tiered_seq;
-        lane.cursor = lw.resume_from.clamp(1, lw.durable_seq + 1);
+        lane.cursor = lw.resume_from.clamp(1, lw.durable_seq.saturating_add(1));
         if lw.durable_seq > lane.announced_last {
             lane.mode = Mode::Behind {
                 limit: lane.announced_last,
@@ -716,7 +716,16 @@ impl Sender {
         if mint || !rekey.is_empty() {
             self.mint_emitted = true;
             let top = self.lanes.iter().map(|l| l.epoch).max().unwrap_or(0);
-            let epoch_min = self.epoch_max.max(self.current_epoch).max(top) + 1;
+            let Some(epoch_min) = self
+                .epoch_max
+                .max(self.current_epoch)
+                .max(top)
+                .checked_add(1)
+            else {
+                // No epoch above the last one exists: minting would reuse one, so refuse.
+                let msg = "the hub reports the highest possible epoch; no new epoch can be minted";
+                return self.close(self.now, ErrorCode::ProtocolViolation, msg);
+            };
             self.events
                 .push_back(SenderEvent::MintEpoch { epoch_min, rekey });
         }
