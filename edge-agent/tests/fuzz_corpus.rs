@@ -9,6 +9,8 @@
 
 #[path = "../fuzz/bodies.rs"]
 mod bodies;
+#[path = "../../sync/fuzz/replay.rs"]
+mod replay;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -17,7 +19,7 @@ use edge_agent::config::EdgeConfig;
 use edge_agent::filters::Pipeline;
 use edge_agent::filters::predicate;
 
-type Target = fn(&[u8]);
+use replay::Target;
 
 const TARGETS: [(&str, Target); 5] = [
     ("edge_config", bodies::edge_config),
@@ -26,12 +28,6 @@ const TARGETS: [(&str, Target); 5] = [
     ("mqtt_map", bodies::mqtt_map),
     ("http_body", bodies::http_body),
 ];
-
-fn corpus_dir(target: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target)
-}
 
 const FULL_CONFIG: &str = r#"data_dir = "/var/lib/tributary"
 [hub]
@@ -179,40 +175,12 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
 
 #[test]
 fn every_corpus_file_passes_its_target() {
-    for (name, run) in TARGETS {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir(name))
-            .unwrap_or_else(|e| panic!("corpus of {name}: {e}"))
-            .map(|e| e.unwrap().path())
-            .collect();
-        files.sort();
-        assert!(
-            files.len() >= 3,
-            "corpus of {name} has only {} files",
-            files.len()
-        );
-        for path in files {
-            let data = std::fs::read(&path).unwrap();
-            let outcome = std::panic::catch_unwind(|| run(&data));
-            assert!(outcome.is_ok(), "{name} panicked on {}", path.display());
-        }
-    }
+    replay::replay(env!("CARGO_MANIFEST_DIR"), &TARGETS);
 }
 
 #[test]
 fn seeds_are_on_disk() {
-    let write = std::env::var_os("TRIBUTARY_WRITE_FIXTURES").is_some();
-    for (target, name, data) in seeds() {
-        let path = corpus_dir(target).join(name);
-        if write {
-            std::fs::create_dir_all(corpus_dir(target)).unwrap();
-            std::fs::write(&path, &data).unwrap();
-        }
-        assert!(
-            path.exists(),
-            "missing seed {}; run with TRIBUTARY_WRITE_FIXTURES=1",
-            path.display()
-        );
-    }
+    replay::seeds_on_disk(env!("CARGO_MANIFEST_DIR"), seeds());
 }
 
 #[test]

@@ -6,11 +6,14 @@
 //! `write_seed_corpus` regenerates the hand-made seeds when `TRIBUTARY_WRITE_FIXTURES=1`;
 //! otherwise it checks that they are all present.
 
+#[path = "../fuzz/replay.rs"]
+mod replay;
+
 use std::path::PathBuf;
 use sync::block;
 use sync::segment;
 
-type Target = fn(&[u8]);
+use replay::Target;
 
 const TARGETS: [(&str, Target); 5] = [
     ("segment_scan", sync::fuzzing::segment_scan),
@@ -28,19 +31,7 @@ fn corpus_dir(target: &str) -> PathBuf {
 
 #[test]
 fn every_corpus_file_passes_its_target() {
-    for (name, run) in TARGETS {
-        let entries =
-            std::fs::read_dir(corpus_dir(name)).unwrap_or_else(|e| panic!("corpus of {name}: {e}"));
-        let mut files = 0;
-        for entry in entries {
-            let path = entry.unwrap().path();
-            let data = std::fs::read(&path).unwrap();
-            let outcome = std::panic::catch_unwind(|| run(&data));
-            assert!(outcome.is_ok(), "{name} panicked on {}", path.display());
-            files += 1;
-        }
-        assert!(files >= 3, "corpus of {name} has only {files} files");
-    }
+    replay::replay(env!("CARGO_MANIFEST_DIR"), &TARGETS);
 }
 
 /// The hand-made seeds: small valid inputs of each kind, plus a few broken ones.

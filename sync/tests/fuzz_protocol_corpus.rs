@@ -11,10 +11,12 @@
 
 #[path = "../fuzz/bodies.rs"]
 mod bodies;
+#[path = "../fuzz/replay.rs"]
+mod replay;
 
 use std::path::PathBuf;
 
-type Target = fn(&[u8]);
+use replay::Target;
 
 const TARGETS: [(&str, Target); 4] = [
     ("frame_decode", bodies::frame_decode),
@@ -26,12 +28,6 @@ const TARGETS: [(&str, Target); 4] = [
 const FRAMES: [&str; 9] = [
     "hello", "welcome", "block", "gap", "ack", "backlog", "ping", "verdict", "error",
 ];
-
-fn corpus_dir(target: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("fuzz/corpus")
-        .join(target)
-}
 
 fn fixture(name: &str) -> Vec<u8> {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -173,38 +169,10 @@ fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
 
 #[test]
 fn every_corpus_file_passes_its_target() {
-    for (name, run) in TARGETS {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(corpus_dir(name))
-            .unwrap_or_else(|e| panic!("corpus of {name}: {e}"))
-            .map(|e| e.unwrap().path())
-            .collect();
-        files.sort();
-        assert!(
-            files.len() >= 3,
-            "corpus of {name} has only {} files",
-            files.len()
-        );
-        for path in files {
-            let data = std::fs::read(&path).unwrap();
-            let outcome = std::panic::catch_unwind(|| run(&data));
-            assert!(outcome.is_ok(), "{name} panicked on {}", path.display());
-        }
-    }
+    replay::replay(env!("CARGO_MANIFEST_DIR"), &TARGETS);
 }
 
 #[test]
 fn seeds_are_on_disk() {
-    let write = std::env::var_os("TRIBUTARY_WRITE_FIXTURES").is_some();
-    for (target, name, data) in seeds() {
-        let path = corpus_dir(target).join(&name);
-        if write {
-            std::fs::create_dir_all(corpus_dir(target)).unwrap();
-            std::fs::write(&path, &data).unwrap();
-        }
-        assert!(
-            path.exists(),
-            "missing seed {}; run with TRIBUTARY_WRITE_FIXTURES=1",
-            path.display()
-        );
-    }
+    replay::seeds_on_disk(env!("CARGO_MANIFEST_DIR"), seeds());
 }
