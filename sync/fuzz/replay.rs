@@ -3,6 +3,9 @@
 //! Rust, so the corpora are regression tests in `cargo test` even where nightly and libFuzzer
 //! are absent; and the hand-made seeds are checked to be on disk. See docs/fuzzing.md.
 
+// Each including test uses what it needs of this module.
+#![allow(dead_code)]
+
 use std::path::{Path, PathBuf};
 
 /// A fuzz target's body.
