@@ -138,6 +138,46 @@ fn ingest(
     Ok(())
 }
 
+/// What a full-disk round needs to check the hub's recovery.
+struct Round<'a> {
+    pid: u32,
+    hub_http: std::net::SocketAddr,
+    agent_http: std::net::SocketAddr,
+    producer: &'a Producer,
+}
+
+impl Round<'_> {
+    /// Frees the space (removes `filler`); the same hub process must take writes again on its
+    /// own, take `after`, the agent must catch up, and the ledger must match `expected` records.
+    fn free_and_resume(
+        &self,
+        hub: &mut tributary_tests::procs::Proc,
+        filler: &Path,
+        ledger: &mut Ledger,
+        after: &[SentRecord],
+        expected: usize,
+    ) -> Result<()> {
+        std::fs::remove_file(filler)?;
+        wait_until(WAIT, "the hub to take writes again (healthz 200)", || {
+            http::get(self.hub_http, "/healthz").is_ok_and(|r| r.status == 200)
+        })?;
+        ingest(self.producer, ledger, "telemetry", after)?;
+        cluster::wait_caught_up(self.agent_http, WAIT)?;
+        ensure!(
+            hub.is_running() && hub.pid() == self.pid && hub.spawns() == 1,
+            "the hub was restarted (pid {} -> {}, {} spawns)",
+            self.pid,
+            hub.pid(),
+            hub.spawns()
+        );
+        let report = ledger.check(cluster::read_stream(self.hub_http, "telemetry")?);
+        eprintln!("{}", report.summary());
+        report.assert_ok();
+        ensure!(report.matched == expected, "{}", report.summary());
+        Ok(())
+    }
+}
+
 #[test]
 fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Result<()> {
     let root = tempfile::Builder::new().prefix("trb-hubfull-").tempdir()?;
@@ -227,32 +267,24 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
     );
 
     // Free the space. The same hub process resumes on its own, and the agent catches up.
-    std::fs::remove_file(&filler)?;
-    wait_until(WAIT, "the hub to take writes again (healthz 200)", || {
-        http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 200)
-    })?;
-    ingest(
-        &producer,
+    let round = Round {
+        pid,
+        hub_http: hub_spec.http,
+        agent_http: agent_spec.http,
+        producer: &producer,
+    };
+    round.free_and_resume(
+        &mut hub,
+        &filler,
         &mut ledger,
-        "telemetry",
         &batch("after", 4_000, 1_000),
+        5_000,
     )?;
-    cluster::wait_caught_up(agent_spec.http, WAIT)?;
-    ensure!(
-        hub.is_running() && hub.pid() == pid && hub.spawns() == 1,
-        "the hub was restarted (pid {pid} -> {}, {} spawns)",
-        hub.pid(),
-        hub.spawns()
-    );
     ensure!(
         cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full_resumed_total")? >= 1.0
             && cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full")? == 0.0,
         "the hub does not report having resumed"
     );
-    let report = ledger.check(cluster::read_stream(hub_spec.http, "telemetry")?);
-    eprintln!("{}", report.summary());
-    report.assert_ok();
-    ensure!(report.matched == 5_000, "{}", report.summary());
 
     // Round two, with large incompressible records: the WAL write itself now hits ENOSPC
     // (round one may hit it in the catalog commit first, when a small block still fits the
@@ -278,25 +310,13 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
             > failures,
         "round two failed no group commit"
     );
-    std::fs::remove_file(&filler)?;
-    wait_until(WAIT, "the hub to take writes again after round two", || {
-        http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 200)
-    })?;
-    ingest(
-        &producer,
+    round.free_and_resume(
+        &mut hub,
+        &filler,
         &mut ledger,
-        "telemetry",
         &batch("after2", 5_100, 500),
+        5_600,
     )?;
-    cluster::wait_caught_up(agent_spec.http, WAIT)?;
-    ensure!(
-        hub.is_running() && hub.pid() == pid && hub.spawns() == 1,
-        "the hub was restarted in round two"
-    );
-    let report = ledger.check(cluster::read_stream(hub_spec.http, "telemetry")?);
-    eprintln!("round two: {}", report.summary());
-    report.assert_ok();
-    ensure!(report.matched == 5_600, "{}", report.summary());
 
     for line in hub
         .stderr()
