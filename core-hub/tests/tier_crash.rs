@@ -230,7 +230,11 @@ async fn kill_dash_nine_between_upload_and_commit() {
     };
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let (kills, total) = if soak() { (30, 30_000) } else { (8, 10_000) };
+    let kills = if soak() { 30 } else { 8 };
+    // Every child gets new records to ingest (its own step of the total), so each random
+    // kill lands while the child still has work, however fast the machine is.
+    let step = 3_000u64;
+    let total = step * (kills as u64 + 2);
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_path_buf();
     let ep = endpoint.clone();
@@ -240,7 +244,7 @@ async fn kill_dash_nine_between_upload_and_commit() {
             let (_, code) = run_child(
                 &d,
                 &ep,
-                total,
+                step,
                 None,
                 Some(&format!("{point}:exit:{}", i + 1)),
             );
@@ -252,8 +256,10 @@ async fn kill_dash_nine_between_upload_and_commit() {
         }
         // SIGKILL at random moments while ingesting and tiering.
         let mut mid = 0;
-        for _ in 0..kills {
-            let (acks, code) = run_child(&d, &ep, total, Some(rng.random_range(2..80)), None);
+        for k in 0..kills as u64 {
+            // Each device has at least `step / 64` blocks to commit in this child.
+            let until = step * (k + 2);
+            let (acks, code) = run_child(&d, &ep, until, Some(rng.random_range(2..80)), None);
             // Killed by the signal (no exit code) while it still had work: a real crash.
             if code.is_none() {
                 mid += 1;
