@@ -281,13 +281,15 @@ async fn cli_read_devices_and_pki() {
     assert!(list.is_revoked("truck-1"));
 }
 
+/// Ports below the kernel's ephemeral range: a port released here and bound again by a child
+/// (or after a restart) cannot meanwhile become some outgoing connection's source port.
+#[path = "../../tests/src/ports.rs"]
+#[allow(dead_code)]
+mod ports;
+
 /// A free loopback port (bound and released; the hub binds it right after).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ports::tcp()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

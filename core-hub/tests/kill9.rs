@@ -114,7 +114,8 @@ fn run_child(
     if kill_after.is_none() {
         assert!(status.success() && done, "the final child must finish");
     }
-    !done
+    // Mid-transfer: the signal ended it, before it had written everything.
+    !done && std::os::unix::process::ExitStatusExt::signal(&status) == Some(9)
 }
 
 #[test]
@@ -122,7 +123,11 @@ fn kill_dash_nine_loses_and_duplicates_nothing() {
     if std::env::var(DIR_ENV).is_ok() {
         return; // we are the child
     }
-    let (kills, total) = if soak() { (40, 20_000) } else { (12, 2_000) };
+    let (kills, step) = if soak() { (40, 1_000u64) } else { (12, 500u64) };
+    // Child k writes up to `step * (k + 1)` records per device: every child has fresh work
+    // (at least `step / 22` blocks per device), so each random kill lands mid-transfer on any
+    // machine. The last child writes the whole total.
+    let total = step * (kills as u64 + 1);
     let seed: u64 = match std::env::var("TRIBUTARY_SEED") {
         Ok(s) => s.parse().unwrap(),
         Err(_) => std::time::SystemTime::now()
@@ -135,8 +140,9 @@ fn kill_dash_nine_loses_and_duplicates_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let mut acked: HashMap<String, u64> = HashMap::new();
     let mut mid_transfer = 0;
-    for _ in 0..kills {
-        if run_child(dir.path(), total, Some(rng.random_range(1..60)), &mut acked) {
+    for k in 0..kills as u64 {
+        let until = step * (k + 1);
+        if run_child(dir.path(), until, Some(rng.random_range(1..60)), &mut acked) {
             mid_transfer += 1;
         }
     }

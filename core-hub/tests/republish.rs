@@ -6,13 +6,18 @@
 //! Needs `mosquitto` on PATH (CI installs the Debian package); `MOSQUITTO=/path` overrides.
 
 mod common;
+/// Ports below the kernel's ephemeral range: a port released here and bound again by a child
+/// (or after a restart) cannot meanwhile become some outgoing connection's source port.
+#[path = "../../tests/src/ports.rs"]
+#[allow(dead_code)]
+mod ports;
 
 use core_hub::republish::{self, RawRepublish};
 use rumqttc::v5::mqttbytes::QoS;
 use rumqttc::v5::mqttbytes::v5::Packet;
 use rumqttc::v5::{AsyncClient, Event, MqttOptions};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -42,11 +47,7 @@ impl Broker {
                     .find(|p| p.is_file())
                     .unwrap_or_else(|| PathBuf::from("mosquitto"))
             });
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = ports::tcp();
         let dir = tempfile::tempdir().unwrap();
         let conf = dir.path().join("mosquitto.conf");
         std::fs::write(

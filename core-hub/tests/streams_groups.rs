@@ -346,7 +346,9 @@ async fn a_killed_reader_resumes_from_its_checkpoint() {
             sid,
             "g",
             &Start::Beginning,
-            Duration::from_millis(300),
+            // Long enough that a live reader waiting on a busy catalog is never taken for dead;
+            // the killed one is taken over well within the delivery deadline.
+            Duration::from_secs(3),
         )
         .unwrap();
     let log = Arc::new(Mutex::new(Vec::new()));

@@ -132,7 +132,9 @@ fn block_refuses_promptly_and_keeps_everything() {
             }
             Err(AppendError::Full { retry_after }) => {
                 assert!(
-                    t.elapsed() < Duration::from_secs(2),
+                    // At once compared with blocking until space frees (which never comes
+                    // here); generous for a loaded machine.
+                    t.elapsed() < Duration::from_secs(10),
                     "Full must be answered at once"
                 );
                 assert!(retry_after > Duration::ZERO);

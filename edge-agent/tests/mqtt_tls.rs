@@ -26,12 +26,14 @@ impl Drop for Broker {
     }
 }
 
+/// Ports below the kernel's ephemeral range: a port released here and bound again by a child
+/// (or after a restart) cannot meanwhile become some outgoing connection's source port.
+#[path = "../../tests/src/ports.rs"]
+#[allow(dead_code)]
+mod ports;
+
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ports::tcp()
 }
 
 fn mosquitto_binary() -> String {

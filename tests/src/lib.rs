@@ -30,3 +30,38 @@ pub mod peers;
 pub mod ports;
 pub mod procs;
 pub mod tier2;
+
+/// The port picker's own test lives here, not in `ports.rs`: other crates' tests include that
+/// file by path, and their binaries run in parallel with tests that bind ports of their own.
+#[cfg(test)]
+mod ports_tests {
+    use crate::ports::{Proto, free};
+    use std::collections::HashSet;
+    use std::net::{Ipv4Addr, SocketAddr, TcpListener, UdpSocket};
+
+    #[test]
+    fn ports_are_distinct_and_bindable() {
+        let mut seen = HashSet::new();
+        for proto in [Proto::Tcp, Proto::Udp, Proto::Both]
+            .into_iter()
+            .cycle()
+            .take(60)
+        {
+            let port = free(proto);
+            assert!(seen.insert(port), "port {port} handed out twice");
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+            if proto != Proto::Udp {
+                assert!(
+                    TcpListener::bind(addr).is_ok(),
+                    "port {port} not free for TCP"
+                );
+            }
+            if proto != Proto::Tcp {
+                assert!(
+                    UdpSocket::bind(addr).is_ok(),
+                    "port {port} not free for UDP"
+                );
+            }
+        }
+    }
+}

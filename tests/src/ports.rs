@@ -129,25 +129,3 @@ fn kernel_pick(proto: Proto) -> Option<u16> {
     };
     is_free(port, proto).then_some(port)
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ports_are_distinct_and_bindable() {
-        let mut seen = HashSet::new();
-        for proto in [Proto::Tcp, Proto::Udp, Proto::Both]
-            .into_iter()
-            .cycle()
-            .take(60)
-        {
-            let port = free(proto);
-            assert!(seen.insert(port), "port {port} handed out twice");
-            assert!(
-                is_free(port, proto),
-                "port {port} is not free for {proto:?}"
-            );
-        }
-    }
-}

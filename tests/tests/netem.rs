@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, ensure};
 use tokio::net::UdpSocket;
 use tokio::time::timeout;
 use tributary_tests::netem::{Direction, Impairment, ProxyConfig, ProxyHandle, UdpImpairProxy};
@@ -206,9 +206,10 @@ async fn delay_and_jitter_are_applied() -> Result<()> {
         min >= 2 * delay,
         "round trip {min:?} shorter than twice the one-way delay {delay:?}"
     );
-    // Generous upper bound: two delays, two jitters, and scheduling slack on a busy CI box.
+    // Generous upper bound: two delays, two jitters, and scheduling slack on a busy CI box
+    // (the lower bound above is the real check of the delay).
     assert!(
-        max < 2 * (delay + jitter) + Duration::from_millis(200),
+        max < 2 * (delay + jitter) + Duration::from_secs(2),
         "round trip {max:?}"
     );
     assert!(max > min, "jitter must vary the delay: {rtts:?}");
@@ -305,17 +306,33 @@ async fn rate_cap_is_respected() -> Result<()> {
     let mut buf = vec![0u8; 2048];
     let mut first = None;
     let (mut last, mut bytes, mut packets) = (Instant::now(), 0u64, 0u64);
-    // The stream ends when nothing arrives for a while after the sender finished.
-    while let Ok(received) = timeout(Duration::from_millis(300), socket.recv(&mut buf)).await {
-        let len = received? as u64;
-        let now = Instant::now();
-        if first.is_none() {
-            first = Some(now);
-        } else {
-            bytes += len;
+    // The stream ends once the sender has finished and every packet the proxy forwarded has
+    // come back. A quiet spell alone does not end it: a stalled machine is not the end.
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match timeout(Duration::from_millis(100), socket.recv(&mut buf)).await {
+            Ok(received) => {
+                let len = received? as u64;
+                let now = Instant::now();
+                if first.is_none() {
+                    first = Some(now);
+                } else {
+                    bytes += len;
+                }
+                last = now;
+                packets += 1;
+            }
+            Err(_) => {
+                if send.is_finished() && packets == proxy.stats().client_to_upstream.forwarded {
+                    break;
+                }
+                ensure!(
+                    Instant::now() < deadline,
+                    "{packets} packets came back, the proxy forwarded {:?}",
+                    proxy.stats().client_to_upstream
+                );
+            }
         }
-        last = now;
-        packets += 1;
     }
     send.await??;
     let elapsed = last - first.context("nothing came back")?;
@@ -328,7 +345,7 @@ async fn rate_cap_is_respected() -> Result<()> {
     assert_eq!(packets, stats.forwarded);
     let ratio = measured / rate as f64;
     assert!(
-        (0.7..=1.3).contains(&ratio),
+        (0.5..=1.5).contains(&ratio),
         "measured {measured:.0} B/s against a cap of {rate} B/s"
     );
     Ok(())

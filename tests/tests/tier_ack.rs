@@ -1,7 +1,7 @@
 //! Idle agents learn their tier-2 mark (issue 7): "tiered_seq goes back to the agents over the
 //! replication protocol once their data is in tier 2, so the edge can free it".
 //!
-//! A hub tiering to a local directory (chunks sealed by age only, after 3 s) and one agent as
+//! A hub tiering to a local directory (chunks sealed by age only, after 10 s) and one agent as
 //! real processes. The agent ingests one batch, ships it and is acknowledged long before tier 2
 //! holds it, then stays idle on the same session: no new data means no new ack of data, so
 //! the new `tiered_seq` can only reach it through the hub's tiering push (`core-hub` server,
@@ -26,9 +26,9 @@ fn idle_agent_learns_tiered_seq() -> Result<()> {
     let pki = Pki::init(root.join("pki"))?;
     let tier2_dir = root.join("tier2");
     let mut hub_spec = HubSpec::new(root);
-    // Only age seals a chunk, 3 s after its first record: the data ack always comes first.
+    // Only age seals a chunk, 10 s after its first record: the data ack always comes first.
     hub_spec.extra_toml = format!(
-        "[tier2]\nurl = \"file://{}\"\nchunk_records_max = 1000000\nchunk_age_max = \"3s\"\n\
+        "[tier2]\nurl = \"file://{}\"\nchunk_records_max = 1000000\nchunk_age_max = \"10s\"\n\
          poll_interval = \"100ms\"\n",
         tier2_dir.display()
     );

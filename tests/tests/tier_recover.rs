@@ -110,6 +110,21 @@ fn data_dir_lost_rebuild_from_tier2_and_reship() -> Result<()> {
     for spec in &specs {
         cluster::wait_caught_up(spec.http, TIMEOUT)?;
     }
+    // Tiering settles first: a round still uploading a full range when the disk is lost would
+    // leave an object the catalog never committed, which is not what this test is about.
+    let mut settled = (tier2::TierProgress::default(), Instant::now());
+    wait_until(TIMEOUT, "tiering to settle before the loss", || {
+        let Ok(p) = tier2::tier_progress(&catalog, STREAM) else {
+            return false;
+        };
+        if p != settled.0 {
+            settled = (p, Instant::now());
+        }
+        p.open_chunks == 0
+            && p.planned_end == p.tiered_end
+            && settled.1.elapsed() >= Duration::from_secs(1)
+    })
+    .with_context(|| format!("last tier progress {:?}", settled.0))?;
 
     // The disk is lost.
     hub.kill9()?;

@@ -5,7 +5,6 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -16,14 +15,16 @@ use serde_json::Value as Json;
 /// The binary under test.
 pub const BIN: &str = env!("CARGO_BIN_EXE_edge-agent");
 
-/// A free loopback port. The agent binds it a moment later; SO_REUSEADDR makes the reuse across
-/// restarts safe.
+/// Ports below the kernel's ephemeral range: a port released here and bound again by a child
+/// (or after a restart) cannot meanwhile become some outgoing connection's source port.
+#[path = "../../../tests/src/ports.rs"]
+#[allow(dead_code)]
+mod ports;
+
+/// A free loopback port, below the ephemeral range. The agent binds it a moment later;
+/// SO_REUSEADDR makes the reuse across restarts safe.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    ports::tcp()
 }
 
 /// A data directory, a config file and a port for one agent.
