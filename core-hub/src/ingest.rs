@@ -1104,18 +1104,25 @@ impl Hub {
             return Err(IngestError::Unavailable(CommitError::Poisoned));
         }
         // Refused before any decoding while the disk is full: cheap, and retryable.
+        if let Some(e) = self.storage_unavailable() {
+            return Err(IngestError::Unavailable(e));
+        }
+        self.authorize(device, stream)
+    }
+
+    /// Why tier 1 takes no writes right now, if it does not: the disk is full, or tier 1 is
+    /// over its budget (tiering's admission gate). Both clear on their own; callers refuse
+    /// cheaply and the agents retry soon (`STORAGE_FULL`).
+    pub fn storage_unavailable(&self) -> Option<CommitError> {
         if let Some(e) = self.wal.stats().disk_full() {
             self.wal
                 .stats()
                 .disk_full_refused
                 .fetch_add(1, Ordering::Relaxed);
-            return Err(IngestError::Unavailable(e));
+            return Some(e);
         }
         let gate = self.admission.read().expect("admission lock").clone();
-        if let Some(why) = gate.and_then(|g| g()) {
-            return Err(IngestError::Unavailable(CommitError::Full(why)));
-        }
-        self.authorize(device, stream)
+        gate.and_then(|g| g()).map(CommitError::Full)
     }
 
     /// A receiver that changes whenever tiering moved some lane's `tiered_seq`. Connections

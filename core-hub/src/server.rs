@@ -60,6 +60,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, watch};
 use crate::config::HubConfig;
 use crate::ingest::{BacklogReport, Hub, IngestError, VerifiedBlock};
 use crate::pki::{self, SharedRevocations};
+use crate::wal::CommitError;
 
 /// What an idle, established connection costs the hub (see the module docs), charged to the
 /// ingest budget for the connection's lifetime.
@@ -414,20 +415,18 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
         .map_err(|e| format!("{device}: control stream: {e}"))?;
     if let Some(reason) = ctx.hub.is_fenced(&device) {
         tracing::warn!(%device, %reason, "refusing a fenced device");
-        let frame = sync::protocol::error_frame(
-            ErrorCode::DeviceFenced,
-            &format!("device is fenced: {reason}"),
-        );
-        let _ = ctl_tx.write_all(&frame).await;
-        let _ = ctl_tx.finish();
-        let _ = tokio::time::timeout(Duration::from_secs(2), ctl_tx.stopped()).await;
-        conn.close(
-            quinn::VarInt::from_u32(u32::from(ErrorCode::DeviceFenced.to_u16())),
-            b"fenced",
-        );
+        let msg = format!("device is fenced: {reason}");
+        refuse(&conn, &mut ctl_tx, ErrorCode::DeviceFenced, &msg).await;
         return Ok(());
     }
     ctx.hub.touch(&device);
+    // While tier 1 takes no writes, a session would only ship blocks to be refused: say so at
+    // once, and the agent comes back after its short storage retry.
+    if let Some(why) = ctx.hub.storage_unavailable() {
+        tracing::debug!(%device, reason = %why, "refusing a session: storage full");
+        refuse(&conn, &mut ctl_tx, ErrorCode::StorageFull, &why.to_string()).await;
+        return Ok(());
+    }
     tracing::info!(%device, remote = %conn.remote_address(), "device connected");
     let mut rx = Receiver::new(device.clone(), ctx.receiver_cfg.clone(), ctx.now());
     let mut frames = FrameBuffer::new(ctx.receiver_cfg.frame_bytes_max);
@@ -564,6 +563,24 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     }
 }
 
+/// Ends a connection before its session starts: an error frame on the control stream (which
+/// the agent's protocol machine reports with its code), then the connection close.
+async fn refuse(
+    conn: &quinn::Connection,
+    ctl_tx: &mut quinn::SendStream,
+    code: ErrorCode,
+    msg: &str,
+) {
+    let frame = sync::protocol::error_frame(code, msg);
+    let _ = ctl_tx.write_all(&frame).await;
+    let _ = ctl_tx.finish();
+    let _ = tokio::time::timeout(Duration::from_secs(2), ctl_tx.stopped()).await;
+    conn.close(
+        quinn::VarInt::from_u32(u32::from(code.to_u16())),
+        msg.as_bytes(),
+    );
+}
+
 fn error_code(e: &IngestError) -> ErrorCode {
     match e {
         IngestError::Fenced(_) => ErrorCode::DeviceFenced,
@@ -578,6 +595,10 @@ fn error_code(e: &IngestError) -> ErrorCode {
             ErrorCode::ProtocolViolation
         }
         IngestError::OutOfOrder { .. } => ErrorCode::ProtocolViolation,
+        // Conditions that clear by themselves: the agent retries after a short fixed delay.
+        IngestError::Unavailable(
+            CommitError::DiskFull { .. } | CommitError::Full(_) | CommitError::EarlierFailed,
+        ) => ErrorCode::StorageFull,
         IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_) => {
             ErrorCode::Internal
         }

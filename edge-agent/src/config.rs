@@ -87,6 +87,9 @@ pub struct EdgeConfig {
     pub sources: Vec<SourceConfig>,
 }
 
+/// How long an agent waits before reconnecting to a hub whose storage was full.
+pub const DEFAULT_STORAGE_FULL_RETRY: Duration = Duration::from_secs(5);
+
 /// `[hub]`: where the hub listens for devices.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HubConfig {
@@ -96,6 +99,9 @@ pub struct HubConfig {
     pub server_name: String,
     /// `backoff_max`: the longest wait between reconnect attempts; default 30 s.
     pub backoff_max: Duration,
+    /// `storage_full_retry`: the wait before reconnecting after the hub said its storage is
+    /// full (a condition that clears without the agent); default 5 s, jittered.
+    pub storage_full_retry: Duration,
     /// `bandwidth_bytes_per_s`: a cap on block bytes sent per second; default none.
     pub bandwidth_bytes_per_s: Option<u64>,
 }
@@ -433,6 +439,7 @@ struct RawHub {
     addr: Option<String>,
     server_name: Option<String>,
     backoff_max: Option<String>,
+    storage_full_retry: Option<String>,
     bandwidth_bytes_per_s: Option<String>,
 }
 
@@ -570,6 +577,16 @@ impl RawHub {
                 "must be above zero, such as 30s",
             ));
         }
+        let storage_full_retry = match self.storage_full_retry {
+            Some(s) => parse_duration("hub.storage_full_retry", &s)?,
+            None => DEFAULT_STORAGE_FULL_RETRY,
+        };
+        if storage_full_retry.is_zero() {
+            return Err(ConfigError::invalid(
+                "hub.storage_full_retry",
+                "must be above zero, such as 5s",
+            ));
+        }
         let bandwidth_bytes_per_s = match self.bandwidth_bytes_per_s {
             Some(s) => match parse_bytes("hub.bandwidth_bytes_per_s", &s)? {
                 0 => {
@@ -586,6 +603,7 @@ impl RawHub {
             addr,
             server_name,
             backoff_max,
+            storage_full_retry,
             bandwidth_bytes_per_s,
         })
     }

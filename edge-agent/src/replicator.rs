@@ -79,6 +79,8 @@ pub struct ReplicatorConfig {
     pub backoff_initial: Duration,
     /// Longest delay between attempts.
     pub backoff_max: Duration,
+    /// Delay (jittered) before reconnecting after the hub said `STORAGE_FULL`.
+    pub storage_full_retry: Duration,
     /// Optional cap on block bytes sent per second.
     pub bandwidth_bytes_per_s: Option<u64>,
     /// Per-stream priority; higher drains first. Order within a stream always wins.
@@ -102,6 +104,7 @@ impl ReplicatorConfig {
             tls,
             backoff_initial: Duration::from_millis(200),
             backoff_max: Duration::from_secs(30),
+            storage_full_retry: crate::config::DEFAULT_STORAGE_FULL_RETRY,
             bandwidth_bytes_per_s: None,
             priorities: Vec::new(),
             reblock_records_max: sync::columnar::OFFLINE_BLOCK_RECORDS,
@@ -126,6 +129,8 @@ pub struct LinkStatus {
     pub epochs_minted: AtomicU64,
     /// Streams the hub refused (each refusal counted once per retry period).
     pub streams_refused: AtomicU64,
+    /// Sessions the hub ended because its storage was full.
+    pub storage_full: AtomicU64,
 }
 
 /// What the link is doing right now.
@@ -150,6 +155,7 @@ impl Default for LinkStatus {
             bytes_sent: AtomicU64::new(0),
             epochs_minted: AtomicU64::new(0),
             streams_refused: AtomicU64::new(0),
+            storage_full: AtomicU64::new(0),
         }
     }
 }
@@ -222,6 +228,11 @@ impl LinkStatus {
                 "Streams the hub refused (not on the device's allow-list); left out for a while.",
                 &self.streams_refused,
             ),
+            (
+                "tributary_edge_link_storage_full_total",
+                "Sessions the hub ended or refused because its storage was full (retried after hub.storage_full_retry).",
+                &self.storage_full,
+            ),
         ];
         let _ = writeln!(
             out,
@@ -269,6 +280,23 @@ impl Backoff {
     fn reset(&mut self) {
         self.attempt = 0;
     }
+
+    /// A fixed delay with the same jitter, for conditions that clear on their own.
+    fn jittered(&mut self, delay: Duration) -> Duration {
+        delay.mul_f64(self.rng.random_range(0.5..=1.0))
+    }
+}
+
+/// How a session ended, for the wait before the next one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SessionEnd {
+    /// It got established (or a stream was refused and the next session leaves it out): the
+    /// backoff starts over.
+    Reset,
+    /// It never got established: the backoff keeps growing.
+    Failed,
+    /// The hub's storage is full: retry after `storage_full_retry`, whatever the backoff.
+    StorageFull,
 }
 
 /// Runs the replicator until the process ends. Never returns on its own.
@@ -303,18 +331,28 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
         status.connects.fetch_add(1, Ordering::Relaxed);
         let outcome = session(&cfg, &endpoint, &log, &status, clock, &mut refused).await;
         status.disconnects.fetch_add(1, Ordering::Relaxed);
-        match outcome {
-            Ok(true) => backoff.reset(),
-            Ok(false) => {}
+        let delay = match outcome {
+            Ok(SessionEnd::Reset) => {
+                backoff.reset();
+                backoff.next_delay()
+            }
+            Ok(SessionEnd::Failed) => backoff.next_delay(),
+            Ok(SessionEnd::StorageFull) => {
+                // The hub comes back by itself once space frees: a growing backoff would only
+                // delay the catch-up (up to `backoff_max`) after it did.
+                backoff.reset();
+                backoff.jittered(cfg.storage_full_retry)
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "replication session ended");
                 status.set("down", Some(e));
+                backoff.next_delay()
             }
-        }
+        };
         if status.state().state != "down" {
             status.set("down", None);
         }
-        tokio::time::sleep(backoff.next_delay()).await;
+        tokio::time::sleep(delay).await;
     }
 }
 
@@ -383,8 +421,7 @@ fn gap_marker(g: &locallog::Gap) -> GapMarker {
     }
 }
 
-/// One connection. Returns whether the session got established (which resets the backoff), or
-/// a stream got refused (the next session, without it, should start at once).
+/// One connection. Returns how it ended, which sets the wait before the next one.
 async fn session(
     cfg: &ReplicatorConfig,
     endpoint: &quinn::Endpoint,
@@ -392,7 +429,7 @@ async fn session(
     status: &LinkStatus,
     clock: StdInstant,
     refused: &mut Refused,
-) -> Result<bool, String> {
+) -> Result<SessionEnd, String> {
     let addr = resolve(&cfg.hub_addr).await?;
     // Re-read the certificate files on every attempt: a rotated certificate applies at once.
     let client = link::client_config(&cfg.tls).map_err(|e| e.to_string())?;
@@ -496,7 +533,21 @@ async fn session(
                     if reason.code == ErrorCode::Shutdown
                         || !reason.by_peer && reason.code == ErrorCode::IdleTimeout
                     {
-                        return Ok(established);
+                        return Ok(if established {
+                            SessionEnd::Reset
+                        } else {
+                            SessionEnd::Failed
+                        });
+                    }
+                    if reason.by_peer && reason.code == ErrorCode::StorageFull {
+                        status.storage_full.fetch_add(1, Ordering::Relaxed);
+                        let msg = format!(
+                            "hub storage full ({}); keeping the data and retrying in about {:?}",
+                            reason.message, cfg.storage_full_retry
+                        );
+                        tracing::warn!("{msg}");
+                        status.set("down", Some(msg));
+                        return Ok(SessionEnd::StorageFull);
                     }
                     if reason.by_peer
                         && reason.code == ErrorCode::UnauthorizedStream
@@ -509,7 +560,7 @@ async fn session(
                         );
                         tracing::error!(%stream, "{msg}");
                         status.set("down", Some(msg));
-                        return Ok(true);
+                        return Ok(SessionEnd::Reset);
                     }
                     return Err(format!(
                         "hub closed the session: {:?}: {}",

@@ -448,13 +448,15 @@ fn hub_link_controls_parse_and_are_validated() {
     let cfg = parse(base).unwrap();
     let hub = cfg.hub.unwrap();
     assert_eq!(hub.backoff_max, Duration::from_secs(30));
+    assert_eq!(hub.storage_full_retry, Duration::from_secs(5));
     assert_eq!(hub.bandwidth_bytes_per_s, None);
     let cfg = parse(&format!(
-        "{base}backoff_max = \"5s\"\nbandwidth_bytes_per_s = \"64KiB\"\n"
+        "{base}backoff_max = \"5s\"\nbandwidth_bytes_per_s = \"64KiB\"\nstorage_full_retry = \"2s\"\n"
     ))
     .unwrap();
     let hub = cfg.hub.unwrap();
     assert_eq!(hub.backoff_max, Duration::from_secs(5));
+    assert_eq!(hub.storage_full_retry, Duration::from_secs(2));
     assert_eq!(hub.bandwidth_bytes_per_s, Some(64 << 10));
     let cfg = parse(&format!("{base}bandwidth_bytes_per_s = 1000\n")).unwrap();
     assert_eq!(cfg.hub.unwrap().bandwidth_bytes_per_s, Some(1000));
@@ -465,6 +467,13 @@ fn hub_link_controls_parse_and_are_validated() {
     expect_bad(
         &format!("{base}backoff_max = \"soon\"\n"),
         "hub.backoff_max",
+    );
+    assert!(
+        expect_bad(
+            &format!("{base}storage_full_retry = \"0s\"\n"),
+            "hub.storage_full_retry"
+        )
+        .contains("above zero")
     );
     expect_bad(
         &format!("{base}bandwidth_bytes_per_s = \"0\"\n"),

@@ -7,7 +7,10 @@
 //!   keep the unshipped records, and nothing already stored may be lost: reads keep serving
 //!   it. Then the test frees the space (deletes its filler file) and the SAME hub process
 //!   (same pid, never restarted) resumes on its own: `/healthz` is 200 again, the agent
-//!   reconnects and catches up, and the ledger check passes: no loss, no duplicate.
+//!   reconnects and catches up, and the ledger check passes: no loss, no duplicate. The hub
+//!   tells the agent `STORAGE_FULL` (agent metric `tributary_edge_link_storage_full_total`),
+//!   so the agent, on its default 30 s backoff cap, retries every few seconds instead of
+//!   backing off: it must have caught up within [`CATCH_UP_BOUND`] of the space being freed.
 //! - **Bit flip at rest**: one byte of a block in a sealed WAL file is flipped while the hub is
 //!   stopped (the test re-reads the frame and proves its crc32c no longer matches). The hub
 //!   must start, keep serving the other stream in full, and detect the damage: with the
@@ -22,7 +25,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::json;
@@ -33,6 +36,10 @@ use tributary_tests::procs::wait_until;
 
 const WAIT: Duration = Duration::from_secs(60);
 const STOP: Duration = Duration::from_secs(20);
+/// From freeing the space to the agent caught up: the agent's storage-full retry (5 s by
+/// default) plus the reconnect and the drain, with room for a loaded machine. A backoff that
+/// kept growing while the disk was full would wait up to its 30 s cap instead.
+const CATCH_UP_BOUND: Duration = Duration::from_secs(20);
 
 /// A tmpfs mounted for one test, unmounted when dropped.
 struct TmpfsMount {
@@ -157,12 +164,25 @@ impl Round<'_> {
         after: &[SentRecord],
         expected: usize,
     ) -> Result<()> {
+        // The agent was told the hub's storage is full, not just that something failed.
+        wait_until(WAIT, "the agent to hear STORAGE_FULL from the hub", || {
+            cluster::fetch_metric(self.agent_http, "tributary_edge_link_storage_full_total")
+                .is_ok_and(|n| n >= 1.0)
+        })?;
         std::fs::remove_file(filler)?;
+        let freed = Instant::now();
         wait_until(WAIT, "the hub to take writes again (healthz 200)", || {
             http::get(self.hub_http, "/healthz").is_ok_and(|r| r.status == 200)
         })?;
         ingest(self.producer, ledger, "telemetry", after)?;
         cluster::wait_caught_up(self.agent_http, WAIT)?;
+        let caught_up = freed.elapsed();
+        eprintln!("agent caught up {caught_up:?} after the space was freed");
+        ensure!(
+            caught_up < CATCH_UP_BOUND,
+            "the agent took {caught_up:?} to catch up after the space was freed (bound \
+             {CATCH_UP_BOUND:?}): it waited on its backoff instead of the storage-full retry"
+        );
         ensure!(
             hub.is_running() && hub.pid() == self.pid && hub.spawns() == 1,
             "the hub was restarted (pid {} -> {}, {} spawns)",
@@ -188,12 +208,9 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
     hub_spec.data_dir = mount.path.join("data");
     let mut hub = hub_spec.start(&pki)?;
     let pid = hub.pid();
-    let mut agent_spec = AgentSpec::new(root.path(), "agent", cert, Some(hub_spec.quic));
-    // The agent's reconnect backoff is capped at 30 s by default; 5 s keeps the test short.
-    // Either way it retries on its own: a refused block closes the session with `internal`.
-    agent_spec
-        .env
-        .push(("TRIBUTARY_EDGE__HUB__BACKOFF_MAX".into(), "5s".into()));
+    // The agent keeps its default backoff (cap 30 s): the hub's STORAGE_FULL answer is what
+    // keeps its retries short.
+    let agent_spec = AgentSpec::new(root.path(), "agent", cert, Some(hub_spec.quic));
     let _agent = agent_spec.start()?;
     let producer = Producer::new("dev-full", agent_spec.http);
     let mut ledger = Ledger::new();
@@ -286,6 +303,9 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
         "the hub does not report having resumed"
     );
 
+    let storage_full_round_one =
+        cluster::fetch_metric(agent_spec.http, "tributary_edge_link_storage_full_total")?;
+
     // Round two, with large incompressible records: the WAL write itself now hits ENOSPC
     // (round one may hit it in the catalog commit first, when a small block still fits the
     // WAL file's last page). Both paths must roll back and resume.
@@ -310,6 +330,14 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
             > failures,
         "round two failed no group commit"
     );
+    wait_until(
+        WAIT,
+        "the agent to hear STORAGE_FULL again in round two",
+        || {
+            cluster::fetch_metric(agent_spec.http, "tributary_edge_link_storage_full_total")
+                .is_ok_and(|n| n > storage_full_round_one)
+        },
+    )?;
     round.free_and_resume(
         &mut hub,
         &filler,

@@ -60,6 +60,7 @@ async fn serve(cfg: &EdgeConfig, log: LogHandle) -> anyhow::Result<()> {
         };
         let mut rcfg = ReplicatorConfig::new(hub.addr.clone(), hub.server_name.clone(), paths);
         rcfg.backoff_max = hub.backoff_max;
+        rcfg.storage_full_retry = hub.storage_full_retry;
         rcfg.bandwidth_bytes_per_s = hub.bandwidth_bytes_per_s;
         rcfg.priorities = cfg
             .streams

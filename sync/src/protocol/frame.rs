@@ -77,6 +77,10 @@ pub enum ErrorCode {
     Internal,
     /// The device's certificate was revoked.
     Revoked,
+    /// The hub cannot store data now (its disk is full, or tier 1 is over its budget while
+    /// tier 2 is away). Nothing of the refused data was kept; the device keeps it and retries
+    /// after a short fixed delay, since the condition clears without the device doing anything.
+    StorageFull,
     /// A code this build does not know; kept so that newer peers' codes are reported.
     Unknown(u16),
 }
@@ -98,6 +102,7 @@ impl ErrorCode {
             ErrorCode::LimitExceeded => 11,
             ErrorCode::Internal => 12,
             ErrorCode::Revoked => 13,
+            ErrorCode::StorageFull => 14,
             ErrorCode::Unknown(n) => n,
         }
     }
@@ -118,6 +123,7 @@ impl ErrorCode {
             11 => ErrorCode::LimitExceeded,
             12 => ErrorCode::Internal,
             13 => ErrorCode::Revoked,
+            14 => ErrorCode::StorageFull,
             other => ErrorCode::Unknown(other),
         }
     }
@@ -819,7 +825,7 @@ mod tests {
     #[test]
     fn every_error_code_round_trips_and_numbers_are_unique() {
         let mut seen = std::collections::HashSet::new();
-        for n in 1..=13u16 {
+        for n in 1..=14u16 {
             let c = ErrorCode::from_u16(n);
             assert!(!matches!(c, ErrorCode::Unknown(_)), "{n}");
             assert_eq!(c.to_u16(), n);
