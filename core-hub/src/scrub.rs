@@ -974,8 +974,11 @@ async fn repair_from_tier1(
         }
     };
     let check = store::ObjectCheck::of(&bytes);
-    bounded(limit, tiering.store().put_chunk(&ch.path, bytes)).await?;
-    bounded(limit, tiering.store().verify_chunk(&ch.path, &summary)).await?;
+    bounded(
+        limit,
+        tiering.store().upload_chunk(&ch.path, bytes, &summary),
+    )
+    .await?;
     store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, check)?;
     if let Some(mut m) = manifest {
         m.summary = summary;

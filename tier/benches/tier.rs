@@ -4,7 +4,8 @@
 //!    memory floor of reading the records, and the wall-clock rate on every core;
 //! 2. upload, all against s3s-fs in the same run: (a) raw PUT of incompressible objects of the
 //!    chunk files' sizes; (b) the upload stage alone, already-encoded chunks through
-//!    `Tier2::put_chunk` + `verify_chunk` as the hub does it, as % of (a); (c) end to end,
+//!    `Tier2::upload_chunk` (PUT, MD5 against the ETag, HEAD) as the hub does it, as % of
+//!    (a); (c) end to end,
 //!    encode + PUT + verify pipelined with encoding on every core, in MB/s, records/s and % of
 //!    (a) (target: >= 70%), with variants (one chunk on all cores; one core);
 //! 3. size: Parquet bytes per record on the telemetry set, next to zstd -3 over the same
@@ -302,8 +303,7 @@ async fn upload_and_read(
             raw += start.elapsed();
             let start = Instant::now();
             let path = path_of(c, 1000 + i as u64 + 10 * run as u64);
-            tier.put_chunk(&path, bytes.clone()).await?;
-            tier.verify_chunk(&path, summary).await?;
+            tier.upload_chunk(&path, bytes.clone(), summary).await?;
             stage += start.elapsed();
         }
         best_raw = best_raw.min(raw);
@@ -533,8 +533,7 @@ async fn pipeline(
         let path = path_of(c, segment_base + i as u64);
         let t = tier.clone();
         upload = Some(tokio::spawn(async move {
-            t.put_chunk(&path, bytes).await?;
-            t.verify_chunk(&path, &summary).await?;
+            t.upload_chunk(&path, bytes, &summary).await?;
             Ok(())
         }));
     }

@@ -31,7 +31,7 @@ pub use layout::{
 };
 pub use schema::{ColumnSpec, FieldRegistry, RegistryError, ValueKind};
 pub use store::{
-    DeleteError, GetError, ListError, ObjectInfo, OpenError, PutError, Tier2, VerifyError,
+    DeleteError, GetError, ListError, ObjectInfo, OpenError, PutError, Tier2, Verified, VerifyError,
 };
 
 /// Any tier error, for callers that handle them alike (`?` converts every per-operation error).

@@ -1,8 +1,9 @@
 //! [`Tier2`]: the object store holding chunk files and manifests.
 //!
 //! A thin layer over `object_store` that names the object in every error and implements the
-//! checks the hub's exactly-once protocol needs: [`Tier2::verify_chunk`] re-reads an uploaded
-//! chunk's size and footer before the hub commits its manifest.
+//! checks the hub's exactly-once protocol needs: [`Tier2::upload_chunk`] uploads a chunk and
+//! verifies it before the hub commits its manifest, and [`Tier2::verify_chunk`] re-reads an
+//! object's size and footer.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,10 +13,13 @@ use futures_util::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
-use object_store::{ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, RetryConfig};
+use object_store::{
+    ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, PutResult, RetryConfig,
+};
 use parquet::file::metadata::{FooterTail, ParquetMetaDataReader};
 use parquet::file::statistics::Statistics;
 
+use crate::TierError;
 use crate::chunk::{ChunkSummary, DecodeError, TierRecord, decode_chunk};
 use crate::config::TierConfig;
 use crate::layout::{Manifest, manifests_prefix};
@@ -88,6 +92,30 @@ pub enum VerifyError {
         found: String,
         expected: String,
     },
+}
+
+/// How [`Tier2::upload_chunk`] verified an upload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verified {
+    /// The store's MD5 ETag equals the chunk's MD5, and a HEAD shows the object.
+    Digest,
+    /// The footer was read back and matches the chunk's summary.
+    Footer,
+}
+
+fn is_md5_hex(s: &str) -> bool {
+    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+fn md5_hex(bytes: &[u8]) -> String {
+    use md5::{Digest, Md5};
+    use std::fmt::Write as _;
+    let digest = Md5::digest(bytes);
+    let mut out = String::with_capacity(32);
+    for b in digest.iter() {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
 }
 
 /// Why an object could not be read.
@@ -163,6 +191,9 @@ pub struct ObjectInfo {
 pub struct Tier2 {
     store: Arc<dyn ObjectStore>,
     location: String,
+    /// Whether PUTs may answer with an MD5 ETag (S3, or an unknown wrapped store), which
+    /// [`Tier2::upload_chunk`] then checks instead of reading the footer back.
+    md5_etags: bool,
 }
 
 impl Tier2 {
@@ -184,6 +215,7 @@ impl Tier2 {
                 Ok(Tier2 {
                     store: Arc::new(store),
                     location,
+                    md5_etags: false,
                 })
             }
             TierConfig::S3 {
@@ -247,6 +279,7 @@ impl Tier2 {
                 Ok(Tier2 {
                     store: Arc::new(store),
                     location,
+                    md5_etags: true,
                 })
             }
         }
@@ -257,6 +290,7 @@ impl Tier2 {
         Tier2 {
             store,
             location: location.into(),
+            md5_etags: true,
         }
     }
 
@@ -279,6 +313,10 @@ impl Tier2 {
 
     /// Plain PUT of any object (the benchmark's baseline; also used for staging).
     pub async fn raw_put(&self, path: &str, bytes: Bytes) -> Result<(), PutError> {
+        self.put_object(path, bytes).await.map(|_| ())
+    }
+
+    async fn put_object(&self, path: &str, bytes: Bytes) -> Result<PutResult, PutError> {
         let location = Path::parse(path).map_err(|source| PutError::Path {
             path: path.to_owned(),
             source,
@@ -289,7 +327,77 @@ impl Tier2 {
             .map_err(|source| PutError::Store {
                 path: path.to_owned(),
                 source,
+            })
+    }
+
+    /// Uploads a chunk to its deterministic path and verifies it, in as few round trips as
+    /// the store allows:
+    ///
+    /// - where the PUT answers with an MD5 ETag (single-part S3 PUTs) equal to the MD5 of
+    ///   `bytes`, the store provably received exactly these bytes; a HEAD then confirms the
+    ///   object is visible at `path` with that size and ETag ([`Verified::Digest`]);
+    /// - otherwise (a local directory, or an ETag that is no MD5, as with SSE-KMS) the
+    ///   footer is read back and checked against `summary` ([`Verified::Footer`]).
+    ///
+    /// Reading the footer back costs a ranged GET, and a small GET answer can wait out a
+    /// 40 ms delayed ACK on some servers; the digest path needs none.
+    pub async fn upload_chunk(
+        &self,
+        path: &str,
+        bytes: Bytes,
+        summary: &ChunkSummary,
+    ) -> Result<Verified, TierError> {
+        // The digest is computed on another core while the PUT is in flight.
+        let digest = self.md5_etags.then(|| {
+            let bytes = bytes.clone();
+            tokio::task::spawn_blocking(move || md5_hex(&bytes))
+        });
+        let put = self.put_object(path, bytes).await?;
+        let digest = match digest {
+            Some(task) => task.await.ok(),
+            None => None,
+        };
+        let etag = put.e_tag.as_deref().map(|t| t.trim_matches('"'));
+        if let (Some(etag), Some(digest)) = (etag.filter(|t| is_md5_hex(t)), digest) {
+            if etag.eq_ignore_ascii_case(&digest) {
+                self.check_head(path, summary.bytes, etag).await?;
+                return Ok(Verified::Digest);
+            }
+            tracing::debug!(%path, %etag, "ETag is not the MD5 of the chunk; reading the footer back");
+        }
+        self.verify_chunk(path, summary).await?;
+        Ok(Verified::Footer)
+    }
+
+    /// HEAD: the object at `path` has `size` bytes and ETag `etag`.
+    async fn check_head(&self, path: &str, size: u64, etag: &str) -> Result<(), VerifyError> {
+        let location = Path::parse(path).map_err(|source| VerifyError::Path {
+            path: path.to_owned(),
+            source,
+        })?;
+        let meta = self
+            .store
+            .head(&location)
+            .await
+            .map_err(|source| VerifyError::Store {
+                path: path.to_owned(),
+                source,
             })?;
+        if meta.size != size {
+            return Err(VerifyError::Size {
+                path: path.to_owned(),
+                found: meta.size,
+                expected: size,
+            });
+        }
+        let found = meta.e_tag.as_deref().map(|t| t.trim_matches('"'));
+        if found.is_some_and(|t| !t.eq_ignore_ascii_case(etag)) {
+            return Err(VerifyError::Mismatch {
+                path: path.to_owned(),
+                found: format!("ETag {}", found.unwrap_or_default()),
+                expected: format!("ETag {etag} (the MD5 of the uploaded chunk)"),
+            });
+        }
         Ok(())
     }
 

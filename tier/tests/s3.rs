@@ -10,14 +10,15 @@ use anyhow::Result;
 use bytes::Bytes;
 use tier::testing::S3sFs;
 use tier::{
-    EncodeOptions, GetError, Manifest, Tier2, TierConfig, VerifyError, chunk_path, encode_chunk,
-    ingest_date, layout::MANIFEST_VERSION,
+    EncodeOptions, GetError, Manifest, Tier2, TierConfig, Verified, VerifyError, chunk_path,
+    encode_chunk, ingest_date, layout::MANIFEST_VERSION,
 };
 
 const DAY: i64 = 1_767_225_600_000_000_000; // 2026-01-01T00:00:00Z
 
-/// Put/verify/manifest/list/read/delete on any store.
-async fn exercise(tier: &Tier2) -> Result<()> {
+/// Put/verify/manifest/list/read/delete on any store. `digest`: whether the store's ETags are
+/// content MD5s, so that [`Tier2::upload_chunk`] verifies without reading back.
+async fn exercise(tier: &Tier2, digest: bool) -> Result<()> {
     let records = common::telemetry(20, 50, 1000, DAY + 1);
     let registry = common::registry_for(&records);
     let (bytes, summary) = encode_chunk(&records, &registry, &EncodeOptions::default())?;
@@ -37,6 +38,32 @@ async fn exercise(tier: &Tier2) -> Result<()> {
     // A re-upload overwrites the same object.
     tier.put_chunk(&path, bytes.clone()).await?;
     assert_eq!(tier.list("streams/telemetry/").await?.len(), 1);
+
+    // Upload and verify in one: by digest where the store gives MD5 ETags, else by footer.
+    let how = tier.upload_chunk(&path, bytes.clone(), &summary).await?;
+    let expected = if digest {
+        Verified::Digest
+    } else {
+        Verified::Footer
+    };
+    assert_eq!(how, expected);
+    assert_eq!(tier.list("streams/telemetry/").await?.len(), 1);
+    // Either way a summary that does not describe the bytes is caught: the wrong size by the
+    // HEAD (digest path) or the footer check, the wrong rows by the footer check.
+    let mut wrong = summary.clone();
+    wrong.bytes += 1;
+    assert!(matches!(
+        tier.upload_chunk(&path, bytes.clone(), &wrong).await,
+        Err(tier::TierError::Verify(VerifyError::Size { .. }))
+    ));
+    if !digest {
+        let mut wrong = summary.clone();
+        wrong.rows -= 1;
+        assert!(matches!(
+            tier.upload_chunk(&path, bytes.clone(), &wrong).await,
+            Err(tier::TierError::Verify(VerifyError::Mismatch { .. }))
+        ));
+    }
 
     // Verification catches a wrong size, row count or offset range.
     let mut wrong = summary.clone();
@@ -112,7 +139,7 @@ async fn exercise(tier: &Tier2) -> Result<()> {
 async fn s3s_fs_round_trip() -> Result<()> {
     let server = S3sFs::start()?;
     let tier = Tier2::open(&server.config())?;
-    exercise(&tier).await?;
+    exercise(&tier, true).await?;
     Ok(())
 }
 
@@ -122,7 +149,7 @@ async fn local_round_trip() -> Result<()> {
     let tier = Tier2::open(&TierConfig::Local {
         root: dir.path().join("t2"),
     })?;
-    exercise(&tier).await?;
+    exercise(&tier, false).await?;
     Ok(())
 }
 

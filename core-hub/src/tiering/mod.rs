@@ -639,8 +639,9 @@ impl Tiering {
                 // The object's size and crc32c, so read-through and the tier-2 scrub detect
                 // bit rot and truncation (`crate::scrub`).
                 let check = store::ObjectCheck::of(&bytes);
-                self.bounded(self.store.put_chunk(&ch.path, bytes)).await?;
-                self.bounded(self.store.verify_chunk(&ch.path, &summary))
+                // Upload and verify (by the store's MD5 ETag where it has one, else by reading
+                // the footer back) before anything counts it as tiered.
+                self.bounded(self.store.upload_chunk(&ch.path, bytes, &summary))
                     .await?;
                 store::set_uploaded(&cat, ch, summary.rows, len)?;
                 store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, check)?;
