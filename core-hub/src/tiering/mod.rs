@@ -47,6 +47,16 @@ use thiserror::Error;
 use tier::{EncodeOptions, FieldRegistry, Manifest, Tier2, TierRecord};
 use tokio::sync::watch;
 
+/// One plan range read from tier 1 and encoded, ready to upload.
+struct BuiltRange {
+    /// The stream's fields after this range's records were observed.
+    registry: FieldRegistry,
+    /// Per chunk row: its Parquet bytes and summary, or `None` for a chunk without records.
+    encoded: Vec<Option<(bytes::Bytes, tier::ChunkSummary)>>,
+}
+
+type BuildTask = tokio::task::JoinHandle<Result<BuiltRange, TierRunError>>;
+
 /// Decode limits for blocks already committed (see `read.rs`).
 pub(crate) const READ_LIMITS: sync::block::DecodeLimits = sync::block::DecodeLimits {
     raw_bytes_max: 1 << 30,
@@ -485,8 +495,25 @@ impl Tiering {
                 .or_default()
                 .push(ch);
         }
-        for ((stream, _), chunks) in groups {
-            let (n, records) = self.upload_range(stream, chunks).await?;
+        // Ranges go up in offset order, each committed before the next; the next range's
+        // records are read and encoded (CPU) while this one uploads (network), starting from
+        // the fields this one registered when it is of the same stream.
+        let groups: Vec<(StreamId, Vec<ChunkRow>)> =
+            groups.into_iter().map(|((s, _), c)| (s, c)).collect();
+        let mut building: Option<BuildTask> = None;
+        for (i, (stream, chunks)) in groups.iter().enumerate() {
+            let task = match building.take() {
+                Some(t) => t,
+                None => self.start_build(*stream, chunks, None)?,
+            };
+            let built = task
+                .await
+                .map_err(|e| TierRunError::Internal(e.to_string()))??;
+            if let Some((next, next_chunks)) = groups.get(i + 1) {
+                let fields = (next == stream).then(|| built.registry.clone());
+                building = Some(self.start_build(*next, next_chunks, fields)?);
+            }
+            let (n, records) = self.upload_range(*stream, chunks, built).await?;
             report.chunks_committed += n;
             report.records_tiered += records;
         }
@@ -570,25 +597,28 @@ impl Tiering {
         Ok(planned)
     }
 
-    /// Step 2 for one plan range: upload, verify, manifest, commit. Returns (chunks, records).
-    async fn upload_range(
+    /// Step 2a for one plan range, on the blocking pool: read its records from tier 1 and
+    /// encode its chunks. `fields`: the stream's registry as the previous range left it, when
+    /// that range is not committed yet; else the catalog's is used.
+    fn start_build(
         &self,
         stream: StreamId,
-        chunks: Vec<ChunkRow>,
-    ) -> Result<(u64, u64), TierRunError> {
-        let cat = self.hub.catalog().clone();
-        let name = self
-            .hub
-            .stream_name(stream)
-            .ok_or_else(|| TierRunError::Internal(format!("stream {stream} has no name")))?;
-        let specs = store::fields(&cat, stream)?;
-        let mut registry = FieldRegistry::from_columns(specs).map_err(tier::TierError::from)?;
-        // Reading and encoding is CPU work: keep it off the async workers.
+        chunks: &[ChunkRow],
+        fields: Option<FieldRegistry>,
+    ) -> Result<BuildTask, TierRunError> {
+        let name = self.stream_name(stream)?;
+        let mut registry = match fields {
+            Some(r) => r,
+            None => {
+                let specs = store::fields(self.hub.catalog(), stream)?;
+                FieldRegistry::from_columns(specs).map_err(tier::TierError::from)?
+            }
+        };
         let hub = self.hub.clone();
-        let plan = chunks.clone();
+        let plan = chunks.to_vec();
         let encode = self.encode.clone();
-        let stream_name = name.clone();
-        let built = tokio::task::spawn_blocking(move || {
+        let stream_name = name;
+        Ok(tokio::task::spawn_blocking(move || {
             let mut per_chunk = Vec::new();
             for ch in &plan {
                 let seg = segment_of(&hub, ch);
@@ -617,11 +647,29 @@ impl Tiering {
                         .map_err(tier::TierError::from)?;
                 out.push(Some((bytes, summary)));
             }
-            Ok::<_, TierRunError>((registry, out))
-        })
-        .await
-        .map_err(|e| TierRunError::Internal(e.to_string()))??;
-        let (registry, encoded) = built;
+            Ok(BuiltRange {
+                registry,
+                encoded: out,
+            })
+        }))
+    }
+
+    fn stream_name(&self, stream: StreamId) -> Result<String, TierRunError> {
+        self.hub
+            .stream_name(stream)
+            .ok_or_else(|| TierRunError::Internal(format!("stream {stream} has no name")))
+    }
+
+    /// Step 2b for one plan range: upload, verify, manifest, commit. Returns (chunks, records).
+    async fn upload_range(
+        &self,
+        stream: StreamId,
+        chunks: &[ChunkRow],
+        built: BuiltRange,
+    ) -> Result<(u64, u64), TierRunError> {
+        let cat = self.hub.catalog().clone();
+        let name = self.stream_name(stream)?;
+        let BuiltRange { registry, encoded } = built;
         let mut manifests = Vec::new();
         let mut commit = RangeCommit {
             stream,
