@@ -10,7 +10,8 @@
 //!    `planned_end` are committed in one catalog transaction BEFORE anything is uploaded.
 //! 2. **Upload.** For each planned range, in offset order: read its blocks from the WAL, build
 //!    [`tier::TierRecord`]s, extend the stream's field registry, encode each chunk, put it to
-//!    its deterministic name ([`tier::chunk_path`]), verify it (size + footer + offsets), then
+//!    its deterministic name ([`tier::chunk_path`]), verify it ([`tier::Tier2::upload_chunk`]:
+//!    MD5 against the store's ETag, or size + footer + offsets), then
 //!    write the manifests under `_tributary/`, then commit the chunk rows, registry,
 //!    `tiered_end` and the lanes' `tiered_seq` in one catalog transaction. A crash anywhere
 //!    before that transaction re-runs the range: the same records to the same names, so the
