@@ -6,7 +6,7 @@
 //! directory under the server's root. The server is killed when the handle drops; it can also
 //! be stopped and restarted on the same port and root to simulate a tier-2 outage.
 
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -93,8 +93,15 @@ pub fn s3s_fs_bin() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// Ports below the kernel's ephemeral range (the test harness's picker, shared by path): the
+/// server keeps its port across [`S3sFs::stop`] and [`S3sFs::restart`], and meanwhile no
+/// outgoing connection can take it as its source port.
+#[path = "../../tests/src/ports.rs"]
+#[allow(dead_code)]
+mod ports;
+
 fn free_port() -> std::io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(ports::tcp())
 }
 
 impl S3sFs {
