@@ -14,7 +14,7 @@ use object_store::aws::AmazonS3Builder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{
-    ClientOptions, ObjectStore, ObjectStoreExt, PutPayload, PutResult, RetryConfig,
+    ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, PutResult, RetryConfig,
 };
 use parquet::file::metadata::{FooterTail, ParquetMetaDataReader};
 use parquet::file::statistics::Statistics;
@@ -103,8 +103,16 @@ pub enum Verified {
     Footer,
 }
 
-fn is_md5_hex(s: &str) -> bool {
-    s.len() == 32 && s.bytes().all(|b| b.is_ascii_hexdigit())
+fn unquote(etag: &str) -> &str {
+    etag.trim_matches('"')
+}
+
+/// The PUT's ETag when it proves the store holds exactly the uploaded bytes: an MD5 (32 hex
+/// digits; multipart and SSE-KMS ETags are not) equal to `digest`, the bytes' own MD5.
+fn etag_proves_content<'a>(etag: Option<&'a str>, digest: Option<&str>) -> Option<&'a str> {
+    let etag = unquote(etag?);
+    let is_md5 = etag.len() == 32 && etag.bytes().all(|b| b.is_ascii_hexdigit());
+    (is_md5 && etag.eq_ignore_ascii_case(digest?)).then_some(etag)
 }
 
 fn md5_hex(bytes: &[u8]) -> String {
@@ -357,20 +365,26 @@ impl Tier2 {
             Some(task) => task.await.ok(),
             None => None,
         };
-        let etag = put.e_tag.as_deref().map(|t| t.trim_matches('"'));
-        if let (Some(etag), Some(digest)) = (etag.filter(|t| is_md5_hex(t)), digest) {
-            if etag.eq_ignore_ascii_case(&digest) {
-                self.check_head(path, summary.bytes, etag).await?;
-                return Ok(Verified::Digest);
+        let Some(etag) = etag_proves_content(put.e_tag.as_deref(), digest.as_deref()) else {
+            self.verify_chunk(path, summary).await?;
+            return Ok(Verified::Footer);
+        };
+        // The object is visible at `path`, with that size and the same ETag.
+        let (_, meta) = self.head_sized(path, summary.bytes).await?;
+        let found = meta.e_tag.as_deref().map(unquote);
+        if found.is_some_and(|t| !t.eq_ignore_ascii_case(etag)) {
+            return Err(VerifyError::Mismatch {
+                path: path.to_owned(),
+                found: format!("ETag {}", found.unwrap_or_default()),
+                expected: format!("ETag {etag} (the MD5 of the uploaded chunk)"),
             }
-            tracing::debug!(%path, %etag, "ETag is not the MD5 of the chunk; reading the footer back");
+            .into());
         }
-        self.verify_chunk(path, summary).await?;
-        Ok(Verified::Footer)
+        Ok(Verified::Digest)
     }
 
-    /// HEAD: the object at `path` has `size` bytes and ETag `etag`.
-    async fn check_head(&self, path: &str, size: u64, etag: &str) -> Result<(), VerifyError> {
+    /// HEAD of `path`, which must have `size` bytes.
+    async fn head_sized(&self, path: &str, size: u64) -> Result<(Path, ObjectMeta), VerifyError> {
         let location = Path::parse(path).map_err(|source| VerifyError::Path {
             path: path.to_owned(),
             source,
@@ -390,15 +404,7 @@ impl Tier2 {
                 expected: size,
             });
         }
-        let found = meta.e_tag.as_deref().map(|t| t.trim_matches('"'));
-        if found.is_some_and(|t| !t.eq_ignore_ascii_case(etag)) {
-            return Err(VerifyError::Mismatch {
-                path: path.to_owned(),
-                found: format!("ETag {}", found.unwrap_or_default()),
-                expected: format!("ETag {etag} (the MD5 of the uploaded chunk)"),
-            });
-        }
-        Ok(())
+        Ok((location, meta))
     }
 
     /// Checks an uploaded chunk: its size (HEAD), then its Parquet footer (range GET of the
@@ -408,22 +414,11 @@ impl Tier2 {
         path: &str,
         summary: &ChunkSummary,
     ) -> Result<(), VerifyError> {
-        let location = Path::parse(path).map_err(|source| VerifyError::Path {
-            path: path.to_owned(),
-            source,
-        })?;
+        let (location, meta) = self.head_sized(path, summary.bytes).await?;
         let store_err = |source| VerifyError::Store {
             path: path.to_owned(),
             source,
         };
-        let meta = self.store.head(&location).await.map_err(store_err)?;
-        if meta.size != summary.bytes {
-            return Err(VerifyError::Size {
-                path: path.to_owned(),
-                found: meta.size,
-                expected: summary.bytes,
-            });
-        }
         let footer_err = |reason: String| VerifyError::Footer {
             path: path.to_owned(),
             reason,
@@ -634,5 +629,34 @@ impl Tier2 {
                 source,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_md5_etag_equal_to_the_digest_proves_the_content() {
+        let digest = md5_hex(b"chunk");
+        assert_eq!(digest.len(), 32);
+        let quoted = format!("\"{}\"", digest.to_uppercase());
+        assert_eq!(
+            etag_proves_content(Some(&quoted), Some(&digest)),
+            Some(digest.to_uppercase().as_str())
+        );
+        // Another object's digest, a multipart ETag, a local store's ETag, or none at all.
+        assert_eq!(
+            etag_proves_content(Some(&md5_hex(b"other")), Some(&digest)),
+            None
+        );
+        let multipart = format!("{digest}-2");
+        assert_eq!(etag_proves_content(Some(&multipart), Some(&digest)), None);
+        assert_eq!(
+            etag_proves_content(Some("2a1b-5f3e-400"), Some(&digest)),
+            None
+        );
+        assert_eq!(etag_proves_content(None, Some(&digest)), None);
+        assert_eq!(etag_proves_content(Some(&digest), None), None);
     }
 }
