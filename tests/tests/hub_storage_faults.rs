@@ -40,6 +40,8 @@ const STOP: Duration = Duration::from_secs(20);
 /// default) plus the reconnect and the drain, with room for a loaded machine. A backoff that
 /// kept growing while the disk was full would wait up to its 30 s cap instead.
 const CATCH_UP_BOUND: Duration = Duration::from_secs(20);
+/// The agent's count of sessions the hub ended or refused with `STORAGE_FULL`.
+const STORAGE_FULL_METRIC: &str = "tributary_edge_link_storage_full_total";
 
 /// A tmpfs mounted for one test, unmounted when dropped.
 struct TmpfsMount {
@@ -156,6 +158,8 @@ struct Round<'a> {
 impl Round<'_> {
     /// Frees the space (removes `filler`); the same hub process must take writes again on its
     /// own, take `after`, the agent must catch up, and the ledger must match `expected` records.
+    /// First the agent must have heard `STORAGE_FULL` more often than `storage_full_before`
+    /// times. Returns how often it had heard it once caught up, for the next round.
     fn free_and_resume(
         &self,
         hub: &mut tributary_tests::procs::Proc,
@@ -163,11 +167,12 @@ impl Round<'_> {
         ledger: &mut Ledger,
         after: &[SentRecord],
         expected: usize,
-    ) -> Result<()> {
+        storage_full_before: f64,
+    ) -> Result<f64> {
         // The agent was told the hub's storage is full, not just that something failed.
         wait_until(WAIT, "the agent to hear STORAGE_FULL from the hub", || {
-            cluster::fetch_metric(self.agent_http, "tributary_edge_link_storage_full_total")
-                .is_ok_and(|n| n >= 1.0)
+            cluster::fetch_metric(self.agent_http, STORAGE_FULL_METRIC)
+                .is_ok_and(|n| n > storage_full_before)
         })?;
         std::fs::remove_file(filler)?;
         let freed = Instant::now();
@@ -194,7 +199,7 @@ impl Round<'_> {
         eprintln!("{}", report.summary());
         report.assert_ok();
         ensure!(report.matched == expected, "{}", report.summary());
-        Ok(())
+        cluster::fetch_metric(self.agent_http, STORAGE_FULL_METRIC)
     }
 }
 
@@ -290,21 +295,19 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
         agent_http: agent_spec.http,
         producer: &producer,
     };
-    round.free_and_resume(
+    let storage_full_round_one = round.free_and_resume(
         &mut hub,
         &filler,
         &mut ledger,
         &batch("after", 4_000, 1_000),
         5_000,
+        0.0,
     )?;
     ensure!(
         cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full_resumed_total")? >= 1.0
             && cluster::fetch_metric(hub_spec.http, "tributary_hub_wal_disk_full")? == 0.0,
         "the hub does not report having resumed"
     );
-
-    let storage_full_round_one =
-        cluster::fetch_metric(agent_spec.http, "tributary_edge_link_storage_full_total")?;
 
     // Round two, with large incompressible records: the WAL write itself now hits ENOSPC
     // (round one may hit it in the catalog commit first, when a small block still fits the
@@ -330,20 +333,13 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
             > failures,
         "round two failed no group commit"
     );
-    wait_until(
-        WAIT,
-        "the agent to hear STORAGE_FULL again in round two",
-        || {
-            cluster::fetch_metric(agent_spec.http, "tributary_edge_link_storage_full_total")
-                .is_ok_and(|n| n > storage_full_round_one)
-        },
-    )?;
     round.free_and_resume(
         &mut hub,
         &filler,
         &mut ledger,
         &batch("after2", 5_100, 500),
         5_600,
+        storage_full_round_one,
     )?;
 
     for line in hub
