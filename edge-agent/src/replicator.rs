@@ -271,17 +271,15 @@ impl Backoff {
     fn next_delay(&mut self) -> Duration {
         let exp = self.initial.saturating_mul(1u32 << self.attempt.min(16));
         self.attempt = self.attempt.saturating_add(1);
-        let cap = exp.min(self.max);
-        // Full jitter spreads a fleet's reconnects after a hub restart.
-        let jitter = self.rng.random_range(0.5..=1.0);
-        cap.mul_f64(jitter)
+        self.jittered(exp.min(self.max))
     }
 
     fn reset(&mut self) {
         self.attempt = 0;
     }
 
-    /// A fixed delay with the same jitter, for conditions that clear on their own.
+    /// `delay` scaled into [delay/2, delay]: the jitter spreads a fleet's reconnects after a
+    /// hub restart or once its storage frees.
     fn jittered(&mut self, delay: Duration) -> Duration {
         delay.mul_f64(self.rng.random_range(0.5..=1.0))
     }
