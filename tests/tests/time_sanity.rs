@@ -1,5 +1,5 @@
 //! Time sanity with the real binaries and a faked wall clock (libfaketime, `apt-get install
-//! faketime`, which `.ci/run` installs).
+//! faketime`, which `.ci/test` installs).
 //!
 //! - A board with no RTC boots at 1970: the agent still connects (TLS validity is checked at
 //!   `max(now, build time)`), records stamped with its clock are stored as given and counted
@@ -31,7 +31,7 @@ fn libfaketime() -> PathBuf {
         .iter()
         .map(PathBuf::from)
         .find(|p| p.exists())
-        .expect("libfaketime is missing: apt-get install faketime (.ci/run installs it)")
+        .expect("libfaketime is missing: apt-get install faketime (.ci/test installs it)")
 }
 
 /// Environment that runs the agent with its wall clock read from `spec_file` on every call.

@@ -1,7 +1,7 @@
 //! Test support: an s3s-fs S3 server on loopback, for this crate's tests, the hub's tier-2
 //! tests and the benchmarks.
 //!
-//! s3s-fs is installed by `.ci/run` (`cargo install s3s-fs@0.14.1 --features binary --locked`).
+//! s3s-fs is installed by `.ci/test` (`cargo install s3s-fs@0.14.1 --features binary --locked`).
 //! The binary is found through `S3S_FS_BIN`, then `PATH`, then `~/.cargo/bin`. A bucket is a
 //! directory under the server's root. The server is killed when the handle drops; it can also
 //! be stopped and restarted on the same port and root to simulate a tier-2 outage.

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use tier::testing::S3sFs;
 
-/// Starts s3s-fs (installed by `.ci/run`).
+/// Starts s3s-fs (installed by `.ci/test`).
 pub fn s3() -> S3sFs {
     S3sFs::start()
         .expect("s3s-fs must be installed: cargo install s3s-fs@0.14.1 --features binary --locked")
