@@ -22,6 +22,12 @@ use crate::block::{self, BlockHeader, DecodeLimits};
 use crate::record::Record;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+/// The highest seq a lane may use: 2^63 - 2, so that every seq and the one after it fit the
+/// hub catalog's signed 64-bit integers and `seq + 1` never wraps. A Block or Gap frame (or a
+/// Hello lane) reaching past it is refused with `PROTOCOL_VIOLATION`: at a million records a
+/// second a device needs 290,000 years to get there, so only a broken or hostile peer does.
+pub const SEQ_MAX: u64 = i64::MAX as u64 - 1;
+
 /// Limits and timers of a receiver. Every buffer has a bound.
 #[derive(Debug, Clone)]
 pub struct ReceiverConfig {
@@ -619,6 +625,13 @@ impl Receiver {
         self.current_epoch = h.current_epoch;
         let mut query = Vec::with_capacity(h.lanes.len());
         for a in h.lanes {
+            if a.last_seq > SEQ_MAX || a.acked_seq > SEQ_MAX {
+                let msg = format!(
+                    "lane {}/{} announces seqs past {SEQ_MAX}",
+                    a.stream, a.epoch
+                );
+                return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+            }
             let key = (a.stream.clone(), a.epoch);
             if self.index.contains_key(&key) {
                 let msg = format!("lane {}/{} announced twice", a.stream, a.epoch);
@@ -785,6 +798,11 @@ impl Receiver {
     }
 
     fn on_item(&mut self, stream: String, epoch: u64, item: Item) {
+        let (first, last) = item.range();
+        if last > SEQ_MAX {
+            let msg = format!("{stream}/{epoch}: seqs {first}..={last} reach past {SEQ_MAX}");
+            return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
+        }
         let i = match self.index.get(&(stream.clone(), epoch)) {
             Some(&i) => i,
             None => {
@@ -797,7 +815,6 @@ impl Receiver {
                 i
             }
         };
-        let (first, last) = item.range();
         let lane = &self.lanes[i];
         let (loaded, frontier) = (lane.loaded, lane.frontier);
         let wait = !loaded || first > frontier + 1 || (lane.junction && first > lane.mark);
@@ -1204,6 +1221,13 @@ impl Receiver {
 
     /// The driver made everything up to `durable_seq` of the lane durable (log fsync and
     /// catalog commit both done). `tiered_seq` is the lane's tier-2 mark (0 until tiering).
+    ///
+    /// `durable_seq` is the lane's mark in the hub, so it can exceed what this session handed
+    /// out: another session of the same device identity (a clone, or the previous connection
+    /// whose commits were still landing when this one loaded its marks) committed past this
+    /// session's frontier. A peer can cause that, so it is no assertion: this session's view of
+    /// the lane is stale (what lies past its frontier would go unverified), and it is closed
+    /// with `PROTOCOL_VIOLATION`; the device reconnects and resumes from the new mark.
     pub fn committed(
         &mut self,
         now: Instant,
@@ -1220,11 +1244,14 @@ impl Receiver {
             return;
         };
         let lane = &mut self.lanes[i];
-        assert!(
-            durable_seq <= lane.frontier,
-            "driver committed {stream}/{epoch} through {durable_seq}, beyond what was handed out ({})",
-            lane.frontier
-        );
+        if durable_seq > lane.frontier {
+            let msg = format!(
+                "{stream}/{epoch} became durable through {durable_seq}, past this session's {}: \
+                 another session of device {} committed it; reconnect",
+                lane.frontier, self.device
+            );
+            return self.close(now, ErrorCode::ProtocolViolation, &msg);
+        }
         if durable_seq > lane.mark {
             lane.mark = durable_seq;
             lane.ack_dirty = true;
@@ -1234,6 +1261,13 @@ impl Receiver {
                 break;
             }
             lane.pending.pop_front();
+            // Only this machine's own bookkeeping can break this.
+            assert!(
+                self.held_items > 0 && self.held_bytes >= bytes,
+                "held accounting: {} items, {} bytes, releasing {bytes}",
+                self.held_items,
+                self.held_bytes
+            );
             self.held_bytes -= bytes;
             self.held_items -= 1;
         }
