@@ -10,12 +10,14 @@
 //!   [`Manifest`] JSON kept under `_tributary/`, outside `streams/`, so SQL engines never see it;
 //! - [`store`]: [`Tier2`], the object store (a local directory by default, or S3 with
 //!   path-style addressing) with put / verify / list / read / delete;
+//! - [`durable`]: the synced writes of a local tier 2 (file, rename, directories);
 //! - [`testing`]: an s3s-fs server on loopback for tests and benchmarks.
 //!
 //! The file format is documented in `docs/format/parquet.md`.
 
 pub mod chunk;
 pub mod config;
+pub mod durable;
 pub mod layout;
 pub mod schema;
 pub mod store;
@@ -26,6 +28,7 @@ pub use chunk::{
     decode_chunk_with_threads, encode_chunk, encode_chunk_with_threads,
 };
 pub use config::TierConfig;
+pub use durable::DurableError;
 pub use layout::{
     Manifest, chunk_path, chunks_prefix, ingest_date, manifest_path, manifests_prefix,
 };

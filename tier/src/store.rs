@@ -4,6 +4,12 @@
 //! checks the hub's exactly-once protocol needs: [`Tier2::upload_chunk`] uploads a chunk and
 //! verifies it before the hub commits its manifest, and [`Tier2::verify_chunk`] re-reads an
 //! object's size and footer.
+//!
+//! Every put and delete is durable when it returns: S3 acknowledges only stored objects, and
+//! on a local directory the writes go through [`crate::durable`] (file fsync, rename, directory
+//! fsyncs up to the root) instead of `LocalFileSystem`'s unsynced put. The hub relies on it:
+//! it commits a chunk, tells agents `tiered_seq` and evicts tier 1 only after the chunk's and
+//! its manifest's puts returned (`docs/tiering.md`, "Sync points").
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,7 +17,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::TryStreamExt;
 use object_store::aws::AmazonS3Builder;
-use object_store::local::LocalFileSystem;
 use object_store::path::Path;
 use object_store::{
     ClientOptions, ObjectMeta, ObjectStore, ObjectStoreExt, PutPayload, PutResult, RetryConfig,
@@ -22,16 +27,14 @@ use parquet::file::statistics::Statistics;
 use crate::TierError;
 use crate::chunk::{ChunkSummary, DecodeError, TierRecord, decode_chunk};
 use crate::config::TierConfig;
+use crate::durable::{DurableError, LocalDurability};
 use crate::layout::{Manifest, manifests_prefix};
 
 /// Why tier 2 could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum OpenError {
     #[error("creating tier-2 directory {path}: {source}")]
-    CreateDir {
-        path: String,
-        source: std::io::Error,
-    },
+    CreateDir { path: String, source: DurableError },
     #[error("opening tier 2 at {location}: {source}")]
     Store {
         location: String,
@@ -63,6 +66,8 @@ pub enum PutError {
         path: String,
         source: serde_json::Error,
     },
+    #[error("putting {path} durably: {source}")]
+    Durable { path: String, source: DurableError },
 }
 
 /// Why an uploaded chunk failed verification. Any variant means: do not commit, re-upload.
@@ -183,6 +188,8 @@ pub enum DeleteError {
         path: String,
         source: object_store::Error,
     },
+    #[error("deleting {path} durably: {source}")]
+    Durable { path: String, source: DurableError },
 }
 
 /// One object found by a listing.
@@ -202,6 +209,8 @@ pub struct Tier2 {
     /// Whether PUTs may answer with an MD5 ETag (S3, or an unknown wrapped store), which
     /// [`Tier2::upload_chunk`] then checks instead of reading the footer back.
     md5_etags: bool,
+    /// A local directory: puts and deletes go through it, synced (`store` reads the same root).
+    local: Option<Arc<LocalDurability>>,
 }
 
 impl Tier2 {
@@ -211,19 +220,15 @@ impl Tier2 {
         match config {
             TierConfig::Local { root } => {
                 let location = root.display().to_string();
-                std::fs::create_dir_all(root).map_err(|source| OpenError::CreateDir {
+                let local = LocalDurability::open(root).map_err(|source| OpenError::CreateDir {
                     path: location.clone(),
                     source,
                 })?;
-                let store =
-                    LocalFileSystem::new_with_prefix(root).map_err(|source| OpenError::Store {
-                        location: location.clone(),
-                        source,
-                    })?;
                 Ok(Tier2 {
-                    store: Arc::new(store),
+                    store: Arc::new(local.store().clone()),
                     location,
                     md5_etags: false,
+                    local: Some(Arc::new(local)),
                 })
             }
             TierConfig::S3 {
@@ -288,18 +293,32 @@ impl Tier2 {
                     store: Arc::new(store),
                     location,
                     md5_etags: true,
+                    local: None,
                 })
             }
         }
     }
 
-    /// Wraps an existing store (tests: fault injection, throttling).
+    /// Wraps an existing store (tests: fault injection, throttling). Its puts are as durable
+    /// as the store makes them: a wrapped `LocalFileSystem` needs `with_fsync(true)`.
     pub fn from_store(store: Arc<dyn ObjectStore>, location: impl Into<String>) -> Tier2 {
         Tier2 {
             store,
             location: location.into(),
             md5_etags: true,
+            local: None,
         }
+    }
+
+    /// The root directory of a local tier 2 (`None` for S3 and wrapped stores).
+    pub fn local_root(&self) -> Option<&std::path::Path> {
+        self.local.as_deref().map(LocalDurability::root)
+    }
+
+    /// The syncs of a local tier 2, recorded, with the mutation switches (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn sync_probe(&self) -> Option<&crate::durable::SyncProbe> {
+        self.local.as_deref().map(LocalDurability::probe)
     }
 
     /// A human-readable location for logs.
@@ -313,13 +332,14 @@ impl Tier2 {
     }
 
     /// Uploads a chunk file to its deterministic path (overwrites any earlier attempt). The
-    /// local store writes a temp file and renames it, S3 PUTs are atomic, so readers never
-    /// see a partial object.
+    /// local store writes a staging file, syncs it and renames it, S3 PUTs are atomic, so
+    /// readers never see a partial object; either way it is durable when this returns.
     pub async fn put_chunk(&self, path: &str, bytes: Bytes) -> Result<(), PutError> {
         self.raw_put(path, bytes).await
     }
 
-    /// Plain PUT of any object (the benchmark's baseline; also used for staging).
+    /// Plain PUT of any object (the benchmark's baseline; also used for staging). Durable
+    /// when it returns, like every put.
     pub async fn raw_put(&self, path: &str, bytes: Bytes) -> Result<(), PutError> {
         self.put_object(path, bytes).await.map(|_| ())
     }
@@ -329,6 +349,23 @@ impl Tier2 {
             path: path.to_owned(),
             source,
         })?;
+        if let Some(local) = &self.local {
+            let local = local.clone();
+            let durable = |source| PutError::Durable {
+                path: path.to_owned(),
+                source,
+            };
+            tokio::task::spawn_blocking(move || local.put(&location, &bytes))
+                .await
+                .map_err(|join| durable(DurableError::Task(join.to_string())))?
+                .map_err(durable)?;
+            // No ETag: `upload_chunk` reads the footer back (from the synced file).
+            return Ok(PutResult {
+                e_tag: None,
+                version: None,
+                extensions: Default::default(),
+            });
+        }
         self.store
             .put(&location, PutPayload::from_bytes(bytes))
             .await
@@ -616,12 +653,25 @@ impl Tier2 {
         }
     }
 
-    /// Deletes an object. Deleting a missing object succeeds (retention is idempotent).
+    /// Deletes an object. Deleting a missing object succeeds (retention is idempotent). On a
+    /// local directory the removal is durable when this returns (directory fsync).
     pub async fn delete(&self, path: &str) -> Result<(), DeleteError> {
         let location = Path::parse(path).map_err(|source| DeleteError::Path {
             path: path.to_owned(),
             source,
         })?;
+        if let Some(local) = &self.local {
+            let local = local.clone();
+            let durable = |source| DeleteError::Durable {
+                path: path.to_owned(),
+                source,
+            };
+            return tokio::task::spawn_blocking(move || local.delete(&location))
+                .await
+                .map_err(|join| durable(DurableError::Task(join.to_string())))?
+                .map(|_| ())
+                .map_err(durable);
+        }
         match self.store.delete(&location).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(source) => Err(DeleteError::Store {
