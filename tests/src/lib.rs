@@ -13,6 +13,7 @@
 //! - [`netns`]: two namespaces joined by veth, with counted iptables DROP rules.
 //! - [`netem`]: delay, jitter, loss, reordering, duplication and a rate cap for UDP (QUIC).
 //! - [`tier2`]: the hub's tiering marks (from its catalog) and tier 2 as DuckDB reads it.
+//! - [`faultfs`]: a FUSE filesystem in memory that loses unsynced writes at a power cut.
 //! - [`peers`]: `nats-server` (JetStream) with a minimal client, and a keep-alive HTTP poster,
 //!   for the side-by-side benchmarks against peer systems.
 //!
@@ -21,6 +22,7 @@
 
 pub mod chaos;
 pub mod cluster;
+pub mod faultfs;
 pub mod http;
 pub mod ledger;
 pub mod mosquitto;
