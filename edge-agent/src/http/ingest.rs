@@ -13,29 +13,13 @@
 //!
 //! # Idempotency keys
 //!
-//! A batch sent with an `Idempotency-Key` goes through [`Ingest::begin_idempotent`] and
-//! [`Ingest::ingest_claimed`]: the first time, the batch is appended and, once it is durable,
-//! its answer (epoch and seq range) is stored under `(stream, key)` in `data_dir/idempotency.db`
-//! (SQLite, WAL, `synchronous = FULL`). A retry with the same key and the same body gets the
-//! stored answer and stores nothing; the same key with another body is refused. A retry while
-//! the first request is still running is refused too (the client retries later).
-//!
-//! Retention: a key is kept for [`IDEMPOTENCY_RETENTION`] (24 hours) and among the newest
-//! [`IDEMPOTENCY_KEYS_MAX`] (100,000) keys, whichever ends first; older keys are forgotten and a
-//! retry with them appends again. Keys survive restarts.
-//!
-//! Limit: the key is stored after the batch is durable, not atomically with it. If the agent
-//! dies between the two (a few milliseconds), the batch is stored but the key is not, and a
-//! retry appends the batch a second time. Only failed appends and that window lead to a fresh
-//! append; an answered request is always replayed.
+//! A batch sent with an `Idempotency-Key` carries its key in its own last record, so the key is
+//! durable in the same fsync as the batch; `data_dir/idempotency.db` is a cache rebuilt from the
+//! log. See `super::idempotency`.
 
-use std::collections::{HashMap, HashSet};
-use std::path::PathBuf;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-use rusqlite::{Connection, OptionalExtension, params};
-use thiserror::Error;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use sync::Record;
 use sync::parse::{ParseError, ParseOptions, parse_line_protocol, parse_ndjson_with};
@@ -45,12 +29,18 @@ use crate::filters::Pipeline;
 use crate::log::{AppendAck, AppendError, LogHandle};
 use crate::metrics::Metrics;
 
+pub use super::idempotency::{
+    BatchAnswer, IDEMPOTENCY_KEY_BYTES_MAX, IDEMPOTENCY_KEYS_MAX, IDEMPOTENCY_RETENTION,
+    IdempotencyError, IdempotentStart, KeyClaim, body_digest,
+};
+use super::idempotency::{KEY_FIELD, KeyStore, strip_key_fields};
+
 /// Appends batches to the log and counts them. Cheap to clone.
 #[derive(Clone)]
 pub struct Ingest {
     log: LogHandle,
     metrics: Arc<Metrics>,
-    keys: Arc<KeyStore>,
+    pub(super) keys: Arc<KeyStore>,
     /// Pipelines of plain streams with `filters`.
     pipelines: Arc<HashMap<String, Mutex<Pipeline>>>,
     /// Derived streams and their source: they take no records from here.
@@ -66,158 +56,6 @@ pub fn stored_count(ack: &AppendAck) -> u64 {
     }
 }
 
-/// How long an idempotency key is remembered.
-pub const IDEMPOTENCY_RETENTION: Duration = Duration::from_secs(24 * 3600);
-/// How many idempotency keys are remembered at most (the newest).
-pub const IDEMPOTENCY_KEYS_MAX: u64 = 100_000;
-/// Longest accepted idempotency key, in bytes.
-pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 255;
-/// Prune old keys once per this many stored keys.
-const PRUNE_EVERY: u64 = 1_000;
-
-/// The answer to one stored batch, as the HTTP API returns it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BatchAnswer {
-    pub stream: String,
-    pub epoch: u64,
-    pub first_seq: u64,
-    pub last_seq: u64,
-    pub count: u64,
-    /// True when this answer was stored earlier and is replayed for a retried key.
-    pub replayed: bool,
-}
-
-/// What [`Ingest::begin_idempotent`] found.
-#[derive(Debug)]
-pub enum IdempotentStart {
-    /// The key was answered before: here is that answer; store nothing.
-    Replay(BatchAnswer),
-    /// The key is new: append with [`Ingest::ingest_claimed`].
-    Claimed(KeyClaim),
-}
-
-/// A key being served by one request. Dropping it without storing frees the key, so a retry
-/// after a failed append tries again.
-#[derive(Debug)]
-pub struct KeyClaim {
-    keys: Arc<KeyStore>,
-    stream: String,
-    key: String,
-    body_digest: u64,
-}
-
-impl Drop for KeyClaim {
-    fn drop(&mut self) {
-        self.keys
-            .inflight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&(self.stream.clone(), self.key.clone()));
-    }
-}
-
-/// Why an idempotent ingest failed.
-#[derive(Debug, Error)]
-pub enum IdempotencyError {
-    #[error(
-        "the Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} printable ASCII characters"
-    )]
-    BadKey,
-    #[error("a request with this Idempotency-Key is still being served: retry after it answered")]
-    InProgress,
-    #[error(
-        "this Idempotency-Key was used before with a different body: use a new key for a new batch"
-    )]
-    BodyMismatch,
-    #[error("the idempotency key store ({path}) failed: {message}")]
-    Store { path: String, message: String },
-    #[error(transparent)]
-    Append(#[from] AppendError),
-}
-
-/// Idempotency keys in `data_dir/idempotency.db`, opened on first use.
-struct KeyStore {
-    path: PathBuf,
-    conn: Mutex<Option<Connection>>,
-    inflight: Mutex<HashSet<(String, String)>>,
-    stored: std::sync::atomic::AtomicU64,
-}
-
-impl std::fmt::Debug for KeyStore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("KeyStore")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
-    }
-}
-
-impl KeyStore {
-    fn err(&self, e: impl std::fmt::Display) -> IdempotencyError {
-        IdempotencyError::Store {
-            path: self.path.display().to_string(),
-            message: e.to_string(),
-        }
-    }
-
-    /// Runs `f` on the open connection, opening it first if needed.
-    fn with<T>(
-        &self,
-        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
-    ) -> Result<T, IdempotencyError> {
-        let mut guard = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.is_none() {
-            let conn = Connection::open(&self.path).map_err(|e| self.err(e))?;
-            conn.execute_batch(
-                "PRAGMA journal_mode = WAL;
-                 PRAGMA synchronous = FULL;
-                 CREATE TABLE IF NOT EXISTS idempotency_keys (
-                     stream TEXT NOT NULL,
-                     key TEXT NOT NULL,
-                     body_digest INTEGER NOT NULL,
-                     epoch INTEGER NOT NULL,
-                     first_seq INTEGER NOT NULL,
-                     last_seq INTEGER NOT NULL,
-                     count INTEGER NOT NULL,
-                     created_ns INTEGER NOT NULL,
-                     PRIMARY KEY (stream, key)
-                 );
-                 CREATE INDEX IF NOT EXISTS idempotency_keys_created
-                     ON idempotency_keys (created_ns);",
-            )
-            .map_err(|e| self.err(e))?;
-            prune(&conn, now_ns()).map_err(|e| self.err(e))?;
-            *guard = Some(conn);
-        }
-        let conn = guard.as_ref().ok_or_else(|| self.err("not open"))?;
-        f(conn).map_err(|e| self.err(e))
-    }
-}
-
-/// Forgets keys past the retention or beyond the newest `IDEMPOTENCY_KEYS_MAX`.
-fn prune(conn: &Connection, now: i64) -> rusqlite::Result<()> {
-    let oldest = now.saturating_sub(IDEMPOTENCY_RETENTION.as_nanos() as i64);
-    conn.execute(
-        "DELETE FROM idempotency_keys WHERE created_ns < ?1",
-        params![oldest],
-    )?;
-    conn.execute(
-        "DELETE FROM idempotency_keys WHERE rowid NOT IN
-             (SELECT rowid FROM idempotency_keys ORDER BY created_ns DESC LIMIT ?1)",
-        params![IDEMPOTENCY_KEYS_MAX as i64],
-    )?;
-    Ok(())
-}
-
-/// FNV-1a 64 of a request body, to tell a retry from a different batch under the same key.
-pub fn body_digest(content_type: &str, body: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in content_type.as_bytes().iter().chain(&[0xff]).chain(body) {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
 impl std::fmt::Debug for Ingest {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ingest").finish_non_exhaustive()
@@ -226,12 +64,10 @@ impl std::fmt::Debug for Ingest {
 
 impl Ingest {
     pub fn new(log: LogHandle, metrics: Arc<Metrics>) -> Self {
-        let keys = Arc::new(KeyStore {
-            path: log.config().data_dir.join("idempotency.db"),
-            conn: Mutex::new(None),
-            inflight: Mutex::new(HashSet::new()),
-            stored: std::sync::atomic::AtomicU64::new(0),
-        });
+        let keys = Arc::new(KeyStore::new(
+            log.config().data_dir.join("idempotency.db"),
+            &log.config().streams,
+        ));
         Ingest {
             log,
             metrics,
@@ -274,159 +110,51 @@ impl Ingest {
         self.derived.get(stream).map(String::as_str)
     }
 
-    /// Looks `key` up for `stream`: the stored answer of an earlier request, or a claim on the
-    /// key for this one. `body_digest` (see [`body_digest`]) tells a retry from a reuse.
-    pub async fn begin_idempotent(
-        &self,
-        stream: &str,
-        key: &str,
-        body_digest: u64,
-    ) -> Result<IdempotentStart, IdempotencyError> {
-        if key.is_empty()
-            || key.len() > IDEMPOTENCY_KEY_BYTES_MAX
-            || !key.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
-        {
-            return Err(IdempotencyError::BadKey);
-        }
-        let id = (stream.to_owned(), key.to_owned());
-        if !self
-            .keys
-            .inflight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(id)
-        {
-            return Err(IdempotencyError::InProgress);
-        }
-        // From here the claim frees the key on every early return.
-        let claim = KeyClaim {
-            keys: self.keys.clone(),
-            stream: stream.to_owned(),
-            key: key.to_owned(),
-            body_digest,
-        };
-        let keys = self.keys.clone();
-        let (s, k) = (stream.to_owned(), key.to_owned());
-        let found = tokio::task::spawn_blocking(move || {
-            keys.with(|c| {
-                c.query_row(
-                    "SELECT body_digest, epoch, first_seq, last_seq, count
-                     FROM idempotency_keys WHERE stream = ?1 AND key = ?2",
-                    params![s, k],
-                    |r| {
-                        Ok((
-                            r.get::<_, i64>(0)?,
-                            r.get::<_, i64>(1)?,
-                            r.get::<_, i64>(2)?,
-                            r.get::<_, i64>(3)?,
-                            r.get::<_, i64>(4)?,
-                        ))
-                    },
-                )
-                .optional()
-            })
-        })
-        .await
-        .map_err(|e| self.keys.err(e))??;
-        match found {
-            None => Ok(IdempotentStart::Claimed(claim)),
-            Some((digest, ..)) if digest as u64 != body_digest => {
-                Err(IdempotencyError::BodyMismatch)
-            }
-            Some((_, epoch, first_seq, last_seq, count)) => {
-                Ok(IdempotentStart::Replay(BatchAnswer {
-                    stream: stream.to_owned(),
-                    epoch: epoch as u64,
-                    first_seq: first_seq as u64,
-                    last_seq: last_seq as u64,
-                    count: count as u64,
-                    replayed: true,
-                }))
-            }
-        }
-    }
-
-    /// Appends the batch of a claimed key and, once it is durable, stores the answer under the
-    /// key. If storing the key fails, the batch is still stored and the answer still given (a
-    /// retry would then append again; the failure is logged).
-    pub async fn ingest_claimed(
-        &self,
-        claim: KeyClaim,
-        records: Vec<Record>,
-    ) -> Result<BatchAnswer, IdempotencyError> {
-        let ack = self.ingest(&claim.stream, records).await?;
-        let answer = BatchAnswer {
-            stream: ack.stream.clone(),
-            epoch: ack.epoch,
-            first_seq: ack.first_seq,
-            last_seq: ack.last_seq,
-            count: stored_count(&ack),
-            replayed: false,
-        };
-        let keys = self.keys.clone();
-        let row = answer.clone();
-        let (s, k, digest) = (claim.stream.clone(), claim.key.clone(), claim.body_digest);
-        let stored = tokio::task::spawn_blocking(move || {
-            let n = keys
-                .stored
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                + 1;
-            keys.with(|c| {
-                let now = now_ns();
-                c.execute(
-                    "INSERT OR REPLACE INTO idempotency_keys
-                     (stream, key, body_digest, epoch, first_seq, last_seq, count, created_ns)
-                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-                    params![
-                        s,
-                        k,
-                        digest as i64,
-                        row.epoch as i64,
-                        row.first_seq as i64,
-                        row.last_seq as i64,
-                        row.count as i64,
-                        now
-                    ],
-                )?;
-                if n.is_multiple_of(PRUNE_EVERY) {
-                    prune(c, now)?;
-                }
-                Ok(())
-            })
-        })
-        .await
-        .map_err(|e| self.keys.err(e))
-        .and_then(|r| r);
-        if let Err(e) = stored {
-            tracing::warn!(error = %e, "idempotency key not stored; a retry with it would append again");
-        }
-        drop(claim);
-        Ok(answer)
-    }
-
     /// Runs `stream`'s filters over `records`, then appends what comes out as one atomic batch;
     /// resolves once it is durable. When the filters drop everything, nothing is appended and
-    /// the ack has `first_seq == last_seq == 0`.
+    /// the ack has `first_seq == last_seq == 0`. The reserved key field (`_idempotency`) is
+    /// removed from records of plain streams first: only a keyed request may write one.
     pub async fn ingest(
+        &self,
+        stream: &str,
+        mut records: Vec<Record>,
+    ) -> Result<AppendAck, AppendError> {
+        if !self.derived.contains_key(stream) {
+            strip_key_fields(&mut records);
+        }
+        let records = self.run_filters(stream, records);
+        if records.is_empty() {
+            return Ok(self.filtered_out_ack(stream));
+        }
+        self.append_counted(stream, records).await
+    }
+
+    /// `records` after `stream`'s filters (unchanged for a stream without them).
+    pub(super) fn run_filters(&self, stream: &str, records: Vec<Record>) -> Vec<Record> {
+        match self.pipelines.get(stream) {
+            Some(p) if !records.is_empty() => {
+                p.lock().unwrap_or_else(|e| e.into_inner()).run(records)
+            }
+            _ => records,
+        }
+    }
+
+    /// The ack of a batch the filters reduced to nothing.
+    pub(super) fn filtered_out_ack(&self, stream: &str) -> AppendAck {
+        AppendAck {
+            stream: stream.to_owned(),
+            epoch: self.log.epoch(),
+            first_seq: 0,
+            last_seq: 0,
+        }
+    }
+
+    /// Appends `records` as one batch and counts the outcome for `/metrics`.
+    pub(super) async fn append_counted(
         &self,
         stream: &str,
         records: Vec<Record>,
     ) -> Result<AppendAck, AppendError> {
-        let records = match self.pipelines.get(stream) {
-            Some(p) if !records.is_empty() => {
-                let out = p.lock().unwrap_or_else(|e| e.into_inner()).run(records);
-                if out.is_empty() {
-                    return Ok(AppendAck {
-                        stream: stream.to_owned(),
-                        epoch: self.log.epoch(),
-                        first_seq: 0,
-                        last_seq: 0,
-                    });
-                }
-                out
-            }
-            _ => records,
-        };
         let count = records.len() as u64;
         let implausible = records
             .iter()
@@ -504,6 +232,11 @@ pub enum BodyError {
     },
     /// Only blank or comment lines.
     Empty,
+    /// A record carries a field the agent reserves (`_idempotency`): it could forge a key.
+    ReservedField {
+        line: usize,
+        field: &'static str,
+    },
 }
 
 impl std::fmt::Display for BodyError {
@@ -521,6 +254,11 @@ impl std::fmt::Display for BodyError {
                  in the URL: post it to /v1/streams/{measurement}/records"
             ),
             BodyError::Empty => write!(f, "the body holds no records"),
+            BodyError::ReservedField { line, field } => write!(
+                f,
+                "line {line}: the field {field:?} is reserved by the agent for idempotency keys \
+                 (send the key in the Idempotency-Key header): rename the field"
+            ),
         }
     }
 }
@@ -529,9 +267,9 @@ impl BodyError {
     /// The 1-based line and column the error points at, when it points at one.
     pub fn position(&self) -> Option<(usize, usize)> {
         match self {
-            BodyError::NotUtf8 { line } | BodyError::WrongMeasurement { line, .. } => {
-                Some((*line, 1))
-            }
+            BodyError::NotUtf8 { line }
+            | BodyError::WrongMeasurement { line, .. }
+            | BodyError::ReservedField { line, .. } => Some((*line, 1)),
             BodyError::Parse(e) => Some((e.line, e.column)),
             BodyError::Empty => None,
         }
@@ -572,7 +310,29 @@ pub fn parse_body(
     if records.is_empty() {
         return Err(BodyError::Empty);
     }
+    if let Some(i) = records
+        .iter()
+        .position(|r| r.fields.iter().any(|(n, _)| n == KEY_FIELD))
+    {
+        return Err(BodyError::ReservedField {
+            line: record_line(text, i),
+            field: KEY_FIELD,
+        });
+    }
     Ok(records)
+}
+
+/// The 1-based line of the `index`-th record: both formats hold one record per line that is
+/// neither blank nor a `#` comment.
+fn record_line(text: &str, index: usize) -> usize {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| {
+            let l = l.trim();
+            !l.is_empty() && !l.starts_with('#')
+        })
+        .nth(index)
+        .map_or(1, |(i, _)| i + 1)
 }
 
 /// The 1-based number of the first line written to `measurement`, for error messages.

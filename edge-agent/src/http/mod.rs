@@ -12,9 +12,12 @@
 //!   stored (`count: 0`, `first_seq: 0`, `last_seq: 0` when every record was filtered out). A
 //!   derived stream (`source_stream`) takes no posts: 409.
 //!   With an `Idempotency-Key` header, a retried batch (same key, same body) gets the original
-//!   answer (and `Idempotency-Replayed: true`) and stores nothing; the same key with another
-//!   body gets 422, and a retry while the first request runs gets 409. Retention and limits:
-//!   `ingest.rs`.
+//!   answer (and `Idempotency-Replayed: true`) and stores nothing, also after any crash (the
+//!   key is stored in the batch's last record); the same key with another body gets 422, and a
+//!   retry while the first request runs gets 409. A field named `_idempotency` in a body is
+//!   refused (400). Every 503 says in `"may_be_stored"` whether the batch may have been stored
+//!   (storage failed during the write): then retry with the same key after the agent restarted.
+//!   Retention and limits: `idempotency.rs`.
 //! - `GET /healthz`: `ok`, or 503 with the reason (the log is poisoned, or an MQTT source's
 //!   subscriptions are not all granted yet).
 //! - `GET /metrics`: Prometheus text.
@@ -24,6 +27,7 @@
 //! `/healthz` and `/metrics` stay open for probes and scrapers and reveal no data.
 
 pub mod client;
+pub mod idempotency;
 pub mod ingest;
 pub mod status;
 
@@ -253,8 +257,11 @@ async fn post_idempotent(
         IdempotencyError::BadKey => error(StatusCode::BAD_REQUEST, e.to_string()),
         IdempotencyError::InProgress => error(StatusCode::CONFLICT, e.to_string()),
         IdempotencyError::BodyMismatch => error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
-        IdempotencyError::Store { .. } => error(StatusCode::SERVICE_UNAVAILABLE, e.to_string()),
         IdempotencyError::Append(e) => append_error(&e),
+        IdempotencyError::Store { .. }
+        | IdempotencyError::Scan { .. }
+        | IdempotencyError::MaybeStored(_)
+        | IdempotencyError::EarlierMaybeStored => unavailable(&e.to_string(), e.may_be_stored()),
     };
     let Ok(key) = key.to_str() else {
         return failed(IdempotencyError::BadKey);
@@ -268,9 +275,18 @@ async fn post_idempotent(
                 Ok(r) => r,
                 Err(e) => return body_error(&e),
             };
-            match app.ingest.ingest_claimed(claim, records).await {
-                Ok(answer) => answer,
-                Err(e) => return failed(e),
+            // Its own task: a client that disconnects must not cut the work between the
+            // append and the cache write.
+            let ingest = app.ingest.clone();
+            let task = tokio::spawn(async move { ingest.ingest_claimed(claim, records).await });
+            match task.await {
+                Ok(Ok(answer)) => answer,
+                Ok(Err(e)) => return failed(e),
+                Err(e) => {
+                    return failed(IdempotencyError::MaybeStored(AppendError::Storage(
+                        format!("the request task failed: {e}"),
+                    )));
+                }
             }
         }
     };
@@ -308,10 +324,10 @@ fn append_error(e: &AppendError) -> Response {
         AppendError::EmptyBatch => error(StatusCode::BAD_REQUEST, e.to_string()),
         AppendError::RecordTooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
         AppendError::Full { retry_after } => {
-            let mut r = error(
-                StatusCode::SERVICE_UNAVAILABLE,
+            let mut r = unavailable(
                 "the disk budget (storage.disk_bytes_max) is full and storage.on_full = \"block\": \
                  retry after the hub has taken the backlog, or raise the budget",
+                false,
             );
             r.headers_mut().insert(
                 header::RETRY_AFTER,
@@ -319,17 +335,36 @@ fn append_error(e: &AppendError) -> Response {
             );
             r
         }
-        AppendError::Poisoned(_) | AppendError::Storage(_) => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!(
+        AppendError::Poisoned(_) => unavailable(
+            &format!(
                 "{e}; check the disk, then restart the agent (it re-verifies the log at start-up)"
             ),
+            false,
         ),
-        AppendError::Closed => error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the agent is shutting down",
+        AppendError::Storage(_) => unavailable(
+            &format!(
+                "{e}; the batch may be stored (without an Idempotency-Key a retry may store it \
+                 twice); check the disk, then restart the agent (it re-verifies the log at \
+                 start-up)"
+            ),
+            true,
+        ),
+        AppendError::Closed => unavailable(
+            "the agent is shutting down; the batch may be stored (without an Idempotency-Key a \
+             retry may store it twice)",
+            true,
         ),
     }
+}
+
+/// A 503 saying whether the batch may nevertheless have been stored:
+/// `{"error": message, "may_be_stored": bool}`.
+fn unavailable(message: &str, may_be_stored: bool) -> Response {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        axum::Json(json!({ "error": message, "may_be_stored": may_be_stored })),
+    )
+        .into_response()
 }
 
 /// `Retry-After` in whole seconds, at least 1.
