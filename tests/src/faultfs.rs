@@ -32,8 +32,8 @@ use anyhow::{Context, Result, bail, ensure};
 use fuser::{BackgroundSession, Config, MountOption};
 use rand::Rng;
 
-pub use model::{CutMode, FaultCounts};
 use model::Model;
+pub use model::{CutMode, FaultCounts};
 
 /// A mounted fault filesystem. Dropping it unmounts.
 #[derive(Debug)]
@@ -88,7 +88,10 @@ impl FaultFs {
     /// Unmounts the dark filesystem and mounts what the last power cut left.
     pub fn restart(&mut self) -> Result<()> {
         let Some(survivor) = self.survivor.take() else {
-            bail!("restart of {} without a power cut", self.mountpoint.display());
+            bail!(
+                "restart of {} without a power cut",
+                self.mountpoint.display()
+            );
         };
         if let Some(session) = self.session.take() {
             unmount(session, &self.mountpoint)?;

@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use fuser::{
     Errno as FuseErrno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory,
-    ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
+    INodeNo, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate, ReplyData, ReplyDirectory, ReplyEmpty,
+    ReplyEntry, ReplyOpen, ReplyStatfs, ReplyWrite, Request, TimeOrNow, WriteFlags,
 };
 
 use super::model::{Attr, Errno, Kind, Meta, Model};
@@ -246,7 +246,10 @@ impl Filesystem for FuseFs {
             Ok(entries) => entries,
             Err(code) => return reply.error(errno(code)),
         };
-        let dots = [(".".into(), ino.0, Kind::Dir), ("..".into(), ino.0, Kind::Dir)];
+        let dots = [
+            (".".into(), ino.0, Kind::Dir),
+            ("..".into(), ino.0, Kind::Dir),
+        ];
         let all = dots.into_iter().chain(
             entries
                 .into_iter()

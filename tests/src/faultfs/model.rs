@@ -46,7 +46,12 @@ pub enum CutMode {
 }
 
 impl CutMode {
-    pub const ALL: [CutMode; 4] = [CutMode::Drop, CutMode::Tear, CutMode::Zeros, CutMode::Reorder];
+    pub const ALL: [CutMode; 4] = [
+        CutMode::Drop,
+        CutMode::Tear,
+        CutMode::Zeros,
+        CutMode::Reorder,
+    ];
 }
 
 /// Every fault power cuts applied, summed over cuts.
@@ -182,11 +187,10 @@ impl FileBody {
         op.apply(&mut self.live);
         let window = self.pending.len().saturating_sub(COALESCE_WINDOW);
         let mut index = 0;
-        self.pending
-            .retain(|earlier| {
-                index += 1;
-                index <= window || !op.covers(earlier)
-            });
+        self.pending.retain(|earlier| {
+            index += 1;
+            index <= window || !op.covers(earlier)
+        });
         self.pending.push(op);
     }
 
@@ -537,11 +541,9 @@ impl Model {
                 continue;
             };
             let body = match &inode.body {
-                Body::File(file) => Body::File(FileBody::settled(file.survive(
-                    mode,
-                    rng,
-                    &mut counts,
-                ))),
+                Body::File(file) => {
+                    Body::File(FileBody::settled(file.survive(mode, rng, &mut counts)))
+                }
                 Body::Dir(dir) => {
                     let entries = dir.survive(mode, rng, &mut counts);
                     queue.extend(entries.values().rev());

@@ -24,7 +24,10 @@ fn meta() -> Meta {
 /// A model with `/a` holding `base`, everything durable; returns the model and `/a`'s inode.
 fn with_durable_file(base: &[u8]) -> (Model, u64) {
     let mut model = Model::new();
-    let a = model.create(ROOT, name("a"), Kind::File, meta()).unwrap().ino;
+    let a = model
+        .create(ROOT, name("a"), Kind::File, meta())
+        .unwrap()
+        .ino;
     model.write(a, 0, base).unwrap();
     model.sync(a).unwrap();
     model.sync(ROOT).unwrap();
@@ -77,7 +80,9 @@ fn the_dark_filesystem_fails_every_call() {
 #[test]
 fn rename_is_lost_without_a_sync_of_the_directory() {
     let (mut model, a) = with_durable_file(b"data");
-    model.rename(ROOT, name("a"), ROOT, name("b"), false).unwrap();
+    model
+        .rename(ROOT, name("a"), ROOT, name("b"), false)
+        .unwrap();
     assert!(read_all(&model, ROOT, "a").is_none());
     let (after, counts) = cut(&mut model, CutMode::Drop, 1);
     assert_eq!(read_all(&after, ROOT, "a").unwrap(), b"data");
@@ -85,7 +90,9 @@ fn rename_is_lost_without_a_sync_of_the_directory() {
     assert_eq!(counts.dirs_dropped, 1);
 
     let (mut model, _) = with_durable_file(b"data");
-    model.rename(ROOT, name("a"), ROOT, name("b"), false).unwrap();
+    model
+        .rename(ROOT, name("a"), ROOT, name("b"), false)
+        .unwrap();
     model.sync(ROOT).unwrap();
     let (after, counts) = cut(&mut model, CutMode::Drop, 1);
     assert!(read_all(&after, ROOT, "a").is_none());
@@ -97,22 +104,38 @@ fn rename_is_lost_without_a_sync_of_the_directory() {
 #[test]
 fn a_new_file_needs_its_directory_synced_and_its_data_synced() {
     let mut model = Model::new();
-    let dir = model.create(ROOT, name("d"), Kind::Dir, meta()).unwrap().ino;
+    let dir = model
+        .create(ROOT, name("d"), Kind::Dir, meta())
+        .unwrap()
+        .ino;
     model.sync(ROOT).unwrap();
-    let f = model.create(dir, name("f"), Kind::File, meta()).unwrap().ino;
+    let f = model
+        .create(dir, name("f"), Kind::File, meta())
+        .unwrap()
+        .ino;
     model.write(f, 0, b"hello").unwrap();
     model.sync(f).unwrap();
     let (after, counts) = cut(&mut model, CutMode::Drop, 1);
     let d = after.lookup(ROOT, name("d")).unwrap().ino;
-    assert!(read_all(&after, d, "f").is_none(), "file data synced, entry not");
+    assert!(
+        read_all(&after, d, "f").is_none(),
+        "file data synced, entry not"
+    );
     assert_eq!(counts.dirs_dropped, 1);
 
     let mut model = Model::new();
-    let f = model.create(ROOT, name("f"), Kind::File, meta()).unwrap().ino;
+    let f = model
+        .create(ROOT, name("f"), Kind::File, meta())
+        .unwrap()
+        .ino;
     model.write(f, 0, b"hello").unwrap();
     model.sync(ROOT).unwrap();
     let (after, counts) = cut(&mut model, CutMode::Drop, 1);
-    assert_eq!(read_all(&after, ROOT, "f").unwrap(), b"", "entry synced, data not");
+    assert_eq!(
+        read_all(&after, ROOT, "f").unwrap(),
+        b"",
+        "entry synced, data not"
+    );
     assert_eq!(counts.ops_dropped, 1);
 }
 
@@ -171,13 +194,21 @@ fn reorder_can_keep_a_rename_without_the_data() {
     let mut kept = 0;
     for seed in 0..32 {
         let mut model = Model::new();
-        let tmp = model.create(ROOT, name("tmp"), Kind::File, meta()).unwrap().ino;
+        let tmp = model
+            .create(ROOT, name("tmp"), Kind::File, meta())
+            .unwrap()
+            .ino;
         model.write(tmp, 0, b"payload").unwrap();
-        model.rename(ROOT, name("tmp"), ROOT, name("final"), false).unwrap();
+        model
+            .rename(ROOT, name("tmp"), ROOT, name("final"), false)
+            .unwrap();
         let (after, counts) = cut(&mut model, CutMode::Reorder, seed);
         if let Some(image) = read_all(&after, ROOT, "final") {
             assert_eq!(counts.dirs_kept_unsynced, 1);
-            assert!(image.is_empty() || image == b"payload", "seed {seed}: {image:?}");
+            assert!(
+                image.is_empty() || image == b"payload",
+                "seed {seed}: {image:?}"
+            );
             kept += 1;
         } else {
             assert_eq!(counts.dirs_dropped, 1);
@@ -193,21 +224,38 @@ fn overwritten_pages_are_coalesced() {
         model.write(a, 0, &[round as u8; 4096]).unwrap();
     }
     let (after, counts) = cut(&mut model, CutMode::Drop, 1);
-    assert_eq!(counts.ops_dropped, 1, "one pending write after 1000 rewrites of the page");
+    assert_eq!(
+        counts.ops_dropped, 1,
+        "one pending write after 1000 rewrites of the page"
+    );
     assert_eq!(read_all(&after, ROOT, "a").unwrap(), vec![0; 4096]);
 }
 
 #[test]
 fn remove_and_rename_check_kinds() {
     let mut model = Model::new();
-    let d = model.create(ROOT, name("d"), Kind::Dir, meta()).unwrap().ino;
+    let d = model
+        .create(ROOT, name("d"), Kind::Dir, meta())
+        .unwrap()
+        .ino;
     model.create(d, name("f"), Kind::File, meta()).unwrap();
-    assert_eq!(model.remove(ROOT, name("d"), Kind::Dir), Err(libc::ENOTEMPTY));
+    assert_eq!(
+        model.remove(ROOT, name("d"), Kind::Dir),
+        Err(libc::ENOTEMPTY)
+    );
     assert_eq!(model.remove(ROOT, name("d"), Kind::File), Err(libc::EISDIR));
     assert_eq!(model.remove(d, name("f"), Kind::Dir), Err(libc::ENOTDIR));
-    assert_eq!(model.create(d, name("f"), Kind::File, meta()).map(|a| a.ino), Err(libc::EEXIST));
+    assert_eq!(
+        model
+            .create(d, name("f"), Kind::File, meta())
+            .map(|a| a.ino),
+        Err(libc::EEXIST)
+    );
     model.create(d, name("g"), Kind::File, meta()).unwrap();
-    assert_eq!(model.rename(d, name("f"), d, name("g"), true), Err(libc::EEXIST));
+    assert_eq!(
+        model.rename(d, name("f"), d, name("g"), true),
+        Err(libc::EEXIST)
+    );
     model.rename(d, name("f"), d, name("g"), false).unwrap();
     assert_eq!(model.entries(d).unwrap().len(), 1);
     model.remove(d, name("g"), Kind::File).unwrap();
@@ -242,15 +290,28 @@ fn mounted_fs_keeps_only_what_was_synced() {
     let mut rng = StdRng::seed_from_u64(3);
     let counts = fs.power_cut(CutMode::Drop, &mut rng);
     let dark = std::fs::read(root.join("synced"));
-    assert!(dark.is_err() || dark.is_ok_and(|d| d == b"kept and lost"), "cached or EIO");
-    assert!(std::fs::write(root.join("x"), b"x").is_err(), "a dark fs takes no writes");
+    assert!(
+        dark.is_err() || dark.is_ok_and(|d| d == b"kept and lost"),
+        "cached or EIO"
+    );
+    assert!(
+        std::fs::write(root.join("x"), b"x").is_err(),
+        "a dark fs takes no writes"
+    );
     fs.restart().unwrap();
 
     assert_eq!(std::fs::read(root.join("synced")).unwrap(), b"kept");
-    assert_eq!(std::fs::read(root.join("unsynced")).unwrap(), b"", "entry synced, data not");
+    assert_eq!(
+        std::fs::read(root.join("unsynced")).unwrap(),
+        b"",
+        "entry synced, data not"
+    );
     assert!(!root.join("renamed").exists());
     assert!(!root.join("newdir").exists());
-    assert!(counts.ops_dropped >= 2 && counts.dirs_dropped == 1, "{counts:?}");
+    assert!(
+        counts.ops_dropped >= 2 && counts.dirs_dropped == 1,
+        "{counts:?}"
+    );
     assert_eq!(fs.counts(), &counts);
 }
 
@@ -310,7 +371,10 @@ fn sqlite_wal_commits_survive_every_cut_mode() {
         let rows: i64 = conn
             .query_row("SELECT count(*) FROM t", [], |r| r.get(0))
             .unwrap();
-        assert_eq!(rows, committed, "round {round}: committed rows after a {mode:?} cut");
+        assert_eq!(
+            rows, committed,
+            "round {round}: committed rows after a {mode:?} cut"
+        );
         let check: String = conn
             .query_row("PRAGMA integrity_check", [], |r| r.get(0))
             .unwrap();
@@ -328,7 +392,10 @@ fn sqlite_wal_commits_survive_every_cut_mode() {
         )
         .unwrap();
         let counts = fs.power_cut(mode, &mut StdRng::seed_from_u64(round as u64));
-        assert!(counts.faults() > 0, "round {round}: the open transaction was unsynced");
+        assert!(
+            counts.faults() > 0,
+            "round {round}: the open transaction was unsynced"
+        );
         drop(conn);
         fs.restart().unwrap();
     }
