@@ -188,6 +188,17 @@ fn cached_keys(dir: &Path) -> HashSet<String> {
         .collect()
 }
 
+/// The cache's watermark of [`STREAM`], read straight from the file.
+fn watermark(dir: &Path) -> Option<(u64, u64)> {
+    let c = rusqlite::Connection::open(dir.join("idempotency.db")).unwrap();
+    c.query_row(
+        "SELECT epoch, seq FROM idempotency_scanned WHERE stream = ?1",
+        [STREAM],
+        |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)),
+    )
+    .ok()
+}
+
 /// Checks that batch `b` is stored exactly once, whole, at the seqs of `answer`.
 fn check_once(
     rows: &BTreeMap<(u64, u64), (i64, i64)>,
@@ -234,6 +245,8 @@ fn crash_window(mutant: bool) -> Result<(), String> {
         cached.contains("k-1") && !cached.contains("k-2"),
         "the crash did not land in the window: cached {cached:?}"
     );
+    // The cache's watermark moved past batch 1 only: the restart reads the log after it.
+    assert_eq!(watermark(dir.path()), Some((a1.epoch, a1.last_seq)));
 
     let agent = open(&cfg, Arc::new(mem.clone()), mutant);
     for (key, b, n, first) in [("k-2", 2, 5, &a2), ("k-1", 1, 3, &a1)] {
@@ -347,6 +360,62 @@ fn filtered_batches_keep_their_answer_across_a_crash() {
     let rows = stored(&agent.ingest, FILTERED);
     check_once(&rows, 1, &part).unwrap();
     assert_eq!(rows.len(), 2);
+}
+
+#[test]
+fn a_lost_or_unreadable_cache_is_rebuilt_from_the_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let mem = MemStorage::with_seed(11);
+    let cfg = log_config(dir.path(), &mut SmallRng::seed_from_u64(11));
+    let rt = runtime();
+    let agent = open(&cfg, Arc::new(mem.clone()), false);
+    let mut answers = Vec::new();
+    for b in 1..=3 {
+        let out = rt.block_on(post(
+            &agent.ingest,
+            STREAM,
+            &format!("k-{b}"),
+            batch(b, 0, 4),
+        ));
+        let Outcome::Stored(a) = out else {
+            panic!("batch {b}: {out:?}")
+        };
+        answers.push(a);
+    }
+    drop(agent);
+    let db = dir.path().join("idempotency.db");
+    for damage in ["unreadable", "missing"] {
+        for ext in ["db-wal", "db-shm"] {
+            let _ = std::fs::remove_file(db.with_extension(ext));
+        }
+        match damage {
+            "unreadable" => std::fs::write(&db, b"this is not a database, at all").unwrap(),
+            _ => std::fs::remove_file(&db).unwrap(),
+        }
+        let agent = open(&cfg, Arc::new(mem.clone()), false);
+        for (b, first) in (1..=3).zip(&answers) {
+            let out = rt.block_on(post(
+                &agent.ingest,
+                STREAM,
+                &format!("k-{b}"),
+                batch(b, 0, 4),
+            ));
+            let want = BatchAnswer {
+                replayed: true,
+                ..first.clone()
+            };
+            assert_eq!(out, Outcome::Replayed(want), "{damage} cache, batch {b}");
+        }
+        assert_eq!(stored(&agent.ingest, STREAM).len(), 12, "{damage} cache");
+    }
+    let aside = std::fs::read_dir(dir.path())
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().contains(".db.corrupt-")
+        })
+        .count();
+    assert_eq!(aside, 1, "the unreadable cache was not moved aside");
 }
 
 #[test]
