@@ -4,6 +4,7 @@
 //! - [`pki`]: the fleet CA, device certificates, revocation, and the rustls server config.
 //! - [`catalog`]: SQLite beside the log: devices, streams, marks, the block index.
 //! - [`wal`]: tier 1, one write-ahead log for all devices, group commit.
+//! - [`storage`]: the file operations tier 1 uses, real or in memory with simulated power loss.
 //! - [`ingest`]: [`ingest::Hub`], the API the QUIC driver calls for every block.
 //! - [`read`], [`api`], [`metrics`], [`client`]: the reader API, HTTP, `/metrics`, and the
 //!   CLI's HTTP client.
@@ -28,6 +29,7 @@ pub mod republish;
 pub mod scrub;
 pub mod server;
 pub mod status;
+pub mod storage;
 pub mod streams;
 pub mod tiering;
 pub mod wal;

@@ -1,11 +1,18 @@
 //! The committer thread: one fsync and one catalog transaction for every group written, then
-//! the completions, in write order.
+//! the completions, in write order. The acknowledgement rule lives here: a caller completes
+//! only after the fsync that covers its block and the catalog commit that records it.
 
-#[allow(unused_imports)]
-use super::*;
-
-/// How often an idle writer flushes deferred metadata (contacts, backlogs).
-pub(super) const IDLE_FLUSH: Duration = Duration::from_secs(1);
+use super::disk_full::{Shared, enter_disk_full};
+use super::{
+    AppendDone, CommitError, Completion, DeferredMeta, FaultPoint, WalEnv, WalStats, WriterConfig,
+    fault, poison,
+};
+use crate::catalog::{Catalog, GroupCommit};
+use crate::storage::StorageFile;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 
 /// What travels from the writer to the committer.
 pub(super) enum Piped {
@@ -23,7 +30,7 @@ pub(super) struct Written {
     pub(super) dones: Vec<Done>,
     pub(super) requests: usize,
     /// The file to fsync, `None` when the group wrote nothing (gaps only).
-    pub(super) file: Option<Arc<File>>,
+    pub(super) file: Option<Arc<dyn StorageFile>>,
     /// Set when writing failed: the group fails, and so does everything after it.
     pub(super) error: Option<CommitError>,
     /// The group's blocks for [`WriterConfig::on_commit`].
@@ -33,13 +40,23 @@ pub(super) struct Written {
 /// Makes written groups durable: one `fdatasync` for every group queued behind it, then one
 /// catalog transaction for all of them, then the completions, in write order.
 pub(super) struct Committer {
-    pub(super) catalog: Arc<Catalog>,
-    pub(super) cfg: WriterConfig,
-    pub(super) stats: Arc<WalStats>,
-    pub(super) deferred: Arc<Mutex<DeferredMeta>>,
-    pub(super) shared: Arc<Shared>,
+    env: WalEnv,
+    catalog: Arc<Catalog>,
+    cfg: WriterConfig,
+    stats: Arc<WalStats>,
+    deferred: Arc<Mutex<DeferredMeta>>,
+    shared: Arc<Shared>,
     /// Named in disk-full errors of the catalog, which lives there.
-    pub(super) data_dir: PathBuf,
+    data_dir: PathBuf,
+}
+
+/// Consecutive groups merged into one fsync and one catalog transaction.
+struct Merged {
+    g: GroupCommit,
+    dones: Vec<Done>,
+    files: Vec<Arc<dyn StorageFile>>,
+    routed: Vec<crate::streams::CommittedBlock>,
+    requests: usize,
 }
 
 /// A completion waiting for its batch's outcome.
@@ -59,9 +76,29 @@ impl Done {
 }
 
 impl Committer {
+    pub(super) fn new(
+        env: &WalEnv,
+        catalog: &Arc<Catalog>,
+        cfg: &WriterConfig,
+        stats: &Arc<WalStats>,
+        deferred: &Arc<Mutex<DeferredMeta>>,
+        shared: &Arc<Shared>,
+        dir: &Path,
+    ) -> Committer {
+        Committer {
+            env: env.clone(),
+            catalog: catalog.clone(),
+            cfg: cfg.clone(),
+            stats: stats.clone(),
+            deferred: deferred.clone(),
+            shared: shared.clone(),
+            data_dir: dir.parent().unwrap_or(dir).to_path_buf(),
+        }
+    }
+
     pub(super) fn run(self, rx: mpsc::Receiver<Piped>) {
         loop {
-            let first = match rx.recv_timeout(IDLE_FLUSH) {
+            let first = match rx.recv_timeout(self.env.tuning.idle_flush) {
                 Ok(w) => w,
                 Err(RecvTimeoutError::Timeout) => {
                     self.flush_deferred();
@@ -147,64 +184,20 @@ impl Committer {
     }
 
     /// Fsync, catalog transaction, completions. Returns the outcome the callers saw.
-    pub(super) fn commit_ok(&self, groups: Vec<Written>) -> Result<(), CommitError> {
-        let requests: usize = groups.iter().map(|w| w.requests).sum();
-        let mut g = GroupCommit::default();
-        let mut dones = Vec::with_capacity(requests);
-        let mut files: Vec<Arc<File>> = Vec::new();
-        let mut routed = Vec::new();
-        for w in groups {
-            // Groups are merged in write order: later marks and offsets come later, and the
-            // catalog keeps the maximum mark, so nothing moves backwards.
-            g.blocks.extend(w.g.blocks);
-            g.marks.extend(w.g.marks);
-            g.stream_offsets.extend(w.g.stream_offsets);
-            g.gaps.extend(w.g.gaps);
-            g.wal_end = w.g.wal_end.or(g.wal_end);
-            dones.extend(w.dones);
-            routed.extend(w.routed);
-            if let Some(f) = w.file
-                && !files.iter().any(|x| Arc::ptr_eq(x, &f))
-            {
-                files.push(f);
-            }
-        }
+    fn commit_ok(&self, groups: Vec<Written>) -> Result<(), CommitError> {
+        let mut m = merge(groups);
         let result = if self.stats.poisoned.load(Ordering::Acquire) {
             Err(CommitError::Poisoned)
         } else {
-            self.sync(&files).and_then(|()| {
-                self.take_deferred(&mut g);
-                if fault(&self.cfg, FaultPoint::CatalogCommit) {
-                    return Err(CommitError::Catalog("injected fault".into()));
-                }
-                if fault(&self.cfg, FaultPoint::CatalogNoSpace) {
-                    return Err(CommitError::DiskFull {
-                        path: self.data_dir.clone(),
-                        detail: "catalog: database or disk is full (injected)".into(),
-                    });
-                }
-                self.catalog
-                    .commit_group(&g)
-                    .map_err(|e| self.catalog_error(&e))
-            })
+            self.sync(&m.files)
+                .and_then(|()| self.catalog_commit(&mut m.g))
         };
         match &result {
             Err(CommitError::Poisoned) => {}
             // SQLite rolled the transaction back; the metadata goes with a later commit.
-            Err(CommitError::DiskFull { .. }) => self.restore_deferred(g),
+            Err(CommitError::DiskFull { .. }) => self.restore_deferred(std::mem::take(&mut m.g)),
             Err(e) => poison(&self.stats, e),
-            Ok(()) => {
-                self.stats.record_batch(requests);
-                if let Some(end) = g.wal_end {
-                    self.stats.committed_end.store(end, Ordering::Release);
-                }
-                // Readers see the blocks from here on; producers are acked after that.
-                if let Some(hook) = &self.cfg.on_commit
-                    && !routed.is_empty()
-                {
-                    hook(&crate::streams::CommittedGroup { blocks: routed });
-                }
-            }
+            Ok(()) => self.committed(&m.g, m.requests, std::mem::take(&mut m.routed)),
         }
         if let Err(e @ CommitError::DiskFull { .. }) = &result {
             // The rewind first: the writer checks it before the disk-full state, so it drains
@@ -212,12 +205,52 @@ impl Committer {
             // callbacks below (see `Writer::fail_and_drain` for why the order matters). Set
             // before the callbacks so their callers already see the disk-full state.
             self.shared.rewind.store(true, Ordering::Release);
-            enter_disk_full(&self.stats, &self.shared, e);
+            enter_disk_full(&self.stats, &self.shared, &self.env.tuning, e);
         }
-        for done in dones {
+        for done in m.dones {
             done.finish(result.clone());
         }
         result
+    }
+
+    /// The catalog transaction of merged groups, with the deferred metadata.
+    fn catalog_commit(&self, g: &mut GroupCommit) -> Result<(), CommitError> {
+        self.take_deferred(g);
+        if fault(&self.cfg, FaultPoint::CatalogCommit) {
+            return Err(CommitError::Catalog("injected fault".into()));
+        }
+        if fault(&self.cfg, FaultPoint::CatalogNoSpace) {
+            return Err(CommitError::DiskFull {
+                path: self.data_dir.clone(),
+                detail: "catalog: database or disk is full (injected)".into(),
+            });
+        }
+        self.catalog
+            .commit_group(g)
+            .map_err(|e| self.catalog_error(&e))
+    }
+
+    /// After a catalog commit: the committed end moves (only forward), readers see the
+    /// blocks, and then the producers are acknowledged (by the caller).
+    fn committed(
+        &self,
+        g: &GroupCommit,
+        requests: usize,
+        routed: Vec<crate::streams::CommittedBlock>,
+    ) {
+        self.stats.record_batch(requests);
+        if let Some(end) = g.wal_end {
+            let before = self.stats.committed_end.swap(end, Ordering::AcqRel);
+            assert!(
+                end >= before,
+                "the committed WAL end moved back from {before} to {end}"
+            );
+        }
+        if let Some(hook) = &self.cfg.on_commit
+            && !routed.is_empty()
+        {
+            hook(&crate::streams::CommittedGroup { blocks: routed });
+        }
     }
 
     /// A catalog failure: SQLite's `SQLITE_FULL` (ENOSPC or EDQUOT while writing its log) is
@@ -238,15 +271,28 @@ impl Committer {
     }
 
     /// Makes the written groups durable: one `fdatasync` per file they touched.
-    pub(super) fn sync(&self, files: &[Arc<File>]) -> Result<(), CommitError> {
+    fn sync(&self, files: &[Arc<dyn StorageFile>]) -> Result<(), CommitError> {
+        if self.skip_commit_sync() {
+            return Ok(());
+        }
         for f in files {
             if fault(&self.cfg, FaultPoint::Fsync) {
                 return Err(CommitError::Io("injected fsync fault".into()));
             }
-            f.sync_data().map_err(|e| CommitError::Io(e.to_string()))?;
+            f.sync().map_err(|e| CommitError::Io(e.to_string()))?;
             self.stats.fsyncs.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn skip_commit_sync(&self) -> bool {
+        self.env.tuning.mutated(super::Mutation::SkipCommitSync)
+    }
+
+    #[cfg(not(feature = "fault-injection"))]
+    fn skip_commit_sync(&self) -> bool {
+        false
     }
 
     pub(super) fn take_deferred(&self, g: &mut GroupCommit) {
@@ -283,4 +329,35 @@ impl Committer {
             }
         }
     }
+}
+
+/// Merges groups in write order: later marks and offsets come later, and the catalog keeps
+/// the maximum mark, so nothing moves backwards.
+fn merge(groups: Vec<Written>) -> Merged {
+    let requests = groups.iter().map(|w| w.requests).sum();
+    let mut m = Merged {
+        g: GroupCommit::default(),
+        dones: Vec::with_capacity(requests),
+        files: Vec::new(),
+        routed: Vec::new(),
+        requests,
+    };
+    for w in groups {
+        if let (Some(end), Some(before)) = (w.g.wal_end, m.g.wal_end) {
+            assert!(end >= before, "groups are committed in write order");
+        }
+        m.g.blocks.extend(w.g.blocks);
+        m.g.marks.extend(w.g.marks);
+        m.g.stream_offsets.extend(w.g.stream_offsets);
+        m.g.gaps.extend(w.g.gaps);
+        m.g.wal_end = w.g.wal_end.or(m.g.wal_end);
+        m.dones.extend(w.dones);
+        m.routed.extend(w.routed);
+        if let Some(f) = w.file
+            && !m.files.iter().any(|x| Arc::ptr_eq(x, &f))
+        {
+            m.files.push(f);
+        }
+    }
+    m
 }

@@ -1,7 +1,22 @@
-//! The disk-full state: when writes are refused after ENOSPC, and when they resume.
+//! The disk-full state machine: when writes are refused after ENOSPC, and when they resume.
+//!
+//! ```text
+//!            enter (a group failed for a full disk)
+//!   Open ───────────────────────────────────────────► Full { retry_at, backoff }
+//!    ▲                                                  │  enter again: stays Full
+//!    └──────────── resume (retry_at passed and ─────────┘
+//!                  the file system shows space)
+//! ```
+//!
+//! The backoff starts at [`WalTuning::disk_full_backoff_initial`] and doubles, up to the
+//! maximum, each time the disk fills again before anything committed since the last resume.
+//! [`FullState`] is the pure part (clock and counters passed in); [`enter_disk_full`] and
+//! [`try_resume`] apply it to the writer's shared flags.
 
-#[allow(unused_imports)]
-use super::*;
+use super::{CommitError, WalStats, WalTuning};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 /// The wait after a disk-full failure before writes are tried again.
 pub const DISK_FULL_BACKOFF_INITIAL: Duration = Duration::from_millis(200);
@@ -21,60 +36,204 @@ pub fn is_disk_full(e: &std::io::Error) -> bool {
     )
 }
 
-/// Bytes available to unprivileged writers on the file system holding `dir`.
-#[allow(unsafe_code)]
-pub(super) fn free_bytes(dir: &Path) -> Option<u64> {
-    use std::os::unix::ffi::OsStrExt;
-    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
-    // SAFETY: `statvfs` is plain old data; all-zero bytes are a valid value.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `path` is a valid NUL-terminated string and `st` a properly sized out-parameter.
-    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
-    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
-}
-
 /// What the writer and the committer share to get through a full disk.
 #[derive(Debug, Default)]
 pub(super) struct Shared {
     /// Set by the committer after a catalog commit failed for a full disk: the writer must cut
     /// the log back to the committed end before it writes anything else. Cleared by the
-    /// committer when the writer's [`Piped::Rewound`] marker reaches it.
+    /// committer when the writer's rewind marker reaches it.
     pub(super) rewind: AtomicBool,
     /// When writes may be tried again.
     pub(super) full: Mutex<FullState>,
 }
 
 /// The retry schedule while the disk is full.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub(super) struct FullState {
-    pub(super) backoff: Duration,
-    pub(super) retry_at: Option<Instant>,
+    backoff: Duration,
+    /// `Some` while full: when a probe may first end it.
+    retry_at: Option<Instant>,
     /// `group_commits` when writes last resumed: failing again before anything committed
     /// means the disk is still full, and the wait doubles.
-    pub(super) commits_at_resume: u64,
+    commits_at_resume: u64,
+}
+
+impl FullState {
+    /// Enters the full state at `now`, `commits` group commits into the run. Returns the
+    /// backoff chosen, or `None` if already full (another group in flight failed too).
+    fn enter(&mut self, now: Instant, commits: u64, t: &WalTuning) -> Option<Duration> {
+        if self.retry_at.is_some() {
+            return None;
+        }
+        self.backoff = if self.backoff.is_zero() || commits != self.commits_at_resume {
+            t.disk_full_backoff_initial
+        } else {
+            (self.backoff * 2).min(t.disk_full_backoff_max)
+        };
+        assert!(self.backoff <= t.disk_full_backoff_max.max(t.disk_full_backoff_initial));
+        self.retry_at = Some(now + self.backoff);
+        Some(self.backoff)
+    }
+
+    /// Whether a probe at `now`, seeing `free` bytes, ends the full state.
+    fn may_resume(&self, now: Instant, free: Option<u64>, t: &WalTuning) -> bool {
+        let Some(at) = self.retry_at else {
+            return false;
+        };
+        now >= at && free.is_none_or(|b| b >= t.disk_full_resume_free_bytes)
+    }
+
+    /// Leaves the full state, `commits` group commits into the run.
+    fn resume(&mut self, now: Instant, commits: u64) {
+        let at = self.retry_at.take();
+        assert!(
+            at.is_some_and(|at| now >= at),
+            "resumed before the backoff passed"
+        );
+        self.commits_at_resume = commits;
+    }
+
+    #[cfg(test)]
+    fn is_full(&self) -> bool {
+        self.retry_at.is_some()
+    }
 }
 
 /// Enters (or stays in) the disk-full state after `e`: writes are refused until the writer's
 /// probe finds space again after the backoff.
-pub(super) fn enter_disk_full(stats: &WalStats, shared: &Shared, e: &CommitError) {
+pub(super) fn enter_disk_full(stats: &WalStats, shared: &Shared, t: &WalTuning, e: &CommitError) {
+    assert!(
+        matches!(e, CommitError::DiskFull { .. }),
+        "not a full disk: {e}"
+    );
     stats.disk_full_failures.fetch_add(1, Ordering::Relaxed);
     *stats.disk_full_error.lock().expect("disk-full lock") = Some(e.clone());
     let mut f = shared.full.lock().expect("disk-full state lock");
-    if stats.disk_full.load(Ordering::Acquire) {
-        // Another group in flight failed too; the schedule is already set.
-        return;
-    }
     let commits = stats.group_commits.load(Ordering::Relaxed);
-    f.backoff = if f.backoff.is_zero() || commits != f.commits_at_resume {
-        DISK_FULL_BACKOFF_INITIAL
-    } else {
-        (f.backoff * 2).min(DISK_FULL_BACKOFF_MAX)
+    let Some(backoff) = f.enter(Instant::now(), commits, t) else {
+        assert!(
+            stats.disk_full.load(Ordering::Acquire),
+            "full state without the flag"
+        );
+        return;
     };
-    f.retry_at = Some(Instant::now() + f.backoff);
     stats.disk_full.store(true, Ordering::Release);
     tracing::error!(
         error = %e,
-        retry_in = ?f.backoff,
+        retry_in = ?backoff,
         "tier-1 disk full: the failed group was rolled back; refusing writes until space is free"
     );
+}
+
+/// Ends the disk-full state once the backoff has passed and `free()` shows space. Returns
+/// whether writes resumed. The next groups are the real test: if they fail again, the wait
+/// doubles.
+pub(super) fn try_resume(
+    stats: &WalStats,
+    shared: &Shared,
+    t: &WalTuning,
+    free: impl FnOnce() -> Option<u64>,
+) -> bool {
+    if !stats.disk_full.load(Ordering::Acquire)
+        || stats.poisoned.load(Ordering::Acquire)
+        || shared.rewind.load(Ordering::Acquire)
+    {
+        return false;
+    }
+    let mut f = shared.full.lock().expect("disk-full state lock");
+    let now = Instant::now();
+    let free = free();
+    if !f.may_resume(now, free, t) {
+        return false;
+    }
+    f.resume(now, stats.group_commits.load(Ordering::Relaxed));
+    stats.disk_full.store(false, Ordering::Release);
+    stats.disk_full_resumed.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(free_bytes = ?free, "the WAL's file system has space again; tier-1 writes resume");
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tuning() -> WalTuning {
+        WalTuning {
+            disk_full_backoff_initial: Duration::from_millis(100),
+            disk_full_backoff_max: Duration::from_millis(350),
+            disk_full_resume_free_bytes: 10,
+            ..WalTuning::default()
+        }
+    }
+
+    #[test]
+    fn backoff_doubles_while_nothing_commits_and_resets_after_a_commit() {
+        let t = tuning();
+        let mut f = FullState::default();
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        assert_eq!(f.enter(t0, 0, &t), Some(ms(100)));
+        assert_eq!(f.enter(t0, 0, &t), None, "already full");
+        assert!(!f.may_resume(t0 + ms(99), None, &t));
+        assert!(f.may_resume(t0 + ms(100), None, &t));
+        f.resume(t0 + ms(100), 0);
+        assert_eq!(f.enter(t0 + ms(101), 0, &t), Some(ms(200)));
+        f.resume(t0 + ms(301), 0);
+        assert_eq!(f.enter(t0 + ms(302), 0, &t), Some(ms(350)), "capped");
+        f.resume(t0 + ms(652), 0);
+        assert_eq!(
+            f.enter(t0 + ms(653), 1, &t),
+            Some(ms(100)),
+            "a commit resets"
+        );
+    }
+
+    #[test]
+    fn resume_needs_the_free_space_when_it_is_known() {
+        let t = tuning();
+        let mut f = FullState::default();
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(1);
+        assert!(!f.may_resume(later, None, &t), "not full");
+        f.enter(t0, 0, &t);
+        assert!(!f.may_resume(later, Some(9), &t));
+        assert!(f.may_resume(later, Some(10), &t));
+        assert!(
+            f.may_resume(later, None, &t),
+            "unknown free space: the backoff decides"
+        );
+        f.resume(later, 0);
+        assert!(!f.is_full());
+    }
+
+    #[test]
+    #[should_panic(expected = "resumed before the backoff passed")]
+    fn resuming_early_is_a_bug() {
+        let t = tuning();
+        let mut f = FullState::default();
+        let t0 = Instant::now();
+        f.enter(t0, 0, &t);
+        f.resume(t0, 0);
+    }
+
+    #[test]
+    fn the_shared_flags_follow_the_state() {
+        let t = WalTuning {
+            disk_full_backoff_initial: Duration::ZERO,
+            ..tuning()
+        };
+        let stats = WalStats::default();
+        let shared = Shared::default();
+        let e = CommitError::DiskFull {
+            path: "/x".into(),
+            detail: "full".into(),
+        };
+        enter_disk_full(&stats, &shared, &t, &e);
+        assert!(stats.disk_full().is_some());
+        assert!(!try_resume(&stats, &shared, &t, || Some(0)));
+        assert!(try_resume(&stats, &shared, &t, || Some(10)));
+        assert!(stats.disk_full().is_none());
+        assert_eq!(stats.disk_full_resumed.load(Ordering::Relaxed), 1);
+        assert_eq!(stats.disk_full_failures.load(Ordering::Relaxed), 1);
+    }
 }

@@ -80,26 +80,29 @@ mod reader;
 mod recover;
 mod writer;
 
-pub use disk_full::*;
-pub use format::*;
-pub use reader::*;
-pub use recover::*;
-use committer::*;
-use writer::*;
+pub use disk_full::{
+    DISK_FULL_BACKOFF_INITIAL, DISK_FULL_BACKOFF_MAX, DISK_FULL_RESUME_FREE_BYTES, is_disk_full,
+};
+pub use format::{
+    ENTRY_HEADER_LEN, EntryHeader, FrameError, FrameHeader, KIND_BLOCK, WAL_HEADER_LEN, WAL_MAGIC,
+    WAL_VERSION, encode_frame, frame_len, list_wal_files, list_wal_files_in, verify_frame,
+    wal_file_header, wal_file_path,
+};
+pub use reader::{WalReadError, WalReader};
+pub use recover::{Recovered, WalOpenError, recover, recover_in};
 
-use crate::catalog::{BacklogRow, BlockRow, Catalog, DeviceId, GapRow, GroupCommit, StreamId};
+use crate::catalog::{BacklogRow, Catalog, DeviceId, GapRow, StreamId};
+use crate::storage::{RealStorage, Storage};
+use committer::Committer;
+use recover::open_io;
 use std::collections::HashMap;
-use std::fs::{File, OpenOptions};
-use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
+use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime};
-use sync::segment::{FRAME_BYTES_MAX, FRAME_HEADER_LEN};
+use std::time::Duration;
 use thiserror::Error;
-
+use writer::Writer;
 
 /// Counters the writer keeps for `/metrics` and the benchmarks.
 #[derive(Debug, Default)]
@@ -351,7 +354,8 @@ impl WalHandle {
     }
 }
 
-/// Recovers the WAL in `dir` against the catalog and starts the writer thread.
+/// Recovers the WAL in `dir` against the catalog and starts the writer thread, on the real
+/// file system with the default timing.
 ///
 /// `stream_offsets` are the next hub offsets per stream as committed in the catalog. The
 /// thread stops when every [`WalHandle`] is dropped.
@@ -361,13 +365,81 @@ pub fn start(
     stream_offsets: HashMap<StreamId, u64>,
     cfg: WriterConfig,
 ) -> Result<(WalHandle, std::thread::JoinHandle<()>), WalOpenError> {
+    let env = WalEnv {
+        storage: Arc::new(RealStorage),
+        tuning: WalTuning::default(),
+    };
+    start_with(env, dir, catalog, stream_offsets, cfg)
+}
+
+/// Where the WAL keeps its files and how its threads pace themselves.
+#[derive(Debug, Clone)]
+pub struct WalEnv {
+    pub storage: Arc<dyn Storage>,
+    pub tuning: WalTuning,
+}
+
+/// The writer's timing. The defaults are the production values; simulations shorten them.
+#[derive(Debug, Clone)]
+pub struct WalTuning {
+    /// How often the writer wakes without requests: to carry out a rewind the committer asked
+    /// for and, while the disk is full, to probe for free space.
+    pub writer_tick: Duration,
+    /// How often an idle committer flushes deferred metadata (contacts, backlogs).
+    pub idle_flush: Duration,
+    pub disk_full_backoff_initial: Duration,
+    pub disk_full_backoff_max: Duration,
+    pub disk_full_resume_free_bytes: u64,
+    /// Test-only mutations, to prove the crash simulation catches the bugs they introduce.
+    #[cfg(feature = "fault-injection")]
+    pub mutation: Mutation,
+}
+
+impl Default for WalTuning {
+    fn default() -> WalTuning {
+        WalTuning {
+            writer_tick: Duration::from_millis(100),
+            idle_flush: Duration::from_secs(1),
+            disk_full_backoff_initial: DISK_FULL_BACKOFF_INITIAL,
+            disk_full_backoff_max: DISK_FULL_BACKOFF_MAX,
+            disk_full_resume_free_bytes: DISK_FULL_RESUME_FREE_BYTES,
+            #[cfg(feature = "fault-injection")]
+            mutation: Mutation::None,
+        }
+    }
+}
+
+/// A durability step left out on purpose (feature `fault-injection`, tests only).
+#[cfg(feature = "fault-injection")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mutation {
+    None,
+    /// The roll does not fsync the WAL directory: a new file's entry may be lost.
+    SkipRollDirSync,
+    /// The committer does not fsync the WAL before the catalog commit.
+    SkipCommitSync,
+}
+
+impl WalTuning {
+    /// Whether `m` is switched on (never, without the `fault-injection` feature).
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn mutated(&self, m: Mutation) -> bool {
+        self.mutation == m
+    }
+}
+
+/// As [`start`], on `env.storage` with `env.tuning`.
+pub fn start_with(
+    env: WalEnv,
+    dir: &Path,
+    catalog: Arc<Catalog>,
+    stream_offsets: HashMap<StreamId, u64>,
+    cfg: WriterConfig,
+) -> Result<(WalHandle, std::thread::JoinHandle<()>), WalOpenError> {
     let committed_end = catalog
         .wal_committed_end()
-        .map_err(|e| WalOpenError::Missing {
-            committed_end: 0,
-            what: format!("the catalog cannot be read: {e}"),
-        })?;
-    let rec = recover(dir, committed_end)?;
+        .map_err(|source| WalOpenError::Catalog { source })?;
+    let rec = recover_in(&*env.storage, dir, committed_end)?;
     if rec.dropped_bytes > 0 {
         tracing::warn!(
             bytes = rec.dropped_bytes,
@@ -380,36 +452,26 @@ pub fn start(
     let deferred = Arc::new(Mutex::new(DeferredMeta::default()));
     let (tx, rx) = mpsc::channel();
     let (written_tx, written_rx) = mpsc::sync_channel(PIPELINE_DEPTH);
-    let shared = Arc::new(Shared::default());
-    let committer = Committer {
-        catalog: catalog.clone(),
-        cfg: cfg.clone(),
-        stats: stats.clone(),
-        deferred: deferred.clone(),
-        shared: shared.clone(),
-        data_dir: dir.parent().unwrap_or(dir).to_path_buf(),
-    };
+    let shared = Arc::new(disk_full::Shared::default());
+    let committer = Committer::new(&env, &catalog, &cfg, &stats, &deferred, &shared, dir);
     let committer = std::thread::Builder::new()
         .name("wal-commit".into())
         .spawn(move || committer.run(written_rx))
         .map_err(open_io(dir))?;
-    let writer = Writer {
-        dir: dir.to_path_buf(),
-        file: Arc::new(rec.file),
-        file_first: rec.first,
-        file_len: rec.len,
-        next_offset: stream_offsets,
-        cfg,
+    let link = writer::Link {
         stats: stats.clone(),
-        last_ingest_ts: 0,
-        written: written_tx,
-        routed: Vec::new(),
-        catalog,
         shared,
-        created: Vec::new(),
-        group_offsets: HashMap::new(),
-        stop_seen: false,
+        written: written_tx,
     };
+    let writer = Writer::new(
+        env,
+        dir.to_path_buf(),
+        rec,
+        stream_offsets,
+        cfg,
+        catalog,
+        link,
+    );
     let join = std::thread::Builder::new()
         .name("wal-writer".into())
         .spawn(move || {
@@ -421,14 +483,12 @@ pub fn start(
             }
         })
         .map_err(open_io(dir))?;
-    Ok((
-        WalHandle {
-            tx,
-            stats,
-            deferred,
-        },
-        join,
-    ))
+    let handle = WalHandle {
+        tx,
+        stats,
+        deferred,
+    };
+    Ok((handle, join))
 }
 
 /// Groups written but not yet fsynced and committed that the writer may run ahead by. One is
@@ -436,8 +496,6 @@ pub fn start(
 /// a few more absorb jitter in the fsync time without holding much (metadata only: the
 /// bytes are already in the file).
 pub const PIPELINE_DEPTH: usize = 4;
-
-
 
 /// A failed write: a full disk (rolled back) or anything else (poisons).
 pub(super) fn write_error(path: &Path, e: std::io::Error) -> CommitError {
@@ -465,7 +523,7 @@ pub(super) fn fault(cfg: &WriterConfig, point: FaultPoint) -> bool {
 
 pub(super) fn request_bytes(r: &Request) -> usize {
     match r {
-        Request::Append(a) => a.block.len() + FRAME_HEADER_LEN + ENTRY_HEADER_LEN,
+        Request::Append(a) => frame_len(a.block.len()),
         Request::Gap(_) | Request::Stop => 64,
     }
 }

@@ -1,0 +1,243 @@
+//! Storage IO for the hub's tier-1 log, behind a small object-safe trait.
+//!
+//! Every byte the WAL writes, and every file it creates, rolls, truncates or removes, goes
+//! through [`Storage`], so the crash-safety argument can be tested rather than assumed:
+//! - [`RealStorage`] is `std::fs` plus `fdatasync` (`File::sync_data`) and directory fsyncs;
+//! - [`MemStorage`] keeps files in memory, tracks what is durable, and on
+//!   [`MemStorage::crash`] throws away what a power cut may throw away: unsynced bytes are
+//!   dropped, torn, or left as zeros, in any order within an fsync group, and directory
+//!   entries that were not made durable by a directory sync are lost. It also injects EIO and
+//!   ENOSPC at chosen operations, and a full disk by capacity.
+//!
+//! The model of durability is the POSIX one the WAL relies on: file contents (and length) are
+//! durable after [`StorageFile::sync`] on that file; a new, renamed or removed directory entry
+//! is durable only after [`Storage::sync_dir`] on its parent. Directories themselves are
+//! assumed to exist once created (the hub creates its data directory at open).
+//!
+//! The SQLite catalog is not behind this trait: it stays on real files, and SQLite with
+//! `synchronous=FULL` keeps a committed transaction and drops an uncommitted one.
+
+mod mem;
+
+pub use mem::{CrashInfo, CrashMode, Fault, FaultError, MemStorage};
+
+use std::fmt;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The kind of a storage operation, for fault injection and crash accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpKind {
+    Create,
+    Open,
+    Append,
+    WriteAt,
+    Sync,
+    Truncate,
+    Rename,
+    Remove,
+    CreateDir,
+    SyncDir,
+}
+
+/// An open file. Shared between the WAL's writer (which appends) and its committer (which
+/// syncs), so every method takes `&self`.
+pub trait StorageFile: Send + Sync + fmt::Debug {
+    /// Appends all of `data` at the end of the file.
+    fn append(&self, data: &[u8]) -> io::Result<()>;
+    /// Writes `data` at `pos` (the WAL rewrites a file header in place).
+    fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()>;
+    /// Makes the file's bytes and length durable (`fdatasync`).
+    fn sync(&self) -> io::Result<()>;
+    /// Cuts (or extends) the file to `len` bytes. Not durable until [`StorageFile::sync`].
+    fn set_len(&self, len: u64) -> io::Result<()>;
+    /// Reads exactly `buf.len()` bytes at `pos`.
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()>;
+    /// The current length, including bytes not yet durable.
+    fn len(&self) -> u64;
+    /// True when the file is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The file operations the hub's tier-1 log needs. Object safe, shared between threads.
+pub trait Storage: Send + Sync + fmt::Debug {
+    /// Creates `path` empty (truncating an existing file), open for reading and appending.
+    /// The entry is durable after [`Storage::sync_dir`] of the parent.
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>>;
+    /// Opens an existing file for reading and appending at its end.
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>>;
+    /// Cuts a file to `len` bytes, without syncing.
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()>;
+    /// Renames a file, replacing `to`. Durable after `sync_dir` of both parents.
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Removes a file. Durable after `sync_dir` of its parent.
+    fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Creates a directory and its parents.
+    fn create_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Makes the directory's entries durable.
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Reads a whole file.
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// The names of the files in a directory, sorted.
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// Bytes available to unprivileged writers on the file system holding `dir`, when known.
+    fn free_bytes(&self, dir: &Path) -> Option<u64>;
+}
+
+/// The real file system.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct RealStorage;
+
+impl RealStorage {
+    /// A shared handle, as the WAL takes it.
+    pub fn shared() -> Arc<dyn Storage> {
+        Arc::new(RealStorage)
+    }
+}
+
+/// A real file with its length tracked, so appends need no seek (`pwrite` at the end).
+#[derive(Debug)]
+struct RealFile {
+    file: File,
+    len: AtomicU64,
+}
+
+impl RealFile {
+    fn new(file: File) -> io::Result<Arc<dyn StorageFile>> {
+        let len = AtomicU64::new(file.metadata()?.len());
+        Ok(Arc::new(RealFile { file, len }))
+    }
+
+    /// After a failed write the length is whatever reached the file.
+    fn refresh_len(&self) {
+        if let Ok(m) = self.file.metadata() {
+            self.len.store(m.len(), Ordering::Release);
+        }
+    }
+}
+
+impl StorageFile for RealFile {
+    fn append(&self, data: &[u8]) -> io::Result<()> {
+        let at = self.len.load(Ordering::Acquire);
+        if let Err(e) = self.file.write_all_at(data, at) {
+            self.refresh_len();
+            return Err(e);
+        }
+        self.len.store(at + data.len() as u64, Ordering::Release);
+        Ok(())
+    }
+    fn write_at(&self, data: &[u8], pos: u64) -> io::Result<()> {
+        let r = self.file.write_all_at(data, pos);
+        self.refresh_len();
+        r
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+    fn set_len(&self, len: u64) -> io::Result<()> {
+        self.file.set_len(len)?;
+        self.len.store(len, Ordering::Release);
+        Ok(())
+    }
+    fn read_at(&self, buf: &mut [u8], pos: u64) -> io::Result<()> {
+        self.file.read_exact_at(buf, pos)
+    }
+    fn len(&self) -> u64 {
+        self.len.load(Ordering::Acquire)
+    }
+}
+
+fn open_rw(path: &Path, create: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(create)
+        .truncate(create)
+        .open(path)
+}
+
+impl Storage for RealStorage {
+    fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        RealFile::new(open_rw(path, true)?)
+    }
+    fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
+        RealFile::new(open_rw(path, false)?)
+    }
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+        open_rw(path, false)?.set_len(len)
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        fs::rename(from, to)
+    }
+    fn remove(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+    fn create_dir(&self, dir: &Path) -> io::Result<()> {
+        fs::create_dir_all(dir)
+    }
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        fs::read(path)
+    }
+    fn list(&self, dir: &Path) -> io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            if entry.file_type()?.is_file() {
+                names.push(entry.file_name().to_string_lossy().into_owned());
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+    fn free_bytes(&self, dir: &Path) -> Option<u64> {
+        statvfs_free(dir)
+    }
+}
+
+/// Bytes available to unprivileged writers on the file system holding `dir`.
+#[allow(unsafe_code)]
+fn statvfs_free(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `statvfs` is plain old data; all-zero bytes are a valid value.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `path` is a valid NUL-terminated string and `st` a properly sized out-parameter.
+    let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+    (rc == 0).then(|| st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_file_appends_at_its_tracked_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = RealStorage;
+        let path = dir.path().join("f");
+        let f = s.create(&path).unwrap();
+        f.append(b"hello ").unwrap();
+        f.append(b"world").unwrap();
+        f.set_len(5).unwrap();
+        f.append(b"!").unwrap();
+        f.sync().unwrap();
+        s.sync_dir(dir.path()).unwrap();
+        assert_eq!(s.read(&path).unwrap(), b"hello!");
+        let g = s.open(&path).unwrap();
+        assert_eq!(g.len(), 6);
+        let mut buf = [0u8; 2];
+        g.read_at(&mut buf, 4).unwrap();
+        assert_eq!(&buf, b"o!");
+        assert_eq!(s.list(dir.path()).unwrap(), vec!["f".to_string()]);
+        assert!(s.free_bytes(dir.path()).is_some());
+    }
+}
