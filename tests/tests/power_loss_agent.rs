@@ -70,7 +70,8 @@ enum Answer {
 #[derive(Debug, Default)]
 struct Seen {
     ledger: Ledger,
-    acked: Vec<(Batch, IngestAck)>,
+    /// Each acknowledged batch, its answer, and whether a retry gave that answer.
+    acked: Vec<(Batch, IngestAck, bool)>,
     abandoned: Vec<Batch>,
     /// Requests a cut left without an answer.
     lost: u64,
@@ -279,7 +280,7 @@ fn acked(seen: &Mutex<Seen>, batch: &Batch, ack: IngestAck, retried: bool) -> Re
     let mut seen = seen.lock().unwrap();
     seen.ledger.record_ack(DEVICE, &ack, &batch.records)?;
     seen.retried += u64::from(retried);
-    seen.acked.push((batch.clone(), ack));
+    seen.acked.push((batch.clone(), ack, retried));
     Ok(())
 }
 
@@ -312,7 +313,7 @@ fn resend(addr: SocketAddr, batch: &Batch, first: &IngestAck, seen: &Mutex<Seen>
 
 /// Every acknowledged key once more, after all the cuts: each a replay with the original seqs.
 fn check_replays(spec: &AgentSpec, seen: &mut Seen) -> Result<()> {
-    for (batch, first) in &seen.acked {
+    for (batch, first, _) in &seen.acked {
         match post(spec.http, batch) {
             Answer::Stored { ack, replayed } if ack == *first && replayed => {}
             Answer::Stored { ack, replayed } => seen.errors.push(format!(
@@ -383,6 +384,35 @@ fn torn_batches(seen: &Seen, observed: &[ObservedRecord]) -> Vec<String> {
         .collect()
 }
 
+/// Acknowledged batches with records missing, and whether their answer came from a retry
+/// (the first post's answer lost to a cut): says which path lost them.
+fn incomplete_acked(seen: &Seen, observed: &[ObservedRecord]) -> Vec<String> {
+    let held: std::collections::HashSet<(u64, u64)> =
+        observed.iter().map(|r| (r.epoch, r.seq)).collect();
+    seen.acked
+        .iter()
+        .filter_map(|(batch, ack, retried)| {
+            let missing = (ack.first_seq..=ack.last_seq)
+                .filter(|seq| !held.contains(&(ack.epoch, *seq)))
+                .count();
+            let how = if *retried {
+                "answered to a retry after a cut took the first answer"
+            } else {
+                "answered to its first post"
+            };
+            (missing > 0).then(|| {
+                format!(
+                    "acknowledged batch {} ({} records, seqs {}..={}, {how}): {missing} missing",
+                    batch.key,
+                    batch.records.len(),
+                    ack.first_seq,
+                    ack.last_seq
+                )
+            })
+        })
+        .collect()
+}
+
 fn report(
     seed: u64,
     fs: &FaultFs,
@@ -410,6 +440,7 @@ fn report(
         failures.push(check.summary());
     }
     failures.extend(torn_batches(seen, observed));
+    failures.extend(incomplete_acked(seen, observed));
     if counts.faults() == 0 || landed == 0 {
         failures.push("no power cut found unsynced state to lose".into());
     }
