@@ -156,6 +156,10 @@ pub struct StreamPolicy {
 /// When a stream's segments split and merge (see `crate::streams` and docs/streams.md).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScalePolicy {
+    /// The most memory one block's records may take once decoded (their decoded size, see
+    /// `sync::decoded`, computed before decoding). Applies to blocks devices send and to blocks
+    /// already stored: a stored block over it is quarantined instead of decoded.
+    pub block_decoded_bytes_max: u64,
     /// Target records/s per segment; `None` when only bytes count.
     pub target_records_per_s: Option<u64>,
     /// Target bytes/s per segment (tier-1 block bytes); `None` when only records count.
@@ -377,6 +381,7 @@ impl HubConfig {
         let built = builder
             .add_source(environment)
             .build()
+    pub block_decoded_bytes_max: Option<String>,
             .map_err(|e| ConfigError::Read(e.to_string()))?;
         let raw: RawConfig = built
             .try_deserialize()
@@ -476,6 +481,8 @@ fn parse_addr(key: &str, s: &str) -> Result<SocketAddr, ConfigError> {
 
 fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
     let need = |v: Option<String>, key: &str| {
+/// Default largest decoded size of one block's records.
+pub const DEFAULT_BLOCK_DECODED_BYTES_MAX: u64 = sync::block::DECODED_BYTES_MAX_DEFAULT;
         v.map(PathBuf::from)
             .ok_or_else(|| ConfigError::key(key, "is required when [tls] is present"))
     };
@@ -602,6 +609,7 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
 }
 
 fn parse_wal(raw: &RawWal) -> Result<WalConfig, ConfigError> {
+            decoded_bytes_max: self.ingest.block_decoded_bytes_max,
     let segment_bytes_max = opt_bytes(
         "wal.segment_bytes_max",
         raw.segment_bytes_max.as_deref(),
@@ -821,6 +829,17 @@ fn opt_u32_bytes(key: &str, s: Option<&str>, default: u32) -> Result<u32, Config
     let n = opt_bytes(key, s, u64::from(default))?;
     u32::try_from(n).map_err(|_| ConfigError::key(key, "must be below 4GiB"))
 }
+    let block_decoded_bytes_max = opt_bytes(
+        "ingest.block_decoded_bytes_max",
+        raw.block_decoded_bytes_max.as_deref(),
+        DEFAULT_BLOCK_DECODED_BYTES_MAX,
+    )?;
+    if block_decoded_bytes_max < 1024 {
+        return Err(ConfigError::key(
+            "ingest.block_decoded_bytes_max",
+            "must be at least 1KiB",
+        ));
+    }
 
 /// Parses `512MiB`, `16 MiB`, `64KiB`, `2GB`, `1024` (bytes).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -838,6 +857,7 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "TiB" => 1 << 40,
         "kB" | "KB" => 1_000,
         "MB" => 1_000_000,
+        block_decoded_bytes_max,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
         other => {
