@@ -134,6 +134,10 @@ pub struct IngestConfig {
     pub block_raw_bytes_max: u32,
     /// The most records one block may hold.
     pub records_per_block_max: u32,
+    /// The most memory one block's records may take once decoded (their decoded size, see
+    /// `sync::decoded`, computed before decoding). Applies to blocks devices send and to blocks
+    /// already stored: a stored block over it is quarantined instead of decoded.
+    pub block_decoded_bytes_max: u64,
     /// The most streams one connection may announce.
     pub streams_per_connection_max: NonZeroU32,
 }
@@ -156,10 +160,6 @@ pub struct StreamPolicy {
 /// When a stream's segments split and merge (see `crate::streams` and docs/streams.md).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScalePolicy {
-    /// The most memory one block's records may take once decoded (their decoded size, see
-    /// `sync::decoded`, computed before decoding). Applies to blocks devices send and to blocks
-    /// already stored: a stored block over it is quarantined instead of decoded.
-    pub block_decoded_bytes_max: u64,
     /// Target records/s per segment; `None` when only bytes count.
     pub target_records_per_s: Option<u64>,
     /// Target bytes/s per segment (tier-1 block bytes); `None` when only records count.
@@ -288,6 +288,7 @@ pub struct RawIngest {
     pub block_bytes_max: Option<String>,
     pub block_raw_bytes_max: Option<String>,
     pub records_per_block_max: Option<u64>,
+    pub block_decoded_bytes_max: Option<String>,
     pub streams_per_connection_max: Option<u64>,
 }
 
@@ -337,6 +338,8 @@ pub const DEFAULT_BLOCK_BYTES_MAX: u32 = 16 << 20;
 pub const DEFAULT_BLOCK_RAW_BYTES_MAX: u32 = 64 << 20;
 /// Default most records per block.
 pub const DEFAULT_RECORDS_PER_BLOCK_MAX: u32 = 1 << 20;
+/// Default largest decoded size of one block's records.
+pub const DEFAULT_BLOCK_DECODED_BYTES_MAX: u64 = sync::block::DECODED_BYTES_MAX_DEFAULT;
 /// Default most streams per connection.
 pub const DEFAULT_STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
@@ -381,7 +384,6 @@ impl HubConfig {
         let built = builder
             .add_source(environment)
             .build()
-    pub block_decoded_bytes_max: Option<String>,
             .map_err(|e| ConfigError::Read(e.to_string()))?;
         let raw: RawConfig = built
             .try_deserialize()
@@ -466,6 +468,7 @@ impl HubConfig {
             raw_bytes_max: self.ingest.block_raw_bytes_max,
             records_max: self.ingest.records_per_block_max,
             body_bytes_max: self.ingest.block_bytes_max,
+            decoded_bytes_max: self.ingest.block_decoded_bytes_max,
         }
     }
 }
@@ -481,8 +484,6 @@ fn parse_addr(key: &str, s: &str) -> Result<SocketAddr, ConfigError> {
 
 fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
     let need = |v: Option<String>, key: &str| {
-/// Default largest decoded size of one block's records.
-pub const DEFAULT_BLOCK_DECODED_BYTES_MAX: u64 = sync::block::DECODED_BYTES_MAX_DEFAULT;
         v.map(PathBuf::from)
             .ok_or_else(|| ConfigError::key(key, "is required when [tls] is present"))
     };
@@ -609,7 +610,6 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
 }
 
 fn parse_wal(raw: &RawWal) -> Result<WalConfig, ConfigError> {
-            decoded_bytes_max: self.ingest.block_decoded_bytes_max,
     let segment_bytes_max = opt_bytes(
         "wal.segment_bytes_max",
         raw.segment_bytes_max.as_deref(),
@@ -681,6 +681,17 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
                     "must be between 1 and 4294967295",
                 )
             })?;
+    let block_decoded_bytes_max = opt_bytes(
+        "ingest.block_decoded_bytes_max",
+        raw.block_decoded_bytes_max.as_deref(),
+        DEFAULT_BLOCK_DECODED_BYTES_MAX,
+    )?;
+    if block_decoded_bytes_max < 1024 {
+        return Err(ConfigError::key(
+            "ingest.block_decoded_bytes_max",
+            "must be at least 1KiB",
+        ));
+    }
     let streams = raw
         .streams_per_connection_max
         .unwrap_or(u64::from(DEFAULT_STREAMS_PER_CONNECTION_MAX));
@@ -698,6 +709,7 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
         block_bytes_max,
         block_raw_bytes_max,
         records_per_block_max,
+        block_decoded_bytes_max,
         streams_per_connection_max,
     })
 }
@@ -829,17 +841,6 @@ fn opt_u32_bytes(key: &str, s: Option<&str>, default: u32) -> Result<u32, Config
     let n = opt_bytes(key, s, u64::from(default))?;
     u32::try_from(n).map_err(|_| ConfigError::key(key, "must be below 4GiB"))
 }
-    let block_decoded_bytes_max = opt_bytes(
-        "ingest.block_decoded_bytes_max",
-        raw.block_decoded_bytes_max.as_deref(),
-        DEFAULT_BLOCK_DECODED_BYTES_MAX,
-    )?;
-    if block_decoded_bytes_max < 1024 {
-        return Err(ConfigError::key(
-            "ingest.block_decoded_bytes_max",
-            "must be at least 1KiB",
-        ));
-    }
 
 /// Parses `512MiB`, `16 MiB`, `64KiB`, `2GB`, `1024` (bytes).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -857,7 +858,6 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "TiB" => 1 << 40,
         "kB" | "KB" => 1_000,
         "MB" => 1_000_000,
-        block_decoded_bytes_max,
         "GB" => 1_000_000_000,
         "TB" => 1_000_000_000_000,
         other => {

@@ -116,14 +116,14 @@ pub enum IngestError {
         key: String,
         prefix: String,
     },
-    /// The block's records would take more than `ingest.block_decoded_bytes_max` once decoded.
-    /// On the wire this is `DECODED_TOO_LARGE`.
-    #[error("block decodes to {size} bytes of records, more than the {limit}-byte limit")]
-    DecodedTooLarge { size: u64, limit: u64 },
     #[error("block of {len} bytes exceeds the {limit}-byte limit")]
     TooLarge { len: usize, limit: usize },
     #[error("bad block: {0}")]
     BadBlock(String),
+    /// The block's records would take more than `ingest.block_decoded_bytes_max` once decoded.
+    /// On the wire this is `DECODED_TOO_LARGE`.
+    #[error("block decodes to {size} bytes of records, more than the {limit}-byte limit")]
+    DecodedTooLarge { size: u64, limit: u64 },
     #[error("seq 0 is reserved; seqs start at 1")]
     ReservedSeq,
     #[error("bad gap range {first}..={last}")]
@@ -229,6 +229,11 @@ pub struct IngestStats {
     pub blocks_committed: AtomicU64,
     pub records_committed: AtomicU64,
     pub bytes_committed: AtomicU64,
+    pub duplicates: AtomicU64,
+    pub trimmed_blocks: AtomicU64,
+    pub conflicts: AtomicU64,
+    pub rejected: AtomicU64,
+    pub gaps: AtomicU64,
     /// Blocks refused because their records would exceed `ingest.block_decoded_bytes_max`.
     pub decoded_too_large: AtomicU64,
     /// Stored blocks a reader found over the limits or undecodable, and quarantined
@@ -236,11 +241,6 @@ pub struct IngestStats {
     pub stored_quarantined: AtomicU64,
     /// Reads of stored blocks refused for the same reasons, quarantined or not.
     pub stored_refused: AtomicU64,
-    pub duplicates: AtomicU64,
-    pub trimmed_blocks: AtomicU64,
-    pub conflicts: AtomicU64,
-    pub rejected: AtomicU64,
-    pub gaps: AtomicU64,
 }
 
 /// The content checksum of consecutive records starting at `first_seq`: the protocol's
@@ -392,9 +392,9 @@ struct Names {
 pub struct Hub {
     policy: StreamPolicy,
     limits: DecodeLimits,
+    data_dir: std::path::PathBuf,
     block_bytes_max: usize,
     catalog: Arc<Catalog>,
-    data_dir: std::path::PathBuf,
     wal: WalHandle,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     reader: WalReader,
@@ -651,10 +651,10 @@ impl Hub {
             source,
         })?;
         let lock = lock_data_dir(&cfg.data_dir)?;
-        let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
-        let streams = catalog.streams()?;
         // Readers skip what an earlier run quarantined from the first read on.
         crate::scrub::install_quarantine(&cfg.data_dir);
+        let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
+        let streams = catalog.streams()?;
         let offsets = streams.iter().map(|s| (s.id, s.next_offset)).collect();
         // Before the writer starts, so the readable ends it loads are the committed ends.
         let streams_mgr = crate::streams::StreamManager::open(catalog.clone(), &cfg.streams)?;
@@ -692,9 +692,9 @@ impl Hub {
         Ok(Arc::new(Hub {
             policy: cfg.streams.clone(),
             limits: cfg.decode_limits(),
+            data_dir: cfg.data_dir.clone(),
             block_bytes_max: cfg.ingest.block_bytes_max as usize,
             catalog,
-            data_dir: cfg.data_dir.clone(),
             wal,
             writer: Mutex::new(Some(join)),
             reader: WalReader::new(&cfg.wal_dir()),
@@ -1267,10 +1267,6 @@ impl Hub {
     async fn size(&self, block: &[u8]) -> Result<block::SizedBlock, IngestError> {
         let owned = block.to_vec();
         let limits = self.limits;
-        let pool = self.record_pool.clone();
-        let task = tokio::task::spawn_blocking(move || {
-            let mut records = PooledRecords {
-                v: pool.take(),
         let sized = tokio::task::spawn_blocking(move || block::size_block(&owned, &limits))
             .await
             .map_err(|e| IngestError::Internal(e.to_string()))?;
@@ -1286,6 +1282,10 @@ impl Hub {
     /// Step 3b: build the records of a sized block on a blocking thread.
     async fn decode(&self, block: &[u8], sized: block::SizedBlock) -> Result<Decoded, IngestError> {
         let owned = block.to_vec();
+        let pool = self.record_pool.clone();
+        let task = tokio::task::spawn_blocking(move || {
+            let mut records = PooledRecords {
+                v: pool.take(),
                 pool,
             };
             let h = sized.decode_into(&mut records.v)?;
@@ -1634,10 +1634,6 @@ impl Hub {
     pub fn decode_limits(&self) -> DecodeLimits {
         self.limits
     }
-}
-
-impl Hub {
-    /// Stops the WAL writer after what is already queued, and waits for it. Later commits
 
     /// The limits for blocks already stored: the format's maxima for the sizes checked when
     /// they arrived (reading them back must not fail because an operator lowered those since),
@@ -1656,6 +1652,10 @@ impl Hub {
     pub fn data_dir(&self) -> &std::path::Path {
         &self.data_dir
     }
+}
+
+impl Hub {
+    /// Stops the WAL writer after what is already queued, and waits for it. Later commits
     /// fail with `unavailable`. Dropping the hub does the same.
     pub fn shutdown(&self) {
         self.streams.stop();
@@ -1740,11 +1740,11 @@ mod tests {
             IngestError::Unauthorized(String::new()),
             IngestError::TooLarge { len: 0, limit: 0 },
             IngestError::BadBlock(String::new()),
+            IngestError::DecodedTooLarge { size: 0, limit: 0 },
             IngestError::ReservedSeq,
             IngestError::BadGap { first: 0, last: 0 },
             IngestError::OutOfOrder { expected: 0 },
             IngestError::Conflict {
-            IngestError::DecodedTooLarge { size: 0, limit: 0 },
                 first_seq: 0,
                 last_seq: 0,
             },

@@ -214,6 +214,7 @@ fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
     r.decode_limits.body_bytes_max = cfg.ingest.block_bytes_max;
     r.decode_limits.raw_bytes_max = cfg.ingest.block_raw_bytes_max;
     r.decode_limits.records_max = cfg.ingest.records_per_block_max;
+    r.decode_limits.decoded_bytes_max = cfg.ingest.block_decoded_bytes_max;
     r.frame_bytes_max = cfg.ingest.block_bytes_max.saturating_add(1 << 16);
     r.lanes_max = cfg.ingest.streams_per_connection_max.get() as usize;
     // One connection never holds more than a quarter of the global ingest budget.
@@ -221,7 +222,6 @@ fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
         .window_bytes
         .min(cfg.ingest.memory_bytes_max / 4)
         .max(1 << 20);
-    r.decode_limits.decoded_bytes_max = cfg.ingest.block_decoded_bytes_max;
     r
 }
 
@@ -370,6 +370,14 @@ async fn read_data(
     }
 }
 
+/// Takes `bytes` of the ingest budget if it is free now.
+fn try_reserve(hub: &Hub, bytes: u64) -> Option<OwnedSemaphorePermit> {
+    let permits = bytes.div_ceil(crate::ingest::MEMORY_PERMIT_BYTES).max(1);
+    u32::try_from(permits)
+        .ok()
+        .and_then(|n| hub.memory().clone().try_acquire_many_owned(n).ok())
+}
+
 /// Waits for the oldest data stream's result; pending while there is none.
 async fn next_data(ahead: &mut std::collections::VecDeque<tokio::task::JoinHandle<Data>>) -> Data {
     match ahead.front_mut() {
@@ -395,14 +403,6 @@ impl ConnCtx {
 /// The device id from the verified client certificate.
 fn peer_device(conn: &quinn::Connection) -> Result<String, String> {
     let identity = conn.peer_identity().ok_or("no client certificate")?;
-/// Takes `bytes` of the ingest budget if it is free now.
-fn try_reserve(hub: &Hub, bytes: u64) -> Option<OwnedSemaphorePermit> {
-    let permits = bytes.div_ceil(crate::ingest::MEMORY_PERMIT_BYTES).max(1);
-    u32::try_from(permits)
-        .ok()
-        .and_then(|n| hub.memory().clone().try_acquire_many_owned(n).ok())
-}
-
     let certs = identity
         .downcast::<Vec<CertificateDer<'static>>>()
         .map_err(|_| "unexpected peer identity type".to_string())?;
@@ -616,6 +616,7 @@ fn error_code(e: &IngestError) -> ErrorCode {
         | IngestError::Unauthorized(_)
         | IngestError::ForbiddenKey { .. } => ErrorCode::UnauthorizedStream,
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
+        IngestError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,
         IngestError::BadDeviceId | IngestError::ReservedSeq | IngestError::BadGap { .. } => {
             ErrorCode::ProtocolViolation
         }
@@ -676,7 +677,6 @@ async fn handle_event(
             item,
         } => commit(ctx, device, stream, epoch, item, done).await,
         ReceiverEvent::Backlog { entries, .. } => record_backlog(ctx, device, &entries, announced),
-        IngestError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,
         ReceiverEvent::Fenced {
             stream,
             epoch,
@@ -694,6 +694,10 @@ async fn handle_event(
             ctx.hub.fence(device, &reason);
         }
         ReceiverEvent::Closed(reason) => {
+            if !reason.by_peer && reason.code == ErrorCode::DecodedTooLarge {
+                let counter = &ctx.hub.stats().decoded_too_large;
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             if reason.by_peer {
                 tracing::info!(%device, code = ?reason.code, message = %reason.message, "device closed the session");
             } else {
@@ -754,10 +758,6 @@ fn load_marks(
         }
     }
     Ok(out)
-            if !reason.by_peer && reason.code == ErrorCode::DecodedTooLarge {
-                let counter = &ctx.hub.stats().decoded_too_large;
-                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
 }
 
 /// Gap ranges the hub committed for a lane, ending at or after `from`.
