@@ -3,7 +3,7 @@
 //! - `GET /healthz`: `ok`, or 503 with the reason while the tier-1 log is poisoned or its disk
 //!   is full (naming the path). Always open. Quarantined
 //!   tier-1 blocks and tier-2 objects are listed after the `ok` ([`crate::scrub::health_detail`]).
-//! - `GET /metrics`: Prometheus text ([`crate::metrics`]). Always open.
+//! - `GET /metrics`: Prometheus text ([`crate::metrics`], and the HTTP limits' counters).
 //! - `GET /v1/streams`: JSON list of streams with their next hub offset (= records committed).
 //! - `GET /v1/streams/{s}/records?from=start|<hub offset>|<RFC 3339>|<cut>&limit=N&key=K&follow=true`:
 //!   NDJSON, one committed record per line in hub offset order (see
@@ -21,10 +21,22 @@
 //!   is required). See `docs/completeness.md`.
 //! - `GET /`: the operator status page ([`crate::status`]).
 //!
-//! When `http.reader_tokens` is set, every `/v1/` route and `/` need `Authorization: Bearer
-//! <token>` (`/` also takes `?token=` so that a browser can open it).
+//! Tokens (`Authorization: Bearer <token>`), checked before a byte of a body is read:
+//! - `http.reader_tokens`: every `/v1/` read route, the reader-group routes, and `/` (which also
+//!   takes `?token=` so that a browser can open it). An admin token also reads.
+//! - `http.admin_tokens`: mutations (`POST /v1/devices/{id}/retire`). Once any reader or admin
+//!   token is configured, a mutation needs an admin token: without one configured, mutations are
+//!   refused (403) rather than left to the reader tokens.
+//! - `http.metrics_token`: `/metrics` (an admin token also works). Without it, `/metrics` needs a
+//!   reader token when reader tokens are set (it names every device), and is open otherwise.
+//! - `/healthz` is always open.
+//!
+//! With no token configured at all, everything is open to clients that pass the Host/Origin
+//! check ([`crate::http_limits::check_host`]): a web page cannot post here across origins.
 
 use crate::completeness::{CompletenessConfig, CompletenessError, Tracker, parse_time};
+use crate::config::HttpConfig;
+use crate::http_limits::{self, HttpGuard, bearer_matches};
 use crate::ingest::Hub;
 use axum::Router;
 use axum::extract::{Path, Query, Request, State};
@@ -45,8 +57,68 @@ pub const NEXT_OFFSET_HEADER: &str = "x-tributary-next-offset";
 #[derive(Clone)]
 struct AppState {
     hub: Arc<Hub>,
-    tokens: Arc<Vec<String>>,
+    tokens: Arc<Tokens>,
     tracker: Arc<Tracker>,
+    guard: Arc<HttpGuard>,
+}
+
+/// The configured tokens, by what they open.
+#[derive(Debug, Default)]
+struct Tokens {
+    reader: Vec<String>,
+    admin: Vec<String>,
+    metrics: Option<String>,
+}
+
+/// What a route needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Metrics,
+    Reader,
+    Admin,
+}
+
+impl Tokens {
+    fn none(&self) -> bool {
+        self.reader.is_empty() && self.admin.is_empty()
+    }
+
+    /// `Ok` when `headers` (or, on `/`, `query`) may use a route that needs `role`.
+    fn check(&self, role: Role, headers: &HeaderMap, query: Option<&str>) -> Result<(), Refusal> {
+        let admin = || bearer_matches(headers, self.admin.iter().map(String::as_str));
+        let reader = || admin() || bearer_matches(headers, self.reader.iter().map(String::as_str));
+        let ok = match role {
+            Role::Metrics => match &self.metrics {
+                Some(m) => admin() || bearer_matches(headers, [m.as_str()]),
+                None => self.none() || reader(),
+            },
+            Role::Reader => self.none() || reader() || query.is_some_and(|q| self.query_ok(q)),
+            Role::Admin if self.none() => true,
+            Role::Admin if self.admin.is_empty() => return Err(Refusal::NoAdminToken),
+            Role::Admin => admin(),
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Refusal::Token(role))
+        }
+    }
+
+    /// `?token=` on the status page, for browsers.
+    fn query_ok(&self, query: &str) -> bool {
+        let tokens = || self.reader.iter().chain(&self.admin);
+        query
+            .split('&')
+            .filter_map(|kv| kv.strip_prefix("token="))
+            .any(|given| tokens().any(|t| constant_time_eq(t.as_bytes(), given.as_bytes())))
+    }
+}
+
+/// Why a request was refused before its handler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Refusal {
+    Token(Role),
+    NoAdminToken,
 }
 
 /// Builds the router with the default `[completeness]` settings. `reader_tokens` empty means
@@ -55,87 +127,135 @@ pub fn router(hub: Arc<Hub>, reader_tokens: Vec<String>) -> Router {
     router_with(hub, reader_tokens, CompletenessConfig::default())
 }
 
-/// Builds the router.
+/// Builds the router with reader tokens only and the default HTTP limits.
 pub fn router_with(
     hub: Arc<Hub>,
     reader_tokens: Vec<String>,
     completeness: CompletenessConfig,
 ) -> Router {
+    let http = HttpConfig {
+        reader_tokens,
+        ..HttpConfig::default()
+    };
+    let guard = guard(&http);
+    router_for(hub, &http, completeness, guard)
+}
+
+/// The limits and counters of the API server configured by `http`; pass the same guard to
+/// [`router_for`] and [`serve_with`].
+pub fn guard(http: &HttpConfig) -> Arc<HttpGuard> {
+    HttpGuard::new(http.limits.clone(), http_limits::text_error)
+}
+
+/// Builds the router: tokens from `http`, limits and counters from `guard`.
+pub fn router_for(
+    hub: Arc<Hub>,
+    http: &HttpConfig,
+    completeness: CompletenessConfig,
+    guard: Arc<HttpGuard>,
+) -> Router {
     let state = AppState {
         hub,
-        tokens: Arc::new(reader_tokens),
+        tokens: Arc::new(Tokens {
+            reader: http.reader_tokens.clone(),
+            admin: http.admin_tokens.clone(),
+            metrics: http.metrics_token.clone(),
+        }),
         tracker: Arc::new(Tracker::new(completeness)),
+        guard: guard.clone(),
     };
-    let v1 = Router::new()
+    let reader = Router::new()
         .route("/", get(status_page))
         .route("/v1/streams", get(streams))
         .merge(crate::streams::api::routes(state.hub.clone()))
         .route("/v1/streams/{stream}", get(stream_detail))
         .route("/v1/streams/{stream}/completeness", get(completeness_route))
-        .route("/v1/devices", get(devices))
-        .route("/v1/devices/{device}/retire", post(retire))
-        .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
+        .route("/v1/devices", get(devices));
+    let admin = Router::new().route("/v1/devices/{device}/retire", post(retire));
+    let scrape = Router::new().route("/metrics", get(metrics));
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/metrics", get(metrics))
-        .merge(v1)
+        .merge(protect(scrape, &state, Role::Metrics))
+        .merge(protect(reader, &state, Role::Reader))
+        .merge(protect(admin, &state, Role::Admin))
+        .layer(middleware::from_fn_with_state(
+            guard,
+            http_limits::check_host,
+        ))
         .with_state(state)
 }
 
-/// Serves `router` on `listener` until `shutdown` completes.
+/// `routes` behind the token check for `role`, which runs before the body is read.
+fn protect(routes: Router<AppState>, state: &AppState, role: Role) -> Router<AppState> {
+    routes
+        .route_layer(middleware::from_fn_with_state(
+            state.guard.clone(),
+            http_limits::read_body,
+        ))
+        .route_layer(middleware::from_fn_with_state(
+            (state.clone(), role),
+            require_token,
+        ))
+}
+
+/// Serves `router` on `listener` with the default HTTP limits until `shutdown` completes.
+/// The accept loop's counters are not those on the router's `/metrics`: use [`serve_with`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
+    let guard = guard(&HttpConfig::default());
+    serve_with(listener, router, guard, shutdown).await
 }
 
-async fn require_token(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if st.tokens.is_empty()
-        || bearer_ok(req.headers(), &st.tokens)
-        || (req.uri().path() == "/" && query_token_ok(req.uri().query(), &st.tokens))
-    {
-        return next.run(req).await;
-    }
-    let mut resp = (
-        StatusCode::UNAUTHORIZED,
-        "a reader bearer token is required\n",
-    )
-        .into_response();
+/// Serves `router` on `listener` under `guard`'s limits until `shutdown` completes.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    guard: Arc<HttpGuard>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    http_limits::serve(listener, router, guard, shutdown).await
+}
+
+async fn require_token(
+    State((st, role)): State<(AppState, Role)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let query = (req.uri().path() == "/")
+        .then(|| req.uri().query())
+        .flatten();
+    let refusal = match st.tokens.check(role, req.headers(), query) {
+        Ok(()) => return next.run(req).await,
+        Err(r) => r,
+    };
+    st.guard.stats.unauthorized();
+    let (status, msg) = match refusal {
+        Refusal::NoAdminToken => (
+            StatusCode::FORBIDDEN,
+            "this is a mutation, and no admin token is configured: set http.admin_tokens\n",
+        ),
+        Refusal::Token(Role::Admin) => (
+            StatusCode::UNAUTHORIZED,
+            "an admin bearer token is required\n",
+        ),
+        Refusal::Token(Role::Metrics) => (
+            StatusCode::UNAUTHORIZED,
+            "a metrics (or reader) bearer token is required\n",
+        ),
+        Refusal::Token(Role::Reader) => (
+            StatusCode::UNAUTHORIZED,
+            "a reader bearer token is required\n",
+        ),
+    };
+    let mut resp = (status, msg).into_response();
     resp.headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
     resp
-}
-
-fn bearer_ok(headers: &HeaderMap, tokens: &[String]) -> bool {
-    let Some(value) = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-    else {
-        return false;
-    };
-    let Some(given) = value.strip_prefix("Bearer ") else {
-        return false;
-    };
-    tokens
-        .iter()
-        .any(|t| constant_time_eq(t.as_bytes(), given.trim().as_bytes()))
-}
-
-/// `?token=` on the status page, for browsers.
-fn query_token_ok(query: Option<&str>, tokens: &[String]) -> bool {
-    query
-        .into_iter()
-        .flat_map(|q| q.split('&'))
-        .filter_map(|kv| kv.strip_prefix("token="))
-        .any(|given| {
-            tokens
-                .iter()
-                .any(|t| constant_time_eq(t.as_bytes(), given.as_bytes()))
-        })
 }
 
 /// Compares without an early exit, so response timing does not reveal a token prefix.
@@ -160,7 +280,10 @@ async fn metrics(State(st): State<AppState>) -> Response {
     match tokio::task::spawn_blocking(move || crate::metrics::render_with(&hub, Some(&tracker)))
         .await
     {
-        Ok(text) => ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response(),
+        Ok(mut text) => {
+            text.push_str(&st.guard.stats.render("tributary_hub_http"));
+            ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+        }
         Err(e) => internal(e.to_string()),
     }
 }
@@ -420,25 +543,65 @@ async fn retire(
 mod tests {
     use super::*;
 
-    #[test]
-    fn bearer_tokens() {
-        let tokens = vec!["0123456789abcdef".to_string()];
+    const READER: &str = "reader-0123456789";
+    const ADMIN: &str = "admin-0123456789a";
+    const METRICS: &str = "metrics-012345678";
+
+    fn bearer(token: &str) -> HeaderMap {
         let mut h = HeaderMap::new();
-        assert!(!bearer_ok(&h, &tokens));
-        h.insert(
-            header::AUTHORIZATION,
-            HeaderValue::from_static("Bearer 0123456789abcdef"),
+        let v = HeaderValue::from_str(&format!("Bearer {token}")).unwrap();
+        h.insert(header::AUTHORIZATION, v);
+        h
+    }
+
+    fn tokens(admin: bool, metrics: bool) -> Tokens {
+        Tokens {
+            reader: vec![READER.into()],
+            admin: if admin {
+                vec![ADMIN.into()]
+            } else {
+                Vec::new()
+            },
+            metrics: metrics.then(|| METRICS.into()),
+        }
+    }
+
+    #[test]
+    fn readers_read_and_admins_mutate() {
+        let t = tokens(true, true);
+        let none = HeaderMap::new();
+        assert!(t.check(Role::Reader, &bearer(READER), None).is_ok());
+        assert!(t.check(Role::Reader, &bearer(ADMIN), None).is_ok());
+        assert!(
+            t.check(Role::Reader, &none, Some("token=reader-0123456789"))
+                .is_ok()
         );
-        assert!(bearer_ok(&h, &tokens));
-        h.insert(
-            header::AUTHORIZATION,
-            HeaderValue::from_static("Bearer 0123456789abcdeX"),
+        assert_eq!(
+            t.check(Role::Reader, &none, None),
+            Err(Refusal::Token(Role::Reader))
         );
-        assert!(!bearer_ok(&h, &tokens));
-        h.insert(
-            header::AUTHORIZATION,
-            HeaderValue::from_static("Basic 0123456789abcdef"),
+        assert_eq!(
+            t.check(Role::Admin, &bearer(READER), None),
+            Err(Refusal::Token(Role::Admin))
         );
-        assert!(!bearer_ok(&h, &tokens));
+        assert!(t.check(Role::Admin, &bearer(ADMIN), None).is_ok());
+        assert!(t.check(Role::Metrics, &bearer(METRICS), None).is_ok());
+        assert!(t.check(Role::Metrics, &bearer(READER), None).is_err());
+        assert!(t.check(Role::Reader, &bearer(METRICS), None).is_err());
+    }
+
+    #[test]
+    fn reader_tokens_alone_close_mutations_and_metrics() {
+        let t = tokens(false, false);
+        assert_eq!(
+            t.check(Role::Admin, &bearer(READER), None),
+            Err(Refusal::NoAdminToken)
+        );
+        assert!(t.check(Role::Metrics, &HeaderMap::new(), None).is_err());
+        assert!(t.check(Role::Metrics, &bearer(READER), None).is_ok());
+        let open = Tokens::default();
+        for role in [Role::Reader, Role::Admin, Role::Metrics] {
+            assert!(open.check(role, &HeaderMap::new(), None).is_ok());
+        }
     }
 }

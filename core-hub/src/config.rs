@@ -134,10 +134,6 @@ pub struct IngestConfig {
     pub block_raw_bytes_max: u32,
     /// The most records one block may hold.
     pub records_per_block_max: u32,
-    /// The most memory one block's records may take once decoded (their decoded size, see
-    /// `sync::decoded`, computed before decoding). Applies to blocks devices send and to blocks
-    /// already stored: a stored block over it is quarantined instead of decoded.
-    pub block_decoded_bytes_max: u64,
     /// The most streams one connection may announce.
     pub streams_per_connection_max: NonZeroU32,
 }
@@ -177,10 +173,30 @@ pub struct ScalePolicy {
 pub const DEFAULT_MAX_SEGMENTS: u32 = 64;
 
 /// The HTTP API.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct HttpConfig {
-    /// Bearer tokens accepted by the reader API. Empty: the reader API is open.
+    /// Bearer tokens accepted by the reader API. Empty (and no admin token): the reader API is
+    /// open.
     pub reader_tokens: Vec<String>,
+    /// Bearer tokens for mutations (`POST /v1/devices/{id}/retire`); they also read. With
+    /// reader tokens but no admin token, mutations are refused.
+    pub admin_tokens: Vec<String>,
+    /// When set, `/metrics` needs it (or an admin token); else it needs a reader token when
+    /// reader tokens are set.
+    pub metrics_token: Option<String>,
+    /// Timeouts, caps and allowed hosts (`http.header_timeout` ... `http.allowed_hosts`).
+    pub limits: crate::http_limits::HttpLimits,
+}
+
+impl Default for HttpConfig {
+    fn default() -> Self {
+        HttpConfig {
+            reader_tokens: Vec::new(),
+            admin_tokens: Vec::new(),
+            metrics_token: None,
+            limits: crate::http_limits::default_limits(),
+        }
+    }
 }
 
 impl StreamPolicy {
@@ -288,7 +304,6 @@ pub struct RawIngest {
     pub block_bytes_max: Option<String>,
     pub block_raw_bytes_max: Option<String>,
     pub records_per_block_max: Option<u64>,
-    pub block_decoded_bytes_max: Option<String>,
     pub streams_per_connection_max: Option<u64>,
 }
 
@@ -320,6 +335,14 @@ pub struct RawDevice {
 #[serde(deny_unknown_fields)]
 pub struct RawHttp {
     pub reader_tokens: Option<Vec<String>>,
+    pub admin_tokens: Option<Vec<String>>,
+    pub metrics_token: Option<String>,
+    pub header_timeout: Option<String>,
+    pub body_timeout: Option<String>,
+    pub idle_timeout: Option<String>,
+    pub connections_max: Option<u64>,
+    pub requests_max: Option<u64>,
+    pub allowed_hosts: Option<Vec<String>>,
 }
 
 /// Default QUIC listen address.
@@ -338,8 +361,6 @@ pub const DEFAULT_BLOCK_BYTES_MAX: u32 = 16 << 20;
 pub const DEFAULT_BLOCK_RAW_BYTES_MAX: u32 = 64 << 20;
 /// Default most records per block.
 pub const DEFAULT_RECORDS_PER_BLOCK_MAX: u32 = 1 << 20;
-/// Default largest decoded size of one block's records.
-pub const DEFAULT_BLOCK_DECODED_BYTES_MAX: u64 = sync::block::DECODED_BYTES_MAX_DEFAULT;
 /// Default most streams per connection.
 pub const DEFAULT_STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
@@ -433,9 +454,7 @@ impl HubConfig {
         let wal = parse_wal(&raw.wal)?;
         let ingest = parse_ingest(&raw.ingest)?;
         let streams = parse_streams(raw.streams, raw.devices)?;
-        let http = HttpConfig {
-            reader_tokens: parse_tokens(raw.http.reader_tokens)?,
-        };
+        let http = parse_http(raw.http)?;
         let completeness = raw.completeness.parse()?;
         let republish = raw.republish.as_ref().map(|r| r.parse()).transpose()?;
         Ok(HubConfig {
@@ -468,7 +487,6 @@ impl HubConfig {
             raw_bytes_max: self.ingest.block_raw_bytes_max,
             records_max: self.ingest.records_per_block_max,
             body_bytes_max: self.ingest.block_bytes_max,
-            decoded_bytes_max: self.ingest.block_decoded_bytes_max,
         }
     }
 }
@@ -681,17 +699,6 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
                     "must be between 1 and 4294967295",
                 )
             })?;
-    let block_decoded_bytes_max = opt_bytes(
-        "ingest.block_decoded_bytes_max",
-        raw.block_decoded_bytes_max.as_deref(),
-        DEFAULT_BLOCK_DECODED_BYTES_MAX,
-    )?;
-    if block_decoded_bytes_max < 1024 {
-        return Err(ConfigError::key(
-            "ingest.block_decoded_bytes_max",
-            "must be at least 1KiB",
-        ));
-    }
     let streams = raw
         .streams_per_connection_max
         .unwrap_or(u64::from(DEFAULT_STREAMS_PER_CONNECTION_MAX));
@@ -709,7 +716,6 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
         block_bytes_max,
         block_raw_bytes_max,
         records_per_block_max,
-        block_decoded_bytes_max,
         streams_per_connection_max,
     })
 }
@@ -816,18 +822,66 @@ fn parse_scale(key: &str, raw: RawScale) -> Result<ScalePolicy, ConfigError> {
     })
 }
 
-fn parse_tokens(tokens: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
+fn parse_tokens(key: &str, tokens: Option<Vec<String>>) -> Result<Vec<String>, ConfigError> {
     let tokens = tokens.unwrap_or_default();
     if let Some(i) = tokens
         .iter()
         .position(|t| t.len() < 16 || t.chars().any(char::is_whitespace))
     {
         return Err(ConfigError::key(
-            format!("http.reader_tokens[{i}]"),
+            format!("{key}[{i}]"),
             "tokens must be at least 16 characters, without spaces",
         ));
     }
     Ok(tokens)
+}
+
+fn parse_http(raw: RawHttp) -> Result<HttpConfig, ConfigError> {
+    let d = crate::http_limits::default_limits();
+    let duration = |key: &str, v: Option<&str>, default: Duration| match v {
+        Some(s) => match parse_duration(key, s)? {
+            d if d.is_zero() => Err(ConfigError::key(key, "must be above 0")),
+            d => Ok(d),
+        },
+        None => Ok(default),
+    };
+    let count = |key: &str, v: Option<u64>, default: usize| match v {
+        Some(0) => Err(ConfigError::key(key, "must be above 0")),
+        Some(n) => usize::try_from(n).map_err(|_| ConfigError::key(key, "is too large")),
+        None => Ok(default),
+    };
+    let metrics = parse_tokens("http.metrics_token", raw.metrics_token.map(|t| vec![t]))?;
+    let limits = crate::http_limits::HttpLimits {
+        header_timeout: duration(
+            "http.header_timeout",
+            raw.header_timeout.as_deref(),
+            d.header_timeout,
+        )?,
+        body_timeout: duration(
+            "http.body_timeout",
+            raw.body_timeout.as_deref(),
+            d.body_timeout,
+        )?,
+        idle_timeout: duration(
+            "http.idle_timeout",
+            raw.idle_timeout.as_deref(),
+            d.idle_timeout,
+        )?,
+        connections_max: count(
+            "http.connections_max",
+            raw.connections_max,
+            d.connections_max,
+        )?,
+        requests_max: count("http.requests_max", raw.requests_max, d.requests_max)?,
+        body_bytes_max: d.body_bytes_max,
+        allowed_hosts: raw.allowed_hosts.unwrap_or_default(),
+    };
+    Ok(HttpConfig {
+        reader_tokens: parse_tokens("http.reader_tokens", raw.reader_tokens)?,
+        admin_tokens: parse_tokens("http.admin_tokens", raw.admin_tokens)?,
+        metrics_token: metrics.into_iter().next(),
+        limits,
+    })
 }
 
 fn opt_bytes(key: &str, s: Option<&str>, default: u64) -> Result<u64, ConfigError> {

@@ -352,13 +352,15 @@ async fn serve(hub: Arc<Hub>, cfg: &HubConfig) -> Result<()> {
         .await
         .with_context(|| format!("binding the HTTP API on {}", cfg.listen.http))?;
     tracing::info!(addr = %listener.local_addr()?, "HTTP API listening");
-    let router = api::router_with(
+    let guard = api::guard(&cfg.http);
+    let router = api::router_for(
         hub.clone(),
-        cfg.http.reader_tokens.clone(),
+        &cfg.http,
         cfg.completeness.clone(),
+        guard.clone(),
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let http = tokio::spawn(api::serve(listener, router, {
+    let http = tokio::spawn(api::serve_with(listener, router, guard, {
         let mut stop = stop_rx.clone();
         async move {
             let _ = stop.wait_for(|s| *s).await;
@@ -485,9 +487,11 @@ fn api_target(t: &Target) -> Result<ApiTarget> {
             let path = config.clone().unwrap_or_else(|| PathBuf::from("hub.toml"));
             let cfg =
                 HubConfig::load(&path).with_context(|| format!("loading {}", path.display()))?;
+            // An admin token also reads, and `devices retire` needs one.
             let token = t
                 .token
                 .clone()
+                .or_else(|| cfg.http.admin_tokens.first().cloned())
                 .or_else(|| cfg.http.reader_tokens.first().cloned());
             Ok(ApiTarget::from_listen(cfg.listen.http, token))
         }

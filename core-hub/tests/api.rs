@@ -131,7 +131,14 @@ async fn health_metrics_devices_and_tokens() {
 
     let health = client::get(&target, "/healthz").await.unwrap();
     assert_eq!((health.status, health.body.as_slice()), (200, &b"ok\n"[..]));
+    // `/metrics` names every device: with reader tokens set, it needs one of them.
     let metrics = client::get(&target, "/metrics").await.unwrap();
+    assert_eq!(metrics.status, 401);
+    let reader = ApiTarget {
+        token: Some(token.clone()),
+        ..target.clone()
+    };
+    let metrics = client::get(&reader, "/metrics").await.unwrap();
     assert_eq!(metrics.status, 200);
     let text = String::from_utf8(metrics.body).unwrap();
     for needle in [
@@ -147,7 +154,7 @@ async fn health_metrics_devices_and_tokens() {
         assert!(text.contains(needle), "missing {needle} in\n{text}");
     }
 
-    // The reader API needs the token; health and metrics did not.
+    // The reader API needs the token; health did not.
     assert_eq!(
         client::get(&target, "/v1/devices").await.unwrap().status,
         401

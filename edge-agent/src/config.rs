@@ -122,7 +122,15 @@ pub struct HttpConfig {
     pub body_bytes_max: usize,
     /// When set, ingest requests must carry `Authorization: Bearer <token>`.
     pub token: Option<String>,
+    /// Timeouts, caps and allowed hosts (`http.header_timeout` ... `http.allowed_hosts`); its
+    /// `body_bytes_max` is the one above.
+    pub limits: crate::http::limits::HttpLimits,
 }
+
+/// Default `http.connections_max` of the agent.
+pub const DEFAULT_HTTP_CONNECTIONS_MAX: usize = 128;
+/// Default `http.requests_max` of the agent.
+pub const DEFAULT_HTTP_REQUESTS_MAX: usize = 32;
 
 /// `[storage]`: the local log's durability, sealing and disk budget.
 #[derive(Debug, Clone)]
@@ -457,6 +465,12 @@ struct RawHttp {
     listen: Option<String>,
     body_bytes_max: Option<String>,
     token: Option<String>,
+    header_timeout: Option<String>,
+    body_timeout: Option<String>,
+    idle_timeout: Option<String>,
+    connections_max: Option<String>,
+    requests_max: Option<String>,
+    allowed_hosts: Option<Vec<String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -631,19 +645,57 @@ impl RawHttp {
                 format!("expected an address like 127.0.0.1:7401, found {listen:?}"),
             )
         })?;
-        let body_bytes_max = match self.body_bytes_max {
+        let body_bytes_max = match &self.body_bytes_max {
             Some(s) => positive_usize(
                 "http.body_bytes_max",
-                parse_bytes("http.body_bytes_max", &s)?,
+                parse_bytes("http.body_bytes_max", s)?,
             )?,
             None => DEFAULT_BODY_BYTES_MAX,
         };
+        let limits = self.limits(body_bytes_max)?;
         // An empty token (for example an empty environment override) means "no token".
         let token = self.token.filter(|t| !t.is_empty());
         Ok(HttpConfig {
             listen,
             body_bytes_max,
             token,
+            limits,
+        })
+    }
+
+    fn limits(
+        &self,
+        body_bytes_max: usize,
+    ) -> Result<crate::http::limits::HttpLimits, ConfigError> {
+        use crate::http::limits::HttpLimits;
+        let d = HttpLimits::new(0, 0, body_bytes_max);
+        let duration = |key: &str, v: &Option<String>, default| match v {
+            Some(s) => match parse_duration(key, s)? {
+                d if d.is_zero() => Err(ConfigError::invalid(key, "must be above 0")),
+                d => Ok(d),
+            },
+            None => Ok(default),
+        };
+        Ok(HttpLimits {
+            header_timeout: duration(
+                "http.header_timeout",
+                &self.header_timeout,
+                d.header_timeout,
+            )?,
+            body_timeout: duration("http.body_timeout", &self.body_timeout, d.body_timeout)?,
+            idle_timeout: duration("http.idle_timeout", &self.idle_timeout, d.idle_timeout)?,
+            connections_max: count_or(
+                "http.connections_max",
+                self.connections_max.clone(),
+                DEFAULT_HTTP_CONNECTIONS_MAX,
+            )?,
+            requests_max: count_or(
+                "http.requests_max",
+                self.requests_max.clone(),
+                DEFAULT_HTTP_REQUESTS_MAX,
+            )?,
+            body_bytes_max,
+            allowed_hosts: self.allowed_hosts.clone().unwrap_or_default(),
         })
     }
 }

@@ -9,7 +9,6 @@
 
 pub mod block;
 pub mod columnar;
-pub mod decoded;
 pub mod fuzzing;
 pub mod parse;
 pub mod protocol;

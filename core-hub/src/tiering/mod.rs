@@ -58,6 +58,13 @@ struct BuiltRange {
 
 type BuildTask = tokio::task::JoinHandle<Result<BuiltRange, TierRunError>>;
 
+/// Decode limits for blocks already committed (see `read.rs`).
+pub(crate) const READ_LIMITS: sync::block::DecodeLimits = sync::block::DecodeLimits {
+    raw_bytes_max: 1 << 30,
+    records_max: u32::MAX,
+    body_bytes_max: 1 << 30,
+};
+
 /// Blocks fetched from the index per query while planning or reading a chunk.
 const INDEX_PAGE_BLOCKS: usize = 1024;
 
@@ -673,9 +680,6 @@ impl Tiering {
         };
         let mut lanes: BTreeMap<(u32, u64), u64> = BTreeMap::new();
         let mut records = 0;
-        // Chunk objects and manifests whose put returned: durable (`tier::Tier2` syncs a local
-        // directory before a put returns). Nothing is committed that is not in both.
-        let mut durable = DurablePuts::default();
         for (ch, enc) in chunks.iter().zip(encoded) {
             let mut row = ch.clone();
             row.state = COMMITTED;
@@ -688,7 +692,6 @@ impl Tiering {
                 // the footer back) before anything counts it as tiered.
                 self.bounded(self.store.upload_chunk(&ch.path, bytes, &summary))
                     .await?;
-                durable.chunks.insert(ch.path.clone());
                 store::set_uploaded(&cat, ch, summary.rows, len)?;
                 store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, check)?;
                 self.stats.bytes_uploaded.fetch_add(len, Ordering::Relaxed);
@@ -750,14 +753,9 @@ impl Tiering {
         self.fault(TierFaultPoint::AfterUpload)?;
         for m in &manifests {
             self.bounded(self.store.put_manifest(m)).await?;
-            durable.manifests.insert(m.path.clone());
         }
         self.fault(TierFaultPoint::AfterManifest)?;
-        durable.assert_covers(&commit.chunks);
         commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();
-        commit.committed_ns = now_ns();
-        // The commit moves `tiered_end` (eviction follows it) and the lanes' `tiered_seq`
-        // (agents free their copies on it): only now, behind the durable puts above.
         let moved = store::commit_range(&cat, &commit)?;
         let n = commit.chunks.len() as u64;
         self.stats.chunks_committed.fetch_add(n, Ordering::Relaxed);
@@ -899,29 +897,6 @@ impl Tiering {
     }
 }
 
-/// The chunk objects and manifests of one plan range whose puts returned, i.e. are durable.
-#[derive(Debug, Default)]
-struct DurablePuts {
-    chunks: std::collections::BTreeSet<String>,
-    /// By the chunk path each manifest names.
-    manifests: std::collections::BTreeSet<String>,
-}
-
-impl DurablePuts {
-    /// The invariant behind `tiered_seq` and eviction: every chunk row about to be committed
-    /// with records has its object and its manifest durably in tier 2. Only a bug (an upload
-    /// not awaited, a reordered step) can break it, so it holds in release builds too.
-    fn assert_covers(&self, rows: &[ChunkRow]) {
-        for row in rows.iter().filter(|r| r.rows > 0) {
-            assert!(
-                self.chunks.contains(&row.path) && self.manifests.contains(&row.path),
-                "committing chunk {} before its object and manifest puts returned",
-                row.path
-            );
-        }
-    }
-}
-
 /// For a manifest of `segment`: its start and predecessors in the stream's graph, and with
 /// `whole` the graph's segments encoded for [`recover`] (`crate::streams::graph::to_json`).
 fn graph_for_manifest(
@@ -969,7 +944,6 @@ pub(crate) fn chunk_records(
 ) -> Result<Vec<TierRecord>, TierRunError> {
     let cat = hub.catalog();
     let mut out = Vec::new();
-    let mut skipped = 0u64;
     let mut from = ch.first_offset;
     'pages: while from < ch.end_offset {
         let rows = cat.blocks_from(ch.stream, from, INDEX_PAGE_BLOCKS)?;
@@ -980,17 +954,12 @@ pub(crate) fn chunk_records(
             if row.hub_offset_base >= ch.end_offset {
                 break 'pages;
             }
-            // Quarantined blocks (damaged, or not decodable within the limits) are not served
-            // from tier 1 and are not tiered either: their offsets stay a hole.
-            if crate::scrub::is_quarantined(row) || !append_block(hub, row, ch, seg, &mut out)? {
-                let end = (row.hub_offset_base + row.count()).min(ch.end_offset);
-                skipped += end.saturating_sub(row.hub_offset_base.max(ch.first_offset));
-            }
+            append_block(hub, row, ch, seg, &mut out)?;
             from = row.hub_offset_base + row.count();
         }
     }
     let want = ch.end_offset - ch.first_offset;
-    if seg.covers_all_keys() && out.len() as u64 + skipped != want {
+    if seg.covers_all_keys() && out.len() as u64 != want {
         return Err(TierRunError::Block {
             stream: ch.stream,
             offset: from,
@@ -1003,15 +972,13 @@ pub(crate) fn chunk_records(
     Ok(out)
 }
 
-/// Appends the records of `row` that `ch` holds; false when the block does not decode within
-/// the limits and was quarantined instead (`crate::poison`).
 fn append_block(
     hub: &Hub,
     row: &BlockRow,
     ch: &ChunkRow,
     seg: &SegmentSpan,
     out: &mut Vec<TierRecord>,
-) -> Result<bool, TierRunError> {
+) -> Result<(), TierRunError> {
     let bad = |what: String| TierRunError::Block {
         stream: row.stream,
         offset: row.hub_offset_base,
@@ -1030,9 +997,8 @@ fn append_block(
             "entry header {entry:?} differs from its index row"
         )));
     }
-    let Ok(decoded) = crate::poison::decode_stored(hub, row, &block) else {
-        return Ok(false);
-    };
+    let decoded =
+        sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| bad(e.to_string()))?;
     if decoded.records.len() as u64 != row.count() {
         return Err(bad("block holds a different record count".into()));
     }
@@ -1055,5 +1021,5 @@ fn append_block(
             fields: r.fields,
         });
     }
-    Ok(true)
+    Ok(())
 }

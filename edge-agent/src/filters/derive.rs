@@ -28,8 +28,7 @@
 //! a crash those records are simply consumed again, which emits nothing again.
 //!
 //! Only the runner writes to a derived stream: the config refuses sources that target one and
-//! the HTTP API answers 409. The runner drops the `_idempotency` field of source records (a
-//! keyed batch's key record, see `crate::http::idempotency`) before its filters see them.
+//! the HTTP API answers 409.
 //!
 //! # Source retention
 //!
@@ -491,8 +490,6 @@ impl Runner {
                 end = end.max(b.header.last_seq());
             }
             if end > after {
-                // A keyed batch's key record belongs to the source stream's answers only.
-                crate::http::idempotency::strip_key_fields(&mut records);
                 return Ok(Some((records, Pos { epoch, seq: end })));
             }
         }

@@ -29,6 +29,7 @@
 pub mod client;
 pub mod idempotency;
 pub mod ingest;
+pub mod limits;
 pub mod status;
 
 pub use ingest::{BodyError, BodyFormat, Ingest, now_ns, parse_body};
@@ -58,6 +59,8 @@ pub struct AppState {
     pub ingest: Ingest,
     token: Option<String>,
     body_bytes_max: usize,
+    /// The HTTP limits and their counters (`limits.rs`), shared with the accept loop.
+    pub guard: Arc<limits::HttpGuard>,
     limits: Limits,
     fsync: String,
     on_full: String,
@@ -81,6 +84,7 @@ impl AppState {
         Arc::new(AppState {
             ingest: Ingest::with_streams(log, metrics, &cfg.streams),
             token: cfg.http.token.clone(),
+            guard: limits::HttpGuard::new(cfg.http.limits.clone(), |status, msg| error(status, msg)),
             body_bytes_max: cfg.http.body_bytes_max,
             limits: Limits {
                 disk_bytes_max: cfg.storage.disk_bytes_max,
@@ -131,25 +135,46 @@ pub fn on_full_name(p: OnFull) -> &'static str {
 
 /// The API's routes.
 pub fn router(app: Arc<AppState>) -> Router {
+    let guard = app.guard.clone();
     Router::new()
         .route("/v1/streams/{stream}/records", post(post_records))
         .route("/v1/status", get(get_status))
+        // The token is checked before a byte of the body is read (`limits::read_body`).
+        .route_layer(middleware::from_fn_with_state(guard.clone(), limits::read_body))
+        .route_layer(middleware::from_fn_with_state(app.clone(), require_token))
         .route("/healthz", get(get_healthz))
         .route("/metrics", get(get_metrics))
         .layer(DefaultBodyLimit::max(app.body_bytes_max))
+        .layer(middleware::from_fn_with_state(guard, limits::check_host))
         .layer(middleware::from_fn_with_state(app.clone(), count_answers))
         .with_state(app)
 }
 
-/// Serves the API on `listener` until `shutdown` resolves, then lets in-flight requests finish.
+/// Serves the API on `listener` under the `[http]` limits until `shutdown` resolves, then lets
+/// in-flight requests finish.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     app: Arc<AppState>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(app))
-        .with_graceful_shutdown(shutdown)
-        .await
+    limits::serve(listener, router(app.clone()), app.guard.clone(), shutdown).await
+}
+
+/// 401 before the body is read when `http.token` is set and the request lacks it.
+async fn require_token(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if app.authorized(request.headers()) {
+        return next.run(request).await;
+    }
+    app.guard.stats.unauthorized();
+    let mut r = error(
+        StatusCode::UNAUTHORIZED,
+        "missing or wrong bearer token (http.token)",
+    );
+    r.headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    r.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    r
 }
 
 async fn count_answers(State(app): State<Arc<AppState>>, request: Request, next: Next) -> Response {
@@ -408,6 +433,7 @@ async fn get_metrics(State(app): State<Arc<AppState>>) -> Response {
     if let Some(link) = app.replication.get() {
         text.push_str(&link.render());
     }
+    text.push_str(&app.guard.stats.render("tributary_edge_http"));
     (
         [(
             header::CONTENT_TYPE,

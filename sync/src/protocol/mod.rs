@@ -35,7 +35,7 @@ pub use frame::{
 };
 pub use receiver::{
     CommitItem, DecodedBlock, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig,
-    ReceiverEvent, ReceiverStats, block_error_code,
+    ReceiverEvent, ReceiverStats,
 };
 pub use sender::{OfferError, Rekey, Sender, SenderConfig, SenderEvent};
 
