@@ -457,21 +457,19 @@ struct Stats {
     storage_crashes: u64,
 }
 
-/// One seeded run: rounds of 1-3 concurrent keyed requests, a crash, a restart, a retry of
-/// every key, and the check that every batch is stored once at the seqs of its answer.
-fn seeded_run(seed: u64, mutant: bool, stats: &mut Stats) -> Result<(), String> {
-    let mut rng = SmallRng::seed_from_u64(seed);
-    let dir = tempfile::tempdir().unwrap();
-    let mem = MemStorage::with_seed(seed);
-    let cfg = log_config(dir.path(), &mut rng);
-    let rt = runtime();
-    let agent = open(&cfg, Arc::new(mem.clone()), mutant);
-    let rounds = rng.random_range(2..8);
-    let kill_after = rng.random_bool(0.5).then(|| rng.random_range(0..rounds));
-    if kill_after.is_none() {
-        mem.set_crash_at(mem.ops() + rng.random_range(1..=rounds as u64 * 12));
-    }
-    let mut sent: Vec<(i64, i64, Outcome)> = Vec::new();
+/// A keyed batch sent: its number, its record count, and how its first request ended.
+type Sent = (i64, i64, Outcome);
+
+/// Rounds of 1-3 concurrent keyed requests; with `kill_after`, the cache rows of that round are
+/// not written and the rounds stop there.
+fn produce(
+    agent: &Agent,
+    rt: &tokio::runtime::Runtime,
+    rng: &mut SmallRng,
+    rounds: u32,
+    kill_after: Option<u32>,
+) -> Vec<Sent> {
+    let mut sent: Vec<Sent> = Vec::new();
     for round in 0..rounds {
         if kill_after == Some(round) {
             let s = agent.ingest.fault_switches();
@@ -496,6 +494,58 @@ fn seeded_run(seed: u64, mutant: bool, stats: &mut Stats) -> Result<(), String> 
             break;
         }
     }
+    sent
+}
+
+/// Judges the retry after the restart of a batch whose first request ended in `first`, and
+/// returns the batch's answer. `cached`: the key had its cache row before the restart.
+fn judge(
+    key: &str,
+    first: &Outcome,
+    retry: Outcome,
+    cached: bool,
+    stats: &mut Stats,
+) -> Result<BatchAnswer, String> {
+    match (first, retry) {
+        (Outcome::Stored(a), Outcome::Replayed(r)) => {
+            if (a.epoch, a.first_seq, a.last_seq, a.count)
+                != (r.epoch, r.first_seq, r.last_seq, r.count)
+            {
+                return Err(format!("{key}: answered {a:?}, replayed {r:?}"));
+            }
+            stats.rebuilt += u64::from(!cached);
+            Ok(r)
+        }
+        (Outcome::MaybeStored(_), Outcome::Replayed(r)) => {
+            stats.unknown_stored += 1;
+            stats.rebuilt += u64::from(!cached);
+            Ok(r)
+        }
+        (Outcome::MaybeStored(_), Outcome::Stored(r)) => {
+            stats.unknown_absent += 1;
+            Ok(r)
+        }
+        (Outcome::Refused(_), Outcome::Stored(r)) => Ok(r),
+        (first, retry) => Err(format!("{key}: first {first:?}, retry {retry:?}")),
+    }
+}
+
+/// One seeded run: rounds of keyed requests, a crash (power loss at a random storage
+/// operation, or a kill after a round was durable and before its cache rows), a restart, a
+/// retry of every key, and the check that every batch is stored once at the seqs of its answer.
+fn seeded_run(seed: u64, mutant: bool, stats: &mut Stats) -> Result<(), String> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().unwrap();
+    let mem = MemStorage::with_seed(seed);
+    let cfg = log_config(dir.path(), &mut rng);
+    let rt = runtime();
+    let agent = open(&cfg, Arc::new(mem.clone()), mutant);
+    let rounds = rng.random_range(2..8);
+    let kill_after = rng.random_bool(0.5).then(|| rng.random_range(0..rounds));
+    if kill_after.is_none() {
+        mem.set_crash_at(mem.ops() + rng.random_range(1..=u64::from(rounds) * 12));
+    }
+    let sent = produce(&agent, &rt, &mut rng, rounds, kill_after);
     stats.storage_crashes += u64::from(mem.crash_info().is_some());
     kill(agent, &mem);
     let cached = cached_keys(dir.path());
@@ -504,40 +554,15 @@ fn seeded_run(seed: u64, mutant: bool, stats: &mut Stats) -> Result<(), String> 
     for (b, n, first) in &sent {
         let key = format!("key {b}");
         let retry = rt.block_on(post(&agent.ingest, STREAM, &key, batch(*b, 0, *n)));
-        let answer = match (first, retry) {
-            (Outcome::Stored(a), Outcome::Replayed(r)) => {
-                if (a.epoch, a.first_seq, a.last_seq, a.count)
-                    != (r.epoch, r.first_seq, r.last_seq, r.count)
-                {
-                    return Err(format!("{key}: answered {a:?}, replayed {r:?}"));
-                }
-                stats.rebuilt += u64::from(!cached.contains(&key));
-                r
-            }
-            (Outcome::MaybeStored(_), Outcome::Replayed(r)) => {
-                stats.unknown_stored += 1;
-                stats.rebuilt += u64::from(!cached.contains(&key));
-                r
-            }
-            (Outcome::MaybeStored(_), Outcome::Stored(r)) => {
-                stats.unknown_absent += 1;
-                r
-            }
-            (Outcome::Refused(_), Outcome::Stored(r)) => r,
-            (first, retry) => return Err(format!("{key}: first {first:?}, retry {retry:?}")),
-        };
-        finals.push((*b, answer));
+        finals.push((*b, judge(&key, first, retry, cached.contains(&key), stats)?));
     }
     let rows = stored(&agent.ingest, STREAM);
     for (b, answer) in &finals {
         check_once(&rows, *b, answer)?;
     }
-    if rows.len() as i64 != sent.iter().map(|(_, n, _)| n).sum::<i64>() {
-        return Err(format!(
-            "{} records stored, {} sent",
-            rows.len(),
-            sent.len()
-        ));
+    let records: i64 = sent.iter().map(|(_, n, _)| n).sum();
+    if rows.len() as i64 != records {
+        return Err(format!("{} records stored, {records} sent", rows.len()));
     }
     stats.runs += 1;
     stats.batches += sent.len() as u64;
