@@ -14,23 +14,35 @@
 //! - every recovered record is one a producer sent, and batches are all or nothing;
 //! - the next append continues after the recovered tail and never reuses an acknowledged seq.
 //!
-//! It counts where the crashes landed (block write, fsync, segment roll), prints the counts, and
-//! fails if a phase was never hit. On failure it prints the seed; replay one with
+//! A power cut leaves each file's unsynced suffix dropped, torn, scattered into data, zeros and
+//! garbage, or with a later write persisted without an earlier one (`MemStorage::crash`). After
+//! each crash, before recovery, the run looks for a hole followed by a valid frame in the
+//! segments; recovery must find every such hole never durable: the checker fails on any
+//! quarantined file or `Corrupt` gap marker, since power cuts alone never damage durable data.
+//!
+//! It counts where the crashes landed (block write, fsync, segment roll), what the crashes did to
+//! unsynced suffixes, and how many left a hole followed by a valid frame; it prints the counts and
+//! fails if any of them is zero. On failure it prints the seed; replay one with
 //! `TRIBUTARY_CRASH_SEED=<seed> cargo test -p edge-agent --test crash_sim`. The seed fixes the
 //! config, the workload and the crash point; thread interleaving is up to the scheduler.
 //!
 //! CI runs 1,000 runs split over four tests; `TRIBUTARY_SOAK=1` runs 10,000.
+//!
+//! Mutation checks: with the `fault-injection` feature (on for this crate's tests), a test turns
+//! the batch-completeness rule off, and another the never-durable hole rule, and asserts that the
+//! same checker then fails on some seed.
 
 mod log_util;
 
 use edge_agent::catalog::CatalogLocation;
+use edge_agent::log::switches;
 use edge_agent::log::{AppendAck, FsyncPolicy, Gap, GapReason, Log, LogConfig, LogHandle, OnFull};
-use edge_agent::storage::{CrashInfo, MemStorage, OpKind, Storage};
+use edge_agent::storage::{CrashInfo, CrashStats, MemStorage, OpKind, Storage};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -46,6 +58,17 @@ struct Phases {
     roll: AtomicU64,
     other: AtomicU64,
     no_crash: AtomicU64,
+    /// Crashes after which a segment held a hole followed by a valid frame.
+    holes: AtomicU64,
+    /// Holes that recovery judged never durable (its report).
+    holes_never_durable: AtomicU64,
+    /// What crashes did to unsynced suffixes, summed over runs.
+    dropped: AtomicU64,
+    torn: AtomicU64,
+    scattered: AtomicU64,
+    reordered: AtomicU64,
+    zero_pieces: AtomicU64,
+    garbage_pieces: AtomicU64,
 }
 
 impl Phases {
@@ -68,7 +91,17 @@ impl Phases {
         slot.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn report(&self, label: &str) -> [u64; 3] {
+    fn add_stats(&self, st: &CrashStats) {
+        let add = |a: &AtomicU64, v: u64| a.fetch_add(v, Ordering::Relaxed);
+        add(&self.dropped, st.dropped);
+        add(&self.torn, st.torn);
+        add(&self.scattered, st.scattered);
+        add(&self.reordered, st.reordered);
+        add(&self.zero_pieces, st.zero_pieces);
+        add(&self.garbage_pieces, st.garbage_pieces);
+    }
+
+    fn report(&self, label: &str) -> [(&'static str, u64); 10] {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         println!(
             "{label}: crashes during block write {}, fsync {}, segment roll {}, other {}, no crash point reached {}",
@@ -78,7 +111,32 @@ impl Phases {
             g(&self.other),
             g(&self.no_crash)
         );
-        [g(&self.block_write), g(&self.fsync), g(&self.roll)]
+        println!(
+            "{label}: unsynced suffixes dropped {}, torn {}, scattered {}, reordered {} (pieces zeroed {}, garbage {}); crashes leaving a hole then a valid frame {}, holes recovery judged never durable {}",
+            g(&self.dropped),
+            g(&self.torn),
+            g(&self.scattered),
+            g(&self.reordered),
+            g(&self.zero_pieces),
+            g(&self.garbage_pieces),
+            g(&self.holes),
+            g(&self.holes_never_durable)
+        );
+        [
+            ("crash during a block write", g(&self.block_write)),
+            ("crash during an fsync", g(&self.fsync)),
+            ("crash during a segment roll", g(&self.roll)),
+            ("unsynced suffix dropped", g(&self.dropped)),
+            ("unsynced suffix torn", g(&self.torn)),
+            ("unsynced suffix scattered", g(&self.scattered)),
+            (
+                "later write persisted without an earlier one",
+                g(&self.reordered),
+            ),
+            ("piece left as zeros", g(&self.zero_pieces)),
+            ("crash leaving a hole then a valid frame", g(&self.holes)),
+            ("hole judged never durable", g(&self.holes_never_durable)),
+        ]
     }
 }
 
@@ -123,10 +181,10 @@ fn shard(k: u64) {
     }
     let counts = phases.report(&format!("shard {k}"));
     if !single {
-        for (name, c) in ["block write", "fsync", "segment roll"].iter().zip(counts) {
+        for (name, c) in counts {
             assert!(
                 c > 0,
-                "no crash landed during a {name} in shard {k}: the simulation does not cover it"
+                "no {name} in shard {k}: the simulation does not cover it"
             );
         }
     }
@@ -147,6 +205,45 @@ fn crash_sim_shard_2() {
 #[test]
 fn crash_sim_shard_3() {
     shard(3);
+}
+
+/// Runs seeds of shard 0 with a recovery rule switched off (on this thread only) and returns
+/// the first seed the checker rejects, with its error, or `None` if all of `budget` passed.
+fn first_failure_without(switch: fn(bool), budget: u64) -> Option<(u64, String)> {
+    let phases = Phases::default();
+    switch(false);
+    let found = (0..budget).map(|i| 0x00C0_FFEE_0000 + i).find_map(|seed| {
+        match catch_unwind(AssertUnwindSafe(|| run_one(seed, &phases))) {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some((seed, e)),
+            Err(_) => Some((seed, "panicked".to_string())),
+        }
+    });
+    switch(true);
+    found
+}
+
+/// Mutation check: without the batch-completeness rule, recovery keeps fragments of batches
+/// and the checker says so.
+#[test]
+fn checker_fails_without_the_batch_rule() {
+    let found = first_failure_without(switches::set_batch_rule, 250);
+    let (seed, err) = found.expect("with the batch rule off, no seed of 250 failed the checker");
+    println!("batch rule off: seed {seed} fails: {err}");
+    assert!(err.contains("partly stored"), "seed {seed}: {err}");
+}
+
+/// Mutation check: taking every hole followed by a valid frame for corruption (the rule before
+/// sync marks) quarantines never-durable regions, and the checker says so.
+#[test]
+fn checker_fails_without_the_never_durable_hole_rule() {
+    let found = first_failure_without(switches::set_hole_rule, 250);
+    let (seed, err) = found.expect("with the hole rule off, no seed of 250 failed the checker");
+    println!("hole rule off: seed {seed} fails: {err}");
+    assert!(
+        err.contains("must not look like corruption"),
+        "seed {seed}: {err}"
+    );
 }
 
 /// What producers sent and what was acknowledged, across cycles.
@@ -214,6 +311,9 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
         drop(h);
         let info = mem.crash();
         phases.count(info.as_ref());
+        if hole_then_valid(&mem) {
+            phases.holes.fetch_add(1, Ordering::Relaxed);
+        }
         // Sometimes lose power again while recovering.
         if rng.random_bool(0.2) {
             mem.set_crash_at(mem.ops() + rng.random_range(1..40));
@@ -221,9 +321,15 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
                 h.shutdown();
             }
             mem.crash();
+            if hole_then_valid(&mem) {
+                phases.holes.fetch_add(1, Ordering::Relaxed);
+            }
         }
         let (h, report) = Log::open(cfg.clone(), storage.clone())
             .map_err(|e| format!("reopen after crash: {e}"))?;
+        phases
+            .holes_never_durable
+            .fetch_add(report.holes_never_durable, Ordering::Relaxed);
         let cur = h.epoch();
         if epochs.contains(&cur) && Some(&cur) != epochs.last() {
             return Err(format!("the epoch went back to {cur:x} after {epochs:x?}"));
@@ -234,14 +340,32 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
         }
         if !report.quarantined.is_empty() {
             return Err(format!(
-                "a power cut must not look like corruption: {:?}",
+                "a power cut must not look like corruption (nothing durable was damaged): {:?}",
                 report.quarantined
             ));
         }
         verify(&h, &epochs, &mut ledger, cycle)?;
         h.shutdown();
     }
+    phases.add_stats(&mem.crash_stats());
     Ok(())
+}
+
+/// True when a segment of the stream holds bytes that do not frame followed by a valid frame:
+/// an earlier write of an unsynced group was lost while a later one persisted.
+fn hole_then_valid(mem: &MemStorage) -> bool {
+    let dir = Path::new("/data/streams/s");
+    let names = mem.list(dir).unwrap_or_default();
+    names.iter().filter(|n| n.ends_with(".seg")).any(|n| {
+        let bytes = mem.contents(&dir.join(n)).unwrap_or_default();
+        match sync::segment::scan(&bytes) {
+            Ok(scan) => scan.fault.is_some_and(|(at, _)| {
+                (at as usize + 1..bytes.len())
+                    .any(|p| sync::segment::check_frame(&bytes, p).is_ok())
+            }),
+            Err(_) => false,
+        }
+    })
 }
 
 /// Runs 1-3 producer threads until each has sent its share or got an error.
@@ -320,7 +444,7 @@ fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Res
         .find(|g| g.reason != GapReason::Dropped || !epochs.contains(&g.epoch))
     {
         return Err(format!(
-            "unexpected gap marker {g:?}: only the budget drops data here"
+            "unexpected gap marker {g:?}: only the budget drops data here, and a power cut must not look like corruption"
         ));
     }
     let mut seen: HashMap<i64, (u64, u64)> = HashMap::new();

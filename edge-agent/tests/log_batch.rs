@@ -135,7 +135,7 @@ fn incomplete_split_batch_is_dropped_whole_at_recovery() {
         .unwrap();
     let path = Path::new("/data/streams/s").join(seg);
     let bytes = mem.contents(&path).unwrap();
-    let frames = sync::segment::scan(&bytes).unwrap().frames;
+    let frames = log_util::block_frames(&bytes);
     assert_eq!(frames.len(), 5);
     storage.truncate(&path, frames[4].offset).unwrap();
 

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use sync::Record;
-use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, scan};
+use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN};
 
 fn fill(h: &LogHandle, from: u64, batches: u64) -> BTreeMap<u64, Record> {
     let mut acked = BTreeMap::new();
@@ -160,7 +160,7 @@ fn corrupt_sealed_block_is_quarantined_and_reported() {
     // Flip a byte in the body of the second block of a middle segment.
     let victim = &segs[segs.len() / 2];
     let mut bytes = std::fs::read(victim).unwrap();
-    let frames = scan(&bytes).unwrap().frames;
+    let frames = log_util::block_frames(&bytes);
     assert!(frames.len() >= 3);
     let target = frames[1];
     let header = sync::block::decode_header(block_of(&bytes, target)).unwrap();
@@ -232,13 +232,17 @@ fn unreadable_segment_header_quarantines_the_file() {
     std::fs::write(&victim, &bytes).unwrap();
     let first_of_next = {
         let b = std::fs::read(&segs[2]).unwrap();
-        let f = scan(&b).unwrap().frames[0];
+        let f = log_util::block_frames(&b)[0];
         sync::block::decode_header(block_of(&b, f))
             .unwrap()
             .first_seq
     };
     let first_of_victim = {
-        let f = sync::segment::scan_frames(&bytes, SEGMENT_HEADER_LEN).frames[0];
+        let f = sync::segment::scan_frames(&bytes, SEGMENT_HEADER_LEN)
+            .frames
+            .into_iter()
+            .find(|f| sync::segment::decode_sync_mark(block_of(&bytes, *f)).is_none())
+            .unwrap();
         sync::block::decode_header(block_of(&bytes, f))
             .unwrap()
             .first_seq
@@ -267,7 +271,7 @@ fn torn_tail_is_truncated_and_reported() {
     // Simulate a block whose write was cut short: the first 70% of a copy of the last frame.
     let last = segments(dir.path()).pop().unwrap();
     let bytes = std::fs::read(&last).unwrap();
-    let frame = *scan(&bytes).unwrap().frames.last().unwrap();
+    let frame = *log_util::block_frames(&bytes).last().unwrap();
     let whole = &bytes[frame.offset as usize..frame.end() as usize];
     let torn = &whole[..whole.len() * 7 / 10];
     assert!(torn.len() > FRAME_HEADER_LEN + sync::block::HEADER_LEN);

@@ -41,6 +41,9 @@ const _: () = assert!(HEADER_LEN == 64);
 /// Set on every block of a producer batch except its last, when one batch had to be split
 /// across blocks. Recovery drops a trailing run of such blocks, so a batch is all or nothing.
 pub const FLAG_BATCH_CONTINUES: u8 = 1;
+/// Set on every block of a split batch except its first, so recovery can tell a block that
+/// starts a batch from one whose head is missing. Old readers ignore it.
+pub const FLAG_BATCH_CONTINUED: u8 = 2;
 
 /// zstd level used when sealing. Level 3 is zstd's default balance of speed and ratio.
 pub const DEFAULT_ZSTD_LEVEL: i32 = 3;

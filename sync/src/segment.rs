@@ -9,14 +9,22 @@
 //! The frame checksum covers the whole block, so a torn write at the tail is detected without
 //! decoding the block. Recovery keeps every frame up to the first one that fails and reports
 //! the rest; whether the rest is a torn tail (truncate) or a corrupt sealed block (quarantine)
-//! is the caller's decision, helped by [`resync`].
+//! is the caller's decision, helped by [`resync`] and, in version 2 segments, by sync marks.
+//!
+//! Version 2 adds one kind of frame that is not a block: a **sync mark**, whose payload is
+//! `magic "TRSM" (4) | synced_len u64 LE (8)`. The writer puts one before the first frame it
+//! appends after an fsync; `synced_len` is how much of the file that fsync made durable. A valid
+//! mark at offset `m` therefore proves the bytes before `synced_len` (never more than `m`) were
+//! durable before anything at or after `m` was written.
 
 use thiserror::Error;
 
 /// Magic bytes at the start of every segment file.
 pub const SEGMENT_MAGIC: [u8; 8] = *b"TRIBSEG\0";
-/// The segment container version written by this build.
-pub const SEGMENT_VERSION: u32 = 1;
+/// The segment container version written by this build: 2, which may hold sync marks.
+pub const SEGMENT_VERSION: u32 = 2;
+/// The first segment version: frames hold blocks only.
+pub const SEGMENT_VERSION_V1: u32 = 1;
 /// Size of the segment file header.
 pub const SEGMENT_HEADER_LEN: usize = SEGMENT_MAGIC.len() + 4 + 4;
 /// Size of a frame header (length and checksum).
@@ -25,6 +33,35 @@ const _: () = assert!(SEGMENT_HEADER_LEN == 16);
 
 /// The largest block a frame may carry; anything larger is treated as corruption.
 pub const FRAME_BYTES_MAX: u32 = 256 << 20;
+
+/// `TRSM`: the payload of a sync mark starts with it (a block starts with `TRBK`).
+pub const SYNC_MARK_MAGIC: [u8; 4] = *b"TRSM";
+/// Length of a sync mark's payload: magic and `synced_len`.
+pub const SYNC_MARK_LEN: usize = SYNC_MARK_MAGIC.len() + 8;
+/// Length of a framed sync mark.
+pub const SYNC_MARK_FRAME_LEN: usize = FRAME_HEADER_LEN + SYNC_MARK_LEN;
+const _: () = assert!(SYNC_MARK_FRAME_LEN == 20);
+
+/// A framed sync mark saying the file was durable up to `synced_len` when it was written.
+pub fn encode_sync_mark(synced_len: u64) -> [u8; SYNC_MARK_FRAME_LEN] {
+    let mut payload = [0u8; SYNC_MARK_LEN];
+    payload[..4].copy_from_slice(&SYNC_MARK_MAGIC);
+    payload[4..].copy_from_slice(&synced_len.to_le_bytes());
+    let mut out = [0u8; SYNC_MARK_FRAME_LEN];
+    out[..FRAME_HEADER_LEN].copy_from_slice(&frame_header(&payload));
+    out[FRAME_HEADER_LEN..].copy_from_slice(&payload);
+    out
+}
+
+/// The `synced_len` of a frame payload that is a sync mark, or `None` for anything else.
+pub fn decode_sync_mark(payload: &[u8]) -> Option<u64> {
+    if payload.len() != SYNC_MARK_LEN || payload[..4] != SYNC_MARK_MAGIC {
+        return None;
+    }
+    Some(u64::from_le_bytes(
+        payload[4..].try_into().expect("8 bytes"),
+    ))
+}
 
 /// Returns the header every new segment file starts with.
 pub fn segment_header() -> [u8; SEGMENT_HEADER_LEN] {
@@ -66,7 +103,7 @@ pub enum SegmentError {
     BadMagic,
     #[error("segment header checksum mismatch")]
     HeaderChecksum,
-    #[error("unsupported segment version {0}; this build reads version 1")]
+    #[error("unsupported segment version {0}; this build reads versions 1 and 2")]
     UnsupportedVersion(u32),
 }
 
@@ -124,6 +161,11 @@ pub struct Scan {
 
 /// Checks the segment header.
 pub fn check_header(bytes: &[u8]) -> Result<(), SegmentError> {
+    header_version(bytes).map(|_| ())
+}
+
+/// Checks the segment header and returns its version (1 or 2).
+pub fn header_version(bytes: &[u8]) -> Result<u32, SegmentError> {
     if bytes.len() < SEGMENT_HEADER_LEN {
         return Err(SegmentError::ShortHeader(bytes.len()));
     }
@@ -135,10 +177,10 @@ pub fn check_header(bytes: &[u8]) -> Result<(), SegmentError> {
         return Err(SegmentError::HeaderChecksum);
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-    if version != SEGMENT_VERSION {
+    if version != SEGMENT_VERSION && version != SEGMENT_VERSION_V1 {
         return Err(SegmentError::UnsupportedVersion(version));
     }
-    Ok(())
+    Ok(version)
 }
 
 /// Scans a whole segment file held in memory, stopping at the first bad frame.
@@ -247,6 +289,25 @@ mod tests {
         let f = scan(&seg).unwrap().frames[0];
         assert_eq!(f.block(&seg), Some(&b"TRBKone"[..]));
         assert_eq!(f.block(&seg[..seg.len() - 1]), None);
+    }
+
+    #[test]
+    fn sync_marks_round_trip_and_are_frames() {
+        let mut seg = segment_with(&[b"TRBKone"]);
+        let at = seg.len();
+        seg.extend_from_slice(&encode_sync_mark(at as u64));
+        let s = scan(&seg).unwrap();
+        assert_eq!((s.frames.len(), s.fault), (2, None));
+        let mark = s.frames[1];
+        assert_eq!(mark.offset as usize, at);
+        assert_eq!(decode_sync_mark(mark.block(&seg).unwrap()), Some(at as u64));
+        assert_eq!(decode_sync_mark(s.frames[0].block(&seg).unwrap()), None);
+        assert_eq!(header_version(&seg), Ok(SEGMENT_VERSION));
+        let mut v1 = seg.clone();
+        v1[8..12].copy_from_slice(&SEGMENT_VERSION_V1.to_le_bytes());
+        let crc = crc32c::crc32c(&v1[..12]);
+        v1[12..16].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(header_version(&v1), Ok(SEGMENT_VERSION_V1));
     }
 
     #[test]

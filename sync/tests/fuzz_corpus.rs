@@ -34,6 +34,19 @@ fn every_corpus_file_passes_its_target() {
     replay::replay(env!("CARGO_MANIFEST_DIR"), &TARGETS);
 }
 
+/// The v1 fixture's frames in a version 2 segment, a sync mark before each, then a torn mark.
+fn with_sync_marks(v1: &[u8]) -> Vec<u8> {
+    let mut out = segment::segment_header().to_vec();
+    for f in segment::scan(v1).unwrap().frames {
+        let synced = out.len() as u64;
+        out.extend_from_slice(&segment::encode_sync_mark(synced));
+        out.extend_from_slice(&v1[f.offset as usize..f.end() as usize]);
+    }
+    let mark = segment::encode_sync_mark(out.len() as u64);
+    out.extend_from_slice(&mark[..mark.len() - 3]);
+    out
+}
+
 /// The hand-made seeds: small valid inputs of each kind, plus a few broken ones.
 fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
     let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/v1");
@@ -51,8 +64,14 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
         (
             "segment_scan",
             "header_only.trseg",
+            seg[..segment::SEGMENT_HEADER_LEN].to_vec(),
+        ),
+        (
+            "segment_scan",
+            "header_only_v2.trseg",
             segment::segment_header().to_vec(),
         ),
+        ("segment_scan", "sync_marks_v2.trseg", with_sync_marks(&seg)),
         ("segment_scan", "frames_only.bin", frames_only),
         (
             "block_decode",

@@ -68,9 +68,12 @@
 //!   not through [`Storage`]; nothing correctness-critical lives only there.
 //! - **Tests:** `tests/crash_sim.rs` (seeded power loss on `MemStorage`), `tests/log_*.rs`.
 
+mod batches;
+mod durability;
 mod index;
 mod markers;
 mod recovery;
+pub mod switches;
 mod writer;
 
 pub use index::{Gap, GapReason, LogStatus, StoredBlock, StreamStatus};
@@ -254,6 +257,9 @@ pub struct RecoveryReport {
     pub truncated_bytes: u64,
     /// Records removed with them (those whose block header was still readable).
     pub truncated_records: u64,
+    /// Holes followed by valid frames that recovery found to be never durable (part of the
+    /// unsynced tail) and truncated, rather than taking them for corruption.
+    pub holes_never_durable: u64,
     /// Files written to `data_dir/quarantine/`, and why.
     pub quarantined: Vec<(PathBuf, String)>,
     /// The catalog was missing or corrupt and was rebuilt from the segment files.

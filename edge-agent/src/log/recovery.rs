@@ -1,21 +1,28 @@
-//! Recovery at open: find the epoch, scan and verify every segment, truncate torn tails,
-//! quarantine corruption as gap markers, drop incomplete batches, and rebuild the catalog.
+//! Recovery at open: find the epoch, scan and verify every segment, truncate what was never
+//! durable, quarantine corruption of durable data as gap markers, drop incomplete batches, and
+//! rebuild the catalog.
+//!
+//! Which damage is which is decided by [`super::durability`]; which blocks form incomplete
+//! batches by [`super::batches`].
 //!
 //! Every repair is ordered so that a crash in the middle of recovery loses nothing: corrupt bytes
 //! are copied to `quarantine/` (fsynced) and their gap marker is fsynced before the segment is
 //! rewritten without them; a rewrite goes through a `.tmp` file, fsync, rename, directory fsync.
 //! Running recovery again after such a crash finds the same state or a cleaner one.
 
+use super::batches::{self, Fragment};
+use super::durability::{self, HoleFacts, Verdict};
 use super::index::{BlockRef, Gap, GapReason, SegIndex, SharedState, StreamIndex};
 use super::markers::{self, EPOCHS_FILE, GAPS_FILE, MarkerFile};
+use super::switches;
 use super::{LogConfig, OpenError, RecoveryReport};
 use crate::catalog::{Catalog, CatalogOpen, GapRow, SegmentRow};
 use crate::storage::Storage;
 use std::collections::BTreeSet;
 use std::io;
 use std::path::{Path, PathBuf};
-use sync::block::{DecodeLimits, FLAG_BATCH_CONTINUES, HEADER_LEN, decode_header, verify_block};
-use sync::segment::{self, FRAME_HEADER_LEN, FrameRef, SEGMENT_HEADER_LEN};
+use sync::block::{BLOCK_MAGIC, DecodeLimits, HEADER_LEN, decode_header, verify_block};
+use sync::segment::{self, FRAME_HEADER_LEN, FrameRef, SEGMENT_HEADER_LEN, SEGMENT_VERSION};
 
 /// What the writer needs to continue a stream.
 #[derive(Debug)]
@@ -110,10 +117,12 @@ pub(crate) fn recover(
     let acks = catalog.acks().unwrap_or_default();
     for (name, segs) in cfg.streams.iter().zip(files) {
         let dir = streams_dir.join(name);
-        let (mut idx, mut init) = recover_stream(&mut cx, name, &dir, segs, &epochs)?;
-        for (_, epoch, d, t) in acks.iter().filter(|a| a.0 == *name) {
-            idx.acks.insert(*epoch, (*d, *t));
-        }
+        let stream_acks: Vec<(u64, u64, u64)> = acks
+            .iter()
+            .filter(|a| a.0 == *name)
+            .map(|a| (a.1, a.2, a.3))
+            .collect();
+        let (mut idx, mut init) = recover_stream(&mut cx, name, &dir, segs, &epochs, &stream_acks)?;
         // Seqs the hub acknowledged in the current epoch were assigned even if no segment holds
         // them any more (retention keeps the newest segment, but a data directory written
         // before that rule may lack it): never assign them again.
@@ -297,6 +306,7 @@ fn recover_stream(
     dir: &Path,
     mut files: Vec<SegFile>,
     epochs: &[u64],
+    acks: &[(u64, u64, u64)],
 ) -> Result<(StreamIndex, StreamInit), OpenError> {
     let order = |e: u64| epochs.iter().position(|x| *x == e).unwrap_or(0);
     files.sort_by_key(|f| (order(f.epoch), f.first_seq));
@@ -307,6 +317,9 @@ fn recover_stream(
         tracing::warn!(stream, bytes = cut, "gaps.log had a torn tail; truncated");
     }
     let mut idx = StreamIndex::default();
+    for &(epoch, d, t) in acks {
+        idx.acks.insert(epoch, (d, t));
+    }
     for g in entries.iter().filter_map(|e| markers::decode_gap(e)) {
         if !idx.gaps.contains(&g) {
             idx.gaps.push(g);
@@ -337,8 +350,10 @@ fn recover_stream(
         }
     }
     finish_interrupted_drops(cx, &mut idx, dir)?;
-    for e in epochs {
-        drop_incomplete_batch(cx, &mut idx, *e)?;
+    if switches::batch_rule() {
+        for e in epochs {
+            drop_fragments(cx, &mut gw, &mut idx, stream, *e)?;
+        }
     }
     remove_empty_segments(cx, &mut idx, dir)?;
     idx.gaps.sort_by_key(|g| (order(g.epoch), g.first_seq));
@@ -366,6 +381,8 @@ fn recover_stream(
         .iter()
         .rfind(|s| s.epoch == current)
         .filter(|s| s.last_seq().is_some_and(|l| l + 1 == idx.next_seq))
+        // A version 1 tail has no sync marks to vouch for what follows; start a new segment.
+        .filter(|s| segment_version(cx.storage, &s.path) == Some(SEGMENT_VERSION))
         .map(|s| (s.path.clone(), s.first_seq));
     let init = StreamInit {
         dir: dir.to_path_buf(),
@@ -387,11 +404,14 @@ fn recover_segment(
     next_first: Option<u64>,
 ) -> Result<Option<SegIndex>, OpenError> {
     let bytes = cx.storage.read(&f.path).map_err(io_err("read", &f.path))?;
-    if let Err(e) = segment::check_header(&bytes) {
-        return bad_header(cx, gw, idx, stream, f, &bytes, next_first, e.to_string())
-            .map(|()| None);
-    }
-    let walk = walk_frames(&bytes, f.epoch, is_tail);
+    let version = match segment::header_version(&bytes) {
+        Ok(v) => v,
+        Err(e) => {
+            return bad_header(cx, gw, idx, stream, f, &bytes, next_first, e.to_string())
+                .map(|()| None);
+        }
+    };
+    let walk = walk_frames(&bytes, f.epoch, !is_tail, version);
     // Before the first block, the file name says where the segment's seqs start.
     let prev_last = f.first_seq.saturating_sub(1);
     let last_good_before = |start: u64, good: &[(FrameRef, BlockRef)]| {
@@ -409,7 +429,9 @@ fn recover_segment(
             .iter()
             .find(|(fr, _)| fr.offset >= end)
             .map(|(_, b)| b.first_seq)
-            .or(next_first);
+            .or(next_first)
+            .or_else(|| last_seq_in_headers(&bytes[start as usize..end as usize], f.epoch))
+            .map(|a| a.max(before + 1));
         let why = format!("corrupt bytes {start}..{end} of {}", f.path.display());
         if let Some(after) = after
             && after > before + 1
@@ -432,7 +454,11 @@ fn recover_segment(
     }
     if let Some(off) = walk.torn {
         let removed = bytes.len() as u64 - off;
-        let records = torn_records(&bytes[off as usize..]);
+        let records = torn_records(&bytes, off as usize);
+        if walk.hole_then_valid {
+            cx.report.holes_never_durable += 1;
+            tracing::warn!(stream, file = %f.path.display(), offset = off, "a hole followed by frames of the same unsynced group: never durable");
+        }
         cx.storage
             .truncate(&f.path, off)
             .map_err(io_err("truncate", &f.path))?;
@@ -457,26 +483,29 @@ fn recover_segment(
 }
 
 /// The outcome of walking a segment's frames.
+#[derive(Default)]
 struct Walk {
     good: Vec<(FrameRef, BlockRef)>,
     /// Byte ranges to quarantine.
     bad: Vec<(u64, u64)>,
-    /// Offset of a torn tail to truncate.
+    /// Offset from which the file was never durable: truncate there.
     torn: Option<u64>,
+    /// The never-durable region is a hole followed by valid frames, not just a torn end.
+    hole_then_valid: bool,
 }
 
-fn walk_frames(bytes: &[u8], epoch: u64, is_tail: bool) -> Walk {
+/// Walks the frames of a segment; `sealed` when a later segment of its epoch exists.
+fn walk_frames(bytes: &[u8], epoch: u64, sealed: bool, version: u32) -> Walk {
     let limits = DecodeLimits::default();
-    let mut w = Walk {
-        good: Vec::new(),
-        bad: Vec::new(),
-        torn: None,
-    };
+    let mut w = Walk::default();
     let mut pos = SEGMENT_HEADER_LEN;
     loop {
         let scan = segment::scan_frames(bytes, pos);
         for fr in scan.frames {
             let block = &bytes[fr.block_offset() as usize..fr.end() as usize];
+            if version >= SEGMENT_VERSION && segment::decode_sync_mark(block).is_some() {
+                continue;
+            }
             match verify_block(block, &limits) {
                 Ok(h) if h.epoch == epoch => w.good.push((
                     fr,
@@ -493,18 +522,30 @@ fn walk_frames(bytes: &[u8], epoch: u64, is_tail: bool) -> Walk {
             }
         }
         let Some((off, _)) = scan.fault else { break };
-        match segment::resync(bytes, off as usize) {
-            Some(next) => {
+        let next = durability::next_frame(bytes, off as usize, version >= SEGMENT_VERSION);
+        let durable_to = if version >= SEGMENT_VERSION {
+            durability::durable_to_after(bytes, off as usize)
+        } else {
+            0
+        };
+        let facts = HoleFacts {
+            at: off,
+            sealed,
+            version,
+            valid_after: next.is_some(),
+            durable_to,
+        };
+        match (durability::judge(&facts), next) {
+            (Verdict::NeverDurable, _) => {
+                w.torn = Some(off);
+                w.hole_then_valid = next.is_some();
+                break;
+            }
+            (Verdict::Corrupt, Some(next)) => {
                 w.bad.push((off, next as u64));
                 pos = next;
             }
-            None if is_tail => {
-                w.torn = Some(off);
-                break;
-            }
-            None => {
-                // A sealed segment was fsynced whole before the next one was created, so a bad
-                // end here is corruption, not a torn write.
+            (Verdict::Corrupt, None) => {
                 w.bad.push((off, bytes.len() as u64));
                 break;
             }
@@ -513,11 +554,42 @@ fn walk_frames(bytes: &[u8], epoch: u64, is_tail: bool) -> Walk {
     w
 }
 
-/// Records whose block header survives in a torn tail (frame header + block header).
-fn torn_records(tail: &[u8]) -> u64 {
-    tail.get(FRAME_HEADER_LEN..FRAME_HEADER_LEN + HEADER_LEN)
+/// Records in a never-durable region starting at `from`: the block whose header survives at
+/// `from`, and every valid block after it.
+fn torn_records(bytes: &[u8], from: usize) -> u64 {
+    let at_start = bytes
+        .get(from + FRAME_HEADER_LEN..from + FRAME_HEADER_LEN + HEADER_LEN)
         .and_then(|h| decode_header(h).ok())
-        .map_or(0, |h| u64::from(h.count))
+        .map_or(0, |h| u64::from(h.count));
+    let mut total = at_start;
+    let mut pos = from;
+    while let Some(at) = segment::resync(bytes, pos) {
+        let h = &bytes[at + FRAME_HEADER_LEN..];
+        total += decode_header(h).map_or(0, |h| u64::from(h.count));
+        pos = at;
+    }
+    total
+}
+
+/// One past the highest seq named by a block header (its own crc intact) within damaged bytes:
+/// where the seqs of a damaged tail end, when no later block says so.
+fn last_seq_in_headers(bytes: &[u8], epoch: u64) -> Option<u64> {
+    let mut best = None;
+    for at in 0..bytes.len().saturating_sub(HEADER_LEN) {
+        if bytes[at..at + 4] == BLOCK_MAGIC
+            && let Ok(h) = decode_header(&bytes[at..at + HEADER_LEN])
+            && h.epoch == epoch
+        {
+            best = best.max(h.last_seq().checked_add(1));
+        }
+    }
+    best
+}
+
+/// The version in a segment's header, if it is readable.
+fn segment_version(storage: &dyn Storage, path: &Path) -> Option<u32> {
+    let head = storage.read_at(path, 0, SEGMENT_HEADER_LEN).ok()?;
+    segment::header_version(&head).ok()
 }
 
 /// A segment whose header is unreadable: a torn roll if it holds no more than a header and is
@@ -629,51 +701,148 @@ fn rewrite_segment(
     Ok(())
 }
 
-/// Drops a trailing run of `FLAG_BATCH_CONTINUES` blocks of one epoch: a batch whose last block
-/// never reached the disk was never acknowledged, and must not be half-visible.
-fn drop_incomplete_batch(
+/// Applies the batch-completeness rule ([`super::batches`]) to one epoch: a batch whose end
+/// never reached the disk is truncated (it was never acknowledged); any other fragment is
+/// quarantined, its seqs recorded as a `Corrupt` gap, and removed from its segments.
+fn drop_fragments(
     cx: &mut Ctx<'_>,
+    gw: &mut GapWriter<'_>,
     idx: &mut StreamIndex,
+    stream: &str,
     epoch: u64,
 ) -> Result<(), OpenError> {
-    let last = idx
+    let at: Vec<(usize, usize)> = idx
         .segments
         .iter()
-        .rev()
-        .filter(|s| s.epoch == epoch)
-        .find_map(SegIndex::last_seq);
-    // A batch that continues into a gap marker (its later blocks were dropped by the budget or
-    // quarantined) was complete; it is not the torn end of the log.
-    if let Some(last) = last
-        && idx
-            .gaps
-            .iter()
-            .any(|g| g.epoch == epoch && g.first_seq <= last + 1 && last < g.last_seq)
-    {
-        return Ok(());
+        .enumerate()
+        .filter(|(_, s)| s.epoch == epoch)
+        .flat_map(|(i, s)| (0..s.blocks.len()).map(move |k| (i, k)))
+        .collect();
+    let blocks: Vec<BlockRef> = at.iter().map(|&(i, k)| idx.segments[i].blocks[k]).collect();
+    let tiered = idx.acks.get(&epoch).map_or(0, |a| a.1);
+    let moved = idx.moved.get(&epoch).copied().unwrap_or(u64::MAX);
+    let in_gap = |seq: u64, dropped_only: bool| {
+        idx.gaps.iter().any(|g| {
+            g.epoch == epoch
+                && (g.first_seq..=g.last_seq).contains(&seq)
+                && (!dropped_only || g.reason == GapReason::Dropped)
+        })
+    };
+    let explained = |seq: u64| seq <= tiered || seq >= moved || in_gap(seq, true);
+    let frags = batches::fragments(&blocks, explained, |seq| in_gap(seq, false));
+    // Later fragments first, so that the positions of earlier ones stay valid.
+    for f in frags.iter().rev() {
+        let mut per_seg: Vec<(usize, Vec<usize>)> = Vec::new();
+        for &(i, k) in &at[f.blocks.clone()] {
+            match per_seg.last_mut() {
+                Some((j, ks)) if *j == i => ks.push(k),
+                _ => per_seg.push((i, vec![k])),
+            }
+        }
+        if f.torn_end {
+            for (i, ks) in per_seg.iter().rev() {
+                truncate_blocks(cx, &mut idx.segments[*i], ks[0])?;
+            }
+        } else {
+            quarantine_fragment(cx, gw, idx, stream, f, &blocks, &per_seg)?;
+        }
     }
-    for seg in idx.segments.iter_mut().rev().filter(|s| s.epoch == epoch) {
-        let keep = seg
+    Ok(())
+}
+
+/// Truncates a segment before its block `k`: the tail of a batch that never became durable.
+fn truncate_blocks(cx: &mut Ctx<'_>, seg: &mut SegIndex, k: usize) -> Result<(), OpenError> {
+    let cut = seg.blocks[k].offset;
+    let records: u64 = seg.blocks[k..].iter().map(|b| u64::from(b.count)).sum();
+    cx.storage
+        .truncate(&seg.path, cut)
+        .map_err(io_err("truncate", &seg.path))?;
+    cx.report.truncated_bytes += seg.bytes - cut;
+    cx.report.truncated_records += records;
+    tracing::warn!(file = %seg.path.display(), records, "dropped an incomplete trailing batch");
+    seg.blocks.truncate(k);
+    seg.bytes = cut;
+    Ok(())
+}
+
+/// Copies a fragment's frames aside, records its seqs as a `Corrupt` gap (both fsynced), then
+/// rewrites each segment without them. A crash in between finds the same fragment again.
+fn quarantine_fragment(
+    cx: &mut Ctx<'_>,
+    gw: &mut GapWriter<'_>,
+    idx: &mut StreamIndex,
+    stream: &str,
+    f: &Fragment,
+    blocks: &[BlockRef],
+    per_seg: &[(usize, Vec<usize>)],
+) -> Result<(), OpenError> {
+    let mut contents = Vec::new();
+    for (i, ks) in per_seg {
+        let seg = &idx.segments[*i];
+        let bytes = cx
+            .storage
+            .read(&seg.path)
+            .map_err(io_err("read", &seg.path))?;
+        let name = seg
+            .path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned());
+        let first = seg.blocks[ks[0]];
+        let qpath = cx.qdir.join(format!(
+            "{stream}-{}-{}.fragment",
+            name.unwrap_or_default(),
+            first.offset
+        ));
+        let mut frames = Vec::new();
+        for &k in ks {
+            let b = seg.blocks[k];
+            frames.extend_from_slice(
+                &bytes[b.offset as usize..(b.offset + b.frame_bytes()) as usize],
+            );
+        }
+        write_quarantine(cx.storage, &qpath, &frames)?;
+        contents.push((*i, bytes, qpath));
+    }
+    let (head, tail) = (blocks[f.blocks.start], blocks[f.blocks.end - 1]);
+    let g = Gap {
+        epoch: idx.segments[per_seg[0].0].epoch,
+        first_seq: head.first_seq,
+        last_seq: tail.last_seq(),
+        reason: GapReason::Corrupt,
+        records: tail.last_seq() - head.first_seq + 1,
+    };
+    gw.write(&g)?;
+    if !idx.gaps.contains(&g) {
+        idx.gaps.push(g);
+    }
+    for ((i, ks), (_, bytes, qpath)) in per_seg.iter().zip(contents) {
+        let seg = &mut idx.segments[*i];
+        let good: Vec<(FrameRef, BlockRef)> = seg
             .blocks
             .iter()
-            .rposition(|b| b.flags & FLAG_BATCH_CONTINUES == 0)
-            .map_or(0, |i| i + 1);
-        if keep < seg.blocks.len() {
-            let cut = seg.blocks[keep].offset;
-            let records: u64 = seg.blocks[keep..].iter().map(|b| u64::from(b.count)).sum();
-            cx.storage
-                .truncate(&seg.path, cut)
-                .map_err(io_err("truncate", &seg.path))?;
-            cx.report.truncated_bytes += seg.bytes - cut;
-            cx.report.truncated_records += records;
-            tracing::warn!(file = %seg.path.display(), records, "dropped an incomplete trailing batch");
-            seg.blocks.truncate(keep);
-            seg.bytes = cut;
-        }
-        if !seg.blocks.is_empty() {
-            // The newest complete block ends the search.
-            return Ok(());
-        }
+            .enumerate()
+            .filter(|(k, _)| !ks.contains(k))
+            .map(|(_, b)| {
+                (
+                    FrameRef {
+                        offset: b.offset,
+                        len: b.len,
+                    },
+                    *b,
+                )
+            })
+            .collect();
+        let path = seg.path.clone();
+        rewrite_segment(cx.storage, &path, &bytes, &good, seg)?;
+        idx.quarantined_blocks += ks.len() as u64;
+        let why = format!(
+            "incomplete batch: seqs {}..={} of a batch whose other blocks are missing, from {}",
+            g.first_seq,
+            g.last_seq,
+            seg.path.display()
+        );
+        tracing::error!(stream, quarantine = %qpath.display(), "{why}; quarantined");
+        cx.report.quarantined.push((qpath, why));
     }
     Ok(())
 }
@@ -791,6 +960,7 @@ pub(crate) fn log_report(r: &RecoveryReport) {
         records = r.records,
         truncated_bytes = r.truncated_bytes,
         truncated_records = r.truncated_records,
+        holes_never_durable = r.holes_never_durable,
         quarantined = r.quarantined.len(),
         catalog_rebuilt = r.catalog_rebuilt,
         "local log recovered"

@@ -5,6 +5,10 @@
 //! frames with one `append` per segment, then fsyncs according to the policy and only then
 //! answers the producers whose batches that fsync covered. See the module docs of `log` for the
 //! whole picture.
+//!
+//! The first append to a segment after an fsync is preceded by a sync mark
+//! (`sync::segment::encode_sync_mark`) holding the length that fsync made durable, which is what
+//! lets recovery tell a hole in an unsynced group from corruption of durable data.
 
 use super::index::{BlockRef, Gap, GapReason, SegIndex, Shared};
 use super::markers::{self, EPOCHS_FILE, GAPS_FILE, MarkerFile};
@@ -19,10 +23,13 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, TryRecvError};
 use std::time::{Duration, Instant};
 use sync::Record;
 use sync::block::{
-    DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUES, decode_block, decode_header,
-    encode_block_with,
+    DecodeLimits, EncodeOptions, FLAG_BATCH_CONTINUED, FLAG_BATCH_CONTINUES, decode_block,
+    decode_header, encode_block_with,
 };
-use sync::segment::{FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, frame_header, segment_header};
+use sync::segment::{
+    FRAME_HEADER_LEN, SEGMENT_HEADER_LEN, SYNC_MARK_FRAME_LEN, encode_sync_mark, frame_header,
+    segment_header,
+};
 use tokio::sync::oneshot;
 
 /// How long a producer refused under `on_full = block` is told to wait.
@@ -52,6 +59,10 @@ struct Active {
     path: PathBuf,
     first_seq: u64,
     dirty: bool,
+    /// The file length the last fsync made durable.
+    synced_len: u64,
+    /// The `synced_len` the last sync mark in this file carries.
+    marked_len: u64,
 }
 
 struct WStream {
@@ -65,6 +76,9 @@ struct WStream {
     pending_bytes: usize,
     pending_first: u64,
     pending_since: Option<Instant>,
+    /// Flags for the pending block: `FLAG_BATCH_CONTINUED` when it starts with the tail of a
+    /// split batch.
+    pending_flags: u8,
     sealed_buf: Vec<u8>,
     sealed: Vec<Sealed>,
     /// The last seq written whose block completes a producer batch.
@@ -122,6 +136,7 @@ impl Writer {
                 pending_bytes: 0,
                 pending_first: init.next_seq,
                 pending_since: None,
+                pending_flags: 0,
                 sealed_buf: Vec::new(),
                 sealed: Vec::new(),
                 written_complete: init.next_seq - 1,
@@ -329,12 +344,16 @@ impl Writer {
         let mut at = 0usize;
         for (k, len) in chunks.iter().enumerate() {
             let seq = first + at as u64;
+            let continued = if k > 0 { FLAG_BATCH_CONTINUED } else { 0 };
             if k + 1 < chunks.len() {
-                self.seal(i, &records[at..at + len], seq, FLAG_BATCH_CONTINUES)?;
+                let flags = FLAG_BATCH_CONTINUES | continued;
+                self.seal(i, &records[at..at + len], seq, flags)?;
             } else {
                 let tail: Vec<Record> = records[at..].to_vec();
                 let tail_bytes = tail.iter().map(Record::approx_bytes).sum();
                 self.push_pending(i, seq, tail, tail_bytes);
+                // Pending was sealed before the split, so this block starts with the tail.
+                self.streams[i].pending_flags = continued;
             }
             at += len;
         }
@@ -368,7 +387,8 @@ impl Writer {
         }
         let records = std::mem::take(&mut st.pending);
         let first = st.pending_first;
-        let res = self.seal(i, &records, first, 0);
+        let flags = std::mem::take(&mut st.pending_flags);
+        let res = self.seal(i, &records, first, flags);
         let st = &mut self.streams[i];
         st.pending = records;
         st.pending.clear();
@@ -493,6 +513,7 @@ impl Writer {
             if len > SEGMENT_HEADER_LEN as u64 && len + frame > seg_max {
                 self.roll(i, sealed[k].first_seq)?;
             }
+            self.write_mark(i)?;
             let start_len = self.streams[i].active.as_ref().expect("active").file.len();
             let (start_k, mut run) = (k, 0u64);
             while k < sealed.len() {
@@ -514,6 +535,27 @@ impl Writer {
             self.disk_bytes += run;
             self.index_blocks(i, start_len, &sealed[start_k..k]);
         }
+        Ok(())
+    }
+
+    /// Appends a sync mark when an fsync made more of the active file durable than the last mark
+    /// says. Frames written after it then carry the proof that the bytes before `synced_len`
+    /// were durable before they were written.
+    fn write_mark(&mut self, i: usize) -> io::Result<()> {
+        let a = self.streams[i].active.as_ref().expect("active");
+        if a.synced_len <= a.marked_len {
+            return Ok(());
+        }
+        let mark = encode_sync_mark(a.synced_len);
+        if self.cfg.on_full == OnFull::DropOldest {
+            self.ensure_room(SYNC_MARK_FRAME_LEN as u64)?;
+        }
+        let a = self.streams[i].active.as_mut().expect("active");
+        a.file.append(&mark)?;
+        a.marked_len = a.synced_len;
+        a.dirty = true;
+        self.unsynced = true;
+        self.disk_bytes += SYNC_MARK_FRAME_LEN as u64;
         Ok(())
     }
 
@@ -559,11 +601,16 @@ impl Writer {
         let st = &mut self.streams[i];
         if let Some((path, seg_first)) = st.tail.take() {
             let file = self.storage.open_append(&path)?;
+            // Recovery fsynced the tail it hands over, so all of it is durable; the first
+            // append writes a mark that says so.
+            let synced_len = file.len();
             st.active = Some(Active {
                 file,
                 path,
                 first_seq: seg_first,
                 dirty: false,
+                synced_len,
+                marked_len: 0,
             });
             return Ok(());
         }
@@ -604,11 +651,14 @@ impl Writer {
         if let Err(e) = self.catalog.upsert_segment(&row) {
             tracing::warn!(error = %e, "catalog: recording a new segment failed (it is rebuilt at open)");
         }
+        // The durable header proves nothing about frames, so no mark is needed for it.
         st.active = Some(Active {
             file,
             path,
             first_seq,
             dirty: false,
+            synced_len: header,
+            marked_len: header,
         });
         Ok(())
     }
@@ -616,7 +666,10 @@ impl Writer {
     /// Seals the active segment (fsync) and starts the next one.
     fn roll(&mut self, i: usize, first_seq: u64) -> io::Result<()> {
         if let Some(mut old) = self.streams[i].active.take() {
-            old.file.sync()?;
+            old.file.sync().map_err(|e| {
+                let what = format!("fsync of {} before rolling: {e}", old.path.display());
+                io::Error::new(e.kind(), what)
+            })?;
             let (last, bytes) = self.segment_stats(i, &old.path);
             let row = SegmentRow {
                 stream: self.streams[i].name.clone(),
@@ -746,6 +799,7 @@ impl Writer {
             if let Some(a) = st.active.as_mut().filter(|a| a.dirty) {
                 a.file.sync()?;
                 a.dirty = false;
+                a.synced_len = a.file.len();
             }
         }
         self.unsynced = false;
@@ -791,6 +845,7 @@ impl Writer {
             st.pending.clear();
             st.pending_bytes = 0;
             st.pending_since = None;
+            st.pending_flags = 0;
             st.sealed.clear();
             st.sealed_buf.clear();
         }
@@ -929,6 +984,8 @@ impl Writer {
         let mut after = from_seq - 1;
         let mut held_back: Option<Vec<Record>> = None;
         let mut moved = 0u64;
+        // Every block of the copy but its first continues the one before.
+        let mut continued = 0u8;
         loop {
             let blocks = self
                 .shared
@@ -949,7 +1006,8 @@ impl Writer {
                     at += len;
                     moved += len as u64;
                     if let Some(prev) = held_back.replace(chunk) {
-                        self.seal_next(i, &prev, FLAG_BATCH_CONTINUES)?;
+                        self.seal_next(i, &prev, FLAG_BATCH_CONTINUES | continued)?;
+                        continued = FLAG_BATCH_CONTINUED;
                     }
                 }
             }
@@ -959,7 +1017,7 @@ impl Writer {
             }
         }
         if let Some(last) = held_back {
-            self.seal_next(i, &last, 0)?;
+            self.seal_next(i, &last, continued)?;
         }
         tracing::warn!(stream = %name, old_epoch = format_args!("{old:016x}"), from_seq, records = moved, "moved records into the new epoch");
         Ok(())
@@ -1008,6 +1066,7 @@ impl Writer {
             st.tail = None;
             st.next_seq = 1;
             st.pending_first = 1;
+            st.pending_flags = 0;
             st.written_complete = 0;
         }
         let all = self.shared.lock().epochs.clone();

@@ -1,15 +1,25 @@
 //! An in-memory [`Storage`] that can simulate power loss.
 //!
-//! Each file (an inode) keeps its current bytes and the bytes known to be durable; the
-//! namespace keeps the current path -> inode map and the durable one. `sync` on a file makes its
-//! bytes durable; `sync_dir` makes the entries of that directory durable (creates, renames and
-//! removes). [`MemStorage::crash`] throws away everything else, like a power cut would.
+//! Each file (an inode) keeps its current bytes, the bytes known to be durable, and the appends
+//! made since its last `sync` (the unsynced suffix, as a list of writes); the namespace keeps
+//! the current path -> inode map and the durable one. `sync` on a file makes its bytes durable;
+//! `sync_dir` makes the entries of that directory durable (creates, renames and removes).
+//! [`MemStorage::crash`] throws away everything else, like a power cut would: a directory entry
+//! that was never covered by a `sync_dir` is gone, whatever happened to its file's bytes.
 //!
-//! A power cut rarely lands on a write boundary, so `crash` keeps a random prefix of each file's
-//! unsynced appended bytes (seeded, so runs are reproducible): that is the torn tail recovery
-//! must truncate. Unsynced bytes are never reordered or scrambled: we model a disk that writes
-//! appended data in order, which is what the recovery scan relies on to tell a torn tail
-//! (nothing valid after the fault) from a corrupt block (valid frames after it).
+//! A power cut does not respect write boundaries or write order, so within each file's unsynced
+//! suffix `crash` picks one of these (seeded, so runs are reproducible; counted in
+//! [`CrashStats`]):
+//! - **drop**: nothing unsynced survives;
+//! - **torn**: a random prefix survives, cut anywhere;
+//! - **scatter**: the file keeps a random length, and each piece of the unsynced region (pieces
+//!   end at write boundaries and at random cuts) holds its data, zeros (the file grew but the
+//!   data never arrived) or garbage;
+//! - **reorder**: a later write of the group persists and an earlier one does not (it reads as
+//!   zeros or garbage), which leaves a hole followed by valid frames.
+//!
+//! Durable bytes are never touched: only [`MemStorage::corrupt_byte`] damages them, to model
+//! bit rot.
 //!
 //! A crash point makes the power cut happen *during* a chosen operation: the operation with
 //! global index `k` fails, a random prefix of an in-flight append reaches the page cache, and
@@ -32,10 +42,28 @@ pub struct CrashInfo {
     pub file_len: u64,
 }
 
+/// What [`MemStorage::crash`] did to unsynced file suffixes, summed over every crash.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CrashStats {
+    /// Suffixes lost whole.
+    pub dropped: u64,
+    /// Suffixes cut to a random prefix.
+    pub torn: u64,
+    /// Suffixes kept in pieces of data, zeros and garbage.
+    pub scattered: u64,
+    /// Suffixes where a later write persisted without an earlier one.
+    pub reordered: u64,
+    /// Pieces left as zeros, and as garbage, by scatter and reorder.
+    pub zero_pieces: u64,
+    pub garbage_pieces: u64,
+}
+
 #[derive(Debug, Default)]
 struct Inode {
     data: Vec<u8>,
     durable: Vec<u8>,
+    /// `(start, end)` of every append since the last sync, in order.
+    writes: Vec<(usize, usize)>,
 }
 
 #[derive(Debug, Default)]
@@ -49,6 +77,7 @@ struct MemState {
     crash_at: Option<u64>,
     crashed: Option<CrashInfo>,
     rng: u64,
+    stats: CrashStats,
 }
 
 impl MemState {
@@ -78,6 +107,94 @@ impl MemState {
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next_rand() % n }
+    }
+
+    /// Applies one crash mode to the unsynced suffix of `inode` (its data starts with its
+    /// durable bytes and is longer).
+    fn lose_suffix(&mut self, inode: &mut Inode) {
+        let (from, to) = (inode.durable.len(), inode.data.len());
+        match self.below(4) {
+            0 => {
+                self.stats.dropped += 1;
+                inode.data.truncate(from);
+            }
+            1 => {
+                self.stats.torn += 1;
+                let keep = self.below((to - from) as u64 + 1) as usize;
+                inode.data.truncate(from + keep);
+            }
+            2 => {
+                self.stats.scattered += 1;
+                let len = from + 1 + self.below((to - from) as u64) as usize;
+                inode.data.truncate(len);
+                let cuts = self.pieces(inode, from, len);
+                for (a, b) in cuts {
+                    match self.below(4) {
+                        0 => self.spoil(&mut inode.data[a..b], false),
+                        1 => self.spoil(&mut inode.data[a..b], true),
+                        _ => {}
+                    }
+                }
+            }
+            _ => {
+                self.stats.reordered += 1;
+                let writes = self.unsynced_writes(inode, from, to);
+                // Lose one write that is not the last; with a single write, lose its front part.
+                let (a, b) = if writes.len() >= 2 {
+                    writes[self.below(writes.len() as u64 - 1) as usize]
+                } else {
+                    (
+                        from,
+                        from + 1 + self.below((to - from - 1).max(1) as u64) as usize,
+                    )
+                };
+                let garbage = self.below(2) == 1;
+                self.spoil(&mut inode.data[a..b.min(to)], garbage);
+            }
+        }
+    }
+
+    /// The unsynced writes of `inode` clipped to `from..to`; one write if none was recorded.
+    fn unsynced_writes(&self, inode: &Inode, from: usize, to: usize) -> Vec<(usize, usize)> {
+        let w: Vec<(usize, usize)> = inode
+            .writes
+            .iter()
+            .map(|&(a, b)| (a.max(from), b.min(to)))
+            .filter(|(a, b)| a < b)
+            .collect();
+        if w.is_empty() { vec![(from, to)] } else { w }
+    }
+
+    /// Splits `from..len` into pieces at write boundaries and at random cuts.
+    fn pieces(&mut self, inode: &Inode, from: usize, len: usize) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        for (a, b) in self.unsynced_writes(inode, from, len) {
+            let mut at = a;
+            while at < b {
+                let step = 1 + self.below(((b - a) / 2).max(1) as u64) as usize;
+                let end = (at + step).min(b);
+                out.push((at, end));
+                at = end;
+            }
+        }
+        out
+    }
+
+    /// Overwrites a piece with zeros or garbage.
+    fn spoil(&mut self, piece: &mut [u8], garbage: bool) {
+        if garbage {
+            self.stats.garbage_pieces += 1;
+            for b in piece.iter_mut() {
+                *b = self.next_rand() as u8;
+            }
+        } else {
+            self.stats.zero_pieces += 1;
+            piece.fill(0);
+        }
     }
 
     fn inode_of(&self, path: &Path) -> io::Result<u64> {
@@ -137,35 +254,34 @@ impl MemStorage {
         self.lock().crashed.clone()
     }
 
-    /// Simulates power loss now: keeps only durable entries and durable bytes, plus a random
-    /// prefix of each file's unsynced appended tail. Clears the crash point. Returns where the
-    /// crash point landed, if one was reached.
+    /// Simulates power loss now: keeps only durable entries and durable bytes, plus whatever
+    /// the chosen crash mode leaves of each file's unsynced suffix. Clears the crash point.
+    /// Returns where the crash point landed, if one was reached.
     pub fn crash(&self) -> Option<CrashInfo> {
         let mut s = self.lock();
         s.live = s.durable_names.clone();
         let live: BTreeSet<u64> = s.live.values().copied().collect();
         s.inodes.retain(|id, _| live.contains(id));
-        let ids: Vec<u64> = s.inodes.keys().copied().collect();
+        let mut ids: Vec<u64> = s.inodes.keys().copied().collect();
+        ids.sort_unstable();
         for id in ids {
-            let coin = s.next_rand();
-            let inode = s.inodes.get_mut(&id).expect("listed");
-            let durable_len = inode.durable.len();
-            if inode.data.len() > durable_len && inode.data.starts_with(&inode.durable) {
-                let extra = (inode.data.len() - durable_len) as u64;
-                // Half the time nothing unsynced survives; otherwise a random prefix does.
-                let keep = if coin & 1 == 0 {
-                    0
-                } else {
-                    (coin >> 1) % (extra + 1)
-                };
-                inode.data.truncate(durable_len + keep as usize);
+            let mut inode = s.inodes.remove(&id).expect("listed");
+            if inode.data.len() > inode.durable.len() && inode.data.starts_with(&inode.durable) {
+                s.lose_suffix(&mut inode);
             } else {
                 inode.data = inode.durable.clone();
             }
             inode.durable = inode.data.clone();
+            inode.writes.clear();
+            s.inodes.insert(id, inode);
         }
         s.crash_at = None;
         s.crashed.take()
+    }
+
+    /// What the crashes so far did to unsynced suffixes.
+    pub fn crash_stats(&self) -> CrashStats {
+        self.lock().stats
     }
 
     /// The bytes of a file as they are now, durable or not. For tests.
@@ -187,6 +303,7 @@ impl MemStorage {
             .ok_or_else(|| io::Error::other(format!("offset {offset} beyond {len}")))?;
         *b ^= xor;
         inode.durable = inode.data.clone();
+        inode.writes.clear();
         Ok(())
     }
 }
@@ -216,7 +333,9 @@ impl WriteFile for MemFile {
                 // The cut landed mid-write: part of it may have reached the page cache.
                 let keep = (s.next_rand() % (data.len() as u64 + 1)) as usize;
                 if let Some(inode) = s.inodes.get_mut(&self.inode) {
+                    let start = inode.data.len();
                     inode.data.extend_from_slice(&data[..keep]);
+                    inode.writes.push((start, start + keep));
                 }
             }
             return Err(e);
@@ -225,7 +344,9 @@ impl WriteFile for MemFile {
             .inodes
             .get_mut(&self.inode)
             .ok_or_else(|| not_found(&self.path))?;
+        let start = inode.data.len();
         inode.data.extend_from_slice(data);
+        inode.writes.push((start, start + data.len()));
         Ok(())
     }
 
@@ -238,6 +359,7 @@ impl WriteFile for MemFile {
             .get_mut(&self.inode)
             .ok_or_else(|| not_found(&self.path))?;
         inode.durable.clone_from(&inode.data);
+        inode.writes.clear();
         Ok(())
     }
 
@@ -256,7 +378,9 @@ impl Storage for MemStorage {
         s.check_parent(path)?;
         let id = match s.live.get(path) {
             Some(&id) => {
-                s.inodes.get_mut(&id).expect("live inode").data.clear();
+                let inode = s.inodes.get_mut(&id).expect("live inode");
+                inode.data.clear();
+                inode.writes.clear();
                 id
             }
             None => {
@@ -321,6 +445,7 @@ impl Storage for MemStorage {
         inode.data.truncate(len as usize);
         // Like RealStorage, truncate syncs the file.
         inode.durable = inode.data.clone();
+        inode.writes.clear();
         Ok(())
     }
 
@@ -407,7 +532,72 @@ mod tests {
         m.crash();
         let got = m.read(&dir.join("b")).unwrap();
         assert!(got.starts_with(b"durable"));
-        assert!(b"durable-volatile".starts_with(&got));
+        assert!(got.len() <= b"durable-volatile".len());
+    }
+
+    #[test]
+    fn renames_and_removes_need_a_directory_sync() {
+        let m = MemStorage::with_seed(5);
+        let dir = Path::new("/d");
+        m.create_dir_all(dir).unwrap();
+        let mut a = m.create(&dir.join("a")).unwrap();
+        a.append(b"x").unwrap();
+        a.sync().unwrap();
+        m.sync_dir(dir).unwrap();
+        m.rename(&dir.join("a"), &dir.join("b")).unwrap();
+        m.crash();
+        assert!(m.exists(&dir.join("a")) && !m.exists(&dir.join("b")));
+        m.remove(&dir.join("a")).unwrap();
+        m.crash();
+        assert!(m.exists(&dir.join("a")), "an unsynced remove is undone");
+        m.remove(&dir.join("a")).unwrap();
+        m.sync_dir(dir).unwrap();
+        m.crash();
+        assert!(!m.exists(&dir.join("a")));
+    }
+
+    /// Every mode shows up over many crashes, durable bytes are never touched, the file never
+    /// grows past what was written, and a reorder keeps the last write whole.
+    #[test]
+    fn crash_modes_only_touch_the_unsynced_suffix() {
+        let m = MemStorage::with_seed(9);
+        let dir = Path::new("/d");
+        m.create_dir_all(dir).unwrap();
+        let path = dir.join("f");
+        let mut f = m.create(&path).unwrap();
+        f.append(b"durable!").unwrap();
+        f.sync().unwrap();
+        m.sync_dir(dir).unwrap();
+        let mut hole_then_data = 0;
+        for round in 0..400u32 {
+            let mut f = m.open_append(&path).unwrap();
+            let writes: Vec<Vec<u8>> = (0..3u8).map(|w| vec![0xA0 + w; 16]).collect();
+            for w in &writes {
+                f.append(w).unwrap();
+            }
+            m.crash();
+            let got = m.read(&path).unwrap();
+            assert!(got.starts_with(b"durable!"), "round {round}");
+            assert!(got.len() <= 8 + 48, "round {round}");
+            let tail = &got[8..];
+            if tail.len() == 48
+                && tail[32..] == writes[2][..]
+                && tail[..32] != [&writes[0][..], &writes[1][..]].concat()
+            {
+                hole_then_data += 1;
+            }
+            m.truncate(&path, 8).unwrap();
+        }
+        let st = m.crash_stats();
+        assert!(
+            st.dropped > 0 && st.torn > 0 && st.scattered > 0 && st.reordered > 0,
+            "{st:?}"
+        );
+        assert!(st.zero_pieces > 0 && st.garbage_pieces > 0, "{st:?}");
+        assert!(
+            hole_then_data > 0,
+            "a later write persisted without an earlier one"
+        );
     }
 
     #[test]

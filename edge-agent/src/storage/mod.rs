@@ -4,7 +4,8 @@
 //! tested rather than assumed:
 //! - [`RealStorage`] is `std::fs` plus `fdatasync` (`File::sync_data`) and directory fsyncs;
 //! - [`MemStorage`] keeps files in memory, tracks what is durable, and on [`MemStorage::crash`]
-//!   forgets every write, create, rename and remove that was not made durable;
+//!   forgets every create, rename and remove that was not made durable and leaves each file's
+//!   unsynced suffix dropped, torn, zeroed, scrambled or with later writes but not earlier ones;
 //! - [`FaultyStorage`] wraps another storage and injects EIO or ENOSPC at chosen operations.
 //!
 //! The model of durability is the POSIX one the log relies on: file contents are durable after
@@ -16,7 +17,7 @@ mod faulty;
 mod mem;
 
 pub use faulty::{Fault, FaultError, FaultyStorage};
-pub use mem::{CrashInfo, MemStorage};
+pub use mem::{CrashInfo, CrashStats, MemStorage};
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};

@@ -88,3 +88,12 @@ pub fn seg_bytes_on_disk(dir: &Path) -> u64 {
     }
     total
 }
+
+/// The frames of a segment that hold blocks, leaving out sync marks.
+pub fn block_frames(segment: &[u8]) -> Vec<sync::segment::FrameRef> {
+    let scan = sync::segment::scan(segment).expect("a readable segment header");
+    scan.frames
+        .into_iter()
+        .filter(|f| sync::segment::decode_sync_mark(f.block(segment).expect("in range")).is_none())
+        .collect()
+}
