@@ -61,6 +61,10 @@ pub struct AppState {
     body_bytes_max: usize,
     /// The HTTP limits and their counters (`limits.rs`), shared with the accept loop.
     pub guard: Arc<limits::HttpGuard>,
+    /// Mutation check: read the body before the token check, as the API once did. Read when
+    /// the router is built.
+    #[cfg(feature = "fault-injection")]
+    pub body_before_token: std::sync::atomic::AtomicBool,
     limits: Limits,
     fsync: String,
     on_full: String,
@@ -85,6 +89,8 @@ impl AppState {
             ingest: Ingest::with_streams(log, metrics, &cfg.streams),
             token: cfg.http.token.clone(),
             guard: limits::HttpGuard::new(cfg.http.limits.clone(), |status, msg| error(status, msg)),
+            #[cfg(feature = "fault-injection")]
+            body_before_token: std::sync::atomic::AtomicBool::new(false),
             body_bytes_max: cfg.http.body_bytes_max,
             limits: Limits {
                 disk_bytes_max: cfg.storage.disk_bytes_max,
@@ -135,13 +141,23 @@ pub fn on_full_name(p: OnFull) -> &'static str {
 
 /// The API's routes.
 pub fn router(app: Arc<AppState>) -> Router {
-    let guard = app.guard.clone();
-    Router::new()
+    let read_body = middleware::from_fn_with_state(app.guard.clone(), limits::read_body);
+    let token = middleware::from_fn_with_state(app.clone(), require_token);
+    let protected = Router::new()
         .route("/v1/streams/{stream}/records", post(post_records))
-        .route("/v1/status", get(get_status))
-        // The token is checked before a byte of the body is read (`limits::read_body`).
-        .route_layer(middleware::from_fn_with_state(guard.clone(), limits::read_body))
-        .route_layer(middleware::from_fn_with_state(app.clone(), require_token))
+        .route("/v1/status", get(get_status));
+    #[cfg(feature = "fault-injection")]
+    if app.body_before_token.load(std::sync::atomic::Ordering::Relaxed) {
+        return finish(protected.route_layer(token).route_layer(read_body), app);
+    }
+    // The token is checked before a byte of the body is read (`limits::read_body`).
+    finish(protected.route_layer(read_body).route_layer(token), app)
+}
+
+/// The open routes and the layers around every route.
+fn finish(protected: Router<Arc<AppState>>, app: Arc<AppState>) -> Router {
+    let guard = app.guard.clone();
+    protected
         .route("/healthz", get(get_healthz))
         .route("/metrics", get(get_metrics))
         .layer(DefaultBodyLimit::max(app.body_bytes_max))
