@@ -7,6 +7,7 @@
 #![doc(hidden)]
 
 use crate::block::{self, BlockHeader, DecodeLimits, HEADER_LEN, VERSION_COLUMNAR, VERSION_ROWS};
+use crate::decoded;
 use crate::parse::{self, FIELDS_MAX, ParseOptions};
 use crate::record::{Record, Value};
 use crate::segment::{self, SEGMENT_HEADER_LEN};
@@ -16,6 +17,7 @@ const LIMITS: DecodeLimits = DecodeLimits {
     raw_bytes_max: 1 << 20,
     records_max: 1 << 16,
     body_bytes_max: 1 << 20,
+    decoded_bytes_max: 16 << 20,
 };
 
 /// The segment reader: scan, decode every frame, and check the scan's own bookkeeping. The
@@ -39,7 +41,7 @@ fn check_scan(file: &[u8], scan: &segment::Scan) {
         let bytes = frame
             .block(file)
             .expect("a scanned frame lies within the file");
-        if let Ok(b) = block::decode_block(bytes, &LIMITS) {
+        if let Some(b) = decode_sized(bytes) {
             check_block(&b);
         }
     }
@@ -74,9 +76,39 @@ fn check_scan(file: &[u8], scan: &segment::Scan) {
 pub fn block_decode(data: &[u8]) {
     let _ = block::decode_header(data);
     let _ = block::verify_block(data, &LIMITS);
-    if let Ok(b) = block::decode_block(data, &LIMITS) {
+    if let Some(b) = decode_sized(data) {
         check_block(&b);
     }
+}
+
+/// Decodes a block in two steps, sizing it first, and checks the decoded-size bound: the
+/// size computed before decoding never exceeds the limit, the records decoded are exactly
+/// that size, and whatever cannot be sized does not decode either.
+fn decode_sized(bytes: &[u8]) -> Option<block::Block> {
+    let sized = match block::size_block(bytes, &LIMITS) {
+        Ok(s) => s,
+        Err(e) => {
+            let whole = block::decode_block(bytes, &LIMITS);
+            assert_eq!(
+                whole.err(),
+                Some(e),
+                "decode_block fails as size_block does"
+            );
+            return None;
+        }
+    };
+    assert!(
+        sized.decoded_bytes() <= LIMITS.decoded_bytes_max,
+        "a sized block is within the decoded-size limit"
+    );
+    let mut records = Vec::new();
+    let header = sized.decode_into(&mut records).ok()?;
+    assert_eq!(
+        decoded::records_bytes(&records),
+        sized.decoded_bytes(),
+        "the decoded records are exactly the size computed before decoding them"
+    );
+    Some(block::Block { header, records })
 }
 
 /// The body decoders, reached past the checksums: the input's first byte picks the version
@@ -111,7 +143,7 @@ pub fn block_body_decode(data: &[u8]) {
     let mut bytes = Vec::with_capacity(HEADER_LEN + body.len());
     bytes.extend_from_slice(&block::write_header(&header));
     bytes.extend_from_slice(&body);
-    if let Ok(b) = block::decode_block(&bytes, &LIMITS) {
+    if let Some(b) = decode_sized(&bytes) {
         check_block(&b);
     }
 }
@@ -196,9 +228,17 @@ pub fn line_parse(data: &[u8]) {
 fn check_records(records: &[Record]) {
     for r in records {
         assert!(!r.key.is_empty(), "keys are never empty");
+        assert!(
+            r.key.len() <= decoded::KEY_BYTES_MAX,
+            "parsed keys fit the block format"
+        );
         assert!(r.fields.len() <= FIELDS_MAX, "field limit holds");
         for (i, (name, value)) in r.fields.iter().enumerate() {
             assert!(!name.is_empty(), "field names are never empty");
+            assert!(
+                name.len() <= decoded::FIELD_NAME_BYTES_MAX,
+                "parsed field names fit the block format"
+            );
             assert!(
                 r.fields[..i].iter().all(|(n, _)| n != name),
                 "field names are unique"

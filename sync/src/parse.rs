@@ -5,8 +5,9 @@
 //! what was found. The HTTP layer returns that error as a JSON body ([`ParseError::to_json`]),
 //! so a producer can fix its input without reading our code.
 //!
-//! Limits are per line ([`LINE_BYTES_MAX`]) and per record ([`FIELDS_MAX`]); the body size is
-//! the caller's limit. Neither parser panics on any input: both are fuzzed (`sync/fuzz`).
+//! Limits are per line ([`LINE_BYTES_MAX`]), per record ([`FIELDS_MAX`]) and per key and field
+//! name (the block format's [`KEY_BYTES_MAX`] and [`FIELD_NAME_BYTES_MAX`], so that every
+//! parsed record can be sealed); the body size is the caller's limit. Neither parser panics on any input: both are fuzzed (`sync/fuzz`).
 //!
 //! The accepted shapes:
 //! - NDJSON ([`parse_ndjson`]): `{"key":"truck-0007/engine","ts":1764374400000000000,
@@ -18,6 +19,7 @@
 pub mod json;
 pub mod line;
 
+pub use crate::decoded::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 pub use json::{WriteError, parse_ndjson, parse_ndjson_with, write_ndjson, write_ndjson_line};
 pub use line::{LineRecord, parse_line_protocol};
 
@@ -100,6 +102,11 @@ fn line_too_long(line_no: usize, line: &str) -> ParseError {
         expected: format!("a line of at most {LINE_BYTES_MAX} bytes"),
         found: format!("a line of {} bytes", line.len()),
     }
+}
+
+/// The expectation for a key or field name over the block format's maximum, if it is.
+fn too_long(what: &str, len: usize, max: usize) -> Option<String> {
+    (len > max).then(|| format!("{what} of at most {max} bytes (this one has {len})"))
 }
 
 /// The error for a record with more than [`FIELDS_MAX`] fields.

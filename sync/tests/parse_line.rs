@@ -252,3 +252,34 @@ fn generator_output_parses() {
     );
     assert_eq!(records[0].record.field("fault"), Some(&Value::Bool(false)));
 }
+
+#[test]
+fn keys_and_field_names_longer_than_the_block_format_allows_are_refused() {
+    use sync::parse::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
+    let opts = ParseOptions::default();
+    // Two tags whose values join to one byte more than a key may hold.
+    let half = (KEY_BYTES_MAX - 1) / 2 + 1;
+    let long = format!(
+        "m,a={},b={} x=1 1",
+        "v".repeat(half),
+        "w".repeat(KEY_BYTES_MAX - half)
+    );
+    let e = parse_line_protocol(&long, &opts).unwrap_err();
+    assert!(
+        e.expected
+            .contains(&format!("at most {KEY_BYTES_MAX} bytes")),
+        "{e}"
+    );
+    let fits = format!("m,a={} x=1 1", "v".repeat(KEY_BYTES_MAX));
+    assert_eq!(
+        parse_line_protocol(&fits, &opts).unwrap()[0]
+            .record
+            .key
+            .len(),
+        KEY_BYTES_MAX
+    );
+    let name = "n".repeat(FIELD_NAME_BYTES_MAX + 1);
+    let e = parse_line_protocol(&format!("m {name}=1 1"), &opts).unwrap_err();
+    assert_eq!(e.column, 3, "{e}");
+    assert!(e.expected.starts_with("a field name of at most"), "{e}");
+}

@@ -420,3 +420,27 @@ fn generator_output_parses() {
     assert_eq!(records[0].field("odometer_m"), Some(&Value::I64(412873)));
     assert_eq!(records[0].fields.len(), 10);
 }
+
+#[test]
+fn keys_and_field_names_longer_than_the_block_format_allows_are_refused() {
+    use sync::parse::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
+    let line =
+        |key: &str, name: &str| format!(r#"{{"key":"{key}","ts":1,"fields":{{"{name}":1}}}}"#);
+    let (key, name) = ("k".repeat(KEY_BYTES_MAX), "n".repeat(FIELD_NAME_BYTES_MAX));
+    let ok = parse_ndjson(&line(&key, &name)).unwrap();
+    assert_eq!(
+        (ok[0].key.len(), ok[0].fields[0].0.len()),
+        (KEY_BYTES_MAX, FIELD_NAME_BYTES_MAX)
+    );
+    let e = parse_ndjson(&line(&format!("{key}k"), "n")).unwrap_err();
+    assert_eq!(e.column, 8, "{e}");
+    assert!(
+        e.expected
+            .contains(&format!("at most {KEY_BYTES_MAX} bytes")),
+        "{e}"
+    );
+    let e = parse_ndjson(&line("k", &format!("{name}n"))).unwrap_err();
+    assert!(e.expected.starts_with("a field name of at most"), "{e}");
+    // What parses can always be sealed.
+    sync::block::encode_block(sync::block::VERSION_COLUMNAR, 1, 1, &ok).unwrap();
+}

@@ -553,3 +553,95 @@ fn an_oversized_frame_closes_only_that_connection() -> Result<()> {
         Ok(())
     })
 }
+
+/// The decoded-size bomb as a device sent it: one 16 KiB key in a version 2 dictionary and a
+/// million records that each copy it (a few hundred bytes sealed, 16 GB decoded).
+fn decoded_size_bomb(epoch: u64) -> Vec<u8> {
+    let n = 1_000_000usize;
+    let mut raw = vec![0u8];
+    sync::varint::put_u64(&mut raw, 1);
+    sync::varint::put_bytes(&mut raw, &[b'k'; 16 << 10]);
+    raw.extend_from_slice(&[0, 1, 0]); // no columns; one shape, empty
+    for _ in 0..3 {
+        raw.push(0); // key, shape and ts columns: plain, a zero per record
+        sync::varint::put_bytes(&mut raw, &vec![0u8; n]);
+    }
+    let body = zstd::bulk::compress(&raw, 19).expect("compress");
+    let header = BlockHeader {
+        version: block::VERSION_COLUMNAR,
+        flags: 0,
+        epoch,
+        first_seq: 1,
+        count: n as u32,
+        raw_len: raw.len() as u32,
+        min_ts: 0,
+        max_ts: 0,
+        body_len: body.len() as u32,
+        body_crc: crc32c::crc32c(&body),
+        raw_crc: crc32c::crc32c(&raw),
+    };
+    let mut bomb = block::write_header(&header).to_vec();
+    bomb.extend_from_slice(&body);
+    bomb
+}
+
+#[test]
+fn a_decoded_size_bomb_is_refused_with_its_own_code_and_the_rest_served() -> Result<()> {
+    let root = tempfile::Builder::new().prefix("trb-sec-dsb-").tempdir()?;
+    let (pki, hub_spec, mut hub) = hub(root.path(), "")?;
+    let good_cert = pki.issue("dev-good", None)?;
+    let bad_cert = pki.issue("dev-bad", None)?;
+    let spec = AgentSpec::new(root.path(), "dev-good", good_cert, Some(hub_spec.quic));
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-good", spec.http);
+    let mut ledger = Ledger::new();
+    ingest(&producer, &mut ledger, STREAM, &batch("pre", 0, 1_000))?;
+    cluster::wait_caught_up(spec.http, WAIT)?;
+    let rss_before = rss(hub.pid())?;
+
+    let bomb = decoded_size_bomb(77);
+    let sealed = bomb.len();
+    let runtime = tokio::runtime::Runtime::new()?;
+    let reasons = runtime.block_on(async {
+        // As the agent does, it comes back and sends the block again.
+        let mut reasons = Vec::new();
+        for _ in 0..2 {
+            let session = RawSession::open(hub_spec.quic, &bad_cert, lane(77, 1, 1_000_000)).await?;
+            session.send_data(&block_frame(bomb.clone())).await?;
+            reasons.push(session.closed(WAIT).await?);
+        }
+        Ok::<_, anyhow::Error>(reasons)
+    })?;
+    let decoded_too_large = sync::protocol::ErrorCode::DecodedTooLarge.to_u16();
+    for reason in &reasons {
+        match reason {
+            quinn::ConnectionError::ApplicationClosed(c) => assert_eq!(
+                c.error_code,
+                quinn::VarInt::from_u32(u32::from(decoded_too_large)),
+                "closed with {c:?}"
+            ),
+            other => bail!("the bomb's connection ended with {other} instead of DECODED_TOO_LARGE"),
+        }
+    }
+    assert!(hub.is_running(), "the hub died\n{}", hub.log_tail(30));
+    let rss_after = rss(hub.pid())?;
+    let refused = cluster::fetch_metric(hub_spec.http, "tributary_hub_decoded_too_large_blocks_total")?;
+    assert_eq!(refused, 2.0, "each refusal is counted");
+
+    ingest(&producer, &mut ledger, STREAM, &batch("post", 1_000, 1_000))?;
+    let status = cluster::wait_caught_up(spec.http, WAIT).with_context(|| agent.log_tail(20))?;
+    assert_eq!(cluster::link(&status), "up");
+    let observed = cluster::read_stream(hub_spec.http, STREAM)?;
+    assert!(observed.iter().all(|r| r.device == "dev-good"), "the bomb was stored");
+    let report = ledger.check(observed);
+    assert!(report.is_ok(), "{}", report.summary());
+    println!(
+        "decoded-size bomb: {sealed} bytes sealed, refused twice with code {decoded_too_large}; \
+         hub RSS {} MiB before, {} MiB after",
+        rss_before >> 20,
+        rss_after >> 20
+    );
+    assert!(rss_after < rss_before + (256 << 20), "hub RSS grew from {rss_before} to {rss_after}");
+    agent.kill9()?;
+    Ok(())
+}

@@ -20,8 +20,10 @@
 //! This is a small hand-written parser rather than serde because errors must point at the exact
 //! line and column of the offending token, and field order must be kept.
 
+use super::{
+    FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX, column, line_too_long, shorten, too_long, too_many_fields,
+};
 use super::{FIELDS_MAX, LINE_BYTES_MAX, ParseError, ParseOptions};
-use super::{column, line_too_long, shorten, too_many_fields};
 use crate::record::{Record, Value};
 use thiserror::Error;
 
@@ -140,6 +142,9 @@ impl LineParser<'_> {
         if key.is_empty() {
             return Err(self.err_at(at, r#"a non-empty string for "key""#));
         }
+        if let Some(expected) = too_long(r#"a "key""#, key.len(), KEY_BYTES_MAX) {
+            return Err(self.err_at(at, expected));
+        }
         Ok(key)
     }
 
@@ -177,6 +182,9 @@ impl LineParser<'_> {
             let name = self.string("a field name")?;
             if name.is_empty() {
                 return Err(self.err_at(name_at, "a non-empty field name"));
+            }
+            if let Some(expected) = too_long("a field name", name.len(), FIELD_NAME_BYTES_MAX) {
+                return Err(self.err_at(name_at, expected));
             }
             if fields.len() == FIELDS_MAX {
                 return Err(too_many_fields(self.line_no, column(self.s, name_at)));

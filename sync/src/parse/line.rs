@@ -18,8 +18,9 @@
 //! tokens themselves where they point into the line, and otherwise by locating the offending
 //! section of the line.
 
+use super::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use super::{FIELDS_MAX, LINE_BYTES_MAX, ParseError, ParseOptions, TAGS_MAX};
-use super::{column, line_too_long, shorten, too_many_fields};
+use super::{column, line_too_long, shorten, too_long, too_many_fields};
 use crate::record::{Record, Value};
 use influxdb_line_protocol::{self as lp, EscapedStr, FieldValue, ParsedLine};
 
@@ -121,6 +122,10 @@ impl<'a> Line<'a> {
             }
             _ => measurement.clone(),
         };
+        let what = "a key (the tag values joined by '/', else the measurement)";
+        if let Some(expected) = too_long(what, key.len(), KEY_BYTES_MAX) {
+            return Err(self.err_at(self.offset_of(&p.series.measurement), expected));
+        }
         if let Some((name, _)) = p.field_set.get(FIELDS_MAX) {
             return Err(too_many_fields(
                 self.line_no,
@@ -129,6 +134,9 @@ impl<'a> Line<'a> {
         }
         let mut fields: Vec<(String, Value)> = Vec::with_capacity(p.field_set.len());
         for (name, value) in &p.field_set {
+            if let Some(expected) = too_long("a field name", name.len(), FIELD_NAME_BYTES_MAX) {
+                return Err(self.err_at(self.offset_of(name), expected));
+            }
             if fields.iter().any(|(n, _)| n == name.as_str()) {
                 return Err(self.err_at(
                     self.offset_of(name),
