@@ -134,6 +134,10 @@ pub struct IngestConfig {
     pub block_raw_bytes_max: u32,
     /// The most records one block may hold.
     pub records_per_block_max: u32,
+    /// The most memory one block's records may take once decoded (their decoded size, see
+    /// `sync::decoded`, computed before decoding). Applies to blocks devices send and to blocks
+    /// already stored: a stored block over it is quarantined instead of decoded.
+    pub block_decoded_bytes_max: u64,
     /// The most streams one connection may announce.
     pub streams_per_connection_max: NonZeroU32,
 }
@@ -304,6 +308,7 @@ pub struct RawIngest {
     pub block_bytes_max: Option<String>,
     pub block_raw_bytes_max: Option<String>,
     pub records_per_block_max: Option<u64>,
+    pub block_decoded_bytes_max: Option<String>,
     pub streams_per_connection_max: Option<u64>,
 }
 
@@ -361,6 +366,8 @@ pub const DEFAULT_BLOCK_BYTES_MAX: u32 = 16 << 20;
 pub const DEFAULT_BLOCK_RAW_BYTES_MAX: u32 = 64 << 20;
 /// Default most records per block.
 pub const DEFAULT_RECORDS_PER_BLOCK_MAX: u32 = 1 << 20;
+/// Default largest decoded size of one block's records.
+pub const DEFAULT_BLOCK_DECODED_BYTES_MAX: u64 = sync::block::DECODED_BYTES_MAX_DEFAULT;
 /// Default most streams per connection.
 pub const DEFAULT_STREAMS_PER_CONNECTION_MAX: u32 = 1024;
 
@@ -487,6 +494,7 @@ impl HubConfig {
             raw_bytes_max: self.ingest.block_raw_bytes_max,
             records_max: self.ingest.records_per_block_max,
             body_bytes_max: self.ingest.block_bytes_max,
+            decoded_bytes_max: self.ingest.block_decoded_bytes_max,
         }
     }
 }
@@ -699,6 +707,17 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
                     "must be between 1 and 4294967295",
                 )
             })?;
+    let block_decoded_bytes_max = opt_bytes(
+        "ingest.block_decoded_bytes_max",
+        raw.block_decoded_bytes_max.as_deref(),
+        DEFAULT_BLOCK_DECODED_BYTES_MAX,
+    )?;
+    if block_decoded_bytes_max < 1024 {
+        return Err(ConfigError::key(
+            "ingest.block_decoded_bytes_max",
+            "must be at least 1KiB",
+        ));
+    }
     let streams = raw
         .streams_per_connection_max
         .unwrap_or(u64::from(DEFAULT_STREAMS_PER_CONNECTION_MAX));
@@ -716,6 +735,7 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
         block_bytes_max,
         block_raw_bytes_max,
         records_per_block_max,
+        block_decoded_bytes_max,
         streams_per_connection_max,
     })
 }

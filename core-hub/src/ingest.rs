@@ -8,8 +8,10 @@
 //!    the device's allow-list (if it has one);
 //! 2. verify the block's size and checksums ([`sync::block::verify_block`]) without
 //!    decompressing;
-//! 3. reserve its memory from the global ingest budget, then decode it within the limits, on a
-//!    blocking thread (a zstd bomb stops at the declared size);
+//! 3. reserve the memory to decompress it from the global ingest budget, decompress it and
+//!    compute its decoded size on a blocking thread (a zstd bomb stops at the declared size;
+//!    a block whose records would exceed `ingest.block_decoded_bytes_max` is refused as
+//!    `decoded_too_large`), reserve the records' decoded size too, then decode it;
 //! 4. check its seqs against the mark of `(device, epoch, stream)`: a block at or below it is a
 //!    duplicate, and its content is compared with the committed checksums of the ranges it
 //!    covers (a mismatch fences the device and raises the alarm); a block straddling it is
@@ -36,8 +38,10 @@
 //!
 //! # Memory
 //!
-//! Every call reserves [`block_cost`] bytes from one semaphore sized by
-//! `ingest.memory_bytes_max` before decoding, and holds them until the block is durable, so the
+//! Every call reserves [`block_cost`] bytes (the block, its decompressed body and its records'
+//! exact decoded size, `sync::decoded`) from one semaphore sized by
+//! `ingest.memory_bytes_max` before building any record, and holds them until the block is
+//! durable, so the
 //! hub's ingest memory is bounded for any number of devices: callers wait (admission control)
 //! when it is spent. Size each connection's receive window so that the sum over the expected
 //! concurrently *active* connections stays within the budget, e.g.
@@ -116,6 +120,10 @@ pub enum IngestError {
     TooLarge { len: usize, limit: usize },
     #[error("bad block: {0}")]
     BadBlock(String),
+    /// The block's records would take more than `ingest.block_decoded_bytes_max` once decoded.
+    /// On the wire this is `DECODED_TOO_LARGE`.
+    #[error("block decodes to {size} bytes of records, more than the {limit}-byte limit")]
+    DecodedTooLarge { size: u64, limit: u64 },
     #[error("seq 0 is reserved; seqs start at 1")]
     ReservedSeq,
     #[error("bad gap range {first}..={last}")]
@@ -145,6 +153,7 @@ impl IngestError {
             IngestError::ForbiddenKey { .. } => "forbidden_key",
             IngestError::TooLarge { .. } => "too_large",
             IngestError::BadBlock(_) => "bad_block",
+            IngestError::DecodedTooLarge { .. } => "decoded_too_large",
             IngestError::ReservedSeq => "reserved_seq",
             IngestError::BadGap { .. } => "bad_gap",
             IngestError::OutOfOrder { .. } => "out_of_order",
@@ -225,6 +234,13 @@ pub struct IngestStats {
     pub conflicts: AtomicU64,
     pub rejected: AtomicU64,
     pub gaps: AtomicU64,
+    /// Blocks refused because their records would exceed `ingest.block_decoded_bytes_max`.
+    pub decoded_too_large: AtomicU64,
+    /// Stored blocks a reader found over the limits or undecodable, and quarantined
+    /// (`crate::poison`).
+    pub stored_quarantined: AtomicU64,
+    /// Reads of stored blocks refused for the same reasons, quarantined or not.
+    pub stored_refused: AtomicU64,
 }
 
 /// The content checksum of consecutive records starting at `first_seq`: the protocol's
@@ -234,11 +250,16 @@ pub fn content_checksum(first_seq: u64, records: &[Record]) -> u64 {
     sync::protocol::checksum::range_checksum(first_seq, records)
 }
 
-/// Bytes of ingest memory a block may use while it is decoded and queued: the owned copy,
-/// the decompressed body, and the decoded records (estimated at twice the raw size plus a
-/// fixed cost per record).
-pub fn block_cost(block_len: usize, h: &BlockHeader) -> u64 {
-    block_len as u64 + 3 * u64::from(h.raw_len) + 64 * u64::from(h.count)
+/// Bytes of ingest memory a block uses before its records are built: the owned copy and the
+/// decompressed body. Reserved before decompressing it.
+pub fn sizing_cost(block_len: usize, h: &BlockHeader) -> u64 {
+    block_len as u64 + u64::from(h.raw_len)
+}
+
+/// Bytes of ingest memory a block uses while it is decoded and queued: [`sizing_cost`] plus
+/// its records' exact decoded size (`sync::block::SizedBlock::decoded_bytes`).
+pub fn block_cost(block_len: usize, h: &BlockHeader, decoded_bytes: u64) -> u64 {
+    sizing_cost(block_len, h) + decoded_bytes
 }
 
 /// The durable state of one key, published to waiters.
@@ -371,6 +392,7 @@ struct Names {
 pub struct Hub {
     policy: StreamPolicy,
     limits: DecodeLimits,
+    data_dir: std::path::PathBuf,
     block_bytes_max: usize,
     catalog: Arc<Catalog>,
     wal: WalHandle,
@@ -629,6 +651,8 @@ impl Hub {
             source,
         })?;
         let lock = lock_data_dir(&cfg.data_dir)?;
+        // Readers skip what an earlier run quarantined from the first read on.
+        crate::scrub::install_quarantine(&cfg.data_dir);
         let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
         let streams = catalog.streams()?;
         let offsets = streams.iter().map(|s| (s.id, s.next_offset)).collect();
@@ -668,6 +692,7 @@ impl Hub {
         Ok(Arc::new(Hub {
             policy: cfg.streams.clone(),
             limits: cfg.decode_limits(),
+            data_dir: cfg.data_dir.clone(),
             block_bytes_max: cfg.ingest.block_bytes_max as usize,
             catalog,
             wal,
@@ -968,8 +993,8 @@ impl Hub {
         let result = async {
             self.admit(device, stream)?;
             let header = self.verify(block)?;
-            let permit = self.reserve(block_cost(block.len(), &header)).await?;
-            let decoded = self.decode(block).await?;
+            let (sized, permit) = self.size_and_reserve(block, &header).await?;
+            let decoded = self.decode(block, sized).await?;
             self.submit_decoded(device, stream, decoded, permit).await
         }
         .await;
@@ -1014,7 +1039,10 @@ impl Hub {
                 );
                 return Err(IngestError::Internal(msg));
             }
-            let permit = self.reserve(block_cost(vb.block.len(), &vb.header)).await?;
+            // The records are built already: charge what they take, not what the body says.
+            let records = sync::decoded::records_bytes(&vb.records);
+            let cost = vb.block.len() as u64 + records;
+            let permit = self.reserve(cost).await?;
             let untrimmed = first == vb.header.first_seq;
             let decoded = Decoded {
                 epoch: vb.header.epoch,
@@ -1188,9 +1216,7 @@ impl Hub {
 
     /// Reserves `bytes` of the ingest budget, waiting while it is spent.
     async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
-        let permits = bytes
-            .div_ceil(MEMORY_PERMIT_BYTES)
-            .clamp(1, u64::from(self.memory_permits)) as u32;
+        let permits = self.permits_for(bytes);
         self.memory
             .clone()
             .acquire_many_owned(permits)
@@ -1198,17 +1224,71 @@ impl Hub {
             .map_err(|_| IngestError::Internal("ingest budget closed".into()))
     }
 
-    /// Step 2: decompress and decode on a blocking thread.
-    async fn decode(&self, block: &[u8]) -> Result<Decoded, IngestError> {
+    /// Step 3a: reserves the block's [`sizing_cost`], decompresses and sizes it on a blocking
+    /// thread, then reserves its records' decoded size as well. When the budget cannot grow
+    /// at once, the sizing reservation and the body are let go and the whole [`block_cost`] is
+    /// awaited, then the block sized again: holding part of the budget while waiting for more
+    /// could deadlock concurrent blocks.
+    async fn size_and_reserve(
+        &self,
+        block: &[u8],
+        header: &BlockHeader,
+    ) -> Result<(block::SizedBlock, OwnedSemaphorePermit), IngestError> {
+        let mut permit = self.reserve(sizing_cost(block.len(), header)).await?;
+        let sized = self.size(block).await?;
+        let cost = block_cost(block.len(), header, sized.decoded_bytes());
+        let held = permit.num_permits() as u32;
+        let total = self.permits_for(cost);
+        if held >= total {
+            return Ok((sized, permit));
+        }
+        match self.memory.clone().try_acquire_many_owned(total - held) {
+            Ok(more) => {
+                permit.merge(more);
+                Ok((sized, permit))
+            }
+            Err(_) => {
+                drop((permit, sized));
+                let permit = self.reserve(cost).await?;
+                Ok((self.size(block).await?, permit))
+            }
+        }
+    }
+
+    /// Permits covering `bytes`, at least one and at most the whole budget.
+    fn permits_for(&self, bytes: u64) -> u32 {
+        bytes
+            .div_ceil(MEMORY_PERMIT_BYTES)
+            .clamp(1, u64::from(self.memory_permits)) as u32
+    }
+
+    /// Decompresses and sizes a block on a blocking thread; a block over the decoded-size
+    /// limit is [`IngestError::DecodedTooLarge`] and counted.
+    async fn size(&self, block: &[u8]) -> Result<block::SizedBlock, IngestError> {
         let owned = block.to_vec();
         let limits = self.limits;
+        let sized = tokio::task::spawn_blocking(move || block::size_block(&owned, &limits))
+            .await
+            .map_err(|e| IngestError::Internal(e.to_string()))?;
+        sized.map_err(|e| match e {
+            BlockError::DecodedTooLarge { size, limit } => {
+                self.stats.decoded_too_large.fetch_add(1, Ordering::Relaxed);
+                IngestError::DecodedTooLarge { size, limit }
+            }
+            other => IngestError::BadBlock(other.to_string()),
+        })
+    }
+
+    /// Step 3b: build the records of a sized block on a blocking thread.
+    async fn decode(&self, block: &[u8], sized: block::SizedBlock) -> Result<Decoded, IngestError> {
+        let owned = block.to_vec();
         let pool = self.record_pool.clone();
         let task = tokio::task::spawn_blocking(move || {
             let mut records = PooledRecords {
                 v: pool.take(),
                 pool,
             };
-            let h = block::decode_block_into(&owned, &limits, &mut records.v)?;
+            let h = sized.decode_into(&mut records.v)?;
             let checksum = content_checksum(h.first_seq, &records);
             Ok::<_, BlockError>(Decoded {
                 epoch: h.epoch,
@@ -1554,6 +1634,24 @@ impl Hub {
     pub fn decode_limits(&self) -> DecodeLimits {
         self.limits
     }
+
+    /// The limits for blocks already stored: the format's maxima for the sizes checked when
+    /// they arrived (reading them back must not fail because an operator lowered those since),
+    /// and `ingest.block_decoded_bytes_max` for their records, which protects this process's
+    /// memory whatever a block's history (`crate::poison`).
+    pub fn stored_decode_limits(&self) -> DecodeLimits {
+        DecodeLimits {
+            raw_bytes_max: 1 << 30,
+            records_max: u32::MAX,
+            body_bytes_max: 1 << 30,
+            decoded_bytes_max: self.limits.decoded_bytes_max,
+        }
+    }
+
+    /// The hub's data directory.
+    pub fn data_dir(&self) -> &std::path::Path {
+        &self.data_dir
+    }
 }
 
 impl Hub {
@@ -1642,6 +1740,7 @@ mod tests {
             IngestError::Unauthorized(String::new()),
             IngestError::TooLarge { len: 0, limit: 0 },
             IngestError::BadBlock(String::new()),
+            IngestError::DecodedTooLarge { size: 0, limit: 0 },
             IngestError::ReservedSeq,
             IngestError::BadGap { first: 0, last: 0 },
             IngestError::OutOfOrder { expected: 0 },

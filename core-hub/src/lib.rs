@@ -6,6 +6,8 @@
 //! - [`wal`]: tier 1, one write-ahead log for all devices, group commit.
 //! - [`storage`]: the file operations tier 1 uses, real or in memory with simulated power loss.
 //! - [`ingest`]: [`ingest::Hub`], the API the QUIC driver calls for every block.
+//! - [`poison`]: stored blocks that do not decode within the limits are quarantined, not
+//!   decoded.
 //! - [`read`], [`api`], [`metrics`], [`client`]: the reader API, HTTP, `/metrics`, and the
 //!   CLI's HTTP client.
 //! - [`completeness`], [`status`], [`republish`]: completeness answers and watermarks, the
@@ -25,6 +27,7 @@ pub mod http_limits;
 pub mod ingest;
 pub mod metrics;
 pub mod pki;
+pub mod poison;
 pub mod read;
 pub mod republish;
 pub mod scrub;

@@ -70,6 +70,24 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     );
     counter(
         &mut out,
+        "tributary_hub_decoded_too_large_blocks_total",
+        "Blocks refused because their records would exceed ingest.block_decoded_bytes_max.",
+        load(&s.decoded_too_large),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_stored_blocks_quarantined_total",
+        "Stored WAL blocks found over the decode limits or undecodable by a reader, and quarantined.",
+        load(&s.stored_quarantined),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_stored_blocks_refused_total",
+        "Reads of stored WAL blocks refused for not decoding within the limits.",
+        load(&s.stored_refused),
+    );
+    counter(
+        &mut out,
         "tributary_hub_wal_fsyncs_total",
         "WAL fdatasync calls.",
         load(&w.fsyncs),

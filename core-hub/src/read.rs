@@ -15,7 +15,8 @@
 //! Read-through: once tiering evicted WAL files, offsets below the stream's tier-1 start
 //! (`evicted_end`) are read from tier 2 inside the same loop (the block rows stay in the
 //! index, their files are gone), filtered exactly like tier-1 records, and reading continues
-//! in tier 1 at that offset. Blocks the scrubber quarantined are skipped.
+//! in tier 1 at that offset. Blocks the scrubber quarantined are skipped, and so is a block that
+//! does not decode within the hub's limits: it is quarantined on the spot (`crate::poison`).
 
 use crate::catalog::BlockRow;
 use crate::ingest::Hub;
@@ -27,13 +28,6 @@ use serde::ser::SerializeMap;
 use std::sync::Arc;
 use sync::record::{Record, Value};
 use thiserror::Error;
-
-/// Decode limits for blocks already committed (and checksummed twice since).
-const READ_LIMITS: sync::block::DecodeLimits = sync::block::DecodeLimits {
-    raw_bytes_max: 1 << 30,
-    records_max: u32::MAX,
-    body_bytes_max: 1 << 30,
-};
 
 /// Most blocks fetched from the index per query.
 const INDEX_PAGE_BLOCKS: usize = 256;
@@ -51,6 +45,9 @@ pub enum ReadError {
     Mismatch { offset: u64, what: String },
     #[error("bad stream cut: {0}")]
     Cut(crate::streams::cut::CutError),
+    /// The block does not decode within the limits and was quarantined; readers skip it.
+    #[error(transparent)]
+    Poison(#[from] crate::poison::Poison),
     #[error("{0}")]
     Internal(String),
 }
@@ -217,7 +214,14 @@ fn scan_tier1(
                 *next = (*next).max((row.hub_offset_base + row.count()).min(to));
                 continue;
             }
-            let b = load_block(hub, row)?;
+            let b = match load_block(hub, row) {
+                // Quarantined just now: skipped like the scrubber's finds.
+                Err(ReadError::Poison(_)) => {
+                    *next = (*next).max((row.hub_offset_base + row.count()).min(to));
+                    continue;
+                }
+                other => other?,
+            };
             let first = next.saturating_sub(row.hub_offset_base) as usize;
             for i in first..b.records.len() {
                 let o = row.hub_offset_base + i as u64;
@@ -371,10 +375,8 @@ pub fn load_block(hub: &Hub, row: &BlockRow) -> Result<Arc<DecodedBlock>, ReadEr
     if !same {
         return Err(mismatch(format!("entry header {entry:?}")));
     }
-    // Committed blocks passed the ingest limits when they arrived; reading them back must not
-    // fail because an operator lowered the limits since, so the reader allows the format's max.
-    let decoded =
-        sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| mismatch(e.to_string()))?;
+    // A block that does not decode within the limits is quarantined, never decoded.
+    let decoded = crate::poison::decode_stored(hub, row, &block)?;
     if decoded.header.first_seq != row.first_seq || decoded.records.len() as u64 != row.count() {
         return Err(mismatch("block header differs from the entry".into()));
     }

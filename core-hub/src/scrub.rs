@@ -112,12 +112,15 @@ pub enum ScrubError {
 }
 
 /// Verifies every indexed block of every WAL file in `wal_dir`. Names of devices and streams
-/// come from `names` (`(device id, stream id) -> (device, stream)`).
+/// come from `names` (`(device id, stream id) -> (device, stream)`). A block whose frame is
+/// sound but whose records would not decode within `limits` (its decoded size is computed,
+/// no record is built; see `crate::poison`) is damaged too.
 pub fn scrub_wal(
     catalog: &Catalog,
     reader: &WalReader,
     wal_dir: &Path,
     names: &dyn Fn(&BlockRow) -> (String, String),
+    limits: &sync::block::DecodeLimits,
 ) -> Result<ScrubReport, ScrubError> {
     let files = list_wal_files(wal_dir).map_err(|source| ScrubError::List {
         path: wal_dir.to_path_buf(),
@@ -132,7 +135,7 @@ pub fn scrub_wal(
             report.blocks_checked += 1;
             report.bytes_checked += u64::from(row.frame_len);
             let problem = match reader.read(&row) {
-                Ok((entry, _)) => {
+                Ok((entry, block)) => {
                     let same = entry.kind == KIND_BLOCK
                         && entry.device == row.device
                         && entry.stream == row.stream
@@ -140,7 +143,13 @@ pub fn scrub_wal(
                         && entry.first_seq == row.first_seq
                         && u64::from(entry.count) == row.count()
                         && entry.hub_offset_base == row.hub_offset_base;
-                    (!same).then(|| "entry header differs from the index row".to_string())
+                    if same {
+                        sync::block::size_block(&block, limits)
+                            .err()
+                            .map(|e| format!("does not decode within the limits: {e}"))
+                    } else {
+                        Some("entry header differs from the index row".to_string())
+                    }
                 }
                 Err(e @ WalReadError::Corrupt { .. }) => Some(e.to_string()),
                 // A file evicted by tiering between listing and reading is not damage.
@@ -237,6 +246,41 @@ impl Quarantine {
             .cloned()
             .collect()
     }
+}
+
+/// Makes `data_dir`'s quarantine list the one readers consult (one hub per process), so that
+/// what an earlier run quarantined is skipped from the hub's first read, before a
+/// [`Scrubber`] starts. Called by `Hub::open`. A list that cannot be read is logged and
+/// replaced by an empty one, as [`Scrubber::start`] does.
+pub fn install_quarantine(data_dir: &Path) {
+    let quarantine = Quarantine::load(data_dir).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "cannot load the quarantine list; starting empty");
+        Quarantine {
+            path: data_dir.join(QUARANTINE_FILE),
+            blocks: RwLock::new(BTreeMap::new()),
+        }
+    });
+    *global().quarantine.write().expect("quarantine slot") = Some(Arc::new(quarantine));
+}
+
+/// Quarantines one block found unreadable outside a scrub pass (a stored block that does not
+/// decode within the limits, `crate::poison`): adds it to the list in `data_dir`, loading
+/// that first when no [`Scrubber`] runs for it, so readers skip it from now on. Returns
+/// whether it was new.
+pub fn quarantine_block(data_dir: &Path, damaged: Damaged) -> Result<bool, ScrubError> {
+    let path = data_dir.join(QUARANTINE_FILE);
+    let quarantine = {
+        let mut slot = global().quarantine.write().expect("quarantine slot");
+        match slot.as_ref() {
+            Some(q) if q.path == path => q.clone(),
+            _ => {
+                let q = Arc::new(Quarantine::load(data_dir)?);
+                *slot = Some(q.clone());
+                q
+            }
+        }
+    };
+    Ok(quarantine.add(std::slice::from_ref(&damaged))? == 1)
 }
 
 /// Writes the list to a temporary file, fsyncs it and renames it over `path`.
@@ -405,7 +449,8 @@ fn run_once(hub: &Hub, wal_dir: &Path, quarantine: &Quarantine) {
                 .unwrap_or_else(|| format!("#{}", row.stream)),
         )
     };
-    let report = match scrub_wal(hub.catalog(), hub.wal_reader(), wal_dir, &names) {
+    let limits = hub.stored_decode_limits();
+    let report = match scrub_wal(hub.catalog(), hub.wal_reader(), wal_dir, &names, &limits) {
         Ok(r) => r,
         Err(e) => {
             g.failures.fetch_add(1, Ordering::Relaxed);
@@ -1102,8 +1147,14 @@ mod tests {
             first += 20;
         }
         let names = |_: &BlockRow| ("dev-1".to_string(), "s".to_string());
-        let clean =
-            scrub_wal(hub.catalog(), hub.wal_reader(), &cfg.wal_dir(), &names).expect("scrub");
+        let clean = scrub_wal(
+            hub.catalog(),
+            hub.wal_reader(),
+            &cfg.wal_dir(),
+            &names,
+            &hub.stored_decode_limits(),
+        )
+        .expect("scrub");
         assert!(clean.files >= 3, "the WAL did not roll: {clean:?}");
         assert_eq!(clean.blocks_checked, 20);
         assert!(clean.damaged.is_empty());
@@ -1124,8 +1175,14 @@ mod tests {
         file.read_exact_at(&mut byte, at).expect("read");
         file.write_all_at(&[byte[0] ^ 0x10], at).expect("flip");
 
-        let found =
-            scrub_wal(hub.catalog(), hub.wal_reader(), &cfg.wal_dir(), &names).expect("scrub");
+        let found = scrub_wal(
+            hub.catalog(),
+            hub.wal_reader(),
+            &cfg.wal_dir(),
+            &names,
+            &hub.stored_decode_limits(),
+        )
+        .expect("scrub");
         assert_eq!(found.blocks_checked, 20);
         assert_eq!(found.damaged.len(), 1, "{found:?}");
         let d = &found.damaged[0];

@@ -20,10 +20,12 @@
 //! streams per connection are read and decoded at once, and their results are fed to the
 //! receiver in the order the streams were opened, which is the order the agent sent them, so
 //! blocks reach the receiver in seq order and never wait decoded in its reorder buffer.
-//! A decoded block holds its [`crate::ingest::block_cost`] of the ingest budget until the
-//! receiver took it; when the budget cannot cover it at once, the frame goes to the receiver
-//! undecoded (it decodes it itself), so decoding ahead never waits for memory and cannot
-//! deadlock with commits waiting for it.
+//! A decoded block holds its [`crate::ingest::block_cost`] of the ingest budget (its body and
+//! its records' exact decoded size, computed before they are built) until the receiver took
+//! it; when the budget cannot cover it at once, the frame goes to the receiver undecoded (it
+//! decodes it itself, within the same decode limits), so decoding ahead never waits for memory
+//! and cannot deadlock with commits waiting for it. A block whose records would exceed
+//! `ingest.block_decoded_bytes_max` closes the session with `DECODED_TOO_LARGE`.
 //!
 //! # Memory per connection
 //!
@@ -212,6 +214,7 @@ fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
     r.decode_limits.body_bytes_max = cfg.ingest.block_bytes_max;
     r.decode_limits.raw_bytes_max = cfg.ingest.block_raw_bytes_max;
     r.decode_limits.records_max = cfg.ingest.records_per_block_max;
+    r.decode_limits.decoded_bytes_max = cfg.ingest.block_decoded_bytes_max;
     r.frame_bytes_max = cfg.ingest.block_bytes_max.saturating_add(1 << 16);
     r.lanes_max = cfg.ingest.streams_per_connection_max.get() as usize;
     // One connection never holds more than a quarter of the global ingest budget.
@@ -311,8 +314,8 @@ enum Data {
     Frame(Vec<u8>),
     /// A block decoded on the blocking pool; the permit is its share of the ingest budget.
     Decoded(String, DecodedBlock, OwnedSemaphorePermit),
-    /// A block that failed to verify or decode.
-    BadBlock(String),
+    /// A block that failed to verify or decode, and the code to close with.
+    BadBlock(ErrorCode, String),
     /// The stream exceeded the frame limit.
     TooLarge,
 }
@@ -335,24 +338,44 @@ async fn read_data(
     let Ok(header) = sync::block::decode_header(&block) else {
         return Data::Frame(bytes);
     };
-    let permits = crate::ingest::block_cost(block.len(), &header)
-        .div_ceil(crate::ingest::MEMORY_PERMIT_BYTES)
-        .max(1);
-    let Some(permit) = u32::try_from(permits)
-        .ok()
-        .and_then(|n| hub.memory().clone().try_acquire_many_owned(n).ok())
-    else {
+    let sizing = crate::ingest::sizing_cost(block.len(), &header);
+    let Some(mut permit) = try_reserve(&hub, sizing) else {
         return Data::Frame(bytes);
     };
     drop(bytes);
     let limits = cfg.decode_limits;
     let pool = hub.record_pool().clone();
-    let decode = move || DecodedBlock::decode(block, &limits, pool.take());
+    let memory = hub.clone();
+    let decode = move || {
+        let sized = sync::block::size_block(&block, &limits)?;
+        // The records' own share, before they are built; without it the receiver decodes the
+        // frame itself.
+        let Some(more) = try_reserve(&memory, sized.decoded_bytes()) else {
+            return Ok(Err(block));
+        };
+        permit.merge(more);
+        DecodedBlock::from_sized(block, &sized, pool.take()).map(|d| Ok((d, permit)))
+    };
     match tokio::task::spawn_blocking(decode).await {
-        Ok(Ok(d)) => Data::Decoded(stream, d, permit),
-        Ok(Err(e)) => Data::BadBlock(format!("stream {stream}: {e}")),
-        Err(e) => Data::BadBlock(format!("stream {stream}: decoding failed: {e}")),
+        Ok(Ok(Ok((d, permit)))) => Data::Decoded(stream, d, permit),
+        Ok(Ok(Err(block))) => Data::Frame(Frame::Block { stream, block }.encode()),
+        Ok(Err(e)) => Data::BadBlock(
+            sync::protocol::block_error_code(&e),
+            format!("stream {stream}: {e}"),
+        ),
+        Err(e) => Data::BadBlock(
+            ErrorCode::BadBlock,
+            format!("stream {stream}: decoding failed: {e}"),
+        ),
     }
+}
+
+/// Takes `bytes` of the ingest budget if it is free now.
+fn try_reserve(hub: &Hub, bytes: u64) -> Option<OwnedSemaphorePermit> {
+    let permits = bytes.div_ceil(crate::ingest::MEMORY_PERMIT_BYTES).max(1);
+    u32::try_from(permits)
+        .ok()
+        .and_then(|n| hub.memory().clone().try_acquire_many_owned(n).ok())
 }
 
 /// Waits for the oldest data stream's result; pending while there is none.
@@ -361,7 +384,9 @@ async fn next_data(ahead: &mut std::collections::VecDeque<tokio::task::JoinHandl
         Some(task) => {
             let data = task
                 .await
-                .unwrap_or_else(|e| Data::BadBlock(format!("reading a data stream failed: {e}")));
+                .unwrap_or_else(|e| {
+                    Data::BadBlock(ErrorCode::BadBlock, format!("reading a data stream failed: {e}"))
+                });
             ahead.pop_front();
             data
         }
@@ -523,7 +548,7 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
                     rx.handle_decoded_block(ctx.now(), stream, block);
                     drop(slot);
                 }
-                Data::BadBlock(msg) => rx.close(ctx.now(), ErrorCode::BadBlock, &msg),
+                Data::BadBlock(code, msg) => rx.close(ctx.now(), code, &msg),
                 Data::TooLarge => rx.close(ctx.now(), ErrorCode::FrameTooLarge, "data stream exceeded the frame limit"),
             },
             Some(done) = done_rx.recv() => match done {
@@ -591,6 +616,7 @@ fn error_code(e: &IngestError) -> ErrorCode {
         | IngestError::Unauthorized(_)
         | IngestError::ForbiddenKey { .. } => ErrorCode::UnauthorizedStream,
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
+        IngestError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,
         IngestError::BadDeviceId | IngestError::ReservedSeq | IngestError::BadGap { .. } => {
             ErrorCode::ProtocolViolation
         }
@@ -668,6 +694,10 @@ async fn handle_event(
             ctx.hub.fence(device, &reason);
         }
         ReceiverEvent::Closed(reason) => {
+            if !reason.by_peer && reason.code == ErrorCode::DecodedTooLarge {
+                let counter = &ctx.hub.stats().decoded_too_large;
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             if reason.by_peer {
                 tracing::info!(%device, code = ?reason.code, message = %reason.message, "device closed the session");
             } else {

@@ -7,6 +7,7 @@ use common::{block, config, open, read_all, record, records};
 use core_hub::ingest::{BacklogReport, VerifiedBlock};
 use core_hub::{CommitOutcome, Hub, IngestError};
 use std::collections::BTreeSet;
+use std::sync::atomic::Ordering;
 use sync::block::{BlockHeader, HEADER_LEN, VERSION_COLUMNAR, encode_block, write_header};
 use sync::record::{Record, Value};
 
@@ -552,4 +553,90 @@ async fn ingest_memory_stays_within_the_budget() {
     assert!(peak > 0 && peak <= budget, "peak {peak} of {budget}");
     assert_eq!(hub.memory_in_use_bytes(), 0);
     assert_eq!(read_all(&hub, "telemetry").len(), 32 * 2000);
+}
+
+#[tokio::test]
+async fn a_decoded_size_bomb_is_refused_and_honest_devices_are_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = open(dir.path());
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 10))
+        .await
+        .unwrap();
+    // The reported block: a 16 KiB key named once, a million records that each copy it. It
+    // passes every wire limit and would decode to 16 GB.
+    let bomb = common::key_bomb(1, 1, 16 << 10, 1_000_000);
+    assert!(bomb.len() < 512, "{} bytes", bomb.len());
+    let limit = hub.decode_limits().decoded_bytes_max;
+    assert_eq!(limit, 256 << 20, "the default ingest.block_decoded_bytes_max");
+    for _ in 0..2 {
+        // The agent resends what it holds; each attempt is refused the same way, cheaply.
+        let err = hub.commit_block("bad", "telemetry", &bomb).await.unwrap_err();
+        assert_eq!(
+            err,
+            IngestError::DecodedTooLarge {
+                size: 1_000_000 * (64 + (16 << 10)),
+                limit
+            }
+        );
+        assert_eq!(err.code(), "decoded_too_large");
+        assert!(err.is_peer_fault());
+    }
+    let stats = hub.stats();
+    assert_eq!(stats.decoded_too_large.load(Ordering::Relaxed), 2);
+    assert_eq!(hub.memory_in_use_bytes(), 0, "the budget is given back");
+    let metrics = core_hub::metrics::render(&hub);
+    assert!(
+        metrics.contains("tributary_hub_decoded_too_large_blocks_total 2"),
+        "{metrics}"
+    );
+    // The honest device carries on; nothing of the bomb was stored.
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 11, 20))
+        .await
+        .unwrap();
+    let got = read_all(&hub, "telemetry");
+    assert_eq!(got.len(), 20);
+    assert!(got.iter().all(|r| r.device == "d1"));
+    assert!(hub.marks("bad").iter().all(|m| m.durable_seq == 0));
+}
+
+#[tokio::test]
+async fn the_budget_is_charged_with_the_decoded_size() {
+    let dir = tempfile::tempdir().unwrap();
+    // A block whose records decode to about 4 MiB but whose body is a few KiB: the budget
+    // (2 MiB) cannot cover it, so it must wait for (all of) it rather than slip through on a
+    // small estimate; a lower decoded-size limit refuses it outright.
+    let heavy = common::long_key_block("d1", 1, 1, 1000, 4000);
+    let size = sync::block::size_block(&heavy, &sync::block::DecodeLimits::default())
+        .unwrap()
+        .decoded_bytes();
+    assert!(size > 4_000_000, "{size}");
+    let cfg = config(dir.path(), |c| c.ingest.block_decoded_bytes_max = size - 1);
+    let hub = Hub::open(&cfg).unwrap();
+    let err = hub.commit_block("d1", "telemetry", &heavy).await.unwrap_err();
+    assert_eq!(err, IngestError::DecodedTooLarge { size, limit: size - 1 });
+    drop(hub);
+    let cfg = config(dir.path(), |c| c.ingest.block_decoded_bytes_max = size);
+    let hub = Hub::open(&cfg).unwrap();
+    // Hold all but 1 MiB of the budget: the heavy block waits until it is released.
+    let budget = hub.memory().available_permits() as u32;
+    let held = hub
+        .memory()
+        .clone()
+        .try_acquire_many_owned(budget - 1024)
+        .unwrap();
+    let submit = {
+        let hub = hub.clone();
+        let heavy = heavy.clone();
+        tokio::spawn(async move { hub.commit_block("d1", "telemetry", &heavy).await })
+    };
+    // It cannot complete while the budget is held: only sizing fits in what is left.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while hub.memory().available_permits() > 0 && std::time::Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
+    assert!(!submit.is_finished(), "the block committed on an estimate below its size");
+    drop(held);
+    let out = submit.await.unwrap().unwrap();
+    assert!(matches!(out, CommitOutcome::Committed { durable_seq: 1000, .. }));
+    assert_eq!(hub.memory_in_use_bytes(), 0);
 }

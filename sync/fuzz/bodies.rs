@@ -327,6 +327,7 @@ const LIMITS: DecodeLimits = DecodeLimits {
     raw_bytes_max: 1 << 16,
     records_max: 1 << 10,
     body_bytes_max: 1 << 16,
+    decoded_bytes_max: 1 << 20,
 };
 
 const TIMEOUTS: Timeouts = Timeouts {

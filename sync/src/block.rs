@@ -6,8 +6,11 @@
 //! checked at compile time.
 //!
 //! Decoding is defensive: every length is checked against [`DecodeLimits`] before anything is
-//! allocated, so a corrupt or hostile block cannot exhaust memory.
+//! allocated, so a corrupt or hostile block cannot exhaust memory. That includes the records
+//! themselves: [`size_block`] computes the exact decoded size ([`crate::decoded`]) from the
+//! body before a single record is built, and refuses a block above `decoded_bytes_max`.
 
+use crate::decoded::{self, FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use crate::record::{Record, Value};
 use crate::{columnar, varint};
 use thiserror::Error;
@@ -57,7 +60,14 @@ pub struct DecodeLimits {
     pub records_max: u32,
     /// Largest compressed body accepted.
     pub body_bytes_max: u32,
+    /// Largest decoded size ([`crate::decoded`]) accepted: what the records take once
+    /// materialised, computed from the body before any is built.
+    pub decoded_bytes_max: u64,
 }
+
+/// The default `decoded_bytes_max`: 256 MiB. A sealed block of 32,768 telemetry records with
+/// ten fields each decodes to about 27 MiB.
+pub const DECODED_BYTES_MAX_DEFAULT: u64 = 256 << 20;
 
 impl Default for DecodeLimits {
     fn default() -> Self {
@@ -65,6 +75,7 @@ impl Default for DecodeLimits {
             raw_bytes_max: 64 << 20,
             records_max: 1 << 20,
             body_bytes_max: 64 << 20,
+            decoded_bytes_max: DECODED_BYTES_MAX_DEFAULT,
         }
     }
 }
@@ -125,6 +136,13 @@ pub enum EncodeError {
     Compress(#[source] std::io::Error),
     #[error("columnar encoding failed: {0}")]
     Columnar(#[from] columnar::ColumnarError),
+    #[error("record {index}: {what} of {len} bytes is longer than the format allows ({max})")]
+    TooLong {
+        index: usize,
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
 }
 
 /// Why bytes are not a valid block. Every variant names what was wrong.
@@ -173,6 +191,16 @@ pub enum BlockError {
     },
     #[error("block header min_ts {min_ts} is after max_ts {max_ts}")]
     BadTsRange { min_ts: i64, max_ts: i64 },
+    /// The records would take more memory than `decoded_bytes_max` (see [`crate::decoded`]).
+    #[error("block decodes to {size} bytes of records, more than the {limit}-byte limit")]
+    DecodedTooLarge { size: u64, limit: u64 },
+    #[error("{what} of {len} bytes at body byte {offset} is longer than the format allows ({max})")]
+    TooLong {
+        what: &'static str,
+        len: usize,
+        max: usize,
+        offset: usize,
+    },
 }
 
 /// Seals `records` into one block with the given body version.
@@ -226,6 +254,7 @@ pub fn encode_block_with(
             count: records.len(),
         });
     }
+    check_lengths(records)?;
     let raw = match version {
         VERSION_ROWS => encode_rows(records),
         VERSION_COLUMNAR => columnar::encode(records)?,
@@ -253,6 +282,29 @@ pub fn encode_block_with(
     out.extend_from_slice(&write_header(&header));
     out.extend_from_slice(&body);
     Ok(out)
+}
+
+/// Refuses keys and field names that a decoder would reject.
+fn check_lengths(records: &[Record]) -> Result<(), EncodeError> {
+    let too_long = |index, what, len, max| EncodeError::TooLong {
+        index,
+        what,
+        len,
+        max,
+    };
+    for (index, r) in records.iter().enumerate() {
+        if r.key.len() > KEY_BYTES_MAX {
+            return Err(too_long(index, "key", r.key.len(), KEY_BYTES_MAX));
+        }
+        if let Some((n, _)) = r
+            .fields
+            .iter()
+            .find(|(n, _)| n.len() > FIELD_NAME_BYTES_MAX)
+        {
+            return Err(too_long(index, "field name", n.len(), FIELD_NAME_BYTES_MAX));
+        }
+    }
+    Ok(())
 }
 
 /// Serialises a header, computing its own checksum.
@@ -379,18 +431,113 @@ fn check_limits(h: &BlockHeader, limits: &DecodeLimits) -> Result<(), BlockError
     Ok(())
 }
 
-/// Verifies and fully decodes a block.
-pub fn decode_block(bytes: &[u8], limits: &DecodeLimits) -> Result<Block, BlockError> {
+/// A verified block whose body is decompressed and whose decoded size is known and within the
+/// limits, before any record is built. Lets a caller reserve memory for exactly
+/// [`SizedBlock::decoded_bytes`] before [`SizedBlock::decode_into`] spends it.
+#[derive(Debug, Clone)]
+pub struct SizedBlock {
+    header: BlockHeader,
+    raw: Vec<u8>,
+    decoded_bytes: u64,
+}
+
+impl SizedBlock {
+    pub fn header(&self) -> &BlockHeader {
+        &self.header
+    }
+
+    /// What the records will take once decoded, as defined in [`crate::decoded`].
+    pub fn decoded_bytes(&self) -> u64 {
+        self.decoded_bytes
+    }
+
+    /// Builds the records into `out` (cleared first, its allocations reused where the body
+    /// version allows it).
+    pub fn decode_into(&self, out: &mut Vec<Record>) -> Result<BlockHeader, BlockError> {
+        let h = self.header;
+        match h.version {
+            VERSION_ROWS => *out = decode_rows(&self.raw, h.count)?,
+            VERSION_COLUMNAR => {
+                columnar::decode_into(&self.raw, h.count, out).map_err(columnar_error)?
+            }
+            other => return Err(BlockError::UnsupportedVersion(other)),
+        }
+        check_records(&h, out)?;
+        // The sizing pass and the decoder read the same grammar, so only a bug makes them
+        // disagree. Not a release assert: a hub must never crash-loop on a stored block. The
+        // fuzz targets and the table tests check it on every input they see.
+        debug_assert_eq!(decoded::records_bytes(out), self.decoded_bytes);
+        Ok(h)
+    }
+}
+
+/// Verifies a block, decompresses its body and computes its decoded size without building a
+/// record; a block over `limits.decoded_bytes_max` is [`BlockError::DecodedTooLarge`].
+pub fn size_block(bytes: &[u8], limits: &DecodeLimits) -> Result<SizedBlock, BlockError> {
     let header = verify_block(bytes, limits)?;
     let raw = decompress_body(&header, &bytes[HEADER_LEN..])?;
-    let records = match header.version {
-        VERSION_ROWS => decode_rows(&raw, header.count)?,
-        VERSION_COLUMNAR => {
-            columnar::decode(&raw, header.count).map_err(|e| BlockError::Columnar(e.to_string()))?
-        }
+    let size = match header.version {
+        VERSION_ROWS => rows_decoded_size(&raw, header.count)?,
+        VERSION_COLUMNAR => columnar::decoded_size(&raw, header.count).map_err(columnar_error)?,
         other => return Err(BlockError::UnsupportedVersion(other)),
     };
-    check_records(&header, &records)?;
+    if size > limits.decoded_bytes_max && !mutation::decoded_size_guard_off() {
+        return Err(BlockError::DecodedTooLarge {
+            size,
+            limit: limits.decoded_bytes_max,
+        });
+    }
+    Ok(SizedBlock {
+        header,
+        raw,
+        decoded_bytes: size,
+    })
+}
+
+/// Test-only mutation switch (cargo feature `fault-injection`, enabled from this crate's own
+/// dev-dependencies, never in a build that ships): with the decoded-size guard off,
+/// [`size_block`] lets every size through, so that `tests/decoded_size_mutation.rs` can prove
+/// the bomb tests fail without the guard. Process-wide: only that one-test binary uses it.
+pub mod mutation {
+    #[cfg(feature = "fault-injection")]
+    static OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Switches the decoded-size guard off (`true`) or back on.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_decoded_size_guard_off(off: bool) {
+        OFF.store(off, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    #[inline]
+    pub(crate) fn decoded_size_guard_off() -> bool {
+        #[cfg(feature = "fault-injection")]
+        return OFF.load(std::sync::atomic::Ordering::SeqCst);
+        #[cfg(not(feature = "fault-injection"))]
+        false
+    }
+}
+
+fn columnar_error(e: columnar::ColumnarError) -> BlockError {
+    match e {
+        columnar::ColumnarError::TooLong {
+            what,
+            len,
+            max,
+            offset,
+        } => BlockError::TooLong {
+            what,
+            len,
+            max,
+            offset,
+        },
+        other => BlockError::Columnar(other.to_string()),
+    }
+}
+
+/// Verifies and fully decodes a block, within the limits (the decoded size included).
+pub fn decode_block(bytes: &[u8], limits: &DecodeLimits) -> Result<Block, BlockError> {
+    let mut records = Vec::new();
+    let header = decode_block_into(bytes, limits, &mut records)?;
     Ok(Block { header, records })
 }
 
@@ -402,16 +549,7 @@ pub fn decode_block_into(
     limits: &DecodeLimits,
     out: &mut Vec<Record>,
 ) -> Result<BlockHeader, BlockError> {
-    let header = verify_block(bytes, limits)?;
-    let raw = decompress_body(&header, &bytes[HEADER_LEN..])?;
-    match header.version {
-        VERSION_ROWS => *out = decode_rows(&raw, header.count)?,
-        VERSION_COLUMNAR => columnar::decode_into(&raw, header.count, out)
-            .map_err(|e| BlockError::Columnar(e.to_string()))?,
-        other => return Err(BlockError::UnsupportedVersion(other)),
-    }
-    check_records(&header, out)?;
-    Ok(header)
+    size_block(bytes, limits)?.decode_into(out)
 }
 
 /// Cross-checks decoded records against the header, whatever the body version. Readers prune
@@ -479,12 +617,69 @@ fn encode_rows(records: &[Record]) -> Vec<u8> {
     out
 }
 
+/// The decoded size of a version 1 body, walking the same grammar as [`decode_rows`] without
+/// building anything. Malformed bodies fail here with the error the decoder would give.
+fn rows_decoded_size(raw: &[u8], count: u32) -> Result<u64, BlockError> {
+    let mut r = varint::Reader::new(raw);
+    let mut size = 0u64;
+    for _ in 0..count {
+        let key = r.bytes().map_err(body_err)?;
+        r.i64().map_err(body_err)?;
+        let nfields = r.u64().map_err(body_err)?;
+        if nfields > r.remaining() as u64 {
+            return Err(BlockError::Body {
+                offset: r.offset(),
+                what: "field count exceeds body",
+            });
+        }
+        size += decoded::record_base_bytes(key.len());
+        for _ in 0..nfields {
+            let name = r.bytes().map_err(body_err)?;
+            let payload = match r.byte().map_err(body_err)? {
+                0 => r.u64_le().map(|_| 0),
+                1 => r.i64().map(|_| 0),
+                2 => r.byte().map(|_| 0),
+                3 | 4 => r.bytes().map(<[u8]>::len),
+                _ => {
+                    return Err(BlockError::Body {
+                        offset: r.offset(),
+                        what: "unknown field type tag",
+                    });
+                }
+            }
+            .map_err(body_err)?;
+            size += decoded::field_bytes(name.len(), payload);
+        }
+    }
+    Ok(size)
+}
+
+/// Refuses a key or field name that just ended at `r`'s position if it is over `max`. Checked
+/// when records are built, not while sizing (as for version 2, see `columnar::decode`).
+fn check_len(
+    r: &varint::Reader<'_>,
+    what: &'static str,
+    len: usize,
+    max: usize,
+) -> Result<(), BlockError> {
+    if len > max {
+        return Err(BlockError::TooLong {
+            what,
+            len,
+            max,
+            offset: r.offset() - len,
+        });
+    }
+    Ok(())
+}
+
 fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
     let mut r = varint::Reader::new(raw);
     // Each record takes at least 3 bytes, which bounds the allocation by the input.
     let mut records = Vec::with_capacity((count as usize).min(raw.len() / 3 + 1));
     for _ in 0..count {
         let key = r.string().map_err(body_err)?;
+        check_len(&r, "key", key.len(), KEY_BYTES_MAX)?;
         let ts = r.i64().map_err(body_err)?;
         let nfields = r.u64().map_err(body_err)?;
         if nfields > r.remaining() as u64 {
@@ -496,6 +691,7 @@ fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
         let mut fields = Vec::with_capacity(nfields as usize);
         for _ in 0..nfields {
             let name = r.string().map_err(body_err)?;
+            check_len(&r, "field name", name.len(), FIELD_NAME_BYTES_MAX)?;
             let value = match r.byte().map_err(body_err)? {
                 0 => Value::F64(f64::from_bits(r.u64_le().map_err(body_err)?)),
                 1 => Value::I64(r.i64().map_err(body_err)?),

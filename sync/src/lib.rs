@@ -9,6 +9,7 @@
 
 pub mod block;
 pub mod columnar;
+pub mod decoded;
 pub mod fuzzing;
 pub mod parse;
 pub mod protocol;

@@ -15,6 +15,7 @@ const LIMITS: DecodeLimits = DecodeLimits {
     raw_bytes_max: 8 << 20,
     records_max: 1 << 20,
     body_bytes_max: 8 << 20,
+    decoded_bytes_max: 64 << 20,
 };
 const BOMB_BYTES: u64 = 1 << 30;
 

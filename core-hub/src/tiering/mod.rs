@@ -58,13 +58,6 @@ struct BuiltRange {
 
 type BuildTask = tokio::task::JoinHandle<Result<BuiltRange, TierRunError>>;
 
-/// Decode limits for blocks already committed (see `read.rs`).
-pub(crate) const READ_LIMITS: sync::block::DecodeLimits = sync::block::DecodeLimits {
-    raw_bytes_max: 1 << 30,
-    records_max: u32::MAX,
-    body_bytes_max: 1 << 30,
-};
-
 /// Blocks fetched from the index per query while planning or reading a chunk.
 const INDEX_PAGE_BLOCKS: usize = 1024;
 
@@ -944,6 +937,7 @@ pub(crate) fn chunk_records(
 ) -> Result<Vec<TierRecord>, TierRunError> {
     let cat = hub.catalog();
     let mut out = Vec::new();
+    let mut skipped = 0u64;
     let mut from = ch.first_offset;
     'pages: while from < ch.end_offset {
         let rows = cat.blocks_from(ch.stream, from, INDEX_PAGE_BLOCKS)?;
@@ -954,12 +948,17 @@ pub(crate) fn chunk_records(
             if row.hub_offset_base >= ch.end_offset {
                 break 'pages;
             }
-            append_block(hub, row, ch, seg, &mut out)?;
+            // Quarantined blocks (damaged, or not decodable within the limits) are not served
+            // from tier 1 and are not tiered either: their offsets stay a hole.
+            if crate::scrub::is_quarantined(row) || !append_block(hub, row, ch, seg, &mut out)? {
+                let end = (row.hub_offset_base + row.count()).min(ch.end_offset);
+                skipped += end.saturating_sub(row.hub_offset_base.max(ch.first_offset));
+            }
             from = row.hub_offset_base + row.count();
         }
     }
     let want = ch.end_offset - ch.first_offset;
-    if seg.covers_all_keys() && out.len() as u64 != want {
+    if seg.covers_all_keys() && out.len() as u64 + skipped != want {
         return Err(TierRunError::Block {
             stream: ch.stream,
             offset: from,
@@ -972,13 +971,15 @@ pub(crate) fn chunk_records(
     Ok(out)
 }
 
+/// Appends the records of `row` that `ch` holds; false when the block does not decode within
+/// the limits and was quarantined instead (`crate::poison`).
 fn append_block(
     hub: &Hub,
     row: &BlockRow,
     ch: &ChunkRow,
     seg: &SegmentSpan,
     out: &mut Vec<TierRecord>,
-) -> Result<(), TierRunError> {
+) -> Result<bool, TierRunError> {
     let bad = |what: String| TierRunError::Block {
         stream: row.stream,
         offset: row.hub_offset_base,
@@ -997,8 +998,9 @@ fn append_block(
             "entry header {entry:?} differs from its index row"
         )));
     }
-    let decoded =
-        sync::block::decode_block(&block, &READ_LIMITS).map_err(|e| bad(e.to_string()))?;
+    let Ok(decoded) = crate::poison::decode_stored(hub, row, &block) else {
+        return Ok(false);
+    };
     if decoded.records.len() as u64 != row.count() {
         return Err(bad("block holds a different record count".into()));
     }
@@ -1021,5 +1023,5 @@ fn append_block(
             fields: r.fields,
         });
     }
-    Ok(())
+    Ok(true)
 }

@@ -56,3 +56,51 @@ pub fn read_all(hub: &Hub, stream: &str) -> Vec<core_hub::read::ReadRecord> {
         out.extend(page.records);
     }
 }
+
+/// A version 2 block of `n` records (seqs from `first`) whose keys are `key_len` bytes long:
+/// small on the wire, `n * (64 + key_len + ...)` bytes once decoded (`sync::decoded`).
+pub fn long_key_block(device: &str, epoch: u64, first: u64, n: u64, key_len: usize) -> Vec<u8> {
+    let key = format!("{device}/{}", "k".repeat(key_len - device.len() - 1));
+    let recs: Vec<Record> = (first..first + n)
+        .map(|s| Record {
+            key: key.clone(),
+            ..record(device, s)
+        })
+        .collect();
+    encode_block(sync::block::VERSION_COLUMNAR, epoch, first, &recs).unwrap()
+}
+
+/// The decoded-size bomb: a hand-made version 2 block whose dictionary names one key of
+/// `key_len` bytes and whose `n` records all use it (a few hundred bytes sealed for a 16 KiB
+/// key and a million records, which decode to 16 GB). Valid checksums, ts 0, seqs from `first`.
+pub fn key_bomb(epoch: u64, first: u64, key_len: usize, n: usize) -> Vec<u8> {
+    use sync::varint::{put_bytes, put_u64};
+    let mut raw = vec![0u8];
+    put_u64(&mut raw, 1);
+    put_bytes(&mut raw, "k".repeat(key_len).as_bytes());
+    put_u64(&mut raw, 0); // no columns
+    put_u64(&mut raw, 1); // one shape, with no column
+    put_u64(&mut raw, 0);
+    for _ in 0..3 {
+        // key, shape and ts columns: plain, one zero per record
+        raw.push(0);
+        put_bytes(&mut raw, &vec![0u8; n]);
+    }
+    let body = zstd::bulk::compress(&raw, 19).unwrap();
+    let header = sync::block::BlockHeader {
+        version: sync::block::VERSION_COLUMNAR,
+        flags: 0,
+        epoch,
+        first_seq: first,
+        count: n as u32,
+        raw_len: raw.len() as u32,
+        min_ts: 0,
+        max_ts: 0,
+        body_len: body.len() as u32,
+        body_crc: crc32c::crc32c(&body),
+        raw_crc: crc32c::crc32c(&raw),
+    };
+    let mut out = sync::block::write_header(&header).to_vec();
+    out.extend_from_slice(&body);
+    out
+}

@@ -2,12 +2,15 @@
 //! rebuilds the records in one pass, pulling each field from its column's stream.
 //!
 //! Every count is checked against the bytes left and against the record count before anything
-//! is sized from it, and every stream must be consumed exactly.
+//! is sized from it, and every stream must be consumed exactly. [`decoded_size`] walks the key,
+//! shape, string-id and bytes streams once without building records, so a caller can refuse a
+//! body whose records would not fit (see `crate::decoded`) before [`decode_into`] builds them.
 
 use super::floats::F64Decoder;
 use super::ints::{IntDecoder, SlotBudget};
 use super::wire::{BitReader, Cursor};
 use super::{COLUMNS_MAX, ColumnarError};
+use crate::decoded::{self, FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use crate::record::{Record, Value};
 
 /// Every record takes at least one byte in each of the key, shape and ts streams.
@@ -60,6 +63,21 @@ impl ColumnDecoder<'_> {
         Ok(())
     }
 
+    /// Advances a string or bytes column past its next value and returns the value's length,
+    /// without copying it. Other columns hold no payload: 0, and they are not advanced.
+    #[inline]
+    fn payload_len(&mut self, key: u32) -> Result<usize, ColumnarError> {
+        Ok(match self {
+            ColumnDecoder::Str { dict, ids } => {
+                let id = ids.next(key)?;
+                let s = usize::try_from(id).ok().and_then(|i| dict.get(i));
+                s.ok_or_else(|| ids.err("string id out of range"))?.len()
+            }
+            ColumnDecoder::Bytes(c) => c.bytes()?.len(),
+            ColumnDecoder::F64(_) | ColumnDecoder::I64(_) | ColumnDecoder::Bool(_) => 0,
+        })
+    }
+
     fn finish(&self) -> Result<(), ColumnarError> {
         match self {
             ColumnDecoder::F64(d) => d.finish(),
@@ -70,17 +88,38 @@ impl ColumnDecoder<'_> {
     }
 }
 
-/// The dictionaries at the head of the body.
-struct Head {
-    keys: Vec<String>,
-    names: Vec<String>,
+/// The dictionaries at the head of the body, borrowed from it.
+struct Head<'a> {
+    keys: Vec<&'a str>,
+    names: Vec<&'a str>,
     tags: Vec<u8>,
     /// Shape `s` is `shape_cols[shape_at[s]..shape_at[s + 1]]`.
     shape_cols: Vec<u32>,
     shape_at: Vec<usize>,
 }
 
-fn parse_head(c: &mut Cursor<'_>, count: usize) -> Result<Head, ColumnarError> {
+/// Refuses a key or field name over the format's maximum. Checked when records are built, not
+/// while sizing, so that a block whose records would not fit is refused as such whatever its
+/// strings (the decoded size is the bound that protects memory; this is the format's rule).
+fn check_lengths(raw: &[u8], head: &Head<'_>) -> Result<(), ColumnarError> {
+    let keys = head.keys.iter().map(|k| ("key", *k, KEY_BYTES_MAX));
+    let names = head
+        .names
+        .iter()
+        .map(|n| ("field name", *n, FIELD_NAME_BYTES_MAX));
+    match keys.chain(names).find(|(_, s, max)| s.len() > *max) {
+        None => Ok(()),
+        Some((what, s, max)) => Err(ColumnarError::TooLong {
+            what,
+            len: s.len(),
+            max,
+            // Strings borrow from the body, so their offset is a pointer difference.
+            offset: s.as_ptr() as usize - raw.as_ptr() as usize,
+        }),
+    }
+}
+
+fn parse_head<'a>(c: &mut Cursor<'a>, count: usize) -> Result<Head<'a>, ColumnarError> {
     if c.byte()? != 0 {
         return Err(c.err("unknown body flags"));
     }
@@ -90,7 +129,7 @@ fn parse_head(c: &mut Cursor<'_>, count: usize) -> Result<Head, ColumnarError> {
     }
     let mut keys = Vec::with_capacity(nkeys);
     for _ in 0..nkeys {
-        keys.push(c.string()?);
+        keys.push(c.str()?);
     }
     let ncols = c.count(2)?;
     if ncols > COLUMNS_MAX {
@@ -98,7 +137,7 @@ fn parse_head(c: &mut Cursor<'_>, count: usize) -> Result<Head, ColumnarError> {
     }
     let (mut names, mut tags) = (Vec::with_capacity(ncols), Vec::with_capacity(ncols));
     for _ in 0..ncols {
-        names.push(c.string()?);
+        names.push(c.str()?);
         tags.push(c.byte()?);
     }
     let nshapes = c.count(1)?;
@@ -156,14 +195,8 @@ fn parse_column<'a>(
     })
 }
 
-/// Decodes a body holding `count` records into `out`, reusing the records, strings and field
-/// vectors already there (a reader that decodes block after block allocates almost nothing).
-/// On error, `out` holds unspecified records.
-pub(super) fn decode_into(
-    raw: &[u8],
-    count: u32,
-    out: &mut Vec<Record>,
-) -> Result<(), ColumnarError> {
+/// The parsed dictionaries and every stream's decoder, positioned at the first record.
+fn parse<'a>(raw: &'a [u8], count: u32) -> Result<(Head<'a>, Rows<'a>), ColumnarError> {
     let n = count as usize;
     if n > raw.len() / RECORD_BYTES_MIN {
         return Err(ColumnarError::CountExceedsBody {
@@ -186,6 +219,51 @@ pub(super) fn decode_into(
             .push(parse_column(&mut c, tag, nkeys, &mut budget)?);
     }
     c.finish()?;
+    Ok((head, rows))
+}
+
+/// The decoded size of the body's records (see `crate::decoded`), from the dictionaries and
+/// the key, shape, string-id and bytes streams; the other streams are not read. Allocates only
+/// per shape and per column, never per record.
+pub(super) fn decoded_size(raw: &[u8], count: u32) -> Result<u64, ColumnarError> {
+    let (head, mut rows) = parse(raw, count)?;
+    let nshapes = head.shape_at.len() - 1;
+    // Per shape: the fixed bytes of its fields, and its string and bytes columns.
+    let mut fixed = Vec::with_capacity(nshapes);
+    let (mut var_at, mut var_cols) = (Vec::with_capacity(nshapes + 1), Vec::<u32>::new());
+    var_at.push(0);
+    for s in 0..nshapes {
+        let cols = &head.shape_cols[head.shape_at[s]..head.shape_at[s + 1]];
+        let names = cols.iter().map(|&c| head.names[c as usize].len());
+        fixed.push(names.map(|len| decoded::field_bytes(len, 0)).sum::<u64>());
+        var_cols.extend(
+            cols.iter()
+                .filter(|&&c| matches!(head.tags[c as usize], 3 | 4)),
+        );
+        var_at.push(var_cols.len());
+    }
+    let mut size = 0u64;
+    for _ in 0..count {
+        let (k, s) = rows.key_and_shape(&head)?;
+        size += decoded::record_base_bytes(head.keys[k as usize].len()) + fixed[s];
+        for &col in &var_cols[var_at[s]..var_at[s + 1]] {
+            size += rows.cols[col as usize].payload_len(k)? as u64;
+        }
+    }
+    Ok(size)
+}
+
+/// Decodes a body holding `count` records into `out`, reusing the records, strings and field
+/// vectors already there (a reader that decodes block after block allocates almost nothing).
+/// On error, `out` holds unspecified records.
+pub(super) fn decode_into(
+    raw: &[u8],
+    count: u32,
+    out: &mut Vec<Record>,
+) -> Result<(), ColumnarError> {
+    let n = count as usize;
+    let (head, mut rows) = parse(raw, count)?;
+    check_lengths(raw, &head)?;
     out.truncate(n);
     out.reserve_exact(n - out.len());
     for i in 0..n {
@@ -206,9 +284,9 @@ struct Rows<'a> {
 }
 
 impl Rows<'_> {
-    /// The next record's key id, timestamp and shape (its column list).
+    /// The next record's key id and shape id, both checked against the dictionaries.
     #[inline]
-    fn start<'h>(&mut self, head: &'h Head) -> Result<(u32, i64, &'h [u32]), ColumnarError> {
+    fn key_and_shape(&mut self, head: &Head<'_>) -> Result<(u32, usize), ColumnarError> {
         let k = self.keys.next(0)?;
         if !(0..head.keys.len() as i64).contains(&k) {
             return Err(self.keys.err("key id out of range"));
@@ -218,38 +296,45 @@ impl Rows<'_> {
         if !(0..(head.shape_at.len() - 1) as i64).contains(&s) {
             return Err(self.shapes.err("shape id out of range"));
         }
-        let shape = &head.shape_cols[head.shape_at[s as usize]..head.shape_at[s as usize + 1]];
+        Ok((k, s as usize))
+    }
+
+    /// The next record's key id, timestamp and shape (its column list).
+    #[inline]
+    fn start<'h>(&mut self, head: &'h Head<'_>) -> Result<(u32, i64, &'h [u32]), ColumnarError> {
+        let (k, s) = self.key_and_shape(head)?;
+        let shape = &head.shape_cols[head.shape_at[s]..head.shape_at[s + 1]];
         Ok((k, self.ts.next(k)?, shape))
     }
 
-    fn next(&mut self, head: &Head) -> Result<Record, ColumnarError> {
+    fn next(&mut self, head: &Head<'_>) -> Result<Record, ColumnarError> {
         let (k, ts, shape) = self.start(head)?;
         let mut fields = Vec::with_capacity(shape.len());
         for &col in shape {
             let v = self.cols[col as usize].next(k)?;
-            fields.push((head.names[col as usize].clone(), v));
+            fields.push((head.names[col as usize].to_owned(), v));
         }
         Ok(Record {
-            key: head.keys[k as usize].clone(),
+            key: head.keys[k as usize].to_owned(),
             ts,
             fields,
         })
     }
 
     /// As [`Rows::next`], overwriting `r` in place.
-    fn next_into(&mut self, head: &Head, r: &mut Record) -> Result<(), ColumnarError> {
+    fn next_into(&mut self, head: &Head<'_>, r: &mut Record) -> Result<(), ColumnarError> {
         let (k, ts, shape) = self.start(head)?;
-        assign(&mut r.key, &head.keys[k as usize]);
+        assign(&mut r.key, head.keys[k as usize]);
         r.ts = ts;
         r.fields.truncate(shape.len());
         for (j, &col) in shape.iter().enumerate() {
-            let (name, dec) = (&head.names[col as usize], &mut self.cols[col as usize]);
+            let (name, dec) = (head.names[col as usize], &mut self.cols[col as usize]);
             match r.fields.get_mut(j) {
                 Some((n, v)) => {
                     assign(n, name);
                     dec.next_into(k, v)?;
                 }
-                None => r.fields.push((name.clone(), dec.next(k)?)),
+                None => r.fields.push((name.to_owned(), dec.next(k)?)),
             }
         }
         Ok(())

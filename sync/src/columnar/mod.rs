@@ -12,7 +12,9 @@
 //!
 //! Decoding is total: any input either decodes or returns a [`ColumnarError`], and no
 //! allocation exceeds what the input's length or the record count (limited by the caller)
-//! can justify.
+//! can justify, except the records themselves: a key, field name or string named once in a
+//! dictionary is copied into every record that uses it. [`decoded_size`] computes their exact
+//! size (`crate::decoded`) without building them, so a caller can refuse the body first.
 
 mod decode;
 mod encode;
@@ -44,6 +46,13 @@ pub enum ColumnarError {
     CountExceedsBody { count: u32, len: usize },
     #[error("{0} distinct field columns in one block, more than the format allows ({COLUMNS_MAX})")]
     TooManyColumns(usize),
+    #[error("{what} of {len} bytes at body byte {offset} is longer than the format allows ({max})")]
+    TooLong {
+        what: &'static str,
+        len: usize,
+        max: usize,
+        offset: usize,
+    },
 }
 
 /// How f64 columns are encoded. `Auto` is what blocks are sealed with; the others exist so the
@@ -112,11 +121,19 @@ pub fn sections(records: &[Record], tuning: &Tuning) -> Result<Vec<Section>, Col
     Ok(out)
 }
 
-/// Decodes a version 2 body holding `count` records.
+/// Decodes a version 2 body holding `count` records. Its records are not bounded here: a
+/// reader of untrusted bodies checks [`decoded_size`] first, as `block::size_block` does.
 pub fn decode(raw: &[u8], count: u32) -> Result<Vec<Record>, ColumnarError> {
     let mut out = Vec::new();
     decode::decode_into(raw, count, &mut out)?;
     Ok(out)
+}
+
+/// The decoded size ([`crate::decoded`]) of a version 2 body holding `count` records, computed
+/// from its dictionaries and its key, shape, string-id and bytes streams without building a
+/// record. Whatever [`decode`] returns for the same body has exactly this size.
+pub fn decoded_size(raw: &[u8], count: u32) -> Result<u64, ColumnarError> {
+    decode::decoded_size(raw, count)
 }
 
 /// As [`decode`], into `out`, reusing the records and buffers already there: a reader that
@@ -134,9 +151,21 @@ pub fn fuzz_decode(data: &[u8]) {
         return;
     };
     let count = u32::from(u16::from_le_bytes(*count));
+    let Ok(size) = decoded_size(raw, count) else {
+        assert!(
+            decode(raw, count).is_err(),
+            "a body that cannot be sized must not decode"
+        );
+        return;
+    };
     let Ok(records) = decode(raw, count) else {
         return;
     };
+    assert_eq!(
+        crate::decoded::records_bytes(&records),
+        size,
+        "decoded records differ from the size computed before decoding them"
+    );
     let again = encode(&records).expect("decoded records always re-encode");
     let back = decode(&again, count).expect("a fresh encoding always decodes");
     assert_eq!(

@@ -115,10 +115,6 @@ impl<'a> Cursor<'a> {
         self.take(n as usize)
     }
 
-    pub(super) fn string(&mut self) -> Result<String, ColumnarError> {
-        self.str().map(str::to_owned)
-    }
-
     /// A length-prefixed UTF-8 string, borrowed from the input.
     pub(super) fn str(&mut self) -> Result<&'a str, ColumnarError> {
         let at = self.clone();

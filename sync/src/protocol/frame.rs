@@ -81,6 +81,10 @@ pub enum ErrorCode {
     /// tier 2 is away). Nothing of the refused data was kept; the device keeps it and retries
     /// after a short fixed delay, since the condition clears without the device doing anything.
     StorageFull,
+    /// A block whose records would take more memory than the hub's
+    /// `ingest.block_decoded_bytes_max` (their decoded size, computed before decoding them).
+    /// Resending the same block cannot succeed.
+    DecodedTooLarge,
     /// A code this build does not know; kept so that newer peers' codes are reported.
     Unknown(u16),
 }
@@ -103,6 +107,7 @@ impl ErrorCode {
             ErrorCode::Internal => 12,
             ErrorCode::Revoked => 13,
             ErrorCode::StorageFull => 14,
+            ErrorCode::DecodedTooLarge => 15,
             ErrorCode::Unknown(n) => n,
         }
     }
@@ -124,6 +129,7 @@ impl ErrorCode {
             12 => ErrorCode::Internal,
             13 => ErrorCode::Revoked,
             14 => ErrorCode::StorageFull,
+            15 => ErrorCode::DecodedTooLarge,
             other => ErrorCode::Unknown(other),
         }
     }

@@ -35,7 +35,7 @@ pub use frame::{
 };
 pub use receiver::{
     CommitItem, DecodedBlock, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig,
-    ReceiverEvent, ReceiverStats,
+    ReceiverEvent, ReceiverStats, block_error_code,
 };
 pub use sender::{OfferError, Rekey, Sender, SenderConfig, SenderEvent};
 

@@ -210,9 +210,20 @@ impl DecodedBlock {
     pub fn decode(
         block: Vec<u8>,
         limits: &DecodeLimits,
+        records: Vec<Record>,
+    ) -> Result<DecodedBlock, block::BlockError> {
+        let sized = block::size_block(&block, limits)?;
+        DecodedBlock::from_sized(block, &sized, records)
+    }
+
+    /// As [`DecodedBlock::decode`], for a block already sized by [`block::size_block`] (so
+    /// that the driver could reserve memory for its decoded size first).
+    pub fn from_sized(
+        block: Vec<u8>,
+        sized: &block::SizedBlock,
         mut records: Vec<Record>,
     ) -> Result<DecodedBlock, block::BlockError> {
-        let header = block::decode_block_into(&block, limits, &mut records)?;
+        let header = sized.decode_into(&mut records)?;
         let mut hashes = Vec::with_capacity(records.len());
         record_hashes_into(header.first_seq, &records, &mut hashes);
         Ok(DecodedBlock {
@@ -221,6 +232,15 @@ impl DecodedBlock {
             records,
             hashes,
         })
+    }
+}
+
+/// The code a block that fails to decode is refused with: [`ErrorCode::DecodedTooLarge`] when
+/// its records would exceed the decoded-size limit, else [`ErrorCode::BadBlock`].
+pub fn block_error_code(e: &block::BlockError) -> ErrorCode {
+    match e {
+        block::BlockError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,
+        _ => ErrorCode::BadBlock,
     }
 }
 
@@ -1010,7 +1030,7 @@ impl Receiver {
                 }
                 Err(e) => {
                     let msg = format!("stream {}: {e}", self.lanes[i].stream);
-                    return self.close(self.now, ErrorCode::BadBlock, &msg);
+                    return self.close(self.now, block_error_code(&e), &msg);
                 }
             },
         };
