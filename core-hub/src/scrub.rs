@@ -26,7 +26,11 @@
 //! `extra.crc32c` in its manifest). Read-through (`tiering::read`) checks every object it
 //! fetches; [`scrub_tier2`] reads every committed object at a bounded rate
 //! (`[tier2] scrub_bytes_per_sec_max`) every `[tier2] scrub_interval` ([`start_tier2`], the
-//! time of the last pass persisted in the catalog). A damaged object (size, crc32c, a file
+//! time of the last pass persisted in the catalog). Right after a start, before waiting for
+//! that interval, [`scrub_tier2_recent`] checks the chunks committed in the last
+//! [`DEFAULT_TIER2_RESTART_WINDOW`] before the stop, newest first: a power loss (on a store
+//! that did not sync what it acknowledged) damages the newest objects, and tier 1 most
+//! likely still holds their records for the repair. A damaged object (size, crc32c, a file
 //! that does not decode, or one gone while its chunk is committed) is:
 //!
 //! - **quarantined** ([`report_tier2_damage`]): recorded in the catalog (`tier_quarantine`),
@@ -495,6 +499,8 @@ pub struct Tier2ScrubConfig {
     pub interval: Duration,
     /// Read rate bound of a pass, in object bytes per second (0: unbounded).
     pub bytes_per_sec_max: u64,
+    /// The pass at start covers the chunks committed this long before the newest commit.
+    pub restart_window: Duration,
 }
 
 impl Default for Tier2ScrubConfig {
@@ -502,6 +508,7 @@ impl Default for Tier2ScrubConfig {
         Tier2ScrubConfig {
             interval: DEFAULT_TIER2_INTERVAL,
             bytes_per_sec_max: DEFAULT_TIER2_BYTES_PER_SEC_MAX,
+            restart_window: DEFAULT_TIER2_RESTART_WINDOW,
         }
     }
 }
@@ -511,6 +518,7 @@ impl From<&crate::config::Tier2Config> for Tier2ScrubConfig {
         Tier2ScrubConfig {
             interval: c.scrub_interval,
             bytes_per_sec_max: c.scrub_bytes_per_sec_max,
+            restart_window: DEFAULT_TIER2_RESTART_WINDOW,
         }
     }
 }
@@ -519,6 +527,10 @@ impl From<&crate::config::Tier2Config> for Tier2ScrubConfig {
 pub const DEFAULT_TIER2_INTERVAL: Duration = Duration::from_secs(24 * 3600);
 /// Default read rate of the tier-2 scrub.
 pub const DEFAULT_TIER2_BYTES_PER_SEC_MAX: u64 = 16 << 20;
+/// How far back from the newest chunk commit the pass after a start reaches
+/// ([`scrub_tier2_recent`]): what a power loss could have cost on a store that lied about
+/// syncs is the last few seconds of writes, and a page cache holds dirty data for about 30 s.
+pub const DEFAULT_TIER2_RESTART_WINDOW: Duration = Duration::from_secs(15 * 60);
 /// Where quarantined chunk objects are moved, outside `streams/` (SQL engines never see them):
 /// `_tributary/quarantine/{original path}`.
 pub const TIER2_QUARANTINE_PREFIX: &str = "_tributary/quarantine/";
@@ -563,6 +575,8 @@ struct Tier2Global {
     repaired: AtomicU64,
     records_skipped: AtomicU64,
     quarantined: AtomicU64,
+    /// Objects checked by the pass after a start ([`scrub_tier2_recent`]).
+    recent_checked: AtomicU64,
     /// Paths quarantined now (for `/healthz`), refreshed from the catalog on every change.
     quarantined_paths: RwLock<Vec<String>>,
     /// Wakes the tier-2 scrubber when a reader quarantined something.
@@ -691,6 +705,12 @@ fn render_tier2_metrics(out: &mut String) {
     );
     line(
         "counter",
+        "tributary_hub_tier2_scrub_recent_objects_checked_total",
+        "Tier-2 chunk objects verified by the pass after a start (the chunks committed last).",
+        g.recent_checked.load(Ordering::Relaxed),
+    );
+    line(
+        "counter",
         "tributary_hub_tier2_corrupt_objects_total",
         "Tier-2 chunk objects found damaged (size, crc32c or decode) and quarantined.",
         g.corrupt.load(Ordering::Relaxed),
@@ -735,14 +755,11 @@ pub async fn scrub_tier2(
     cfg: &Tier2ScrubConfig,
     stop: Option<&tokio::sync::watch::Receiver<bool>>,
 ) -> Result<Tier2ScrubReport, Tier2ScrubError> {
-    use crate::tiering::read::{Fetched, fetch_verified};
     use crate::tiering::store;
     let started_ns = now_ns();
     let mut report = tend_tier2_quarantine(tiering).await?;
     let cat = tiering.hub().catalog().clone();
-    let limit = tiering.config().request_timeout;
     let started = std::time::Instant::now();
-    let stopped = || stop.is_some_and(|s| *s.borrow());
     for (sid, _) in store::streams_with_state(&cat)? {
         let mut after = None;
         loop {
@@ -751,82 +768,15 @@ pub async fn scrub_tier2(
             after = Some((last.first_offset, last.segment));
             let quarantined = store::quarantined_in(&cat, sid)?;
             for ch in &page {
-                if stopped() {
+                if stopped(stop) {
                     return Ok(report);
                 }
                 if quarantined.contains(&(ch.segment, ch.first_offset)) {
                     continue;
                 }
-                let check = store::object_check(&cat, ch.stream, ch.segment, ch.first_offset)?;
-                let fetched = match tokio::time::timeout(
-                    limit,
-                    fetch_verified(tiering.store(), &ch.path, check),
-                )
-                .await
-                {
-                    Err(_) => return Err(Tier2ScrubError::Timeout(limit)),
-                    Ok(Ok(f)) => f,
-                    Ok(Err(tier::GetError::NotFound { .. })) => {
-                        // Retention may have deleted it since the page was read.
-                        if store::committed_chunk(&cat, ch.stream, ch.segment, ch.first_offset)?
-                            .is_none()
-                        {
-                            continue;
-                        }
-                        Fetched::Damaged("object missing".into())
-                    }
-                    Ok(Err(e)) => return Err(Tier2ScrubError::Tier2(e.into())),
-                };
-                report.objects_checked += 1;
-                report.bytes_checked += ch.bytes;
-                let g = tier2_global();
-                g.objects_checked.fetch_add(1, Ordering::Relaxed);
-                g.bytes_checked.fetch_add(ch.bytes, Ordering::Relaxed);
-                match fetched {
-                    Fetched::Records(records) if check.is_none() => {
-                        // Legacy object: it decodes and holds the rows the catalog expects,
-                        // so its current bytes become its check.
-                        if records.len() as u64 == ch.rows
-                            && let Ok(bytes) = bounded(limit, tiering.store().get(&ch.path)).await
-                        {
-                            let c = store::ObjectCheck::of(&bytes);
-                            store::set_object_check(
-                                &cat,
-                                ch.stream,
-                                ch.segment,
-                                ch.first_offset,
-                                c,
-                            )?;
-                            report.checks_recorded += 1;
-                        } else if records.len() as u64 != ch.rows {
-                            let what = format!(
-                                "holds {} rows, the catalog committed {}",
-                                records.len(),
-                                ch.rows
-                            );
-                            damaged(tiering, ch, &what, &mut report).await?;
-                        }
-                    }
-                    Fetched::Records(_) => {}
-                    Fetched::Damaged(what) => damaged(tiering, ch, &what, &mut report).await?,
-                }
-                // Pace the reads: a pass never takes more than its share of tier 2.
-                if cfg.bytes_per_sec_max > 0 {
-                    let due = Duration::from_secs_f64(
-                        report.bytes_checked as f64 / cfg.bytes_per_sec_max as f64,
-                    );
-                    if let Some(ahead) = due.checked_sub(started.elapsed()) {
-                        match stop {
-                            Some(s) => {
-                                let mut s = s.clone();
-                                tokio::select! {
-                                    _ = tokio::time::sleep(ahead) => {}
-                                    _ = s.wait_for(|v| *v) => return Ok(report),
-                                }
-                            }
-                            None => tokio::time::sleep(ahead).await,
-                        }
-                    }
+                check_chunk(tiering, ch, &mut report).await?;
+                if !pace(cfg, &report, started, stop).await {
+                    return Ok(report);
                 }
             }
         }
@@ -848,6 +798,146 @@ pub async fn scrub_tier2(
         "tier-2 scrub pass done"
     );
     Ok(report)
+}
+
+/// The pass a hub runs right after it starts, before waiting for the next full pass: the
+/// chunks committed in the `window` before the newest recorded commit (the last ones before
+/// the stop), newest first, checked and repaired like a full pass and paced alike. These
+/// are the objects a power loss or a lying disk is most likely to have damaged, and the ones
+/// tier 1 most likely still holds; a full pass may be a day away. Chunks without a recorded
+/// commit time (committed by older versions) are left to the full pass.
+pub async fn scrub_tier2_recent(
+    tiering: &Arc<crate::tiering::Tiering>,
+    cfg: &Tier2ScrubConfig,
+    window: Duration,
+    stop: Option<&tokio::sync::watch::Receiver<bool>>,
+) -> Result<Tier2ScrubReport, Tier2ScrubError> {
+    use crate::tiering::store;
+    let mut report = tend_tier2_quarantine(tiering).await?;
+    let cat = tiering.hub().catalog().clone();
+    let Some(newest) = store::last_commit_ns(&cat)? else {
+        return Ok(report);
+    };
+    let window_ns = i64::try_from(window.as_nanos()).unwrap_or(i64::MAX);
+    let since = newest.saturating_sub(window_ns);
+    let started = std::time::Instant::now();
+    let mut before = None;
+    loop {
+        let page = store::committed_since(&cat, since, before, 256)?;
+        let Some((t, last)) = page.last() else { break };
+        before = Some((*t, last.stream, last.segment, last.first_offset));
+        for (_, ch) in &page {
+            if stopped(stop) {
+                return Ok(report);
+            }
+            if store::quarantined_in(&cat, ch.stream)?.contains(&(ch.segment, ch.first_offset)) {
+                continue;
+            }
+            check_chunk(tiering, ch, &mut report).await?;
+            tier2_global()
+                .recent_checked
+                .fetch_add(1, Ordering::Relaxed);
+            if !pace(cfg, &report, started, stop).await {
+                return Ok(report);
+            }
+        }
+    }
+    tracing::info!(
+        objects = report.objects_checked,
+        damaged = report.damaged.len(),
+        repaired = report.repaired.len(),
+        window = ?window,
+        "tier-2 scrub of the chunks committed last before the start done"
+    );
+    Ok(report)
+}
+
+fn stopped(stop: Option<&tokio::sync::watch::Receiver<bool>>) -> bool {
+    stop.is_some_and(|s| *s.borrow())
+}
+
+/// Reads one committed chunk object and compares it with its recorded check; quarantines
+/// (and repairs, when tier 1 holds it) a damaged one, records a check for a legacy one.
+async fn check_chunk(
+    tiering: &Arc<crate::tiering::Tiering>,
+    ch: &crate::tiering::store::ChunkRow,
+    report: &mut Tier2ScrubReport,
+) -> Result<(), Tier2ScrubError> {
+    use crate::tiering::read::{Fetched, fetch_verified};
+    use crate::tiering::store;
+    let cat = tiering.hub().catalog().clone();
+    let limit = tiering.config().request_timeout;
+    let check = store::object_check(&cat, ch.stream, ch.segment, ch.first_offset)?;
+    let fetched =
+        match tokio::time::timeout(limit, fetch_verified(tiering.store(), &ch.path, check)).await {
+            Err(_) => return Err(Tier2ScrubError::Timeout(limit)),
+            Ok(Ok(f)) => f,
+            Ok(Err(tier::GetError::NotFound { .. })) => {
+                // Retention may have deleted it since the page was read.
+                if store::committed_chunk(&cat, ch.stream, ch.segment, ch.first_offset)?.is_none() {
+                    return Ok(());
+                }
+                Fetched::Damaged("object missing".into())
+            }
+            Ok(Err(e)) => return Err(Tier2ScrubError::Tier2(e.into())),
+        };
+    report.objects_checked += 1;
+    report.bytes_checked += ch.bytes;
+    let g = tier2_global();
+    g.objects_checked.fetch_add(1, Ordering::Relaxed);
+    g.bytes_checked.fetch_add(ch.bytes, Ordering::Relaxed);
+    match fetched {
+        Fetched::Records(records) if check.is_none() => {
+            // Legacy object: it decodes and holds the rows the catalog expects, so its
+            // current bytes become its check.
+            if records.len() as u64 == ch.rows
+                && let Ok(bytes) = bounded(limit, tiering.store().get(&ch.path)).await
+            {
+                let c = store::ObjectCheck::of(&bytes);
+                store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, c)?;
+                report.checks_recorded += 1;
+            } else if records.len() as u64 != ch.rows {
+                let what = format!(
+                    "holds {} rows, the catalog committed {}",
+                    records.len(),
+                    ch.rows
+                );
+                damaged(tiering, ch, &what, report).await?;
+            }
+        }
+        Fetched::Records(_) => {}
+        Fetched::Damaged(what) => damaged(tiering, ch, &what, report).await?,
+    }
+    Ok(())
+}
+
+/// Paces a pass: never more than `cfg.bytes_per_sec_max` of tier 2. `false`: stopped.
+async fn pace(
+    cfg: &Tier2ScrubConfig,
+    report: &Tier2ScrubReport,
+    started: std::time::Instant,
+    stop: Option<&tokio::sync::watch::Receiver<bool>>,
+) -> bool {
+    if cfg.bytes_per_sec_max == 0 {
+        return true;
+    }
+    let due = Duration::from_secs_f64(report.bytes_checked as f64 / cfg.bytes_per_sec_max as f64);
+    let Some(ahead) = due.checked_sub(started.elapsed()) else {
+        return true;
+    };
+    match stop {
+        Some(s) => {
+            let mut s = s.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(ahead) => true,
+                _ = s.wait_for(|v| *v) => false,
+            }
+        }
+        None => {
+            tokio::time::sleep(ahead).await;
+            true
+        }
+    }
 }
 
 /// A damaged object found by the pass: confirm under the round lock (a repair or an upload
@@ -1038,7 +1128,8 @@ async fn repair_from_tier1(
     Ok(true)
 }
 
-/// The background tier-2 scrubber: tends the quarantine at start and whenever a reader
+/// The background tier-2 scrubber: at start it checks the chunks committed last before the
+/// stop ([`scrub_tier2_recent`]); it tends the quarantine at start and whenever a reader
 /// quarantines something, and runs a full pass every `interval` (measured from the last
 /// complete pass, persisted in the catalog, so frequent restarts do not postpone it forever).
 pub fn start_tier2(
@@ -1050,6 +1141,14 @@ pub fn start_tier2(
         let g = tier2_global();
         if let Err(e) = refresh_tier2_gauge(tiering.hub().catalog()) {
             tracing::error!(error = %e, "reading the tier-2 quarantine");
+        }
+        // First the chunks committed last before the stop, not a whole interval later.
+        if let Err(e) = scrub_tier2_recent(&tiering, &cfg, cfg.restart_window, Some(&stop)).await {
+            g.failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "tier-2 scrub of the recent chunks failed; the full pass covers them");
+        }
+        if *stop.borrow() {
+            return;
         }
         loop {
             if let Err(e) = tend_tier2_quarantine(&tiering).await {

@@ -21,6 +21,10 @@
 //! [`ExportOptions::skip_damaged`] such chunks are left out instead, each logged and counted
 //! in [`ExportReport::skipped_chunks`] / [`ExportReport::skipped_records`]. The tier-2 scrub
 //! quarantines and repairs damaged objects.
+//!
+//! The output is written to `FILE.parquet.tmp`, fsynced, renamed over `FILE.parquet`, and the
+//! directory is fsynced: when `export` returns, the file survives a power loss; before that,
+//! a crash leaves at most the `.tmp` file (the previous `FILE.parquet`, if any, is intact).
 
 use super::TierOpenError;
 use crate::config::HubConfig;
@@ -318,7 +322,18 @@ pub async fn export_with(
     report.bytes = file.metadata().map_err(|e| write_err(&tmp, e))?.len();
     drop(file);
     std::fs::rename(&tmp, out).map_err(|e| write_err(out, e))?;
+    // The rename is durable only once the directory holding `out` is synced.
+    sync_dir_of(out).map_err(|e| write_err(out, e))?;
     Ok(report)
+}
+
+/// Fsyncs the directory holding `path` (the current directory for a bare file name).
+fn sync_dir_of(path: &Path) -> std::io::Result<()> {
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    std::fs::File::open(dir)?.sync_all()
 }
 
 /// Reads and decodes one chunk object, checked against its manifest.

@@ -673,6 +673,9 @@ impl Tiering {
         };
         let mut lanes: BTreeMap<(u32, u64), u64> = BTreeMap::new();
         let mut records = 0;
+        // Chunk objects and manifests whose put returned: durable (`tier::Tier2` syncs a local
+        // directory before a put returns). Nothing is committed that is not in both.
+        let mut durable = DurablePuts::default();
         for (ch, enc) in chunks.iter().zip(encoded) {
             let mut row = ch.clone();
             row.state = COMMITTED;
@@ -685,6 +688,7 @@ impl Tiering {
                 // the footer back) before anything counts it as tiered.
                 self.bounded(self.store.upload_chunk(&ch.path, bytes, &summary))
                     .await?;
+                durable.chunks.insert(ch.path.clone());
                 store::set_uploaded(&cat, ch, summary.rows, len)?;
                 store::set_object_check(&cat, ch.stream, ch.segment, ch.first_offset, check)?;
                 self.stats.bytes_uploaded.fetch_add(len, Ordering::Relaxed);
@@ -746,9 +750,14 @@ impl Tiering {
         self.fault(TierFaultPoint::AfterUpload)?;
         for m in &manifests {
             self.bounded(self.store.put_manifest(m)).await?;
+            durable.manifests.insert(m.path.clone());
         }
         self.fault(TierFaultPoint::AfterManifest)?;
+        durable.assert_covers(&commit.chunks);
         commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();
+        commit.committed_ns = now_ns();
+        // The commit moves `tiered_end` (eviction follows it) and the lanes' `tiered_seq`
+        // (agents free their copies on it): only now, behind the durable puts above.
         let moved = store::commit_range(&cat, &commit)?;
         let n = commit.chunks.len() as u64;
         self.stats.chunks_committed.fetch_add(n, Ordering::Relaxed);
@@ -887,6 +896,29 @@ impl Tiering {
             .tier2_chunks_deleted
             .fetch_add(deleted, Ordering::Relaxed);
         Ok(deleted)
+    }
+}
+
+/// The chunk objects and manifests of one plan range whose puts returned, i.e. are durable.
+#[derive(Debug, Default)]
+struct DurablePuts {
+    chunks: std::collections::BTreeSet<String>,
+    /// By the chunk path each manifest names.
+    manifests: std::collections::BTreeSet<String>,
+}
+
+impl DurablePuts {
+    /// The invariant behind `tiered_seq` and eviction: every chunk row about to be committed
+    /// with records has its object and its manifest durably in tier 2. Only a bug (an upload
+    /// not awaited, a reordered step) can break it, so it holds in release builds too.
+    fn assert_covers(&self, rows: &[ChunkRow]) {
+        for row in rows.iter().filter(|r| r.rows > 0) {
+            assert!(
+                self.chunks.contains(&row.path) && self.manifests.contains(&row.path),
+                "committing chunk {} before its object and manifest puts returned",
+                row.path
+            );
+        }
     }
 }
 

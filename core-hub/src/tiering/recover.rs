@@ -37,6 +37,15 @@
 //! check so that read-through and the tier-2 scrub keep detecting damage. A manifest whose
 //! object is gone from `streams/` is recovered as a quarantined chunk (reported, skipped by
 //! readers) rather than failing the whole rebuild.
+//!
+//! # Sync points
+//!
+//! The data directory is created with each new directory synced into its parent; adopted
+//! manifests are durable when their put returns (`tier::Tier2`); the catalog commits with
+//! `synchronous=FULL`, and the data directory is synced at the end so that the new catalog
+//! file's entry is durable. A crash before the end leaves a partial catalog: move it away and
+//! run recovery again (tier 2 is only read, apart from adopted manifests, which are
+//! idempotent).
 
 use super::store::{self, COMMITTED, ChunkRow, ObjectCheck, RangeCommit, TierState};
 use crate::catalog::{BlockRow, Catalog, CatalogError, GroupCommit, StreamId};
@@ -58,6 +67,11 @@ pub enum RecoverError {
     Tier2(#[from] tier::TierError),
     #[error("cannot create {path}: {source}")]
     DataDir {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("cannot sync directory {path}: {source}")]
+    Sync {
         path: std::path::PathBuf,
         source: std::io::Error,
     },
@@ -292,10 +306,7 @@ pub async fn from_tier2(
     if cat_path.exists() {
         return Err(RecoverError::NotEmpty(cfg.data_dir.clone()));
     }
-    std::fs::create_dir_all(&cfg.data_dir).map_err(|source| RecoverError::DataDir {
-        path: cfg.data_dir.clone(),
-        source,
-    })?;
+    create_dir_durably(&cfg.data_dir)?;
     let t2 = super::open_store(&cfg.tier2)?;
     let mut names: BTreeSet<String> = t2
         .list_streams()
@@ -508,5 +519,38 @@ pub async fn from_tier2(
         report.chunks += total;
         report.lanes += lanes.len() as u64;
     }
+    // SQLite syncs its commits (`synchronous=FULL`) but not the directory entry of a database
+    // file it created: the new catalog is durable only once its directory is synced.
+    sync_dir(&cfg.data_dir)?;
     Ok(report)
+}
+
+/// Creates `dir` and its missing ancestors, fsyncing the parent of each new one.
+fn create_dir_durably(dir: &std::path::Path) -> Result<(), RecoverError> {
+    let mut made = Vec::new();
+    let mut d = Some(dir);
+    while let Some(p) = d.filter(|p| !p.as_os_str().is_empty() && !p.exists()) {
+        made.push(p.to_path_buf());
+        d = p.parent();
+    }
+    std::fs::create_dir_all(dir).map_err(|source| RecoverError::DataDir {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    for new in &made {
+        match new.parent() {
+            Some(p) if !p.as_os_str().is_empty() => sync_dir(p)?,
+            _ => sync_dir(std::path::Path::new("."))?,
+        }
+    }
+    Ok(())
+}
+
+fn sync_dir(dir: &std::path::Path) -> Result<(), RecoverError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| RecoverError::Sync {
+            path: dir.to_path_buf(),
+            source,
+        })
 }

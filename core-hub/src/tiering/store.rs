@@ -123,9 +123,23 @@ pub struct TierState {
     pub tier2_start: u64,
 }
 
-/// Creates the tables (idempotent).
+/// Creates the tables (idempotent), and adds `tier_chunks.committed_ns` to catalogs made
+/// before it existed (their chunks keep 0: commit time unknown).
 pub fn init(cat: &Catalog) -> Result<(), CatalogError> {
-    cat.with_write_conn(|c| c.execute_batch(SCHEMA))?;
+    cat.with_write_conn(|c| {
+        c.execute_batch(SCHEMA)?;
+        let has: bool = c
+            .prepare("SELECT 1 FROM pragma_table_info('tier_chunks') WHERE name = 'committed_ns'")?
+            .exists([])?;
+        if !has {
+            c.execute_batch(
+                "ALTER TABLE tier_chunks ADD COLUMN committed_ns INTEGER NOT NULL DEFAULT 0",
+            )?;
+        }
+        c.execute_batch(
+            "CREATE INDEX IF NOT EXISTS tier_chunks_by_commit ON tier_chunks (committed_ns)",
+        )
+    })?;
     Ok(())
 }
 
@@ -305,6 +319,9 @@ pub struct RangeCommit {
     pub fields: Vec<ColumnSpec>,
     /// Lanes touched: `(device, epoch, highest seq in the range)`.
     pub lanes: Vec<(DeviceId, u64, u64)>,
+    /// Wall time of the commit (ns), kept per chunk: the tier-2 scrub after a restart checks
+    /// the chunks committed last before the stop first.
+    pub committed_ns: i64,
 }
 
 /// Commits a plan range: chunk rows committed, field registry, `tiered_end`, and `tiered_seq`
@@ -322,7 +339,8 @@ pub fn commit_range(
         let mut moved = Vec::new();
         {
             let mut st = tx.prepare_cached(
-                "UPDATE tier_chunks SET state = ?4, rows = ?5, bytes = ?6, ingest_ts_min = ?7, ingest_ts_max = ?8
+                "UPDATE tier_chunks SET state = ?4, rows = ?5, bytes = ?6, ingest_ts_min = ?7, ingest_ts_max = ?8,
+                 committed_ns = ?9
                  WHERE stream = ?1 AND segment = ?2 AND first_offset = ?3",
             )?;
             for ch in &rc.chunks {
@@ -334,7 +352,8 @@ pub fn commit_range(
                     i(ch.rows),
                     i(ch.bytes),
                     ch.ingest_ts_min,
-                    ch.ingest_ts_max
+                    ch.ingest_ts_max,
+                    rc.committed_ns
                 ])?;
             }
             let mut st = tx.prepare_cached(
@@ -741,6 +760,48 @@ pub fn committed_chunks_after(
             params![i64::from(stream), COMMITTED, f, s, limit],
             chunk_row,
         )?;
+        rows.collect::<Result<Vec<_>, _>>()
+    })
+    .map_err(CatalogError::from)
+}
+
+/// The newest commit time recorded for any chunk (`None`: none recorded, e.g. a catalog
+/// whose chunks were all committed before commit times were kept).
+pub fn last_commit_ns(cat: &Catalog) -> Result<Option<i64>, CatalogError> {
+    cat.with_read_conn(|c| {
+        c.query_row(
+            "SELECT max(committed_ns) FROM tier_chunks WHERE state = ?1 AND committed_ns > 0",
+            [COMMITTED],
+            |r| r.get::<_, Option<i64>>(0),
+        )
+    })
+    .map_err(CatalogError::from)
+}
+
+/// Committed chunks of every stream committed at or after `since_ns` (and with a recorded
+/// commit time), newest first, at most `limit`, continuing below `before` (the
+/// `(committed_ns, stream, segment, first_offset)` of the last one of the previous page).
+pub fn committed_since(
+    cat: &Catalog,
+    since_ns: i64,
+    before: Option<(i64, StreamId, u64, u64)>,
+    limit: usize,
+) -> Result<Vec<(i64, ChunkRow)>, CatalogError> {
+    cat.with_read_conn(|c| {
+        let mut st = c.prepare_cached(&format!(
+            "SELECT {CHUNK_COLS}, committed_ns FROM tier_chunks
+             WHERE state = ?1 AND committed_ns > 0 AND committed_ns >= ?2
+               AND (?3 IS NULL OR (committed_ns, stream, segment, first_offset) < (?3, ?4, ?5, ?6))
+             ORDER BY committed_ns DESC, stream DESC, segment DESC, first_offset DESC LIMIT ?7"
+        ))?;
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let (t, sid, seg, off) = match before {
+            Some((t, sid, seg, off)) => (Some(t), i64::from(sid), i(seg), i(off)),
+            None => (None, 0, 0, 0),
+        };
+        let rows = st.query_map(params![COMMITTED, since_ns, t, sid, seg, off, limit], |r| {
+            Ok((r.get::<_, i64>(11)?, chunk_row(r)?))
+        })?;
         rows.collect::<Result<Vec<_>, _>>()
     })
     .map_err(CatalogError::from)
