@@ -281,13 +281,22 @@ pub struct SyncProbe {
     skip_dir: std::sync::atomic::AtomicBool,
 }
 
+/// Events a probe keeps; past it the oldest half is dropped, so that a long-running test
+/// binary built with the feature does not grow without bound.
+#[cfg(feature = "fault-injection")]
+const PROBE_EVENTS_MAX: usize = 1 << 16;
+
 #[cfg(feature = "fault-injection")]
 impl SyncProbe {
     fn record(&self, e: SyncEvent) {
-        self.events.lock().expect("sync events").push(e);
+        let mut events = self.events.lock().expect("sync events");
+        if events.len() >= PROBE_EVENTS_MAX {
+            events.drain(..PROBE_EVENTS_MAX / 2);
+        }
+        events.push(e);
     }
 
-    /// Every event so far.
+    /// Every event so far (the newest [`PROBE_EVENTS_MAX`] at most).
     pub fn events(&self) -> Vec<SyncEvent> {
         self.events.lock().expect("sync events").clone()
     }

@@ -326,7 +326,8 @@ impl Tier2 {
         &self.location
     }
 
-    /// The underlying store.
+    /// The underlying store, for reads. Writes through it bypass the synced puts and deletes
+    /// of a local tier 2: write through [`Tier2`]'s methods.
     pub fn store(&self) -> &Arc<dyn ObjectStore> {
         &self.store
     }
