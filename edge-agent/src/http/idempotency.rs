@@ -29,8 +29,9 @@
 //! row wins); then the watermark moves to the log's end. At run time the watermark moves after
 //! a row is written, when no other keyed request on the stream is being served and none ended in
 //! an unknown outcome since the start. So after any crash the keys are known again, and a
-//! restart reads only what was appended since the last quiet moment. If the file is missing or
-//! unreadable it is moved aside and rebuilt from the whole log.
+//! restart reads only what was appended since the last quiet moment (the first keyed request
+//! on the stream waits for that read). If the file is unreadable it is moved aside
+//! (`idempotency.db.corrupt-<ns>`); missing, it is rebuilt from the whole log.
 //!
 //! # Answers
 //!
