@@ -364,6 +364,11 @@ impl MemStorage {
         self.lock().crash_at = Some(op_index);
     }
 
+    /// Removes a crash point not yet reached.
+    pub fn disarm(&self) {
+        self.lock().crash_at = None;
+    }
+
     /// Where the crash point landed, if it has been reached.
     pub fn crash_info(&self) -> Option<CrashInfo> {
         self.lock().crashed.clone()

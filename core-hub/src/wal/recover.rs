@@ -62,9 +62,11 @@ pub struct Recovered {
 enum Cut {
     /// At open, after a crash: repair, fsync and re-verify.
     Recover,
-    /// While running, after a catalog commit failed for a full disk. No fsync failed, the
-    /// bytes before the end are the committed ones, and the bytes cut are past the committed
-    /// end, where recovery drops them anyway should the cut not survive a crash.
+    /// While running, after a catalog commit failed for a full disk. No fsync failed and the
+    /// bytes before the end are the committed ones, so nothing is re-verified; the truncation
+    /// is not synced either (the bytes cut are past the committed end, where recovery drops
+    /// them anyway). Removed files are: one that came back after a crash would start inside
+    /// the range the active file goes on to commit.
     Rewind,
 }
 
@@ -114,7 +116,13 @@ fn cut_to(
         return create_active(storage, dir, &files);
     };
     let first = files[idx];
-    let mut dropped = remove_files(storage, dir, &files[idx + 1..])?;
+    let later = &files[idx + 1..];
+    let mut dropped = remove_files(storage, dir, later)?;
+    if cut == Cut::Rewind && !later.is_empty() {
+        // As after cutting off a group: the removals are durable before the log grows
+        // again past where those files started (see `Writer::cut_group`).
+        storage.sync_dir(dir).map_err(open_io(dir))?;
+    }
     let path = wal_file_path(dir, first);
     let need = WAL_HEADER_LEN as u64 + (end - first);
     let file = storage.open(&path).map_err(open_io(&path))?;

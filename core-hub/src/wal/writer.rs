@@ -295,11 +295,18 @@ impl Writer {
         let cut_at = start.file_first + start.file_len - WAL_HEADER_LEN as u64;
         let keep = wal_file_path(&self.dir, cut_at);
         let created = std::mem::take(&mut self.created);
+        let mut removed = false;
         for path in created.iter().filter(|p| **p != keep) {
             match self.env.storage.remove(path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
-                _ => {}
+                r => removed |= r.is_ok(),
             }
+        }
+        if removed {
+            // Durable before the log grows again: a removed file that came back after a crash
+            // would start inside the range the active file goes on to commit, and recovery
+            // would take it for the file holding the committed end.
+            self.env.storage.sync_dir(&self.dir)?;
         }
         if created.contains(&keep) {
             self.file = empty_wal_file(&*self.env.storage, &keep)?;
