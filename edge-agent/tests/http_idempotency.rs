@@ -437,3 +437,71 @@ fn kill9_during_keyed_posts_and_retries_stores_every_batch_once() {
         "no kill landed after a batch was durable and before its answer arrived"
     );
 }
+
+/// The `durable_seq` of `stream` in `/v1/status`.
+fn durable_seq(setup: &Setup, stream: &str) -> u64 {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let r = rt.block_on(setup.client().get("/v1/status")).unwrap();
+    let status: Json = serde_json::from_slice(&r.body).unwrap();
+    status["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stream"] == stream)
+        .map_or(0, |s| s["durable_seq"].as_u64().unwrap())
+}
+
+#[test]
+fn derived_streams_take_no_keyed_posts_and_drop_the_key_record() {
+    let setup = Setup::new("fsync = \"always\"");
+    let port = setup.port;
+    std::fs::write(
+        &setup.config,
+        format!(
+            "data_dir = \"data\"\n[http]\nlisten = \"127.0.0.1:{port}\"\n[storage]\nfsync = \"always\"\n\
+             [[streams]]\nname = \"telemetry\"\n\
+             [[streams]]\nname = \"copy\"\nsource_stream = \"telemetry\"\n\
+             filters = [{{ kind = \"where\", expr = \"id >= 0\" }}]\n"
+        ),
+    )
+    .unwrap();
+    let mut agent = setup.start();
+    let to_copy = post(&setup, "copy", Some("k"), NDJSON, &batch(0..3));
+    assert_eq!(to_copy.status, 409, "{}", to_copy.body);
+    let ok = post(&setup, "telemetry", Some("k"), NDJSON, &batch(0..3));
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while durable_seq(&setup, "copy") < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the derived stream never took the batch"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    agent.terminate();
+    let out = setup.cli(
+        &[
+            "inspect",
+            "--stream",
+            "copy",
+            "--config",
+            setup.config.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(out.status.success());
+    let lines: Vec<Json> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    for l in &lines {
+        assert!(l["fields"].get("_idempotency").is_none(), "{l}");
+    }
+    let source = setup.inspect();
+    assert!(source[2]["fields"].get("_idempotency").is_some());
+}

@@ -28,7 +28,8 @@
 //! a crash those records are simply consumed again, which emits nothing again.
 //!
 //! Only the runner writes to a derived stream: the config refuses sources that target one and
-//! the HTTP API answers 409.
+//! the HTTP API answers 409. The runner drops the `_idempotency` field of source records (a
+//! keyed batch's key record, see `crate::http::idempotency`) before its filters see them.
 //!
 //! # Source retention
 //!
@@ -490,6 +491,8 @@ impl Runner {
                 end = end.max(b.header.last_seq());
             }
             if end > after {
+                // A keyed batch's key record belongs to the source stream's answers only.
+                crate::http::idempotency::strip_key_fields(&mut records);
                 return Ok(Some((records, Pos { epoch, seq: end })));
             }
         }
