@@ -90,7 +90,7 @@ fn agent_survives_power_cuts() -> Result<()> {
     run(seed, cuts).with_context(|| {
         format!(
             "seed {seed}: replay with TRIBUTARY_SEED={seed} cargo test -p tributary-tests \
-             --features power-loss --test power_loss_agent"
+             --test power_loss_agent"
         )
     })
 }
