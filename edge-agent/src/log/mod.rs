@@ -12,10 +12,11 @@
 //!   reaches `block_records_max` or `block_bytes_max`, when it is older than `block_linger`, or
 //!   whenever an fsync is about to happen (so every waiting producer is covered). A producer
 //!   batch never spans blocks unless it alone exceeds the limits; then every block of it but the
-//!   last carries `FLAG_BATCH_CONTINUES`, and recovery drops a trailing run of such blocks, so a
-//!   batch is all or nothing.
+//!   last carries `FLAG_BATCH_CONTINUES` and every block but the first `FLAG_BATCH_CONTINUED`,
+//!   and recovery drops every batch missing its head or its tail, so a batch is all or nothing.
 //! - **Writing.** Sealed blocks are framed (`sync::segment::frame_header`) into one reusable
-//!   buffer per stream and written with one `append` per segment. Segments are
+//!   buffer per stream and written with one `append` per segment, preceded after each fsync by a
+//!   sync mark holding the file length that fsync made durable. Segments are
 //!   `data_dir/streams/{stream}/{epoch:016x}-{first_seq:020}.seg`; at `segment_bytes_max` the
 //!   writer rolls: fsync the old file, create the new one with `segment_header()`, fsync it,
 //!   fsync the directory.
@@ -29,14 +30,16 @@
 //!   error, every later append gets [`AppendError::Poisoned`]. A retried fsync may report
 //!   success with the data lost, so only a reopen, which re-verifies everything, clears it.
 //! - **Recovery** ([`Log::open`]) scans every segment with `sync::segment::scan` and checks
-//!   every block with `verify_block`. A fault with no valid frame after it, in the last segment
-//!   of an epoch, is a torn tail: truncated, bytes and records reported. A fault followed by
-//!   valid frames (`resync`), or at the end of a sealed segment, is corruption: the bad bytes are
-//!   copied to `data_dir/quarantine/`, their seq range (from the neighbouring blocks) becomes a
-//!   `Corrupt` gap marker, and the segment is rewritten without them (tmp file, fsync, rename,
-//!   fsync dir). A segment whose header is unreadable is moved to quarantine whole. A trailing run
-//!   of `FLAG_BATCH_CONTINUES` blocks (an incomplete batch) is dropped. Recovered tails are
-//!   fsynced before anything is published as durable. The agent always starts.
+//!   every block with `verify_block`. A fault in the last segment of an epoch that no later sync
+//!   mark proves durable was never durable (a torn or unwritten tail of the last fsync group,
+//!   holes followed by later frames of that group included): truncated, bytes and records
+//!   reported, no gap marker. A fault in a sealed segment, or one a later mark proves durable, is
+//!   corruption: the bad bytes are copied to `data_dir/quarantine/`, their seq range (from the
+//!   neighbouring blocks) becomes a `Corrupt` gap marker, and the segment is rewritten without
+//!   them (tmp file, fsync, rename, fsync dir). A segment whose header is unreadable is moved to
+//!   quarantine whole. Every incomplete batch is dropped: truncated if its end never reached the
+//!   disk, quarantined as `Corrupt` otherwise (modules `durability`, `batches`). Recovered
+//!   tails are fsynced before anything is published as durable. The agent always starts.
 //! - **Epochs.** A random u64 (below 2^62) minted when the data directory is first used; every
 //!   later epoch is random but above all earlier ones (and above the hub's `epoch_min` when it
 //!   asks for one), so epochs sort in minting order. Kept in `data_dir/epochs.log` (CRC-framed
