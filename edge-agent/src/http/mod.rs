@@ -88,7 +88,7 @@ impl AppState {
         Arc::new(AppState {
             ingest: Ingest::with_streams(log, metrics, &cfg.streams),
             token: cfg.http.token.clone(),
-            guard: limits::HttpGuard::new(cfg.http.limits.clone(), |status, msg| error(status, msg)),
+            guard: limits::HttpGuard::new(cfg.http.limits.clone(), error),
             #[cfg(feature = "fault-injection")]
             body_before_token: std::sync::atomic::AtomicBool::new(false),
             body_bytes_max: cfg.http.body_bytes_max,
