@@ -62,11 +62,7 @@ fn make_pki(dir: &Path) -> Result<Pki> {
     let init = pki::init(&dir.join("pki"), &[], false)?;
     let dev = pki::issue(&dir.join("pki"), DEVICE, &dir.join("device"))?;
     Ok(Pki {
-        hub: HubTls {
-            ca: init.ca_pem.clone(),
-            cert: init.hub_pem,
-            key: init.hub_key,
-        },
+        hub: HubTls::new(init.ca_pem.clone(), init.hub_pem, init.hub_key),
         edge: EdgeTls {
             ca: dev.ca_pem,
             cert: dev.device_pem,

@@ -70,11 +70,33 @@ pub struct TlsPaths {
     pub ca: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
+    /// `tls.revoked`: the revocation list (`core-hub pki revoke`), reloaded while the hub runs;
+    /// the issuance record `issued.txt` beside it, when present, is what its serials are
+    /// checked against. Default: `revoked.txt` beside `tls.ca`.
+    pub revoked: PathBuf,
+}
+
+impl TlsPaths {
+    /// The three TLS files, with the revocation list at its default place beside `ca`.
+    pub fn new(ca: PathBuf, cert: PathBuf, key: PathBuf) -> TlsPaths {
+        let revoked = default_revoked(&ca);
+        TlsPaths {
+            ca,
+            cert,
+            key,
+            revoked,
+        }
+    }
+}
+
+/// `revoked.txt` beside the CA certificate.
+fn default_revoked(ca: &Path) -> PathBuf {
+    ca.with_file_name(crate::pki::REVOKED_FILE)
 }
 
 /// Tier 2: where sealed chunks go as Parquet, how big they are, and how long each tier keeps
-/// data (see `tiering` and docs/tiering.md).
-#[derive(Debug, Clone)]
+/// data (see `tiering` and docs/tiering.md). Its `Debug` shows the S3 secret as `<redacted>`.
+#[derive(Clone)]
 pub struct Tier2Config {
     /// `file:///...` or `s3://bucket/prefix`, kept verbatim after validation.
     pub url: String,
@@ -177,10 +199,10 @@ pub struct ScalePolicy {
 pub const DEFAULT_MAX_SEGMENTS: u32 = 64;
 
 /// The HTTP API.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct HttpConfig {
     /// Bearer tokens accepted by the reader API. Empty (and no admin token): the reader API is
-    /// open.
+    /// open. `Debug` shows only how many there are (likewise for the other tokens).
     pub reader_tokens: Vec<String>,
     /// Bearer tokens for mutations (`POST /v1/devices/{id}/retire`); they also read. With
     /// reader tokens but no admin token, mutations are refused.
@@ -200,6 +222,56 @@ impl Default for HttpConfig {
             metrics_token: None,
             limits: crate::http_limits::default_limits(),
         }
+    }
+}
+
+/// What a `Debug` of a configuration shows instead of a secret: config structs are logged and
+/// printed in errors, and a secret must never reach a log.
+pub const REDACTED: &str = "<redacted>";
+
+/// `Some("<redacted>")` for a set secret.
+fn redacted(secret: &Option<String>) -> Option<&'static str> {
+    secret.as_ref().map(|_| REDACTED)
+}
+
+/// `["<redacted>", ...]`, one per token.
+fn redacted_all(tokens: &[String]) -> Vec<&'static str> {
+    tokens.iter().map(|_| REDACTED).collect()
+}
+
+impl std::fmt::Debug for Tier2Config {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tier2Config")
+            .field("url", &self.url)
+            .field("scheme", &self.scheme)
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &redacted(&self.secret_access_key))
+            .field("chunk_records_max", &self.chunk_records_max)
+            .field("chunk_bytes_max", &self.chunk_bytes_max)
+            .field("chunk_age_max", &self.chunk_age_max)
+            .field("poll_interval", &self.poll_interval)
+            .field("request_timeout", &self.request_timeout)
+            .field("tier1_retention_time", &self.tier1_retention_time)
+            .field("tier1_retention_bytes", &self.tier1_retention_bytes)
+            .field("tier1_budget_bytes", &self.tier1_budget_bytes)
+            .field("tier2_retention_time", &self.tier2_retention_time)
+            .field("tier2_retention_bytes", &self.tier2_retention_bytes)
+            .field("scrub_interval", &self.scrub_interval)
+            .field("scrub_bytes_per_sec_max", &self.scrub_bytes_per_sec_max)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("reader_tokens", &redacted_all(&self.reader_tokens))
+            .field("admin_tokens", &redacted_all(&self.admin_tokens))
+            .field("metrics_token", &redacted(&self.metrics_token))
+            .field("limits", &self.limits)
+            .finish()
     }
 }
 
@@ -271,9 +343,10 @@ pub struct RawTls {
     pub ca: Option<String>,
     pub cert: Option<String>,
     pub key: Option<String>,
+    pub revoked: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Default, Deserialize)]
 pub struct RawTier2 {
     pub url: Option<String>,
     pub endpoint: Option<String>,
@@ -336,7 +409,7 @@ pub struct RawDevice {
     pub streams: Option<Vec<String>>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RawHttp {
     pub reader_tokens: Option<Vec<String>>,
@@ -348,6 +421,48 @@ pub struct RawHttp {
     pub connections_max: Option<u64>,
     pub requests_max: Option<u64>,
     pub allowed_hosts: Option<Vec<String>>,
+}
+
+impl std::fmt::Debug for RawTier2 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawTier2")
+            .field("url", &self.url)
+            .field("endpoint", &self.endpoint)
+            .field("region", &self.region)
+            .field("access_key_id", &self.access_key_id)
+            .field("secret_access_key", &redacted(&self.secret_access_key))
+            .field("chunk_records_max", &self.chunk_records_max)
+            .field("chunk_bytes_max", &self.chunk_bytes_max)
+            .field("chunk_age_max", &self.chunk_age_max)
+            .field("poll_interval", &self.poll_interval)
+            .field("request_timeout", &self.request_timeout)
+            .field("tier1_retention_time", &self.tier1_retention_time)
+            .field("tier1_retention_bytes", &self.tier1_retention_bytes)
+            .field("tier1_budget_bytes", &self.tier1_budget_bytes)
+            .field("tier2_retention_time", &self.tier2_retention_time)
+            .field("tier2_retention_bytes", &self.tier2_retention_bytes)
+            .field("scrub_interval", &self.scrub_interval)
+            .field("scrub_bytes_per_sec_max", &self.scrub_bytes_per_sec_max)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for RawHttp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let tokens = self.reader_tokens.as_deref().map(redacted_all);
+        let admin = self.admin_tokens.as_deref().map(redacted_all);
+        f.debug_struct("RawHttp")
+            .field("reader_tokens", &tokens)
+            .field("admin_tokens", &admin)
+            .field("metrics_token", &redacted(&self.metrics_token))
+            .field("header_timeout", &self.header_timeout)
+            .field("body_timeout", &self.body_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("connections_max", &self.connections_max)
+            .field("requests_max", &self.requests_max)
+            .field("allowed_hosts", &self.allowed_hosts)
+            .finish()
+    }
 }
 
 /// Default QUIC listen address.
@@ -513,10 +628,17 @@ fn parse_tls(raw: RawTls) -> Result<TlsPaths, ConfigError> {
         v.map(PathBuf::from)
             .ok_or_else(|| ConfigError::key(key, "is required when [tls] is present"))
     };
+    let ca = need(raw.ca, "tls.ca")?;
+    let revoked = match raw.revoked {
+        Some(p) if p.is_empty() => return Err(ConfigError::key("tls.revoked", "is empty")),
+        Some(p) => PathBuf::from(p),
+        None => default_revoked(&ca),
+    };
     Ok(TlsPaths {
-        ca: need(raw.ca, "tls.ca")?,
         cert: need(raw.cert, "tls.cert")?,
         key: need(raw.key, "tls.key")?,
+        ca,
+        revoked,
     })
 }
 
@@ -1215,5 +1337,69 @@ mod tests {
             )),
             "streams[0].scale.max_segments"
         );
+    }
+
+    #[test]
+    fn debug_output_never_shows_secrets() {
+        let secret = "s3-secret-WJALRXUTNFEMI";
+        let token = "reader-token-0123456789abcdef";
+        let text = format!(
+            r#"
+            data_dir = "/d"
+            [tier2]
+            url = "s3://bucket"
+            access_key_id = "AKIAEXAMPLE"
+            secret_access_key = "{secret}"
+            [http]
+            reader_tokens = ["{token}"]
+            "#
+        );
+        let raw: RawConfig = toml_raw(&text);
+        let typed = HubConfig::from_toml(&text).unwrap();
+        assert_eq!(typed.tier2.secret_access_key.as_deref(), Some(secret));
+        for shown in [
+            format!("{typed:?}"),
+            format!("{typed:#?}"),
+            format!("{raw:?}"),
+            format!("{:?}", typed.tier2),
+            format!("{:?}", typed.http),
+        ] {
+            assert!(!shown.contains(secret), "the S3 secret in {shown}");
+            assert!(!shown.contains(token), "a reader token in {shown}");
+            assert!(
+                shown.contains(REDACTED),
+                "nothing marked redacted in {shown}"
+            );
+        }
+        // What is not secret still shows, so the output stays useful.
+        let shown = format!("{typed:?}");
+        assert!(
+            shown.contains("AKIAEXAMPLE") && shown.contains("s3://bucket"),
+            "{shown}"
+        );
+    }
+
+    fn toml_raw(text: &str) -> RawConfig {
+        config::Config::builder()
+            .add_source(config::File::from_str(text, config::FileFormat::Toml))
+            .build()
+            .unwrap()
+            .try_deserialize()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_revocation_list_defaults_beside_the_ca() {
+        let tls = "[tls]\nca = \"/p/ca.pem\"\ncert = \"/p/hub.pem\"\nkey = \"/p/hub.key\"\n";
+        let c = HubConfig::from_toml(&format!("data_dir = \"/d\"\n{tls}")).unwrap();
+        assert_eq!(c.tls.unwrap().revoked, PathBuf::from("/p/revoked.txt"));
+        let explicit = format!("data_dir = \"/d\"\n{tls}revoked = \"/etc/trb/revoked.txt\"\n");
+        let c = HubConfig::from_toml(&explicit).unwrap();
+        assert_eq!(
+            c.tls.unwrap().revoked,
+            PathBuf::from("/etc/trb/revoked.txt")
+        );
+        let empty = format!("data_dir = \"/d\"\n{tls}revoked = \"\"\n");
+        assert_eq!(problem_key(&empty), "tls.revoked");
     }
 }

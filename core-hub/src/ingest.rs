@@ -124,7 +124,7 @@ pub enum IngestError {
     /// On the wire this is `DECODED_TOO_LARGE`.
     #[error("block decodes to {size} bytes of records, more than the {limit}-byte limit")]
     DecodedTooLarge { size: u64, limit: u64 },
-    #[error("seq 0 is reserved; seqs start at 1")]
+    #[error("seq 0 is reserved and seqs end at SEQ_MAX (2^63 - 2); seqs start at 1")]
     ReservedSeq,
     #[error("bad gap range {first}..={last}")]
     BadGap { first: u64, last: u64 },
@@ -241,6 +241,8 @@ pub struct IngestStats {
     pub stored_quarantined: AtomicU64,
     /// Reads of stored blocks refused for the same reasons, quarantined or not.
     pub stored_refused: AtomicU64,
+    /// The revocation list in force and the sessions it closed (`crate::server`).
+    pub revocation: crate::pki::RevocationStats,
 }
 
 /// The content checksum of consecutive records starting at `first_seq`: the protocol's
@@ -889,7 +891,9 @@ impl Hub {
         reason: &str,
     ) -> Result<u64, IngestError> {
         self.admit(device, stream)?;
-        if first == 0 || first > last {
+        // Past SEQ_MAX, `last + 1` (the next expected seq) would wrap and the catalog's signed
+        // integers would not hold the mark.
+        if first == 0 || first > last || last > sync::protocol::receiver::SEQ_MAX {
             return Err(IngestError::BadGap { first, last });
         }
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
@@ -1028,7 +1032,8 @@ impl Hub {
             self.admit(device, stream)?;
             let first = vb.header.first_seq.max(vb.skip_through.saturating_add(1));
             let expected = vb.header.last_seq().checked_sub(first).map(|n| n + 1);
-            if vb.header.first_seq == 0 {
+            if vb.header.first_seq == 0 || vb.header.last_seq() > sync::protocol::receiver::SEQ_MAX
+            {
                 return Err(IngestError::ReservedSeq);
             }
             if expected != Some(vb.records.len() as u64) {
@@ -1208,7 +1213,7 @@ impl Hub {
         }
         let header = block::verify_block(block, &self.limits)
             .map_err(|e| IngestError::BadBlock(e.to_string()))?;
-        if header.first_seq == 0 {
+        if header.first_seq == 0 || header.last_seq() > sync::protocol::receiver::SEQ_MAX {
             return Err(IngestError::ReservedSeq);
         }
         Ok(header)

@@ -166,6 +166,9 @@ enum PkiCmd {
         /// Validity in years.
         #[arg(long, default_value_t = pki::DEVICE_CERT_YEARS)]
         years: i32,
+        /// Replace an existing device.key / device.pem in --out.
+        #[arg(long)]
+        force: bool,
     },
     /// Revoke a device; a running hub reloads the list.
     Revoke {
@@ -173,7 +176,9 @@ enum PkiCmd {
         dir: PathBuf,
         #[arg(long)]
         device: String,
-        /// Revoke only the certificate with this serial (hex), not every certificate of the device.
+        /// Revoke only the certificate with this serial, not every certificate of the device.
+        /// Hex in any form `openssl x509` prints (`42:bb:57`, `serial=42BB57`); it must be one
+        /// `pki issue` recorded for the device in DIR/issued.txt.
         #[arg(long)]
         serial: Option<String>,
     },
@@ -458,8 +463,9 @@ fn pki_cmd(cmd: PkiCmd) -> Result<()> {
             device,
             out,
             years,
+            force,
         } => {
-            let o = pki::issue_with_years(&dir, &device, &out, years)?;
+            let o = pki::issue_with_years(&dir, &device, &out, years, force)?;
             println!(
                 "wrote {}, {}, {} (serial {})",
                 o.ca_pem.display(),
@@ -473,8 +479,14 @@ fn pki_cmd(cmd: PkiCmd) -> Result<()> {
             device,
             serial,
         } => {
-            let path = pki::revoke(&dir, &device, serial.as_deref())?;
-            println!("revoked {device} in {}", path.display());
+            let out = pki::revoke(&dir, &device, serial.as_deref())?;
+            if let Some(warning) = &out.warning {
+                eprintln!("warning: {warning}");
+            }
+            match &out.serial {
+                Some(s) => println!("revoked {device} serial {s} in {}", out.path.display()),
+                None => println!("revoked {device} in {}", out.path.display()),
+            }
         }
     }
     Ok(())

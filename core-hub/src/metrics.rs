@@ -86,6 +86,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         "Reads of stored WAL blocks refused for not decoding within the limits.",
         load(&s.stored_refused),
     );
+    revocation_metrics(&mut out, &s.revocation);
     counter(
         &mut out,
         "tributary_hub_wal_fsyncs_total",
@@ -246,6 +247,42 @@ fn completeness_metrics(out: &mut String, hub: &Hub, tracker: &crate::completene
             }
         }
     }
+}
+
+/// The revocation list in force: a line it could not take as written is an alarm, never a
+/// silent no-op.
+fn revocation_metrics(out: &mut String, r: &crate::pki::RevocationStats) {
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    gauge(
+        out,
+        "tributary_hub_revocation_entries",
+        "Devices and serials in the revocation list in force.",
+        load(&r.entries),
+    );
+    gauge(
+        out,
+        "tributary_hub_revocation_entries_invalid",
+        "Revocation-list lines that do not parse (ALARM; the device of such a line is revoked whole).",
+        load(&r.invalid),
+    );
+    gauge(
+        out,
+        "tributary_hub_revocation_entries_unmatched",
+        "Revoked serials that match no issued certificate of their device (ALARM).",
+        load(&r.unmatched),
+    );
+    counter(
+        out,
+        "tributary_hub_revocation_load_failures_total",
+        "Revocation-list reloads that failed; the previous list stayed in force.",
+        load(&r.load_failures),
+    );
+    counter(
+        out,
+        "tributary_hub_revoked_sessions_closed_total",
+        "Live sessions closed because their certificate was revoked.",
+        load(&r.sessions_closed),
+    );
 }
 
 fn counter(out: &mut String, name: &str, help: &str, v: u64) {

@@ -1,10 +1,26 @@
-//! The fleet PKI: a CA, the hub's certificate, device certificates and revocation.
+//! The fleet PKI: a CA, the hub's certificate, device certificates, their issuance record
+//! and revocation.
 //!
 //! `core-hub pki init` writes a fleet CA and the hub's server certificate, `pki issue` writes a
-//! device certificate whose subject CN is the device id, and `pki revoke` appends the device to
-//! `revoked.txt`. The hub identifies a device only by that CN ([`device_id_from_cert`]), never
-//! by anything in the payload. Device certificates are long-lived on purpose: boards have no
-//! reliable clock and may stay offline for months, so revocation is the control, not expiry.
+//! device certificate whose subject CN is the device id and appends its serial to the issuance
+//! record `issued.txt`, and `pki revoke` appends the device (or one of its certificates, by
+//! serial) to `revoked.txt`. The hub identifies a device only by that CN
+//! ([`device_id_from_cert`]), never by anything in the payload. Device certificates are
+//! long-lived on purpose: boards have no reliable clock and may stay offline for months, so
+//! revocation is the control, not expiry.
+//!
+//! Revocation must not fail open. Serials are normalised wherever they are written or read
+//! ([`normalize_serial`]: colons, case, leading zeros), so a serial copied from
+//! `openssl x509 -text` matches. `pki revoke` refuses a serial the issuance record does not list
+//! for that device; the hub, loading a list edited by hand, reports every line it cannot parse
+//! and every serial that matches no issued certificate ([`RevocationProblem`], logged at error
+//! level and counted on `/metrics`), and revokes the whole device of a line whose serial it
+//! cannot read.
+//!
+//! Key material is written through a fresh temporary file created with `O_EXCL` beside the
+//! target (never a fixed name, so a planted symlink is never followed), fsynced, renamed into
+//! place (a rename replaces a symlink at the target, it never writes through it), and the
+//! directory fsynced. Existing keys are replaced only with `--force`.
 //!
 //! [`server_tls_config`] builds the rustls server config the QUIC driver uses: TLS 1.3, client
 //! certificates required and verified against `ca.pem`, the revocation list consulted on every
@@ -19,9 +35,10 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName as TlsDn, SignatureScheme};
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::SystemTime;
 use thiserror::Error;
@@ -32,8 +49,13 @@ pub const ALPN: &[u8] = b"tributary/1";
 pub const DEVICE_CERT_YEARS: i32 = 20;
 /// How long the CA and the hub certificate are valid.
 pub const CA_CERT_YEARS: i32 = 30;
-/// The revocation list file inside the PKI directory.
+/// The revocation list file inside the PKI directory (the default of `tls.revoked`).
 pub const REVOKED_FILE: &str = "revoked.txt";
+/// The issuance record inside the PKI directory, beside the revocation list: one
+/// `device-id serial issued-at` line per certificate `pki issue` wrote.
+pub const ISSUED_FILE: &str = "issued.txt";
+/// Most hex digits of a normalised serial: RFC 5280 serials are at most 20 octets.
+pub const SERIAL_HEX_DIGITS_MAX: usize = 40;
 
 /// Why a PKI command failed.
 #[derive(Debug, Error)]
@@ -42,13 +64,38 @@ pub enum PkiError {
         "{0} already exists; pass --force to replace the fleet CA (every issued certificate becomes useless)"
     )]
     CaExists(PathBuf),
+    #[error("{0} already exists; pass --force to replace it (the old key stops working)")]
+    Exists(PathBuf),
     #[error("device id `{0}` is not [A-Za-z0-9_.-]{{1,128}}")]
     BadDeviceId(String),
     #[error("bad subject alternative name `{0}`")]
     BadSan(String),
+    #[error("serial `{serial}`: {source}")]
+    BadSerial {
+        serial: String,
+        #[source]
+        source: SerialError,
+    },
+    #[error(
+        "serial {serial} matches no certificate issued to `{device}` ({record} {issued}); \
+         copy the serial from `openssl x509 -noout -serial -in device.pem`"
+    )]
+    UnknownSerial {
+        device: String,
+        serial: String,
+        record: PathBuf,
+        /// What the record holds for the device, as a sentence fragment.
+        issued: String,
+    },
+    #[error(
+        "{0} does not exist, so a serial cannot be checked against what this PKI issued; \
+         revoke the device as a whole (without --serial)"
+    )]
+    NoIssuanceRecord(PathBuf),
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error("certificate generation failed: {0}")]
@@ -63,6 +110,7 @@ pub enum TlsError {
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
+        #[source]
         source: std::io::Error,
     },
     #[error("{path}: {problem}")]
@@ -84,11 +132,60 @@ pub enum CertIdError {
     BadDeviceId,
 }
 
+/// Why a certificate serial, as an operator wrote it, is unusable.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum SerialError {
+    #[error("the serial is empty")]
+    Empty,
+    #[error("`{0}` is not a hex digit")]
+    NotHex(char),
+    #[error("`{0}` is not two hex digits between colons (write `42:bb:57` or `42bb57`)")]
+    BadGroup(String),
+    #[error("{0} hex digits; a certificate serial has at most {SERIAL_HEX_DIGITS_MAX}")]
+    TooLong(usize),
+}
+
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {
     move |source| PkiError::Io {
         path: path.to_path_buf(),
         source,
     }
+}
+
+/// A certificate serial in its one written form: lowercase hex, no separators, no leading
+/// zeros (`"0"` for zero).
+///
+/// Accepts what operators copy: `42:BB:57` (`openssl x509 -text`), `serial=42BB57`
+/// (`openssl x509 -noout -serial`), `0x42bb57`, and `0042bb57` (a DER serial's sign byte).
+pub fn normalize_serial(text: &str) -> Result<String, SerialError> {
+    let t = text.trim();
+    let t = t.strip_prefix("serial=").unwrap_or(t);
+    let t = t
+        .strip_prefix("0x")
+        .or_else(|| t.strip_prefix("0X"))
+        .unwrap_or(t);
+    if t.is_empty() {
+        return Err(SerialError::Empty);
+    }
+    let mut digits = String::with_capacity(t.len());
+    if t.contains(':') {
+        for group in t.split(':') {
+            if group.len() != 2 || !group.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(SerialError::BadGroup(group.to_string()));
+            }
+            digits.push_str(group);
+        }
+    } else if let Some(c) = t.chars().find(|c| !c.is_ascii_hexdigit()) {
+        return Err(SerialError::NotHex(c));
+    } else {
+        digits.push_str(t);
+    }
+    let trimmed = digits.trim_start_matches('0');
+    let out = if trimmed.is_empty() { "0" } else { trimmed }.to_ascii_lowercase();
+    if out.len() > SERIAL_HEX_DIGITS_MAX {
+        return Err(SerialError::TooLong(out.len()));
+    }
+    Ok(out)
 }
 
 /// The files `pki init` writes.
@@ -103,7 +200,7 @@ pub struct InitOutput {
 /// `core-hub pki init`: writes `ca.pem`, `ca.key`, `hub.pem`, `hub.key` into `dir`.
 ///
 /// The hub certificate names `localhost`, `127.0.0.1` and every `extra_sans` entry. An existing
-/// CA is never overwritten unless `force` is set.
+/// CA or hub key is never overwritten unless `force` is set.
 pub fn init(dir: &Path, extra_sans: &[String], force: bool) -> Result<InitOutput, PkiError> {
     let out = InitOutput {
         ca_pem: dir.join("ca.pem"),
@@ -111,15 +208,37 @@ pub fn init(dir: &Path, extra_sans: &[String], force: bool) -> Result<InitOutput
         hub_pem: dir.join("hub.pem"),
         hub_key: dir.join("hub.key"),
     };
-    if !force && (out.ca_pem.exists() || out.ca_key.exists()) {
+    if !force && (exists(&out.ca_pem) || exists(&out.ca_key)) {
         return Err(PkiError::CaExists(out.ca_pem.clone()));
     }
+    let existing = refuse_existing(force, &[&out.hub_pem, &out.hub_key])?;
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let ca_key = KeyPair::generate()?;
     let ca_params = ca_params()?;
     let ca_cert = ca_params.self_signed(&ca_key)?;
     let issuer = Issuer::new(ca_params, ca_key);
+    let hub_params = hub_params(extra_sans)?;
+    let hub_key = KeyPair::generate()?;
+    let hub_cert = hub_params.signed_by(&hub_key, &issuer)?;
 
+    write_file(&out.ca_pem, ca_cert.pem().as_bytes(), false, existing)?;
+    write_file(
+        &out.ca_key,
+        issuer.key().serialize_pem().as_bytes(),
+        true,
+        existing,
+    )?;
+    write_file(&out.hub_pem, hub_cert.pem().as_bytes(), false, existing)?;
+    write_file(
+        &out.hub_key,
+        hub_key.serialize_pem().as_bytes(),
+        true,
+        existing,
+    )?;
+    Ok(out)
+}
+
+fn hub_params(extra_sans: &[String]) -> Result<CertificateParams, PkiError> {
     let mut sans = vec!["localhost".to_string(), "127.0.0.1".to_string()];
     for san in extra_sans {
         if san.is_empty() || san.chars().any(|c| c.is_whitespace() || c == ',') {
@@ -129,21 +248,13 @@ pub fn init(dir: &Path, extra_sans: &[String], force: bool) -> Result<InitOutput
             sans.push(san.clone());
         }
     }
-    let mut hub_params =
-        CertificateParams::new(sans).map_err(|_| PkiError::BadSan(extra_sans.join(",")))?;
-    hub_params.distinguished_name = dn("tributary-hub");
-    hub_params.is_ca = IsCa::ExplicitNoCa;
-    hub_params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-    hub_params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-    set_validity(&mut hub_params, CA_CERT_YEARS);
-    let hub_key = KeyPair::generate()?;
-    let hub_cert = hub_params.signed_by(&hub_key, &issuer)?;
-
-    write_file(&out.ca_pem, ca_cert.pem().as_bytes(), false)?;
-    write_file(&out.ca_key, issuer.key().serialize_pem().as_bytes(), true)?;
-    write_file(&out.hub_pem, hub_cert.pem().as_bytes(), false)?;
-    write_file(&out.hub_key, hub_key.serialize_pem().as_bytes(), true)?;
-    Ok(out)
+    let mut p = CertificateParams::new(sans).map_err(|_| PkiError::BadSan(extra_sans.join(",")))?;
+    p.distinguished_name = dn("tributary-hub");
+    p.is_ca = IsCa::ExplicitNoCa;
+    p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+    set_validity(&mut p, CA_CERT_YEARS);
+    Ok(p)
 }
 
 fn ca_params() -> Result<CertificateParams, PkiError> {
@@ -187,38 +298,76 @@ pub struct IssueOutput {
     pub ca_pem: PathBuf,
     pub device_pem: PathBuf,
     pub device_key: PathBuf,
-    /// The certificate serial, lowercase hex.
+    /// The certificate serial, normalised ([`normalize_serial`]).
     pub serial: String,
+    /// The issuance record the serial was appended to.
+    pub record: PathBuf,
 }
 
-/// `core-hub pki issue`: writes `ca.pem`, `device.pem` and `device.key` into `out_dir`.
+/// `core-hub pki issue`: writes `ca.pem`, `device.pem` and `device.key` into `out_dir`,
+/// refusing to replace an existing device key or certificate.
 pub fn issue(dir: &Path, device: &str, out_dir: &Path) -> Result<IssueOutput, PkiError> {
-    issue_with_years(dir, device, out_dir, DEVICE_CERT_YEARS)
+    issue_with_years(dir, device, out_dir, DEVICE_CERT_YEARS, false)
 }
 
-/// As [`issue`], with an explicit validity in years.
+/// As [`issue`], with an explicit validity in years; `force` replaces an existing device key.
 pub fn issue_with_years(
     dir: &Path,
     device: &str,
     out_dir: &Path,
     years: i32,
+    force: bool,
 ) -> Result<IssueOutput, PkiError> {
     if !crate::config::valid_device_id(device) {
         return Err(PkiError::BadDeviceId(device.to_string()));
     }
+    let out = IssueOutput {
+        ca_pem: out_dir.join("ca.pem"),
+        device_pem: out_dir.join("device.pem"),
+        device_key: out_dir.join("device.key"),
+        serial: String::new(),
+        record: dir.join(ISSUED_FILE),
+    };
+    let existing = refuse_existing(force, &[&out.device_pem, &out.device_key])?;
     let ca_pem_path = dir.join("ca.pem");
-    let ca_key_path = dir.join("ca.key");
     let ca_pem = std::fs::read_to_string(&ca_pem_path).map_err(io_err(&ca_pem_path))?;
+    let (cert, key) = sign_device(dir, &ca_pem, device, years)?;
+    let (_, serial) = cert_identity(cert.der()).map_err(|e| PkiError::Pem {
+        path: ca_pem_path.clone(),
+        problem: e.to_string(),
+    })?;
+    // The record first: a crash before the files leaves a listed serial nobody holds, never a
+    // certificate in use that `pki revoke --serial` cannot find.
+    append_line(&out.record, &issuance_line(device, &serial))?;
+    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
+    write_file(&out.ca_pem, ca_pem.as_bytes(), false, Existing::Replace)?;
+    write_file(&out.device_pem, cert.pem().as_bytes(), false, existing)?;
+    write_file(
+        &out.device_key,
+        key.serialize_pem().as_bytes(),
+        true,
+        existing,
+    )?;
+    Ok(IssueOutput { serial, ..out })
+}
+
+/// Signs a fresh device key with the CA in `dir`.
+fn sign_device(
+    dir: &Path,
+    ca_pem: &str,
+    device: &str,
+    years: i32,
+) -> Result<(rcgen::Certificate, KeyPair), PkiError> {
+    let ca_key_path = dir.join("ca.key");
     let ca_key_pem = std::fs::read_to_string(&ca_key_path).map_err(io_err(&ca_key_path))?;
     let ca_key = KeyPair::from_pem(&ca_key_pem).map_err(|e| PkiError::Pem {
         path: ca_key_path.clone(),
         problem: e.to_string(),
     })?;
-    let issuer = Issuer::from_ca_cert_pem(&ca_pem, ca_key).map_err(|e| PkiError::Pem {
-        path: ca_pem_path.clone(),
+    let issuer = Issuer::from_ca_cert_pem(ca_pem, ca_key).map_err(|e| PkiError::Pem {
+        path: dir.join("ca.pem"),
         problem: e.to_string(),
     })?;
-
     let mut params = CertificateParams::new(Vec::<String>::new())?;
     params.distinguished_name = dn(device);
     params.is_ca = IsCa::ExplicitNoCa;
@@ -229,65 +378,293 @@ pub fn issue_with_years(
     set_validity(&mut params, years);
     let key = KeyPair::generate()?;
     let cert = params.signed_by(&key, &issuer)?;
-    let (_, serial_hex) = cert_identity(cert.der()).map_err(|e| PkiError::Pem {
-        path: ca_pem_path.clone(),
-        problem: e.to_string(),
-    })?;
+    Ok((cert, key))
+}
 
-    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
-    let out = IssueOutput {
-        ca_pem: out_dir.join("ca.pem"),
-        device_pem: out_dir.join("device.pem"),
-        device_key: out_dir.join("device.key"),
-        serial: serial_hex,
+fn issuance_line(device: &str, serial: &str) -> String {
+    let at = humantime::format_rfc3339_seconds(SystemTime::now());
+    format!("{device} {serial} {at}\n")
+}
+
+/// Whether a file at the target of [`write_file`] may be replaced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Existing {
+    Refuse,
+    Replace,
+}
+
+/// Whether anything (a file, a directory, a symlink, even a dangling one) is at `path`.
+fn exists(path: &Path) -> bool {
+    std::fs::symlink_metadata(path).is_ok()
+}
+
+/// Checks, before anything is generated, that no target exists unless `force` is set.
+fn refuse_existing(force: bool, paths: &[&Path]) -> Result<Existing, PkiError> {
+    if force {
+        return Ok(Existing::Replace);
+    }
+    match paths.iter().find(|p| exists(p)) {
+        Some(p) => Err(PkiError::Exists(p.to_path_buf())),
+        None => Ok(Existing::Refuse),
+    }
+}
+
+/// Writes `bytes` to `path` through a fresh temporary file in the same directory, so a crash
+/// never leaves a half-written key and a planted symlink is never written through.
+///
+/// The temporary file has a random name and is created with `O_CREAT | O_EXCL` (mode 0600),
+/// so no existing file or symlink is ever opened. It is fsynced, renamed over `path` (with
+/// [`Existing::Refuse`], only if nothing is there, atomically), and the directory is fsynced.
+/// `secret` files stay 0600; others become 0644.
+fn write_file(path: &Path, bytes: &[u8], secret: bool, existing: Existing) -> Result<(), PkiError> {
+    let dir = parent_dir(path);
+    let name = path
+        .file_name()
+        .map_or_else(|| "pki".into(), |n| n.to_string_lossy().into_owned());
+    let mut tmp = tempfile::Builder::new()
+        .prefix(&format!(".{name}."))
+        .suffix(".tmp")
+        .tempfile_in(dir)
+        .map_err(io_err(dir))?;
+    #[cfg(unix)]
+    if !secret {
+        use std::os::unix::fs::PermissionsExt;
+        let perms = std::fs::Permissions::from_mode(0o644);
+        tmp.as_file()
+            .set_permissions(perms)
+            .map_err(io_err(tmp.path()))?;
+    }
+    #[cfg(not(unix))]
+    let _ = secret;
+    tmp.write_all(bytes).map_err(io_err(path))?;
+    tmp.as_file().sync_all().map_err(io_err(path))?;
+    let persisted = match existing {
+        Existing::Refuse => tmp.persist_noclobber(path),
+        Existing::Replace => tmp.persist(path),
     };
-    write_file(&out.ca_pem, ca_pem.as_bytes(), false)?;
-    write_file(&out.device_pem, cert.pem().as_bytes(), false)?;
-    write_file(&out.device_key, key.serialize_pem().as_bytes(), true)?;
-    Ok(out)
+    persisted.map_err(|e| match e.error.kind() {
+        std::io::ErrorKind::AlreadyExists => PkiError::Exists(path.to_path_buf()),
+        _ => PkiError::Io {
+            path: path.to_path_buf(),
+            source: e.error,
+        },
+    })?;
+    sync_dir(dir)
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so a crash never leaves a
-/// half-written key; `secret` files are created with mode 0600.
-fn write_file(path: &Path, bytes: &[u8], secret: bool) -> Result<(), PkiError> {
-    let tmp = path.with_extension("tmp");
+fn sync_dir(dir: &Path) -> Result<(), PkiError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir))
+}
+
+/// Appends one line to a list file (created if missing), fsyncs it, and fsyncs the directory
+/// when the file is new. A symlink at `path` is refused (`O_NOFOLLOW`), not followed.
+fn append_line(path: &Path, line: &str) -> Result<(), PkiError> {
+    let created = !exists(path);
     let mut opts = std::fs::OpenOptions::new();
-    opts.write(true).create(true).truncate(true);
+    opts.create(true).append(true);
     #[cfg(unix)]
     {
         use std::os::unix::fs::OpenOptionsExt;
-        opts.mode(if secret { 0o600 } else { 0o644 });
+        opts.custom_flags(libc::O_NOFOLLOW).mode(0o644);
     }
-    let mut f = opts.open(&tmp).map_err(io_err(&tmp))?;
-    f.write_all(bytes).map_err(io_err(&tmp))?;
-    f.sync_all().map_err(io_err(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io_err(path))?;
+    let mut f = opts.open(path).map_err(io_err(path))?;
+    f.write_all(line.as_bytes()).map_err(io_err(path))?;
+    f.sync_all().map_err(io_err(path))?;
+    if created {
+        sync_dir(parent_dir(path))?;
+    }
     Ok(())
 }
 
-/// `core-hub pki revoke`: appends `device` (and the serial of `cert`, if given) to
-/// `DIR/revoked.txt`. Returns the list's path.
-pub fn revoke(dir: &Path, device: &str, serial: Option<&str>) -> Result<PathBuf, PkiError> {
+/// What `pki revoke` wrote.
+#[derive(Debug, Clone)]
+pub struct RevokeOutput {
+    /// The revocation list.
+    pub path: PathBuf,
+    /// The serial revoked, normalised; `None` when the whole device is.
+    pub serial: Option<String>,
+    /// Something the operator should know although the revocation was written.
+    pub warning: Option<String>,
+}
+
+/// `core-hub pki revoke`: appends `device` (and, if given, one of its certificates' serial) to
+/// `DIR/revoked.txt`.
+///
+/// A serial is normalised and must be one the issuance record `DIR/issued.txt` lists for
+/// `device`, else nothing is written: a mistyped serial would revoke nothing. Revoking a whole
+/// device the record does not know is written (it can only be more strict) with a warning.
+pub fn revoke(dir: &Path, device: &str, serial: Option<&str>) -> Result<RevokeOutput, PkiError> {
     if !crate::config::valid_device_id(device) {
         return Err(PkiError::BadDeviceId(device.to_string()));
     }
+    let record_path = dir.join(ISSUED_FILE);
+    let record = IssuanceRecord::load(&record_path).map_err(io_err(&record_path))?;
+    let serial = serial
+        .map(|s| checked_serial(device, s, record.as_ref(), &record_path))
+        .transpose()?;
+    let warning = match (&serial, &record) {
+        (None, Some(r)) if !r.knows_device(device) => Some(format!(
+            "{} lists no certificate issued to `{device}`; check the device id",
+            record_path.display()
+        )),
+        _ => None,
+    };
     let path = dir.join(REVOKED_FILE);
-    let mut f = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&path)
-        .map_err(io_err(&path))?;
-    let line = match serial {
+    let line = match &serial {
         Some(s) => format!("{device} {s}\n"),
         None => format!("{device}\n"),
     };
-    f.write_all(line.as_bytes()).map_err(io_err(&path))?;
-    f.sync_all().map_err(io_err(&path))?;
-    Ok(path)
+    append_line(&path, &line)?;
+    Ok(RevokeOutput {
+        path,
+        serial,
+        warning,
+    })
+}
+
+fn checked_serial(
+    device: &str,
+    serial: &str,
+    record: Option<&IssuanceRecord>,
+    record_path: &Path,
+) -> Result<String, PkiError> {
+    let s = normalize_serial(serial).map_err(|source| PkiError::BadSerial {
+        serial: serial.to_string(),
+        source,
+    })?;
+    let record = record.ok_or_else(|| PkiError::NoIssuanceRecord(record_path.to_path_buf()))?;
+    if record.issued_to(device, &s) {
+        return Ok(s);
+    }
+    let known = record.serials_of(device);
+    let issued = if known.is_empty() {
+        format!("lists no certificate for `{device}`")
+    } else {
+        format!("lists {}", known.join(", "))
+    };
+    Err(PkiError::UnknownSerial {
+        device: device.to_string(),
+        serial: s,
+        record: record_path.to_path_buf(),
+        issued,
+    })
+}
+
+/// The certificates `pki issue` wrote: per device, the normalised serials.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct IssuanceRecord {
+    serials: HashMap<String, BTreeSet<String>>,
+}
+
+impl IssuanceRecord {
+    /// Loads `path`; `None` when there is no record (a PKI made before records were kept, or a
+    /// hub given only the revocation list).
+    pub fn load(path: &Path) -> Result<Option<IssuanceRecord>, std::io::Error> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Ok(Some(Self::parse(&text))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Parses `device-id serial [issued-at]` lines; `#` starts a comment. Lines that do not
+    /// parse list nothing (they can only make a revoked serial look unmatched, which is
+    /// reported).
+    pub fn parse(text: &str) -> IssuanceRecord {
+        let mut record = IssuanceRecord::default();
+        for line in text.lines() {
+            let line = line.split('#').next().unwrap_or("");
+            let mut fields = line.split_whitespace();
+            let (Some(device), Some(serial)) = (fields.next(), fields.next()) else {
+                continue;
+            };
+            if let Ok(serial) = normalize_serial(serial) {
+                record
+                    .serials
+                    .entry(device.to_string())
+                    .or_default()
+                    .insert(serial);
+            }
+        }
+        record
+    }
+
+    /// Whether a certificate with this normalised serial was issued to `device`.
+    pub fn issued_to(&self, device: &str, serial: &str) -> bool {
+        self.serials.get(device).is_some_and(|s| s.contains(serial))
+    }
+
+    /// Whether any certificate was issued to `device`.
+    pub fn knows_device(&self, device: &str) -> bool {
+        self.serials.contains_key(device)
+    }
+
+    /// The serials issued to `device`, sorted.
+    pub fn serials_of(&self, device: &str) -> Vec<String> {
+        self.serials
+            .get(device)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+}
+
+/// A revocation-list line the hub could not take as written. Every one is logged at error
+/// level and counted on `/metrics`; none is ignored silently.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RevocationProblem {
+    /// The line does not parse. When its first field is a valid device id, that device is
+    /// revoked as a whole (`device_revoked`): the line meant to revoke something of it, and
+    /// revocation must not fail open.
+    Invalid {
+        line: usize,
+        text: String,
+        why: String,
+        device_revoked: bool,
+    },
+    /// The serial matches no certificate the issuance record lists for the device. It is still
+    /// revoked, but the certificate meant may well be live.
+    Unmatched {
+        line: usize,
+        device: String,
+        serial: String,
+    },
+}
+
+impl std::fmt::Display for RevocationProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RevocationProblem::Invalid {
+                line,
+                text,
+                why,
+                device_revoked,
+            } => {
+                write!(f, "line {line} `{text}` is invalid: {why}")?;
+                if *device_revoked {
+                    write!(f, "; the whole device is revoked instead")?;
+                }
+                Ok(())
+            }
+            RevocationProblem::Unmatched {
+                line,
+                device,
+                serial,
+            } => write!(
+                f,
+                "line {line}: serial {serial} matches no certificate issued to `{device}`; \
+                 the certificate meant may still be accepted"
+            ),
+        }
+    }
 }
 
 /// The revoked devices: one `device-id [serial-hex]` per line; `#` starts a comment.
@@ -298,32 +675,83 @@ pub fn revoke(dir: &Path, device: &str, serial: Option<&str>) -> Result<PathBuf,
 pub struct RevocationList {
     devices: HashSet<String>,
     serials: HashSet<String>,
+    problems: Vec<RevocationProblem>,
 }
 
 impl RevocationList {
-    /// Loads `path`; a missing file is an empty list.
+    /// Loads `path`; a missing file is an empty list. Serials are not checked against an
+    /// issuance record (see [`RevocationList::load_checked`]).
     pub fn load(path: &Path) -> Result<RevocationList, std::io::Error> {
+        Self::load_checked(path, None)
+    }
+
+    /// Loads `path`, reporting serials that `issued` does not list for their device.
+    pub fn load_checked(
+        path: &Path,
+        issued: Option<&IssuanceRecord>,
+    ) -> Result<RevocationList, std::io::Error> {
         match std::fs::read_to_string(path) {
-            Ok(text) => Ok(Self::parse(&text)),
+            Ok(text) => Ok(Self::parse_checked(&text, issued)),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Self::default()),
             Err(e) => Err(e),
         }
     }
 
-    /// Parses the file's text. Malformed lines are skipped: revocation must never fail open
-    /// for the well-formed entries because of a typo elsewhere.
+    /// Parses the file's text without an issuance record.
     pub fn parse(text: &str) -> RevocationList {
+        Self::parse_checked(text, None)
+    }
+
+    /// Parses the file's text. A line that does not parse never stops the others from
+    /// applying, and never passes unreported ([`RevocationList::problems`]).
+    pub fn parse_checked(text: &str, issued: Option<&IssuanceRecord>) -> RevocationList {
         let mut list = RevocationList::default();
-        for line in text.lines() {
-            let line = line.split('#').next().unwrap_or("").trim();
-            let mut parts = line.split_whitespace();
-            let Some(device) = parts.next() else { continue };
-            match parts.next() {
-                Some(serial) => list.serials.insert(serial.to_ascii_lowercase()),
-                None => list.devices.insert(device.to_string()),
-            };
+        for (i, raw) in text.lines().enumerate() {
+            list.parse_line(i + 1, raw, issued);
         }
         list
+    }
+
+    fn parse_line(&mut self, line: usize, raw: &str, issued: Option<&IssuanceRecord>) {
+        let text = raw.split('#').next().unwrap_or("").trim();
+        let fields: Vec<&str> = text.split_whitespace().collect();
+        let Some(&device) = fields.first() else {
+            return;
+        };
+        // Listed as written even when invalid: it can never match a certificate (CNs are
+        // validated), but a caller asking about that exact name gets "revoked".
+        let device_ok = crate::config::valid_device_id(device);
+        let why = match fields[1..] {
+            _ if !device_ok => format!("`{device}` is not a device id"),
+            [] => {
+                self.devices.insert(device.to_string());
+                return;
+            }
+            [serial] => match normalize_serial(serial) {
+                Ok(serial) => {
+                    if issued.is_some_and(|r| !r.issued_to(device, &serial)) {
+                        let device = device.to_string();
+                        let serial = serial.clone();
+                        self.problems.push(RevocationProblem::Unmatched {
+                            line,
+                            device,
+                            serial,
+                        });
+                    }
+                    self.serials.insert(serial);
+                    return;
+                }
+                Err(e) => format!("serial `{serial}`: {e}"),
+            },
+            _ => "more than two fields (expected `device-id [serial]`)".to_string(),
+        };
+        self.devices.insert(device.to_string());
+        self.problems.push(RevocationProblem::Invalid {
+            line,
+            text: text.to_string(),
+            why,
+            device_revoked: device_ok,
+        });
     }
 
     /// Whether every certificate of `device_id` is revoked.
@@ -331,9 +759,10 @@ impl RevocationList {
         self.devices.contains(device_id)
     }
 
-    /// Whether a certificate with this serial (lowercase hex) is revoked.
-    pub fn is_serial_revoked(&self, serial_hex: &str) -> bool {
-        self.serials.contains(serial_hex)
+    /// Whether a certificate with this serial is revoked; any written form matches
+    /// ([`normalize_serial`]), and an unreadable serial counts as revoked.
+    pub fn is_serial_revoked(&self, serial: &str) -> bool {
+        normalize_serial(serial).map_or(true, |s| self.serials.contains(&s))
     }
 
     /// Whether the certificate is revoked, by device or by serial. Unparseable certificates count
@@ -343,6 +772,11 @@ impl RevocationList {
             Ok((device, serial)) => self.is_revoked(&device) || self.is_serial_revoked(&serial),
             Err(_) => true,
         }
+    }
+
+    /// The lines that could not be taken as written, in file order.
+    pub fn problems(&self) -> &[RevocationProblem] {
+        &self.problems
     }
 
     /// Number of entries.
@@ -356,25 +790,67 @@ impl RevocationList {
     }
 }
 
-/// A revocation list shared with the TLS verifier and reloaded when its file changes.
+/// Revocation figures for `/metrics`.
+#[derive(Debug, Default)]
+pub struct RevocationStats {
+    /// Entries (devices plus serials) in the list in force.
+    pub entries: AtomicU64,
+    /// Lines of that list that do not parse ([`RevocationProblem::Invalid`]).
+    pub invalid: AtomicU64,
+    /// Serials in it that match no issued certificate ([`RevocationProblem::Unmatched`]).
+    pub unmatched: AtomicU64,
+    /// Reloads that failed (the file could not be read); the previous list stays in force.
+    pub load_failures: AtomicU64,
+    /// Live sessions closed because their certificate became revoked.
+    pub sessions_closed: AtomicU64,
+}
+
+impl RevocationStats {
+    /// Publishes the figures of the list now in force.
+    pub fn publish(&self, list: &RevocationList) {
+        let count = |unmatched: bool| {
+            let n = list
+                .problems()
+                .iter()
+                .filter(|p| matches!(p, RevocationProblem::Unmatched { .. }) == unmatched)
+                .count();
+            n as u64
+        };
+        self.entries.store(list.len() as u64, Ordering::Relaxed);
+        self.invalid.store(count(false), Ordering::Relaxed);
+        self.unmatched.store(count(true), Ordering::Relaxed);
+    }
+}
+
+/// A revocation list shared with the TLS verifier and reloaded when its file (or the issuance
+/// record beside it) changes.
 #[derive(Debug)]
 pub struct SharedRevocations {
     path: PathBuf,
+    issued_path: PathBuf,
     list: RwLock<Arc<RevocationList>>,
-    /// The file's (mtime, length) when last loaded: a change in either triggers a reload.
-    stamp: RwLock<Option<(SystemTime, u64)>>,
+    /// Both files' stamps when last loaded: a change in either triggers a reload.
+    stamp: RwLock<[Option<FileStamp>; 2]>,
 }
 
 impl SharedRevocations {
-    /// Loads `path` (missing = empty).
+    /// Loads `path` (missing = empty), checking its serials against the issuance record
+    /// `issued.txt` beside it when there is one. Every problem is logged at error level.
     pub fn open(path: &Path) -> Result<Arc<SharedRevocations>, std::io::Error> {
-        let stamp = file_stamp(path);
-        let list = RevocationList::load(path)?;
+        let issued_path = path.with_file_name(ISSUED_FILE);
+        let stamp = [file_stamp(path), file_stamp(&issued_path)];
+        let list = load_reported(path, &issued_path)?;
         Ok(Arc::new(SharedRevocations {
             path: path.to_path_buf(),
+            issued_path,
             list: RwLock::new(Arc::new(list)),
             stamp: RwLock::new(stamp),
         }))
+    }
+
+    /// The list's path.
+    pub fn path(&self) -> &Path {
+        &self.path
     }
 
     /// The current list.
@@ -382,23 +858,58 @@ impl SharedRevocations {
         self.list.read().expect("revocation lock").clone()
     }
 
-    /// Reloads the file if its mtime or length changed; returns `true` when it did. The server driver
-    /// polls this and then closes connections of devices that became revoked.
+    /// Reloads the file if it (or the issuance record) changed; returns `true` when it did. The
+    /// server driver polls this and then closes connections of certificates that became
+    /// revoked. On an error the previous list stays in force.
     pub fn reload_if_changed(&self) -> Result<bool, std::io::Error> {
-        let stamp = file_stamp(&self.path);
+        let stamp = [file_stamp(&self.path), file_stamp(&self.issued_path)];
         if *self.stamp.read().expect("revocation lock") == stamp {
             return Ok(false);
         }
-        let list = RevocationList::load(&self.path)?;
+        let list = load_reported(&self.path, &self.issued_path)?;
         *self.list.write().expect("revocation lock") = Arc::new(list);
         *self.stamp.write().expect("revocation lock") = stamp;
         Ok(true)
     }
 }
 
-fn file_stamp(path: &Path) -> Option<(SystemTime, u64)> {
+/// Loads the list and logs each of its problems loudly.
+fn load_reported(path: &Path, issued_path: &Path) -> Result<RevocationList, std::io::Error> {
+    let issued = IssuanceRecord::load(issued_path).unwrap_or_else(|e| {
+        tracing::error!(path = %issued_path.display(), error = %e, "cannot read the issuance record; revoked serials are not checked");
+        None
+    });
+    let list = RevocationList::load_checked(path, issued.as_ref())?;
+    for problem in list.problems() {
+        tracing::error!(path = %path.display(), "revocation list: {problem}");
+    }
+    Ok(list)
+}
+
+/// What identifies a version of a file: a change in any of these means it was rewritten.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    modified: Option<SystemTime>,
+    len: u64,
+    inode: u64,
+    changed_ns: i64,
+}
+
+fn file_stamp(path: &Path) -> Option<FileStamp> {
     let m = std::fs::metadata(path).ok()?;
-    Some((m.modified().ok()?, m.len()))
+    #[cfg(unix)]
+    let (inode, changed_ns) = {
+        use std::os::unix::fs::MetadataExt;
+        (m.ino(), m.ctime() * 1_000_000_000 + m.ctime_nsec())
+    };
+    #[cfg(not(unix))]
+    let (inode, changed_ns) = (0, 0);
+    Some(FileStamp {
+        modified: m.modified().ok(),
+        len: m.len(),
+        inode,
+        changed_ns,
+    })
 }
 
 /// The device id of a client certificate: its subject common name, validated.
@@ -406,7 +917,7 @@ pub fn device_id_from_cert(cert: &CertificateDer<'_>) -> Result<String, CertIdEr
     cert_identity(cert).map(|(device, _)| device)
 }
 
-/// The device id and the serial (lowercase hex) of a certificate.
+/// The device id and the serial (normalised, [`normalize_serial`]) of a certificate.
 pub fn cert_identity(cert: &CertificateDer<'_>) -> Result<(String, String), CertIdError> {
     let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| CertIdError::Parse(e.to_string()))?;
@@ -419,8 +930,15 @@ pub fn cert_identity(cert: &CertificateDer<'_>) -> Result<(String, String), Cert
     if !crate::config::valid_device_id(cn) {
         return Err(CertIdError::BadDeviceId);
     }
-    let serial = hex(parsed.raw_serial());
+    let serial = serial_of(parsed.raw_serial());
     Ok((cn.to_string(), serial))
+}
+
+/// A DER serial's bytes in the normalised form: lowercase hex without leading zeros.
+fn serial_of(bytes: &[u8]) -> String {
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let trimmed = hex.trim_start_matches('0');
+    if trimmed.is_empty() { "0" } else { trimmed }.to_string()
 }
 
 /// Reads every certificate in a PEM file.
@@ -573,11 +1091,11 @@ mod tests {
         );
 
         let revs = SharedRevocations::open(&pki.join(REVOKED_FILE)).unwrap();
-        let paths = crate::config::TlsPaths {
-            ca: pki.join("ca.pem"),
-            cert: pki.join("hub.pem"),
-            key: pki.join("hub.key"),
-        };
+        let paths = crate::config::TlsPaths::new(
+            pki.join("ca.pem"),
+            pki.join("hub.pem"),
+            pki.join("hub.key"),
+        );
         let cfg = server_tls_config(&paths, revs.clone()).unwrap();
         assert_eq!(cfg.alpn_protocols, vec![ALPN.to_vec()]);
         assert_eq!(cfg.max_early_data_size, 0);
@@ -665,5 +1183,237 @@ mod tests {
         assert!(!list.is_revoked("d2"));
         assert!(list.is_serial_revoked("0a0b"));
         assert_eq!(list.len(), 2);
+    }
+
+    #[test]
+    fn serials_normalise_from_every_written_form() {
+        let same = [
+            "42bb57",
+            "42BB57",
+            "42:bb:57",
+            "42:BB:57",
+            "00:42:bb:57",
+            "0042bb57",
+            "0x42bb57",
+            "serial=42BB57",
+            "  42:bb:57 ",
+        ];
+        for form in same {
+            assert_eq!(normalize_serial(form).as_deref(), Ok("42bb57"), "{form}");
+        }
+        assert_eq!(normalize_serial("00").as_deref(), Ok("0"));
+        assert_eq!(normalize_serial(""), Err(SerialError::Empty));
+        assert_eq!(normalize_serial("0x"), Err(SerialError::Empty));
+        assert_eq!(normalize_serial("42bg57"), Err(SerialError::NotHex('g')));
+        assert_eq!(
+            normalize_serial("42:b:57"),
+            Err(SerialError::BadGroup("b".into()))
+        );
+        assert_eq!(
+            normalize_serial("42::57"),
+            Err(SerialError::BadGroup(String::new()))
+        );
+        assert_eq!(
+            normalize_serial(&"1".repeat(41)),
+            Err(SerialError::TooLong(41))
+        );
+        assert!(normalize_serial(&format!("00{}", "1".repeat(40))).is_ok());
+    }
+
+    /// `openssl x509 -text` style: uppercase pairs between colons.
+    fn colon_form(serial: &str) -> String {
+        let even = if serial.len() % 2 == 1 {
+            format!("0{serial}")
+        } else {
+            serial.to_string()
+        };
+        let pairs: Vec<String> = even
+            .as_bytes()
+            .chunks(2)
+            .map(|p| String::from_utf8_lossy(p).to_uppercase())
+            .collect();
+        pairs.join(":")
+    }
+
+    #[test]
+    fn a_serial_in_colon_form_revokes_that_certificate_only() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &[], false).unwrap();
+        let old = issue(dir.path(), "d1", &dir.path().join("old")).unwrap();
+        let new = issue(dir.path(), "d1", &dir.path().join("new")).unwrap();
+        let out = revoke(dir.path(), "d1", Some(&colon_form(&old.serial))).unwrap();
+        assert_eq!(out.serial.as_deref(), Some(old.serial.as_str()));
+        assert!(out.warning.is_none());
+        let written = std::fs::read_to_string(&out.path).unwrap();
+        assert_eq!(
+            written,
+            format!("d1 {}\n", old.serial),
+            "written normalised"
+        );
+
+        let revs = SharedRevocations::open(&out.path).unwrap();
+        let list = revs.current();
+        assert!(list.problems().is_empty(), "{:?}", list.problems());
+        let old_cert = load_certs(&old.device_pem).unwrap().remove(0);
+        let new_cert = load_certs(&new.device_pem).unwrap().remove(0);
+        assert!(list.is_cert_revoked(&old_cert));
+        assert!(
+            !list.is_cert_revoked(&new_cert),
+            "the re-issued certificate works"
+        );
+        assert!(list.is_serial_revoked(&colon_form(&old.serial)));
+    }
+
+    #[test]
+    fn revoking_a_serial_nobody_was_issued_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &[], false).unwrap();
+        let d1 = issue(dir.path(), "d1", &dir.path().join("d1")).unwrap();
+        let d2 = issue(dir.path(), "d2", &dir.path().join("d2")).unwrap();
+        // Someone else's serial, a typo, and garbage: nothing is written for any of them.
+        let (head, last) = d1.serial.split_at(d1.serial.len() - 1);
+        let typo = format!("{head}{}", if last == "0" { "1" } else { "0" });
+        for (device, serial) in [
+            ("d1", d2.serial.as_str()),
+            ("d1", &typo),
+            ("d3", &d1.serial),
+        ] {
+            let err = revoke(dir.path(), device, Some(serial)).unwrap_err();
+            assert!(matches!(err, PkiError::UnknownSerial { .. }), "{err}");
+            let msg = err.to_string();
+            assert!(msg.contains(ISSUED_FILE) && msg.contains(device), "{msg}");
+        }
+        let msg = revoke(dir.path(), "d1", Some("xyz"))
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("`x` is not a hex digit"), "{msg}");
+        assert!(!dir.path().join(REVOKED_FILE).exists());
+        // Without an issuance record a serial cannot be checked.
+        std::fs::remove_file(dir.path().join(ISSUED_FILE)).unwrap();
+        let err = revoke(dir.path(), "d1", Some(&d1.serial)).unwrap_err();
+        assert!(matches!(err, PkiError::NoIssuanceRecord(_)), "{err}");
+        // A whole device the record does not know is written, with a warning.
+        issue(dir.path(), "d4", &dir.path().join("d4")).unwrap();
+        let out = revoke(dir.path(), "d5", None).unwrap();
+        assert!(out.warning.unwrap().contains("d5"));
+    }
+
+    #[test]
+    fn the_hub_reports_every_line_it_cannot_take_as_written() {
+        let mut record = IssuanceRecord::default();
+        record
+            .serials
+            .entry("d1".into())
+            .or_default()
+            .insert("abc".into());
+        let text = "d1 AB:C0\nd2 42:b:57\nd3 1 2\nbad/id\nd4\n# note\nd1 0abc\n";
+        let list = RevocationList::parse_checked(text, Some(&record));
+        let p = list.problems();
+        assert_eq!(p.len(), 4, "{p:?}");
+        assert!(
+            matches!(&p[0], RevocationProblem::Unmatched { line: 1, device, serial } if device == "d1" && serial == "abc0")
+        );
+        assert!(matches!(
+            &p[1],
+            RevocationProblem::Invalid {
+                line: 2,
+                device_revoked: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            &p[2],
+            RevocationProblem::Invalid {
+                line: 3,
+                device_revoked: true,
+                ..
+            }
+        ));
+        assert!(matches!(
+            &p[3],
+            RevocationProblem::Invalid {
+                line: 4,
+                device_revoked: false,
+                ..
+            }
+        ));
+        // Fail closed: a device whose line cannot be read is revoked whole.
+        assert!(list.is_revoked("d2") && list.is_revoked("d3") && list.is_revoked("d4"));
+        assert!(!list.is_revoked("d1"));
+        assert!(list.is_serial_revoked("abc") && list.is_serial_revoked("abc0"));
+        assert!(p[1].to_string().contains("whole device"), "{}", p[1]);
+        let stats = RevocationStats::default();
+        stats.publish(&list);
+        assert_eq!(stats.invalid.load(Ordering::Relaxed), 3);
+        assert_eq!(stats.unmatched.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn issue_refuses_to_replace_a_key_without_force() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &[], false).unwrap();
+        let out = dir.path().join("out");
+        let first = issue(dir.path(), "d1", &out).unwrap();
+        let key = std::fs::read(&first.device_key).unwrap();
+        let err = issue(dir.path(), "d1", &out).unwrap_err();
+        assert!(
+            matches!(&err, PkiError::Exists(p) if p.ends_with("device.pem")),
+            "{err}"
+        );
+        assert!(err.to_string().contains("--force"));
+        assert_eq!(std::fs::read(&first.device_key).unwrap(), key);
+        let second = issue_with_years(dir.path(), "d1", &out, 1, true).unwrap();
+        assert_ne!(std::fs::read(&second.device_key).unwrap(), key);
+        assert_ne!(first.serial, second.serial);
+        let record = IssuanceRecord::load(&dir.path().join(ISSUED_FILE))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            record.serials_of("d1").len(),
+            2,
+            "both issuances are recorded"
+        );
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&second.device_key), 0o600);
+            assert_eq!(mode(&second.device_pem), 0o644);
+        }
+        // Nothing is left behind but the three files.
+        let names: BTreeSet<String> = std::fs::read_dir(&out)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names.len(), 3, "{names:?}");
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn issue_never_writes_through_a_symlink() {
+        let dir = tempfile::tempdir().unwrap();
+        init(dir.path(), &[], false).unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let out = dir.path().join("out");
+        std::fs::create_dir(&out).unwrap();
+        // The temporary names the old code used, and the final name, all point at the victim.
+        for name in ["device.tmp", "ca.tmp"] {
+            std::os::unix::fs::symlink(&victim, out.join(name)).unwrap();
+        }
+        std::os::unix::fs::symlink(&victim, out.join("device.key")).unwrap();
+        let err = issue(dir.path(), "d1", &out).unwrap_err();
+        assert!(
+            matches!(&err, PkiError::Exists(p) if p.ends_with("device.key")),
+            "{err}"
+        );
+        let issued = issue_with_years(dir.path(), "d1", &out, 1, true).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+        let meta = std::fs::symlink_metadata(&issued.device_key).unwrap();
+        assert!(
+            meta.file_type().is_file(),
+            "the symlink was replaced, not followed"
+        );
+        load_key(&issued.device_key).unwrap();
     }
 }

@@ -72,8 +72,12 @@ pub const CONNECTIONS_BUDGET_SHARE: (u64, u64) = (3, 4);
 /// How long a new connection waits for its share of the budget before it is refused.
 const CONNECTION_ADMIT_WAIT: Duration = Duration::from_secs(5);
 
-/// How often the revocation list file is checked for changes.
-const REVOCATION_POLL: Duration = Duration::from_secs(1);
+/// How often the revocation list file is checked for changes: a revoked certificate's live
+/// sessions are closed within this plus [`SETTLE_ON_CLOSE`].
+const REVOCATION_POLL: Duration = Duration::from_millis(250);
+/// How long a closing session waits for the commits it already handed to the WAL, so that
+/// nothing of it becomes durable after the device saw the session end.
+const SETTLE_ON_CLOSE: Duration = Duration::from_secs(1);
 /// Socket buffers requested for the QUIC listener.
 const UDP_BUFFER_BYTES: usize = 16 << 20;
 
@@ -133,12 +137,15 @@ pub async fn start(
     mut shutdown: watch::Receiver<bool>,
 ) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
     let tls_paths = cfg.tls.as_ref().ok_or(ServeError::NoTls)?;
-    let revoked_path = tls_paths
-        .ca
-        .parent()
-        .map(|d| d.join("revoked.txt"))
-        .unwrap_or_else(|| "revoked.txt".into());
-    let revocations = SharedRevocations::open(&revoked_path).map_err(ServeError::Revocations)?;
+    let revocations =
+        SharedRevocations::open(&tls_paths.revoked).map_err(ServeError::Revocations)?;
+    hub.stats().revocation.publish(&revocations.current());
+    tracing::info!(
+        path = %tls_paths.revoked.display(),
+        entries = revocations.current().len(),
+        problems = revocations.current().problems().len(),
+        "revocation list (tls.revoked) loaded"
+    );
     let tls = pki::server_tls_config(tls_paths, revocations.clone())?;
     let quic_tls = quinn::crypto::rustls::QuicServerConfig::try_from(tls)
         .map_err(|e| ServeError::Quic(e.to_string()))?;
@@ -170,7 +177,11 @@ pub async fn start(
             .unwrap_or(usize::MAX)
             .min(Semaphore::MAX_PERMITS),
     ));
-    tokio::spawn(poll_revocations(revocations.clone(), revoke_tx));
+    tokio::spawn(poll_revocations(
+        revocations.clone(),
+        hub.clone(),
+        revoke_tx,
+    ));
     let ep = endpoint.clone();
     let task = tokio::spawn(async move {
         let clock = StdInstant::now();
@@ -240,16 +251,25 @@ fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, ServeError> {
     Ok(sock.into())
 }
 
-/// Reloads the revocation list when its file changes and tells every connection.
-async fn poll_revocations(revocations: Arc<SharedRevocations>, tx: watch::Sender<u64>) {
+/// Reloads the revocation list when its file changes and tells every connection. A list that
+/// cannot be read leaves the previous one in force, loudly: that is never "nothing revoked".
+async fn poll_revocations(
+    revocations: Arc<SharedRevocations>,
+    hub: Arc<Hub>,
+    tx: watch::Sender<u64>,
+) {
+    let stats = &hub.stats().revocation;
     let mut generation = 0u64;
     loop {
         tokio::time::sleep(REVOCATION_POLL).await;
         match revocations.reload_if_changed() {
             Ok(true) => {
                 generation += 1;
+                let list = revocations.current();
+                stats.publish(&list);
                 tracing::info!(
-                    revoked = revocations.current().len(),
+                    revoked = list.len(),
+                    problems = list.problems().len(),
                     "revocation list reloaded"
                 );
                 if tx.send(generation).is_err() {
@@ -257,7 +277,16 @@ async fn poll_revocations(revocations: Arc<SharedRevocations>, tx: watch::Sender
                 }
             }
             Ok(false) => {}
-            Err(e) => tracing::warn!(error = %e, "reading the revocation list"),
+            Err(e) => {
+                stats
+                    .load_failures
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                tracing::error!(
+                    path = %revocations.path().display(),
+                    error = %e,
+                    "cannot read the revocation list; the previous list stays in force"
+                );
+            }
         }
     }
 }
@@ -400,14 +429,15 @@ impl ConnCtx {
     }
 }
 
-/// The device id from the verified client certificate.
-fn peer_device(conn: &quinn::Connection) -> Result<String, String> {
+/// The device id and the leaf certificate (for revocation checks) the handshake verified.
+fn peer_device(conn: &quinn::Connection) -> Result<(String, CertificateDer<'static>), String> {
     let identity = conn.peer_identity().ok_or("no client certificate")?;
     let certs = identity
         .downcast::<Vec<CertificateDer<'static>>>()
         .map_err(|_| "unexpected peer identity type".to_string())?;
     let leaf = certs.first().ok_or("empty client certificate chain")?;
-    pki::device_id_from_cert(leaf).map_err(|e| format!("client certificate: {e}"))
+    let device = pki::device_id_from_cert(leaf).map_err(|e| format!("client certificate: {e}"))?;
+    Ok((device, leaf.clone()))
 }
 
 /// What a commit task reports back to its connection loop.
@@ -422,7 +452,7 @@ enum Done {
 
 async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), String> {
     let conn = incoming.await.map_err(|e| format!("handshake: {e}"))?;
-    let device = peer_device(&conn)?;
+    let (device, leaf) = peer_device(&conn)?;
     let _charge = match admit_connection(&ctx).await {
         Ok(c) => c,
         Err(msg) => {
@@ -438,6 +468,18 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
         .accept_bi()
         .await
         .map_err(|e| format!("{device}: control stream: {e}"))?;
+    // The list may have changed between the handshake's check and now.
+    if ctx.revocations.current().is_cert_revoked(&leaf) {
+        tracing::warn!(%device, "refusing a revoked certificate");
+        refuse(
+            &conn,
+            &mut ctl_tx,
+            ErrorCode::Revoked,
+            "certificate revoked",
+        )
+        .await;
+        return Ok(());
+    }
     if let Some(reason) = ctx.hub.is_fenced(&device) {
         tracing::warn!(%device, %reason, "refusing a fenced device");
         let msg = format!("device is fenced: {reason}");
@@ -469,6 +511,8 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
     // frames carry no seqs, and completeness needs it to report how many records a device
     // owes) and its backlog, recorded once the session is established.
     let mut announced: Option<Announced> = None;
+    // Commits handed to the WAL whose outcome has not come back on `done_rx`.
+    let mut in_flight = 0usize;
     loop {
         // Blocks the receiver acknowledged again without a commit (replays of what the hub
         // holds) count with the hub's duplicates.
@@ -481,7 +525,11 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
             replays = seen;
         }
         let mut progressed = false;
-        while let Some(t) = rx.poll_transmit() {
+        // Once closed, the Error frame waits for the end below, after the session's commits
+        // settled: the device must not see the end while its records are still landing.
+        while !rx.is_closed()
+            && let Some(t) = rx.poll_transmit()
+        {
             progressed = true;
             ctl_tx
                 .write_all(&t.frame)
@@ -490,8 +538,10 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
         }
         while let Some(ev) = rx.poll_event() {
             progressed = true;
+            in_flight += usize::from(matches!(ev, ReceiverEvent::Commit { .. }));
             let lasts = announced.as_ref();
             if let Some(end) = handle_event(&ctx, &device, &mut rx, ev, &done_tx, lasts).await {
+                settle(&device, &mut done_rx, in_flight).await;
                 // The Error frame the receiver queued with its close goes out first: the agent
                 // acts on its code (a refused stream is left out of the next session).
                 while let Some(t) = rx.poll_transmit() {
@@ -505,6 +555,10 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
                     quinn::VarInt::from_u32(u32::from(end.0.to_u16())),
                     end.1.as_bytes(),
                 );
+                if end.0 == ErrorCode::Revoked {
+                    let closed = &ctx.hub.stats().revocation.sessions_closed;
+                    closed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 return Ok(());
             }
         }
@@ -551,22 +605,44 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
                 Data::BadBlock(code, msg) => rx.close(ctx.now(), code, &msg),
                 Data::TooLarge => rx.close(ctx.now(), ErrorCode::FrameTooLarge, "data stream exceeded the frame limit"),
             },
-            Some(done) = done_rx.recv() => match done {
-                Done::Committed { stream, epoch, durable_seq } => {
-                    let tiered = ctx.hub.tiered_seq(&device, &stream, epoch);
-                    rx.committed(ctx.now(), &stream, epoch, durable_seq, tiered);
+            Some(done) = done_rx.recv() => {
+                in_flight -= 1;
+                match done {
+                    Done::Committed { stream, epoch, durable_seq } => {
+                        let tiered = ctx.hub.tiered_seq(&device, &stream, epoch);
+                        rx.committed(ctx.now(), &stream, epoch, durable_seq, tiered);
+                    }
+                    Done::Failed(e) => rx.close(ctx.now(), error_code(&e), &e.to_string()),
                 }
-                Done::Failed(e) => rx.close(ctx.now(), error_code(&e), &e.to_string()),
-            },
+            }
             Ok(()) = tiered_rx.changed() => push_tiered(&ctx, &device, &mut rx),
             _ = ctx.revoke_rx.changed() => {
-                if ctx.revocations.current().is_revoked(&device) {
+                // By device or by this certificate's serial: the list names either.
+                if ctx.revocations.current().is_cert_revoked(&leaf) {
                     tracing::warn!(%device, "certificate revoked; disconnecting");
                     rx.close(ctx.now(), ErrorCode::Revoked, "certificate revoked");
                 }
             }
             _ = sleep_until(deadline) => rx.handle_timeout(ctx.now()),
             reason = conn.closed() => return Err(format!("{device}: {reason}")),
+        }
+    }
+}
+
+/// Waits, up to [`SETTLE_ON_CLOSE`], for the outcomes of the `in_flight` commits a closing
+/// session handed to the WAL. The receiver hands out nothing once closed, so after this no
+/// record of the session becomes durable once the device sees it closed (unless the WAL is
+/// slower than the bound, which is logged).
+async fn settle(device: &str, done_rx: &mut mpsc::UnboundedReceiver<Done>, mut in_flight: usize) {
+    let deadline = tokio::time::Instant::now() + SETTLE_ON_CLOSE;
+    while in_flight > 0 {
+        match tokio::time::timeout_at(deadline, done_rx.recv()).await {
+            Ok(Some(_)) => in_flight -= 1,
+            Ok(None) => return,
+            Err(_) => {
+                tracing::warn!(%device, in_flight, "closing with commits still in flight");
+                return;
+            }
         }
     }
 }

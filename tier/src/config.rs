@@ -5,7 +5,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// Tier-2 location, as it appears in the hub's config (`kind = "local"` or `kind = "s3"`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// Its `Debug` shows the secret key as `<redacted>`: configs end up in logs.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum TierConfig {
     /// A directory on the hub's own file system (created if missing).
@@ -37,6 +38,57 @@ impl Default for TierConfig {
     fn default() -> Self {
         TierConfig::Local {
             root: PathBuf::from("tier2"),
+        }
+    }
+}
+
+impl std::fmt::Debug for TierConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TierConfig::Local { root } => f.debug_struct("Local").field("root", root).finish(),
+            TierConfig::S3 {
+                endpoint,
+                region,
+                bucket,
+                access_key_id,
+                secret_access_key,
+                allow_http,
+            } => f
+                .debug_struct("S3")
+                .field("endpoint", endpoint)
+                .field("region", region)
+                .field("bucket", bucket)
+                .field("access_key_id", access_key_id)
+                .field(
+                    "secret_access_key",
+                    &secret_access_key.as_ref().map(|_| "<redacted>"),
+                )
+                .field("allow_http", allow_http)
+                .finish(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_secret_key() {
+        let c = TierConfig::S3 {
+            endpoint: "http://127.0.0.1:9000".into(),
+            region: "us-east-1".into(),
+            bucket: "fleet".into(),
+            access_key_id: Some("AKIAEXAMPLE".into()),
+            secret_access_key: Some("wJalrXUtnFEMI-secret".into()),
+            allow_http: true,
+        };
+        for shown in [format!("{c:?}"), format!("{c:#?}")] {
+            assert!(!shown.contains("wJalrXUtnFEMI"), "{shown}");
+            assert!(
+                shown.contains("<redacted>") && shown.contains("AKIAEXAMPLE"),
+                "{shown}"
+            );
         }
     }
 }

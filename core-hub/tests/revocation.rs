@@ -1,0 +1,369 @@
+//! Revocation against a live session, over real QUIC: the hub and its QUIC server run in this
+//! process, a device built on the protocol's `Sender` keeps shipping blocks, and the operator
+//! revokes with the real `core-hub pki revoke`.
+//!
+//! - Revoking the device's certificate by serial, written the way `openssl x509 -text` prints
+//!   it (`42:BB:57:…`), drops the live session; no record of it is committed after the device
+//!   saw the drop; the certificate cannot reconnect; `/metrics` counts the closed session.
+//! - A line edited by hand whose serial cannot be read revokes that device whole (fail closed)
+//!   and is counted as invalid; a serial that matches no issued certificate is counted as
+//!   unmatched.
+
+mod common;
+
+use anyhow::{Context, Result, bail, ensure};
+use core_hub::config::TlsPaths;
+use core_hub::{Hub, HubConfig};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+use sync::block::{VERSION_ROWS, encode_block};
+use sync::protocol::{
+    Backlog, ErrorCode, FrameBuffer, Instant, LaneAnnounce, Sender, SenderConfig, SenderEvent,
+    TransmitKind,
+};
+use tokio::sync::watch;
+
+const STREAM: &str = "telemetry";
+const EPOCH: u64 = 1;
+const RECORDS_PER_BLOCK: u64 = 20;
+/// Blocks the device keeps unacknowledged, so commits are in flight when it is revoked.
+const IN_FLIGHT_BLOCKS: u64 = 4;
+/// Generous: the hub polls the list every 250 ms; this only bounds a broken build's wait.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A hub with its QUIC server, in a temp dir with a fresh PKI.
+struct Running {
+    _dir: tempfile::TempDir,
+    pki: PathBuf,
+    hub: Arc<Hub>,
+    quic: std::net::SocketAddr,
+    _stop: watch::Sender<bool>,
+}
+
+async fn start() -> Result<Running> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    let dir = tempfile::tempdir()?;
+    let pki = dir.path().join("pki");
+    core_hub::pki::init(&pki, &[], false)?;
+    let cfg = common::config(&dir.path().join("hub"), |c: &mut HubConfig| {
+        c.listen.quic = "127.0.0.1:0".parse().unwrap();
+        c.tls = Some(TlsPaths::new(
+            pki.join("ca.pem"),
+            pki.join("hub.pem"),
+            pki.join("hub.key"),
+        ));
+    });
+    let hub = Hub::open(&cfg)?;
+    let (stop, stop_rx) = watch::channel(false);
+    let (server, _task) = core_hub::server::start(&cfg, hub.clone(), stop_rx).await?;
+    Ok(Running {
+        _dir: dir,
+        pki,
+        hub,
+        quic: server.local_addr,
+        _stop: stop,
+    })
+}
+
+/// Issues a certificate for `device`; returns its directory and serial.
+fn issue(pki: &Path, device: &str) -> Result<(PathBuf, String)> {
+    let out = pki.with_file_name(format!("cert-{device}"));
+    let issued = core_hub::pki::issue(pki, device, &out)?;
+    Ok((out, issued.serial))
+}
+
+/// `openssl x509 -text` style: uppercase pairs between colons.
+fn colon_form(serial: &str) -> String {
+    let even = if serial.len() % 2 == 1 {
+        format!("0{serial}")
+    } else {
+        serial.to_string()
+    };
+    let pairs: Vec<String> = even
+        .as_bytes()
+        .chunks(2)
+        .map(|p| String::from_utf8_lossy(p).to_uppercase())
+        .collect();
+    pairs.join(":")
+}
+
+fn core_hub_cli(args: &[&str]) -> Result<std::process::Output> {
+    Ok(std::process::Command::new(env!("CARGO_BIN_EXE_core-hub"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()?)
+}
+
+async fn connect(quic: std::net::SocketAddr, cert: &Path) -> Result<quinn::Connection> {
+    let tls = edge_agent::link::TlsPaths {
+        ca: cert.join("ca.pem"),
+        cert: cert.join("device.pem"),
+        key: cert.join("device.key"),
+    };
+    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
+    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
+    Ok(endpoint.connect(quic, "localhost")?.await?)
+}
+
+/// How a device's session ended, as the device saw it.
+#[derive(Debug)]
+struct Ended {
+    code: Option<u64>,
+    /// The highest seq the hub acknowledged.
+    acked: u64,
+}
+
+/// The device's log: block `n` holds seqs `n * RECORDS_PER_BLOCK + 1 ..`.
+fn device_block(device: &str, n: u64) -> Vec<u8> {
+    let first = n * RECORDS_PER_BLOCK + 1;
+    let records = common::records(device, first, first + RECORDS_PER_BLOCK - 1);
+    encode_block(VERSION_ROWS, EPOCH, first, &records).unwrap()
+}
+
+/// Runs one device session: it ships blocks for ever, keeping [`IN_FLIGHT_BLOCKS`]
+/// unacknowledged, and reports every ack on `acked`. Returns when the session ends.
+async fn device(
+    device: String,
+    conn: quinn::Connection,
+    acked: watch::Sender<u64>,
+) -> Result<Ended> {
+    let clock = StdInstant::now();
+    let now = || Instant::from_nanos(clock.elapsed().as_nanos() as u64);
+    let (mut ctl_tx, mut ctl_rx) = conn.open_bi().await?;
+    let lane = LaneAnnounce {
+        stream: STREAM.into(),
+        epoch: EPOCH,
+        first_seq: 1,
+        last_seq: 0,
+        acked_seq: 0,
+        backlog: Backlog::default(),
+        gaps: Vec::new(),
+    };
+    let mut sender = Sender::new(SenderConfig::default(), EPOCH, vec![lane], now())?;
+    let mut frames = FrameBuffer::new(SenderConfig::default().frame_bytes_max);
+    let mut written = 0u64;
+    let mut durable = 0u64;
+    let mut buf = vec![0u8; 64 << 10];
+    let ended = |code, durable| {
+        Ok(Ended {
+            code,
+            acked: durable,
+        })
+    };
+    loop {
+        // Keep the log ahead of the acks, so blocks are always in flight.
+        while written < durable / RECORDS_PER_BLOCK + IN_FLIGHT_BLOCKS {
+            sender.offer_block(now(), STREAM, device_block(&device, written))?;
+            written += 1;
+        }
+        while let Some(t) = sender.poll_transmit() {
+            let sent = match t.kind {
+                TransmitKind::Control => ctl_tx.write_all(&t.frame).await.map_err(|_| ()),
+                TransmitKind::Data => send_uni(&conn, &t.frame).await,
+            };
+            if sent.is_err() {
+                return ended(close_code(&conn).await, durable);
+            }
+        }
+        let mut progressed = false;
+        while let Some(ev) = sender.poll_event() {
+            progressed = true;
+            match ev {
+                SenderEvent::WantBlocks { after_seq, .. } => {
+                    let blocks = (after_seq / RECORDS_PER_BLOCK..written)
+                        .map(|n| device_block(&device, n))
+                        .collect();
+                    sender.supply_blocks(now(), STREAM, EPOCH, blocks)?;
+                }
+                SenderEvent::Acked { durable_seq, .. } => {
+                    durable = durable.max(durable_seq);
+                    acked.send_replace(durable);
+                }
+                SenderEvent::Closed(r) => {
+                    return ended(Some(u64::from(r.code.to_u16())), durable);
+                }
+                SenderEvent::Established { .. } => {}
+                SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
+            }
+        }
+        if progressed {
+            continue;
+        }
+        tokio::select! {
+            read = ctl_rx.read(&mut buf) => match read {
+                Ok(Some(n)) => {
+                    frames.push(&buf[..n]);
+                    while let Some(f) = frames.next_frame()? {
+                        sender.handle_frame(now(), &f);
+                    }
+                }
+                Ok(None) | Err(_) => return ended(close_code(&conn).await, durable),
+            },
+            _ = conn.closed() => return ended(close_code(&conn).await, durable),
+        }
+    }
+}
+
+async fn send_uni(conn: &quinn::Connection, frame: &[u8]) -> Result<(), ()> {
+    let mut s = conn.open_uni().await.map_err(|_| ())?;
+    s.write_all(frame).await.map_err(|_| ())?;
+    s.finish().map_err(|_| ())
+}
+
+/// The application close code, once the connection is closed.
+async fn close_code(conn: &quinn::Connection) -> Option<u64> {
+    match conn.closed().await {
+        quinn::ConnectionError::ApplicationClosed(c) => Some(c.error_code.into_inner()),
+        _ => None,
+    }
+}
+
+/// Waits for `cond` to hold, checking every few milliseconds, up to [`WAIT`].
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) -> Result<()> {
+    let deadline = StdInstant::now() + WAIT;
+    while !cond() {
+        ensure!(StdInstant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+fn metric(hub: &Hub, name: &str) -> u64 {
+    let text = core_hub::metrics::render(hub);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+/// The hub's durable mark of the device's lane.
+fn durable_seq(hub: &Hub, device: &str) -> u64 {
+    hub.marks(device)
+        .iter()
+        .find(|m| m.stream == STREAM && m.epoch == EPOCH)
+        .map_or(0, |m| m.durable_seq)
+}
+
+/// Starts `name`'s device and waits until the hub acknowledged a few blocks.
+async fn ingesting(
+    run: &Running,
+    name: &str,
+    cert: &Path,
+) -> Result<tokio::task::JoinHandle<Result<Ended>>> {
+    let conn = connect(run.quic, cert).await?;
+    let (acked_tx, mut acked_rx) = watch::channel(0u64);
+    let task = tokio::spawn(device(name.to_string(), conn, acked_tx));
+    let target = 10 * RECORDS_PER_BLOCK;
+    tokio::time::timeout(WAIT, acked_rx.wait_for(|&a| a >= target))
+        .await
+        .context("the device was not acknowledged in time")??;
+    Ok(task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoking_by_serial_in_colon_form_drops_the_live_session() -> Result<()> {
+    let run = start().await?;
+    let (cert, serial) = issue(&run.pki, "dev-1")?;
+    let mut session = ingesting(&run, "dev-1", &cert).await?;
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_revoked_sessions_closed_total"),
+        0
+    );
+
+    let colon = colon_form(&serial);
+    let pki = run.pki.display().to_string();
+    let revoked_at = StdInstant::now();
+    let out = core_hub_cli(&[
+        "pki", "revoke", "--dir", &pki, "--device", "dev-1", "--serial", &colon,
+    ])?;
+    ensure!(
+        out.status.success(),
+        "pki revoke: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let ended = tokio::time::timeout(WAIT, &mut session)
+        .await
+        .context("the revoked session was not dropped")???;
+    let latency = revoked_at.elapsed();
+    // What the hub holds the moment the device saw its session end.
+    let held = durable_seq(&run.hub, "dev-1");
+    let committed = metric(&run.hub, "tributary_hub_records_committed_total");
+    println!(
+        "revoked serial {colon}: session dropped after {latency:?} with code {:?}; \
+         acked {} and durable {held} at the drop",
+        ended.code, ended.acked
+    );
+    assert_eq!(ended.code, Some(u64::from(ErrorCode::Revoked.to_u16())));
+    assert!(held >= ended.acked && ended.acked >= 10 * RECORDS_PER_BLOCK);
+
+    // The certificate cannot come back: a new session ends without a single ack.
+    let again = tokio::time::timeout(WAIT, async {
+        let conn = connect(run.quic, &cert).await?;
+        let (acked_tx, _acked_rx) = watch::channel(0u64);
+        device("dev-1".into(), conn, acked_tx).await
+    })
+    .await
+    .context("the revoked certificate kept a session")?;
+    match again {
+        Err(e) => println!("reconnect refused at the handshake: {e}"),
+        Ok(again) => {
+            println!("reconnect refused: {again:?}");
+            assert_eq!(again.acked, 0, "the revoked certificate shipped data");
+        }
+    }
+    // The hub counts the closed session.
+    let hub = run.hub.clone();
+    wait_for("the closed session on /metrics", || {
+        metric(&hub, "tributary_hub_revoked_sessions_closed_total") == 1
+    })
+    .await?;
+    assert_eq!(metric(&run.hub, "tributary_hub_revocation_entries"), 1);
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_revocation_entries_invalid"),
+        0
+    );
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_revocation_entries_unmatched"),
+        0
+    );
+    // Nothing of the session became durable after the device saw it end.
+    assert_eq!(durable_seq(&run.hub, "dev-1"), held);
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_records_committed_total"),
+        committed
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_line_revokes_its_device_whole_and_is_counted() -> Result<()> {
+    let run = start().await?;
+    let (cert, _) = issue(&run.pki, "dev-2")?;
+    let mut session = ingesting(&run, "dev-2", &cert).await?;
+
+    // Edited by hand: a serial with a one-digit group (dev-2), and a well-formed serial nobody
+    // was issued (dev-3). The hub takes neither as written and says so.
+    let list = run.pki.join(core_hub::pki::REVOKED_FILE);
+    std::fs::write(&list, "dev-2 42:b:57\ndev-3 abcdef\n")?;
+    let ended = tokio::time::timeout(WAIT, &mut session)
+        .await
+        .context("the session of the unreadable line's device was not dropped")???;
+    assert_eq!(ended.code, Some(u64::from(ErrorCode::Revoked.to_u16())));
+    let hub = run.hub.clone();
+    wait_for("the invalid and unmatched lines on /metrics", || {
+        metric(&hub, "tributary_hub_revocation_entries_invalid") == 1
+            && metric(&hub, "tributary_hub_revocation_entries_unmatched") == 1
+    })
+    .await?;
+    println!(
+        "hand-edited list: dev-2 dropped with code {:?}, invalid 1, unmatched 1",
+        ended.code
+    );
+    Ok(())
+}
