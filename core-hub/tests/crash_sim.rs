@@ -32,8 +32,10 @@
 //! CI runs 1,000 runs over four tests; `TRIBUTARY_SOAK=1` runs 10,000.
 //!
 //! Mutation checks (feature `fault-injection`, on for this crate's tests): with the WAL
-//! directory fsync after a roll left out, or the file fsync before the catalog commit left
-//! out, the same checker fails on some seed.
+//! directory fsync after a roll left out, the file fsync before the catalog commit left out,
+//! or the directory fsync after a full disk cut files off left out (the bug this simulation
+//! found: a removed file came back after the crash and shadowed committed data), the same
+//! checker fails on some seed.
 
 use core_hub::catalog::{Catalog, DeviceId, StreamId};
 use core_hub::storage::{CrashInfo, CrashMode, Fault, FaultError, MemStorage, OpKind};
@@ -763,4 +765,9 @@ fn skipping_the_directory_fsync_after_a_roll_is_caught() {
 #[test]
 fn skipping_the_fsync_before_the_catalog_commit_is_caught() {
     mutation_is_caught(Mutation::SkipCommitSync, 200);
+}
+
+#[test]
+fn skipping_the_directory_fsync_after_cutting_files_off_is_caught() {
+    mutation_is_caught(Mutation::SkipCutDirSync, 400);
 }

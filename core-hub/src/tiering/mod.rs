@@ -227,7 +227,6 @@ pub struct Tiering {
     /// Serializes rounds (the loop, tests and `flush` may call `run_once`).
     round: tokio::sync::Mutex<()>,
     encode: EncodeOptions,
-    wal_dir: std::path::PathBuf,
 }
 
 impl std::fmt::Debug for Tiering {
@@ -310,13 +309,11 @@ impl Tiering {
     ) -> Result<Arc<Tiering>, TierOpenError> {
         store::init(hub.catalog())?;
         let store = open_store(&cfg.tier2)?;
-        let wal_dir = cfg.wal_dir();
         let recorded = store::tier1_floor(hub.catalog())?;
-        let files = crate::wal::list_wal_files(&wal_dir)?;
+        let files = hub.wal_reader().files()?;
         // Files below the recorded floor were evicted in the catalog; a crash kept them.
         for &f in files.iter().filter(|&&f| f < recorded) {
-            std::fs::remove_file(crate::wal::wal_file_path(&wal_dir, f))?;
-            hub.wal_reader().forget(f);
+            hub.wal_reader().evict(f)?;
         }
         let floor = files
             .iter()
@@ -334,7 +331,6 @@ impl Tiering {
             tiered_tx,
             round: tokio::sync::Mutex::new(()),
             encode: EncodeOptions::default(),
-            wal_dir,
         });
         t.install_gate();
         // Readers of the hub read evicted offsets through tier 2 (`crate::read::scan`).
@@ -773,8 +769,7 @@ impl Tiering {
     /// Step 3: deletes WAL files whose blocks are all tiered, oldest first, within retention.
     fn evict(&self) -> Result<u64, TierRunError> {
         let cat = self.hub.catalog();
-        let dir = self.hub_wal_dir();
-        let files = crate::wal::list_wal_files(&dir)?;
+        let files = self.hub.wal_reader().files()?;
         let Some((&active, older)) = files.split_last() else {
             return Ok(0);
         };
@@ -823,14 +818,7 @@ impl Tiering {
             }
             let ends: Vec<(StreamId, u64)> = ends.into_iter().collect();
             store::record_eviction(cat, &ends, next)?;
-            let path = crate::wal::wal_file_path(&dir, f);
-            let len = std::fs::metadata(&path).map_or(0, |m| m.len());
-            match std::fs::remove_file(&path) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e.into()),
-            }
-            self.hub.wal_reader().forget(f);
+            let len = self.hub.wal_reader().evict(f)?;
             self.floor.store(next, Ordering::Relaxed);
             self.stats.wal_files_evicted.fetch_add(1, Ordering::Relaxed);
             self.stats
@@ -839,10 +827,6 @@ impl Tiering {
             evicted += 1;
         }
         Ok(evicted)
-    }
-
-    fn hub_wal_dir(&self) -> std::path::PathBuf {
-        self.wal_dir.clone()
     }
 
     /// Step 4: deletes whole plan ranges beyond tier-2 retention (oldest first).

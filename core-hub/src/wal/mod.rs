@@ -418,13 +418,24 @@ pub enum Mutation {
     SkipRollDirSync,
     /// The committer does not fsync the WAL before the catalog commit.
     SkipCommitSync,
+    /// Cutting off a group after a full disk, or rewinding, removes files without the
+    /// directory fsync: a removed file may come back after a crash.
+    SkipCutDirSync,
 }
 
 impl WalTuning {
-    /// Whether `m` is switched on (never, without the `fault-injection` feature).
+    /// Whether `m` is switched on.
     #[cfg(feature = "fault-injection")]
     pub(crate) fn mutated(&self, m: Mutation) -> bool {
         self.mutation == m
+    }
+
+    /// Whether removals after a cut skip their directory fsync (a test-only mutation).
+    pub(crate) fn skip_cut_dir_sync(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.mutated(Mutation::SkipCutDirSync);
+        #[cfg(not(feature = "fault-injection"))]
+        false
     }
 }
 

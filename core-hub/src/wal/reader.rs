@@ -1,7 +1,7 @@
 //! Reads committed frames back by position, each verified by the one [`read_verified`]
 //! (the check recovery applies too, `format::verify_frame`).
 
-use super::format::{EntryHeader, FrameError, verify_frame, wal_file_path};
+use super::format::{EntryHeader, FrameError, list_wal_files_in, verify_frame, wal_file_path};
 use crate::catalog::BlockRow;
 use crate::storage::{RealStorage, Storage, StorageFile};
 use std::collections::HashMap;
@@ -78,6 +78,25 @@ impl WalReader {
         }
         files.insert(first, f.clone());
         Ok(f)
+    }
+
+    /// The WAL files, by first logical offset.
+    pub fn files(&self) -> std::io::Result<Vec<u64>> {
+        list_wal_files_in(&*self.storage, &self.dir)
+    }
+
+    /// Removes WAL file `first` once tiering has recorded its eviction, and forgets its
+    /// handle. Returns the bytes it held (0 if it was gone already). The removal needs no
+    /// directory fsync: should it not survive a crash, tiering removes the file again at open,
+    /// since it lies below the recorded tier-1 floor.
+    pub fn evict(&self, first: u64) -> std::io::Result<u64> {
+        let path = wal_file_path(&self.dir, first);
+        let len = self.storage.open(&path).map_or(0, |f| f.len());
+        self.forget(first);
+        match self.storage.remove(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+            r => r.map(|()| len),
+        }
     }
 
     /// Drops a cached handle, e.g. after tiering removed the file.
@@ -164,5 +183,9 @@ mod tests {
         let err = r.read_at(0, WAL_HEADER_LEN as u64, len - 1).unwrap_err();
         assert!(matches!(err, WalReadError::Corrupt { what, .. } if what.contains("length")));
         assert!(matches!(r.read_at(8, 0, len), Err(WalReadError::Io { .. })));
+        assert_eq!(r.files().unwrap(), vec![0]);
+        assert_eq!(r.evict(0).unwrap(), frame.len() as u64);
+        assert_eq!(r.evict(0).unwrap(), 0);
+        assert!(r.files().unwrap().is_empty());
     }
 }

@@ -66,8 +66,9 @@ enum Cut {
     /// bytes before the end are the committed ones, so nothing is re-verified; the truncation
     /// is not synced either (the bytes cut are past the committed end, where recovery drops
     /// them anyway). Removed files are: one that came back after a crash would start inside
-    /// the range the active file goes on to commit.
-    Rewind,
+    /// the range the active file goes on to commit. `sync_dir` is false only under a
+    /// test-only mutation.
+    Rewind { sync_dir: bool },
 }
 
 /// Brings `dir` on the real file system back to exactly the `committed_end` logical bytes the
@@ -87,13 +88,14 @@ pub fn recover_in(
 }
 
 /// Cuts the log back to `committed_end` while the hub runs: later files are removed and the
-/// active one is truncated. See [`Cut::Rewind`] for why it neither fsyncs nor re-verifies.
+/// active one is truncated. See [`Cut::Rewind`] for what it syncs and why it does not verify.
 pub(super) fn rewind(
     storage: &dyn Storage,
     dir: &Path,
     committed_end: u64,
+    sync_dir: bool,
 ) -> Result<Recovered, WalOpenError> {
-    cut_to(storage, dir, committed_end, Cut::Rewind)
+    cut_to(storage, dir, committed_end, Cut::Rewind { sync_dir })
 }
 
 /// The one cut both recovery and rewind make: the file holding `end` becomes the active file,
@@ -106,7 +108,7 @@ fn cut_to(
 ) -> Result<Recovered, WalOpenError> {
     let files = list_wal_files_in(storage, dir).map_err(open_io(dir))?;
     let Some(idx) = files.iter().rposition(|&f| f <= end) else {
-        if end != 0 || cut == Cut::Rewind {
+        if end != 0 || cut != Cut::Recover {
             let what = "no WAL file covers that offset".to_string();
             return Err(WalOpenError::Missing {
                 committed_end: end,
@@ -118,7 +120,7 @@ fn cut_to(
     let first = files[idx];
     let later = &files[idx + 1..];
     let mut dropped = remove_files(storage, dir, later)?;
-    if cut == Cut::Rewind && !later.is_empty() {
+    if cut == (Cut::Rewind { sync_dir: true }) && !later.is_empty() {
         // As after cutting off a group: the removals are durable before the log grows
         // again past where those files started (see `Writer::cut_group`).
         storage.sync_dir(dir).map_err(open_io(dir))?;
@@ -355,11 +357,11 @@ mod tests {
         let dir = Path::new("/wal");
         let rec = recover_in(&m, dir, 0).unwrap();
         rec.file.append(b"uncommitted").unwrap();
-        let rec = rewind(&m, dir, 0).unwrap();
+        let rec = rewind(&m, dir, 0, true).unwrap();
         assert_eq!(rec.dropped_bytes, 11);
         assert_eq!(rec.file.len(), WAL_HEADER_LEN as u64);
         assert!(matches!(
-            rewind(&m, Path::new("/none"), 0),
+            rewind(&m, Path::new("/none"), 0, true),
             Err(WalOpenError::Io { .. })
         ));
     }

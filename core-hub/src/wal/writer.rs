@@ -302,7 +302,7 @@ impl Writer {
                 r => removed |= r.is_ok(),
             }
         }
-        if removed {
+        if removed && !self.env.tuning.skip_cut_dir_sync() {
             // Durable before the log grows again: a removed file that came back after a crash
             // would start inside the range the active file goes on to commit, and recovery
             // would take it for the file holding the committed end.
@@ -392,7 +392,9 @@ impl Writer {
         // The committer commits nothing while a rewind is pending, so this end is final.
         let end = self.stats.committed_end.load(Ordering::Acquire);
         let streams = self.catalog.streams().map_err(|e| e.to_string())?;
-        let rec = rewind(&*self.env.storage, &self.dir, end).map_err(|e| e.to_string())?;
+        let sync_dir = !self.env.tuning.skip_cut_dir_sync();
+        let rec =
+            rewind(&*self.env.storage, &self.dir, end, sync_dir).map_err(|e| e.to_string())?;
         if rec.dropped_bytes > 0 {
             tracing::warn!(
                 bytes = rec.dropped_bytes,
