@@ -317,7 +317,10 @@ fn run_one(seed: u64, phases: &Phases) -> Result<(), String> {
         // Sometimes lose power again while recovering.
         if rng.random_bool(0.2) {
             mem.set_crash_at(mem.ops() + rng.random_range(1..40));
-            if let Ok((h, _)) = Log::open(cfg.clone(), storage.clone()) {
+            if let Ok((h, report)) = Log::open(cfg.clone(), storage.clone()) {
+                phases
+                    .holes_never_durable
+                    .fetch_add(report.holes_never_durable, Ordering::Relaxed);
                 h.shutdown();
             }
             mem.crash();
