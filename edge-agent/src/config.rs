@@ -114,8 +114,9 @@ pub struct TlsConfig {
     pub key: PathBuf,
 }
 
-/// `[http]`: the local ingest API, `/healthz`, `/metrics` and `/v1/status`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// `[http]`: the local ingest API, `/healthz`, `/metrics` and `/v1/status`. Its `Debug` shows
+/// the token as `<redacted>`: configs end up in logs.
+#[derive(Clone, PartialEq, Eq)]
 pub struct HttpConfig {
     pub listen: SocketAddr,
     /// Larger request bodies get 413.
@@ -125,6 +126,36 @@ pub struct HttpConfig {
     /// Timeouts, caps and allowed hosts (`http.header_timeout` ... `http.allowed_hosts`); its
     /// `body_bytes_max` is the one above.
     pub limits: crate::http::limits::HttpLimits,
+}
+
+/// What a `Debug` of a configuration shows instead of a secret.
+pub const REDACTED: &str = "<redacted>";
+
+impl std::fmt::Debug for HttpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HttpConfig")
+            .field("listen", &self.listen)
+            .field("body_bytes_max", &self.body_bytes_max)
+            .field("token", &self.token.as_ref().map(|_| REDACTED))
+            .field("limits", &self.limits)
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for RawHttp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawHttp")
+            .field("listen", &self.listen)
+            .field("body_bytes_max", &self.body_bytes_max)
+            .field("token", &self.token.as_ref().map(|_| REDACTED))
+            .field("header_timeout", &self.header_timeout)
+            .field("body_timeout", &self.body_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("connections_max", &self.connections_max)
+            .field("requests_max", &self.requests_max)
+            .field("allowed_hosts", &self.allowed_hosts)
+            .finish()
+    }
 }
 
 /// Default `http.connections_max` of the agent.
@@ -459,7 +490,7 @@ struct RawTls {
     key: Option<String>,
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawHttp {
     listen: Option<String>,
@@ -1402,5 +1433,34 @@ fn block_version(v: Option<String>, default: u8) -> Result<u8, ConfigError> {
             "storage.block_version",
             format!("expected 1 (rows) | 2 (columnar), found {other:?}"),
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_the_ingest_token() {
+        let token = "edge-token-0123456789abcdef";
+        let text = format!(
+            "data_dir = \"data\"\n[http]\ntoken = \"{token}\"\n[[streams]]\nname = \"telemetry\"\n"
+        );
+        let raw: RawConfig = config::Config::builder()
+            .add_source(config::File::from_str(&text, config::FileFormat::Toml))
+            .build()
+            .and_then(|c| c.try_deserialize())
+            .unwrap();
+        let typed = EdgeConfig::from_toml(&text, Path::new("/etc/tributary"), None).unwrap();
+        assert_eq!(typed.http.token.as_deref(), Some(token));
+        for shown in [
+            format!("{typed:?}"),
+            format!("{typed:#?}"),
+            format!("{raw:?}"),
+        ] {
+            assert!(!shown.contains(token), "the token in {shown}");
+            assert!(shown.contains(REDACTED), "nothing redacted in {shown}");
+            assert!(shown.contains("telemetry"), "the rest still shows: {shown}");
+        }
     }
 }
