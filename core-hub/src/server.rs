@@ -130,11 +130,47 @@ pub struct Server {
     pub local_addr: SocketAddr,
 }
 
+/// Test-only switches that leave one revocation guard out, so the revocation suite can prove
+/// it catches the bug (`core-hub/tests/revocation.rs`). Only [`Mutation::None`] exists without
+/// the `fault-injection` feature.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mutation {
+    #[default]
+    None,
+    /// Live sessions are checked against revoked devices only, not serials.
+    #[cfg(feature = "fault-injection")]
+    RevokeByDeviceOnly,
+    /// The Error frame of a closed session goes out before its commits settled.
+    #[cfg(feature = "fault-injection")]
+    CloseBeforeSettle,
+}
+
 /// Binds the QUIC listener and serves devices until `shutdown` flips to true.
 pub async fn start(
     cfg: &HubConfig,
     hub: Arc<Hub>,
+    shutdown: watch::Receiver<bool>,
+) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
+    start_mutated(cfg, hub, shutdown, Mutation::None).await
+}
+
+/// As [`start`], with a test-only [`Mutation`] (feature `fault-injection`).
+#[cfg(feature = "fault-injection")]
+pub async fn start_with_mutation(
+    cfg: &HubConfig,
+    hub: Arc<Hub>,
+    shutdown: watch::Receiver<bool>,
+    mutation: Mutation,
+) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
+    tracing::error!(?mutation, "TEST-ONLY MUTATION: a revocation guard is off");
+    start_mutated(cfg, hub, shutdown, mutation).await
+}
+
+async fn start_mutated(
+    cfg: &HubConfig,
+    hub: Arc<Hub>,
     mut shutdown: watch::Receiver<bool>,
+    mutation: Mutation,
 ) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
     let tls_paths = cfg.tls.as_ref().ok_or(ServeError::NoTls)?;
     let revocations =
@@ -198,6 +234,7 @@ pub async fn start(
                 receiver_cfg: receiver_cfg.clone(),
                 connections: connections.clone(),
                 clock,
+                mutation,
             };
             tokio::spawn(async move {
                 if let Err(e) = connection(ctx, incoming).await {
@@ -299,6 +336,7 @@ struct ConnCtx {
     /// One permit per connection the budget share allows.
     connections: Arc<Semaphore>,
     clock: StdInstant,
+    mutation: Mutation,
 }
 
 /// A connection's reservation: its slot among connections and its bytes of the ingest budget.
@@ -427,6 +465,27 @@ impl ConnCtx {
     fn now(&self) -> Instant {
         Instant::from_nanos(self.clock.elapsed().as_nanos() as u64)
     }
+
+    /// Whether this session's certificate is revoked now, by device or by serial.
+    fn revoked(&self, device: &str, leaf: &CertificateDer<'_>) -> bool {
+        let list = self.revocations.current();
+        #[cfg(feature = "fault-injection")]
+        if self.mutation == Mutation::RevokeByDeviceOnly {
+            return list.is_revoked(device);
+        }
+        let _ = device;
+        list.is_cert_revoked(leaf)
+    }
+
+    /// Whether a closed session's Error frame may go out before its commits settled.
+    fn close_before_settle(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self.mutation == Mutation::CloseBeforeSettle {
+            return true;
+        }
+        let _ = self.mutation;
+        false
+    }
 }
 
 /// The device id and the leaf certificate (for revocation checks) the handshake verified.
@@ -527,7 +586,7 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
         let mut progressed = false;
         // Once closed, the Error frame waits for the end below, after the session's commits
         // settled: the device must not see the end while its records are still landing.
-        while !rx.is_closed()
+        while (!rx.is_closed() || ctx.close_before_settle())
             && let Some(t) = rx.poll_transmit()
         {
             progressed = true;
@@ -618,7 +677,7 @@ async fn connection(mut ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), S
             Ok(()) = tiered_rx.changed() => push_tiered(&ctx, &device, &mut rx),
             _ = ctx.revoke_rx.changed() => {
                 // By device or by this certificate's serial: the list names either.
-                if ctx.revocations.current().is_cert_revoked(&leaf) {
+                if ctx.revoked(&device, &leaf) {
                     tracing::warn!(%device, "certificate revoked; disconnecting");
                     rx.close(ctx.now(), ErrorCode::Revoked, "certificate revoked");
                 }

@@ -8,11 +8,16 @@
 //! - A line edited by hand whose serial cannot be read revokes that device whole (fail closed)
 //!   and is counted as invalid; a serial that matches no issued certificate is counted as
 //!   unmatched.
+//! - Mutation checks (`core_hub::server::Mutation`, feature `fault-injection`): with live
+//!   sessions checked by device only, the session revoked by serial keeps committing; with the
+//!   close sent before the session's commits settled, records land after the device saw the
+//!   drop. Each proves the test above fails without its guard.
 
 mod common;
 
 use anyhow::{Context, Result, bail, ensure};
 use core_hub::config::TlsPaths;
+use core_hub::server::Mutation;
 use core_hub::{Hub, HubConfig};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -42,6 +47,10 @@ struct Running {
 }
 
 async fn start() -> Result<Running> {
+    start_with(Mutation::None).await
+}
+
+async fn start_with(mutation: Mutation) -> Result<Running> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
@@ -61,7 +70,10 @@ async fn start() -> Result<Running> {
     });
     let hub = Hub::open(&cfg)?;
     let (stop, stop_rx) = watch::channel(false);
-    let (server, _task) = core_hub::server::start(&cfg, hub.clone(), stop_rx).await?;
+    let (server, _task) = match mutation {
+        Mutation::None => core_hub::server::start(&cfg, hub.clone(), stop_rx).await?,
+        m => core_hub::server::start_with_mutation(&cfg, hub.clone(), stop_rx, m).await?,
+    };
     Ok(Running {
         _dir: dir,
         pki,
@@ -249,12 +261,11 @@ fn durable_seq(hub: &Hub, device: &str) -> u64 {
         .map_or(0, |m| m.durable_seq)
 }
 
+/// A device session running on its own task, and the acks it got.
+type Session = (tokio::task::JoinHandle<Result<Ended>>, watch::Receiver<u64>);
+
 /// Starts `name`'s device and waits until the hub acknowledged a few blocks.
-async fn ingesting(
-    run: &Running,
-    name: &str,
-    cert: &Path,
-) -> Result<tokio::task::JoinHandle<Result<Ended>>> {
+async fn ingesting(run: &Running, name: &str, cert: &Path) -> Result<Session> {
     let conn = connect(run.quic, cert).await?;
     let (acked_tx, mut acked_rx) = watch::channel(0u64);
     let task = tokio::spawn(device(name.to_string(), conn, acked_tx));
@@ -262,14 +273,14 @@ async fn ingesting(
     tokio::time::timeout(WAIT, acked_rx.wait_for(|&a| a >= target))
         .await
         .context("the device was not acknowledged in time")??;
-    Ok(task)
+    Ok((task, acked_rx))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoking_by_serial_in_colon_form_drops_the_live_session() -> Result<()> {
     let run = start().await?;
     let (cert, serial) = issue(&run.pki, "dev-1")?;
-    let mut session = ingesting(&run, "dev-1", &cert).await?;
+    let (mut session, _) = ingesting(&run, "dev-1", &cert).await?;
     assert_eq!(
         metric(&run.hub, "tributary_hub_revoked_sessions_closed_total"),
         0
@@ -345,7 +356,7 @@ async fn revoking_by_serial_in_colon_form_drops_the_live_session() -> Result<()>
 async fn an_unreadable_line_revokes_its_device_whole_and_is_counted() -> Result<()> {
     let run = start().await?;
     let (cert, _) = issue(&run.pki, "dev-2")?;
-    let mut session = ingesting(&run, "dev-2", &cert).await?;
+    let (mut session, _) = ingesting(&run, "dev-2", &cert).await?;
 
     // Edited by hand: a serial with a one-digit group (dev-2), and a well-formed serial nobody
     // was issued (dev-3). The hub takes neither as written and says so.
@@ -366,4 +377,76 @@ async fn an_unreadable_line_revokes_its_device_whole_and_is_counted() -> Result<
         ended.code
     );
     Ok(())
+}
+
+/// Revokes `device`'s certificate `serial` in colon form through the CLI.
+fn revoke_serial(run: &Running, device: &str, serial: &str) -> Result<()> {
+    let pki = run.pki.display().to_string();
+    let colon = colon_form(serial);
+    let out = core_hub_cli(&[
+        "pki", "revoke", "--dir", &pki, "--device", device, "--serial", &colon,
+    ])?;
+    ensure!(
+        out.status.success(),
+        "pki revoke: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_with_serials_unchecked_the_revoked_session_keeps_committing() -> Result<()> {
+    let run = start_with(Mutation::RevokeByDeviceOnly).await?;
+    let (cert, serial) = issue(&run.pki, "dev-1")?;
+    let (session, mut acked) = ingesting(&run, "dev-1", &cert).await?;
+    revoke_serial(&run, "dev-1", &serial)?;
+    let hub = run.hub.clone();
+    wait_for("the hub to load the revocation", || {
+        metric(&hub, "tributary_hub_revocation_entries") == 1
+    })
+    .await?;
+    // Far more than the blocks in flight: only a session that was not dropped gets there.
+    let at_reload = *acked.borrow();
+    let target = at_reload + 10 * IN_FLIGHT_BLOCKS * RECORDS_PER_BLOCK;
+    tokio::time::timeout(WAIT, acked.wait_for(|&a| a >= target))
+        .await
+        .context("the mutation did not take: the session was dropped")??;
+    println!("serials unchecked: acked {at_reload} at the reload, {target}+ after it");
+    assert!(!session.is_finished());
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_revoked_sessions_closed_total"),
+        0
+    );
+    session.abort();
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_closing_before_commits_settle_lands_records_after_the_drop() -> Result<()> {
+    // Whether a commit is in flight at the revocation is timing: rounds until one is.
+    let rounds = 30;
+    for round in 1..=rounds {
+        let run = start_with(Mutation::CloseBeforeSettle).await?;
+        let (cert, serial) = issue(&run.pki, "dev-1")?;
+        let (session, _) = ingesting(&run, "dev-1", &cert).await?;
+        revoke_serial(&run, "dev-1", &serial)?;
+        tokio::time::timeout(WAIT, session)
+            .await
+            .context("the revoked session was not dropped")???;
+        let held = durable_seq(&run.hub, "dev-1");
+        let hub = run.hub.clone();
+        // The hub counts the close once the session's commits settled.
+        wait_for("the closed session on /metrics", || {
+            metric(&hub, "tributary_hub_revoked_sessions_closed_total") == 1
+        })
+        .await?;
+        let later = durable_seq(&run.hub, "dev-1");
+        if later > held {
+            println!(
+                "close before settle: round {round}: durable {held} at the drop, {later} after it"
+            );
+            return Ok(());
+        }
+    }
+    bail!("in {rounds} rounds no record landed after the drop: the mutation proves nothing")
 }
