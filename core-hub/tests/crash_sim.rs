@@ -1,6 +1,10 @@
 //! Simulated power loss under the hub's tier-1 WAL: seeded runs on `MemStorage`, each
 //! crashing the log several times while devices append through group commit.
 //!
+//! Producers follow ingest's contract with the WAL: a lane's block is queued under the lane's
+//! lock, and only while no earlier block of the lane has failed (the failure's callback takes
+//! the same lock), which is what lets the writer fail every dependent request after a failure.
+//!
 //! Each run draws a small config (segments of a few KiB so files roll, a linger of 0-200 µs so
 //! groups hold one or several requests) and, per cycle, one fault: a power cut at a random
 //! storage operation, an EIO on one operation kind, ENOSPC from a capacity just above what
@@ -50,9 +54,9 @@ use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const SHARDS: u64 = 4;
@@ -367,15 +371,33 @@ impl Sim {
                 continue;
             }
             let mut seq = self.model.next_seq(lane);
+            let blocks: Vec<AppendRequestInfo> = (0..self.rng.random_range(1..=3))
+                .map(|_| {
+                    let info = self.block(lane, seq);
+                    seq += u64::from(info.count);
+                    info
+                })
+                .collect();
+            // As ingest does: a lane's block is queued under the lane's lock, and only while
+            // no earlier block of the lane has failed (a failure's callback takes the lock).
+            let failed = Arc::new(Mutex::new(false));
             let mut infos = Vec::new();
-            for _ in 0..self.rng.random_range(1..=3) {
-                let info = self.block(lane, seq);
-                seq += u64::from(info.count);
-                let tx = tx.clone();
-                let idx = n;
-                wal.append(info.request(Box::new(move |r| {
+            for info in blocks {
+                let lane_lock = failed.lock().expect("lane lock");
+                if *lane_lock {
+                    break;
+                }
+                let (tx, idx, f) = (tx.clone(), n, failed.clone());
+                let req = info.request(Box::new(move |r| {
+                    if r.is_err() {
+                        *f.lock().expect("lane lock") = true;
+                    }
                     let _ = tx.send((idx, r));
-                })));
+                }));
+                if let Err(req) = wal.try_append(req) {
+                    drop(lane_lock);
+                    (req.done)(Err(CommitError::Stopped));
+                }
                 infos.push((info, idx));
                 n += 1;
             }
