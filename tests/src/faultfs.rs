@@ -124,6 +124,16 @@ impl FaultFs {
     }
 }
 
+impl Drop for FaultFs {
+    fn drop(&mut self) {
+        if let Some(session) = self.session.take() {
+            // A process still using the mount (a test that failed before it killed it) makes a
+            // plain unmount fail; the lazy fallback detaches the mount all the same.
+            let _ = unmount(session, &self.mountpoint);
+        }
+    }
+}
+
 /// Unmounts; falls back to a lazy unmount when something still holds the mount (the kernel
 /// then detaches it at once and the new mount takes the path).
 fn unmount(session: BackgroundSession, mountpoint: &Path) -> Result<()> {

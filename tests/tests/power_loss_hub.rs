@@ -56,7 +56,11 @@ struct Landed {
 fn hub_survives_power_cuts() -> Result<()> {
     let seed = seed();
     println!("power_loss_hub seed {seed} (replay with TRIBUTARY_SEED={seed})");
-    let (cuts, records) = if soak() { (500, 1_000_000) } else { (12, 60_000) };
+    let (cuts, records) = if soak() {
+        (500, 1_000_000)
+    } else {
+        (12, 60_000)
+    };
     run(seed, cuts, records).with_context(|| {
         format!(
             "seed {seed}: replay with TRIBUTARY_SEED={seed} cargo test -p tributary-tests --features power-loss \
@@ -65,14 +69,15 @@ fn hub_survives_power_cuts() -> Result<()> {
     })
 }
 
+/// Fields drop in order: the processes are killed before the filesystem under the hub unmounts.
 struct Cluster {
-    fs: FaultFs,
     hub_spec: HubSpec,
     hub: Proc,
     agent_spec: AgentSpec,
     agent: Proc,
     catalog: std::path::PathBuf,
     tier2_dir: std::path::PathBuf,
+    fs: FaultFs,
 }
 
 fn start(root: &Path) -> Result<Cluster> {
@@ -96,13 +101,13 @@ fn start(root: &Path) -> Result<Cluster> {
     let agent = agent_spec.start()?;
     let catalog = hub_spec.data_dir.join("catalog.sqlite");
     Ok(Cluster {
-        fs,
         hub_spec,
         hub,
         agent_spec,
         agent,
         catalog,
         tier2_dir,
+        fs,
     })
 }
 
