@@ -24,7 +24,9 @@
 //! - `GET /v1/status`: [`StatusReport`] as JSON.
 //!
 //! When `http.token` is set, ingest and `/v1/status` require `Authorization: Bearer <token>`;
-//! `/healthz` and `/metrics` stay open for probes and scrapers and reveal no data.
+//! `/healthz` and `/metrics` stay open for probes and scrapers and reveal no data. The token is
+//! checked on the head, before a byte of the body is read; every route is behind the Host/Origin
+//! check, the timeouts and the caps of [`limits`] (`http.header_timeout` ... `http.allowed_hosts`).
 
 pub mod client;
 pub mod idempotency;
