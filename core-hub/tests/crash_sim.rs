@@ -661,7 +661,7 @@ fn run_one(seed: u64, mutation: Mutation, phases: &Phases) -> Result<(), String>
         }
         phases.power_cuts.fetch_add(1, Ordering::Relaxed);
     }
-    let _ = sim.open(phases).map(stop)?;
+    sim.open(phases).map(stop)?;
     check(&mut sim)?;
     let acked: usize = sim.model.lanes.values().map(Vec::len).sum();
     phases.acked.fetch_add(acked as u64, Ordering::Relaxed);

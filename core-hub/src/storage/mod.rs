@@ -109,7 +109,7 @@ struct RealFile {
 }
 
 impl RealFile {
-    fn new(file: File) -> io::Result<Arc<dyn StorageFile>> {
+    fn shared(file: File) -> io::Result<Arc<dyn StorageFile>> {
         let len = AtomicU64::new(file.metadata()?.len());
         Ok(Arc::new(RealFile { file, len }))
     }
@@ -164,10 +164,10 @@ fn open_rw(path: &Path, create: bool) -> io::Result<File> {
 
 impl Storage for RealStorage {
     fn create(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        RealFile::new(open_rw(path, true)?)
+        RealFile::shared(open_rw(path, true)?)
     }
     fn open(&self, path: &Path) -> io::Result<Arc<dyn StorageFile>> {
-        RealFile::new(open_rw(path, false)?)
+        RealFile::shared(open_rw(path, false)?)
     }
     fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
         open_rw(path, false)?.set_len(len)

@@ -453,11 +453,12 @@ impl Writer {
     ) -> Result<(), CommitError> {
         let frame = frame_len(a.block.len()) as u64;
         let pending = self.file_len + group.buf.len() as u64;
-        if pending > WAL_HEADER_LEN as u64 && pending + frame > self.cfg.segment_bytes_max {
-            if let Err(e) = self.flush(group).and_then(|()| self.roll()) {
-                (a.done)(Err(e.clone()));
-                return Err(e);
-            }
+        if pending > WAL_HEADER_LEN as u64
+            && pending + frame > self.cfg.segment_bytes_max
+            && let Err(e) = self.flush(group).and_then(|()| self.roll())
+        {
+            (a.done)(Err(e.clone()));
+            return Err(e);
         }
         let next = self.next_offset.entry(a.stream).or_insert(0);
         let base = *next;
