@@ -212,10 +212,8 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
     let service = ConcurrencyLimit::new(router, guard.limits.requests_max.max(1));
-    let slots = guard
-        .limits
-        .connections_max
-        .clamp(1, Semaphore::MAX_PERMITS);
+    // `acquire_many` at shutdown takes a u32.
+    let slots = guard.limits.connections_max.clamp(1, u32::MAX as usize);
     let free = Arc::new(Semaphore::new(slots));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
