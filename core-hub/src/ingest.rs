@@ -648,14 +648,20 @@ impl Hub {
                 "{DISABLE_DEDUPE_ENV}=1: DEDUPLICATION IS OFF, resent blocks are stored twice (test-only mutation switch)"
             );
         }
-        std::fs::create_dir_all(&cfg.data_dir).map_err(|source| OpenError::DataDir {
+        let data_dir_err = |source| OpenError::DataDir {
             path: cfg.data_dir.clone(),
             source,
-        })?;
+        };
+        crate::storage::create_dir_durable(&cfg.data_dir).map_err(data_dir_err)?;
         let lock = lock_data_dir(&cfg.data_dir)?;
         // Readers skip what an earlier run quarantined from the first read on.
         crate::scrub::install_quarantine(&cfg.data_dir);
         let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
+        // SQLite syncs the catalog's contents, not its directory entries (the database and its
+        // `-wal` file): they are made durable here, before anything is committed into them.
+        std::fs::File::open(&cfg.data_dir)
+            .and_then(|d| d.sync_all())
+            .map_err(data_dir_err)?;
         let streams = catalog.streams()?;
         let offsets = streams.iter().map(|s| (s.id, s.next_offset)).collect();
         // Before the writer starts, so the readable ends it loads are the committed ends.

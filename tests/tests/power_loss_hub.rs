@@ -63,7 +63,7 @@ fn hub_survives_power_cuts() -> Result<()> {
     };
     run(seed, cuts, records).with_context(|| {
         format!(
-            "seed {seed}: replay with TRIBUTARY_SEED={seed} cargo test -p tributary-tests --features power-loss \
+            "seed {seed}: replay with TRIBUTARY_SEED={seed} cargo test -p tributary-tests \
              --test power_loss_hub"
         )
     })

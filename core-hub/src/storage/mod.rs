@@ -78,7 +78,9 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
     /// Removes a file. Durable after `sync_dir` of its parent.
     fn remove(&self, path: &Path) -> io::Result<()>;
-    /// Creates a directory and its parents.
+    /// Creates a directory and its parents, durably: every level it creates is synced into
+    /// its parent before this returns, so a power cut cannot take a directory away from
+    /// files that were synced into it.
     fn create_dir(&self, dir: &Path) -> io::Result<()>;
     /// Makes the directory's entries durable.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
@@ -99,6 +101,29 @@ impl RealStorage {
     pub fn shared() -> Arc<dyn Storage> {
         Arc::new(RealStorage)
     }
+}
+
+/// `fs::create_dir_all`, with each directory it creates synced into its parent (top down), so
+/// the new entries survive a power cut. Levels that already existed are not synced again.
+pub fn create_dir_durable(dir: &Path) -> io::Result<()> {
+    let missing: Vec<&Path> = dir
+        .ancestors()
+        .filter(|a| !a.as_os_str().is_empty())
+        .take_while(|a| !a.is_dir())
+        .collect();
+    for level in missing.iter().rev() {
+        match fs::create_dir(level) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && level.is_dir() => continue,
+            Err(e) => return Err(e),
+        }
+        let parent = match level.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p,
+            _ => Path::new("."),
+        };
+        File::open(parent)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// A real file with its length tracked, so appends need no seek (`pwrite` at the end).
@@ -179,7 +204,7 @@ impl Storage for RealStorage {
         fs::remove_file(path)
     }
     fn create_dir(&self, dir: &Path) -> io::Result<()> {
-        fs::create_dir_all(dir)
+        create_dir_durable(dir)
     }
     fn sync_dir(&self, dir: &Path) -> io::Result<()> {
         File::open(dir)?.sync_all()
