@@ -17,5 +17,9 @@ pub const BODY_BYTES_MAX: usize = 64 << 10;
 
 /// The hub's defaults.
 pub fn default_limits() -> HttpLimits {
-    HttpLimits::new(DEFAULT_CONNECTIONS_MAX, DEFAULT_REQUESTS_MAX, BODY_BYTES_MAX)
+    HttpLimits::new(
+        DEFAULT_CONNECTIONS_MAX,
+        DEFAULT_REQUESTS_MAX,
+        BODY_BYTES_MAX,
+    )
 }

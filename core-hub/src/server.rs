@@ -449,11 +449,12 @@ fn try_reserve(hub: &Hub, bytes: u64) -> Option<OwnedSemaphorePermit> {
 async fn next_data(ahead: &mut std::collections::VecDeque<tokio::task::JoinHandle<Data>>) -> Data {
     match ahead.front_mut() {
         Some(task) => {
-            let data = task
-                .await
-                .unwrap_or_else(|e| {
-                    Data::BadBlock(ErrorCode::BadBlock, format!("reading a data stream failed: {e}"))
-                });
+            let data = task.await.unwrap_or_else(|e| {
+                Data::BadBlock(
+                    ErrorCode::BadBlock,
+                    format!("reading a data stream failed: {e}"),
+                )
+            });
             ahead.pop_front();
             data
         }

@@ -6,9 +6,11 @@ mod common;
 
 use core_hub::api;
 use core_hub::completeness::CompletenessConfig;
+use core_hub::config::HttpConfig;
 use serde_json::Value;
 
 const TOKEN: &str = "0123456789abcdef0123";
+const ADMIN: &str = "admin-0123456789abcdef";
 
 async fn cli(args: &[&str]) -> (bool, String, String) {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_core-hub"))
@@ -35,14 +37,17 @@ async fn devices_retire_and_streams() {
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
-    let router = api::router_with(
-        hub.clone(),
-        vec![TOKEN.into()],
-        CompletenessConfig::default(),
-    );
+    let http = HttpConfig {
+        reader_tokens: vec![TOKEN.into()],
+        admin_tokens: vec![ADMIN.into()],
+        ..HttpConfig::default()
+    };
+    let guard = api::guard(&http);
+    let router = api::router_for(hub.clone(), &http, CompletenessConfig::default(), guard);
     tokio::spawn(api::serve(listener, router, std::future::pending()));
 
-    // The reader token is enforced on the API; /healthz and /metrics stay open.
+    // The reader token is enforced on the API and on /metrics (which lists every device);
+    // /healthz stays open.
     let (ok, _, err) = cli(&["devices", "--url", &url]).await;
     assert!(!ok);
     assert!(err.contains("401"), "{err}");
@@ -56,6 +61,14 @@ async fn devices_retire_and_streams() {
     );
     assert_eq!(
         core_hub::client::get(&target, "/metrics")
+            .await
+            .unwrap()
+            .status,
+        401
+    );
+    let reader = core_hub::client::ApiTarget::parse(&url, Some(TOKEN.into())).unwrap();
+    assert_eq!(
+        core_hub::client::get(&reader, "/metrics")
             .await
             .unwrap()
             .status,
@@ -84,8 +97,15 @@ async fn devices_retire_and_streams() {
             .all(|d| d["retired"] == false)
     );
 
-    let (ok, out, err) = cli(&[
+    // Retiring is an admin action: a reader token is refused.
+    let (ok, _, err) = cli(&[
         "devices", "retire", "van-2", "--url", &url, "--token", TOKEN,
+    ])
+    .await;
+    assert!(!ok);
+    assert!(err.contains("401") && err.contains("admin"), "{err}");
+    let (ok, out, err) = cli(&[
+        "devices", "retire", "van-2", "--url", &url, "--token", ADMIN,
     ])
     .await;
     assert!(ok, "{err}");
@@ -102,13 +122,13 @@ async fn devices_retire_and_streams() {
         .collect();
     assert_eq!(retired, vec!["van-2"]);
     let (ok, _, err) = cli(&[
-        "devices", "retire", "ghost", "--url", &url, "--token", TOKEN,
+        "devices", "retire", "ghost", "--url", &url, "--token", ADMIN,
     ])
     .await;
     assert!(!ok);
     assert!(err.contains("404"), "{err}");
     let (ok, _, err) = cli(&[
-        "devices", "retire", "van-2", "--undo", "--url", &url, "--token", TOKEN,
+        "devices", "retire", "van-2", "--undo", "--url", &url, "--token", ADMIN,
     ])
     .await;
     assert!(ok, "{err}");

@@ -567,10 +567,17 @@ async fn a_decoded_size_bomb_is_refused_and_honest_devices_are_served() {
     let bomb = common::key_bomb(1, 1, 16 << 10, 1_000_000);
     assert!(bomb.len() < 512, "{} bytes", bomb.len());
     let limit = hub.decode_limits().decoded_bytes_max;
-    assert_eq!(limit, 256 << 20, "the default ingest.block_decoded_bytes_max");
+    assert_eq!(
+        limit,
+        256 << 20,
+        "the default ingest.block_decoded_bytes_max"
+    );
     for _ in 0..2 {
         // The agent resends what it holds; each attempt is refused the same way, cheaply.
-        let err = hub.commit_block("bad", "telemetry", &bomb).await.unwrap_err();
+        let err = hub
+            .commit_block("bad", "telemetry", &bomb)
+            .await
+            .unwrap_err();
         assert_eq!(
             err,
             IngestError::DecodedTooLarge {
@@ -612,8 +619,17 @@ async fn the_budget_is_charged_with_the_decoded_size() {
     assert!(size > 4_000_000, "{size}");
     let cfg = config(dir.path(), |c| c.ingest.block_decoded_bytes_max = size - 1);
     let hub = Hub::open(&cfg).unwrap();
-    let err = hub.commit_block("d1", "telemetry", &heavy).await.unwrap_err();
-    assert_eq!(err, IngestError::DecodedTooLarge { size, limit: size - 1 });
+    let err = hub
+        .commit_block("d1", "telemetry", &heavy)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err,
+        IngestError::DecodedTooLarge {
+            size,
+            limit: size - 1
+        }
+    );
     drop(hub);
     let cfg = config(dir.path(), |c| c.ingest.block_decoded_bytes_max = size);
     let hub = Hub::open(&cfg).unwrap();
@@ -634,9 +650,18 @@ async fn the_budget_is_charged_with_the_decoded_size() {
     while hub.memory().available_permits() > 0 && std::time::Instant::now() < deadline {
         tokio::task::yield_now().await;
     }
-    assert!(!submit.is_finished(), "the block committed on an estimate below its size");
+    assert!(
+        !submit.is_finished(),
+        "the block committed on an estimate below its size"
+    );
     drop(held);
     let out = submit.await.unwrap().unwrap();
-    assert!(matches!(out, CommitOutcome::Committed { durable_seq: 1000, .. }));
+    assert!(matches!(
+        out,
+        CommitOutcome::Committed {
+            durable_seq: 1000,
+            ..
+        }
+    ));
     assert_eq!(hub.memory_in_use_bytes(), 0);
 }

@@ -335,7 +335,8 @@ async fn raw_request(target: &ApiTarget, method: &str, path: &str) -> String {
     let mut s = tokio::net::TcpStream::connect(&target.authority)
         .await
         .unwrap();
-    let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    let host = &target.authority;
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await.unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).await.unwrap();

@@ -606,7 +606,8 @@ fn a_decoded_size_bomb_is_refused_with_its_own_code_and_the_rest_served() -> Res
         // As the agent does, it comes back and sends the block again.
         let mut reasons = Vec::new();
         for _ in 0..2 {
-            let session = RawSession::open(hub_spec.quic, &bad_cert, lane(77, 1, 1_000_000)).await?;
+            let session =
+                RawSession::open(hub_spec.quic, &bad_cert, lane(77, 1, 1_000_000)).await?;
             session.send_data(&block_frame(bomb.clone())).await?;
             reasons.push(session.closed(WAIT).await?);
         }
@@ -625,14 +626,20 @@ fn a_decoded_size_bomb_is_refused_with_its_own_code_and_the_rest_served() -> Res
     }
     assert!(hub.is_running(), "the hub died\n{}", hub.log_tail(30));
     let rss_after = rss(hub.pid())?;
-    let refused = cluster::fetch_metric(hub_spec.http, "tributary_hub_decoded_too_large_blocks_total")?;
+    let refused = cluster::fetch_metric(
+        hub_spec.http,
+        "tributary_hub_decoded_too_large_blocks_total",
+    )?;
     assert_eq!(refused, 2.0, "each refusal is counted");
 
     ingest(&producer, &mut ledger, STREAM, &batch("post", 1_000, 1_000))?;
     let status = cluster::wait_caught_up(spec.http, WAIT).with_context(|| agent.log_tail(20))?;
     assert_eq!(cluster::link(&status), "up");
     let observed = cluster::read_stream(hub_spec.http, STREAM)?;
-    assert!(observed.iter().all(|r| r.device == "dev-good"), "the bomb was stored");
+    assert!(
+        observed.iter().all(|r| r.device == "dev-good"),
+        "the bomb was stored"
+    );
     let report = ledger.check(observed);
     assert!(report.is_ok(), "{}", report.summary());
     println!(
@@ -641,7 +648,10 @@ fn a_decoded_size_bomb_is_refused_with_its_own_code_and_the_rest_served() -> Res
         rss_before >> 20,
         rss_after >> 20
     );
-    assert!(rss_after < rss_before + (256 << 20), "hub RSS grew from {rss_before} to {rss_after}");
+    assert!(
+        rss_after < rss_before + (256 << 20),
+        "hub RSS grew from {rss_before} to {rss_after}"
+    );
     agent.kill9()?;
     Ok(())
 }

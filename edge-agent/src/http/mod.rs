@@ -149,7 +149,10 @@ pub fn router(app: Arc<AppState>) -> Router {
         .route("/v1/streams/{stream}/records", post(post_records))
         .route("/v1/status", get(get_status));
     #[cfg(feature = "fault-injection")]
-    if app.body_before_token.load(std::sync::atomic::Ordering::Relaxed) {
+    if app
+        .body_before_token
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
         return finish(protected.route_layer(token).route_layer(read_body), app);
     }
     // The token is checked before a byte of the body is read (`limits::read_body`).
