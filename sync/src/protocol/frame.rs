@@ -85,6 +85,10 @@ pub enum ErrorCode {
     /// `ingest.block_decoded_bytes_max` (their decoded size, computed before decoding them).
     /// Resending the same block cannot succeed.
     DecodedTooLarge,
+    /// A per-device state quota (streams, epochs or lanes per device, columns per stream) would
+    /// be exceeded: the hub created nothing for it. The message names the stream between
+    /// backticks first and the limit's key; the device's other lanes are unaffected.
+    QuotaExceeded,
     /// A code this build does not know; kept so that newer peers' codes are reported.
     Unknown(u16),
 }
@@ -108,6 +112,7 @@ impl ErrorCode {
             ErrorCode::Revoked => 13,
             ErrorCode::StorageFull => 14,
             ErrorCode::DecodedTooLarge => 15,
+            ErrorCode::QuotaExceeded => 18,
             ErrorCode::Unknown(n) => n,
         }
     }
@@ -130,6 +135,7 @@ impl ErrorCode {
             13 => ErrorCode::Revoked,
             14 => ErrorCode::StorageFull,
             15 => ErrorCode::DecodedTooLarge,
+            18 => ErrorCode::QuotaExceeded,
             other => ErrorCode::Unknown(other),
         }
     }
