@@ -85,6 +85,14 @@ pub enum ErrorCode {
     /// `ingest.block_decoded_bytes_max` (their decoded size, computed before decoding them).
     /// Resending the same block cannot succeed.
     DecodedTooLarge,
+    /// A newer connection of the same device took this one's place (the hub keeps at most
+    /// `ingest.connections_per_device_max` per device and closes the oldest). The device
+    /// reconnects with its usual backoff; its newest session is the one that carries on.
+    Superseded,
+    /// The connection did not open its control stream and send its Hello within the hub's
+    /// `ingest.hello_timeout`, or its control stream made no progress for
+    /// `ingest.control_idle_timeout`.
+    HelloTimeout,
     /// A per-device state quota (streams, epochs or lanes per device, columns per stream) would
     /// be exceeded: the hub created nothing for it. The message names the stream between
     /// backticks first and the limit's key; the device's other lanes are unaffected.
@@ -112,6 +120,8 @@ impl ErrorCode {
             ErrorCode::Revoked => 13,
             ErrorCode::StorageFull => 14,
             ErrorCode::DecodedTooLarge => 15,
+            ErrorCode::Superseded => 16,
+            ErrorCode::HelloTimeout => 17,
             ErrorCode::QuotaExceeded => 18,
             ErrorCode::Unknown(n) => n,
         }
@@ -135,6 +145,8 @@ impl ErrorCode {
             13 => ErrorCode::Revoked,
             14 => ErrorCode::StorageFull,
             15 => ErrorCode::DecodedTooLarge,
+            16 => ErrorCode::Superseded,
+            17 => ErrorCode::HelloTimeout,
             18 => ErrorCode::QuotaExceeded,
             other => ErrorCode::Unknown(other),
         }
