@@ -49,6 +49,10 @@ fn check_frame(bytes: &[u8]) {
     let versions = frame::hello_versions(bytes);
     match Frame::decode(bytes, FRAME_MAX) {
         Ok(f) => {
+            if let Frame::Block { block, .. } = &f {
+                // The block a frame carries obeys the decoded-size contract too.
+                let _ = sync::fuzzing::decode_sized_with(block, &sync::fuzzing::fuzz_limits());
+            }
             let encoded = f.encode();
             let again = Frame::decode(&encoded, u32::MAX).expect("an encoded frame decodes");
             match (&f, &again) {
@@ -115,7 +119,10 @@ pub fn frame_buffer(data: &[u8]) {
             match buf.next_frame() {
                 Ok(Some(f)) => {
                     taken += f.len();
-                    let _ = Frame::decode(&f, max);
+                    if let Ok(Frame::Block { block, .. }) = Frame::decode(&f, max) {
+                        let _ =
+                            sync::fuzzing::decode_sized_with(&block, &sync::fuzzing::fuzz_limits());
+                    }
                     got.push(f);
                 }
                 Ok(None) => break,
@@ -376,6 +383,7 @@ pub fn receiver_machine(data: &[u8]) {
                     let at = usize::from(inp.u16()) % block.len();
                     block[at] ^= 1 << (how & 7);
                 }
+                let _ = sync::fuzzing::decode_sized_with(&block, &LIMITS);
                 if how & 0x40 != 0 {
                     // The driver may verify and decode off the control task.
                     match DecodedBlock::decode(block.clone(), &LIMITS, Vec::new()) {

@@ -81,14 +81,46 @@ pub fn block_decode(data: &[u8]) {
     }
 }
 
-/// Decodes a block in two steps, sizing it first, and checks the decoded-size bound: the
-/// size computed before decoding never exceeds the limit, the records decoded are exactly
-/// that size, and whatever cannot be sized does not decode either.
-fn decode_sized(bytes: &[u8]) -> Option<block::Block> {
-    let sized = match block::size_block(bytes, &LIMITS) {
+/// The decoded-size contract every block and frame decoder's fuzz target asserts (and the
+/// corpus replay tests with it): the size a decoder computed before materialising any record
+/// never exceeds the configured `limit`, and the records it then built never exceed that
+/// size (they are exactly that size: the sizing pass and the decoders read one grammar).
+/// Public so that the protocol targets in `sync/fuzz/bodies.rs` call the same check.
+pub fn assert_decoded_size(records: &[Record], computed: u64, limit: u64) {
+    assert!(
+        computed <= limit,
+        "the decoded size computed before decoding ({computed}) is within the limit ({limit})"
+    );
+    let actual = decoded::records_bytes(records);
+    assert!(
+        actual <= computed,
+        "the decoded records ({actual} bytes) exceed the size computed before decoding them ({computed})"
+    );
+    assert_eq!(
+        actual, computed,
+        "the decoded records are exactly the size computed before decoding them"
+    );
+}
+
+/// The limits the block targets decode under (also for the protocol targets' blocks).
+pub fn fuzz_limits() -> DecodeLimits {
+    LIMITS
+}
+
+/// Decodes a block in two steps, sizing it first, and checks the decoded-size contract
+/// ([`assert_decoded_size`]) under `limits`; whatever cannot be sized does not decode either,
+/// and fails with the same error. Returns the block when it decodes.
+pub fn decode_sized_with(bytes: &[u8], limits: &DecodeLimits) -> Option<block::Block> {
+    let sized = match block::size_block(bytes, limits) {
         Ok(s) => s,
         Err(e) => {
-            let whole = block::decode_block(bytes, &LIMITS);
+            if let block::BlockError::DecodedTooLarge { size, limit } = e {
+                assert!(
+                    size > limit && limit == limits.decoded_bytes_max,
+                    "a block is refused as too large only above the configured limit"
+                );
+            }
+            let whole = block::decode_block(bytes, limits);
             assert_eq!(
                 whole.err(),
                 Some(e),
@@ -97,36 +129,25 @@ fn decode_sized(bytes: &[u8]) -> Option<block::Block> {
             return None;
         }
     };
-    assert!(
-        sized.decoded_bytes() <= LIMITS.decoded_bytes_max,
-        "a sized block is within the decoded-size limit"
-    );
     let mut records = Vec::new();
     let header = sized.decode_into(&mut records).ok()?;
+    assert_decoded_size(&records, sized.decoded_bytes(), limits.decoded_bytes_max);
+    let whole = block::decode_block(bytes, limits).expect("a block that sized and decoded decodes");
     assert_eq!(
-        decoded::records_bytes(&records),
-        sized.decoded_bytes(),
-        "the decoded records are exactly the size computed before decoding them"
+        whole.records, records,
+        "one-step and two-step decodes agree"
     );
     Some(block::Block { header, records })
 }
 
-/// The body decoders, reached past the checksums: the input's first byte picks the version
-/// and the count, the rest is the raw (decompressed) body, and a valid header and zstd frame
-/// are built around it.
-pub fn block_body_decode(data: &[u8]) {
-    let Some((&selector, raw)) = data.split_first() else {
-        return;
-    };
-    let version = if selector & 0x80 == 0 {
-        VERSION_ROWS
-    } else {
-        VERSION_COLUMNAR
-    };
-    let count = u32::from(selector & 0x7f) + 1;
-    let Ok(body) = zstd::bulk::compress(raw, 1) else {
-        return;
-    };
+fn decode_sized(bytes: &[u8]) -> Option<block::Block> {
+    decode_sized_with(bytes, &LIMITS)
+}
+
+/// A block around a raw (decompressed) body: a valid header and zstd frame, so that a body
+/// reaches its decoder past the checksums. `None` when zstd refuses the input.
+pub fn wrap_body(version: u8, count: u32, raw: &[u8]) -> Option<Vec<u8>> {
+    let body = zstd::bulk::compress(raw, 1).ok()?;
     let header = BlockHeader {
         version,
         flags: 0,
@@ -143,6 +164,25 @@ pub fn block_body_decode(data: &[u8]) {
     let mut bytes = Vec::with_capacity(HEADER_LEN + body.len());
     bytes.extend_from_slice(&block::write_header(&header));
     bytes.extend_from_slice(&body);
+    Some(bytes)
+}
+
+/// The body decoders, reached past the checksums: the input's first byte picks the version
+/// and the count, the rest is the raw (decompressed) body, and a valid header and zstd frame
+/// are built around it.
+pub fn block_body_decode(data: &[u8]) {
+    let Some((&selector, raw)) = data.split_first() else {
+        return;
+    };
+    let version = if selector & 0x80 == 0 {
+        VERSION_ROWS
+    } else {
+        VERSION_COLUMNAR
+    };
+    let count = u32::from(selector & 0x7f) + 1;
+    let Some(bytes) = wrap_body(version, count, raw) else {
+        return;
+    };
     if let Some(b) = decode_sized(&bytes) {
         check_block(&b);
     }
@@ -187,6 +227,7 @@ pub fn ndjson_parse(data: &[u8]) {
         text,
         &ParseOptions {
             default_ts: Some(0),
+            ..ParseOptions::default()
         },
     ) {
         Ok(records) => {
@@ -208,6 +249,7 @@ pub fn line_parse(data: &[u8]) {
         text,
         &ParseOptions {
             default_ts: Some(0),
+            ..ParseOptions::default()
         },
     ) {
         Ok(lines) => {

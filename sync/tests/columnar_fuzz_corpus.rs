@@ -140,3 +140,41 @@ fn seeds_on_disk_match_the_current_encoder_or_still_decode() {
         );
     }
 }
+
+/// A valid body whose decoded size is over the fuzz limit: 2,100 records sharing one 4,000-byte
+/// key and one 4,000-byte dictionary string, a few KiB encoded and about 17 MB decoded.
+fn bomb() -> Vec<u8> {
+    let s = "s".repeat(4000);
+    let records: Vec<Record> = (0..2100)
+        .map(|i| Record {
+            key: "k".repeat(4000),
+            ts: i,
+            fields: vec![("s".into(), Value::Str(s.clone()))],
+        })
+        .collect();
+    framed(&records, &Tuning::default())
+}
+
+#[test]
+fn the_bomb_seed_is_sized_over_the_limit_and_passes_the_target() {
+    let path = corpus_dir().join("seed-bomb-shared-key");
+    if write_fixtures() {
+        std::fs::write(&path, bomb()).unwrap();
+    }
+    let data = std::fs::read(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e}; run with TRIBUTARY_WRITE_FIXTURES=1",
+            path.display()
+        )
+    });
+    let count = u32::from(u16::from_le_bytes([data[0], data[1]]));
+    let size = columnar::decoded_size(&data[2..], count).unwrap();
+    let limit = sync::fuzzing::fuzz_limits().decoded_bytes_max;
+    assert!(
+        size > limit,
+        "the bomb seed decodes to {size} bytes, not over {limit}"
+    );
+    assert!(data.len() < 64 << 10, "the bomb seed is small on the wire");
+    // The target takes the refusal path on it: the block decoder refuses it as too large.
+    columnar::fuzz_decode(&data);
+}

@@ -26,4 +26,21 @@ fn the_bomb_check_fails_with_the_guard_switched_off() {
     };
     println!("with the guard off the check fails, as it must: {failure}");
     assert!(failure.contains("not refused"), "{failure}");
+
+    // The fuzz targets' decoded-size contract catches the same bug: a 20 MB bomb against the
+    // targets' 16 MiB limit passes with the guard on and panics with it off.
+    let big = decoded_support::key_bomb(4000, 5000);
+    sync::fuzzing::block_decode(&big);
+    mutation::set_decoded_size_guard_off(true);
+    let caught = std::panic::catch_unwind(|| sync::fuzzing::block_decode(&big));
+    mutation::set_decoded_size_guard_off(false);
+    let Err(panic) = caught else {
+        panic!("the fuzz target's contract passed with the guard switched off");
+    };
+    let text = panic
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default();
+    assert!(text.contains("within the limit"), "{text}");
 }

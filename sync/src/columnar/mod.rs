@@ -158,14 +158,29 @@ pub fn fuzz_decode(data: &[u8]) {
         );
         return;
     };
+    let limit = crate::fuzzing::fuzz_limits().decoded_bytes_max;
+    if size > limit {
+        // Over the configured limit: the block decoder must refuse it before building a record.
+        let small = raw.len() < crate::fuzzing::fuzz_limits().raw_bytes_max as usize / 2;
+        if small
+            && let Some(block) =
+                crate::fuzzing::wrap_body(crate::block::VERSION_COLUMNAR, count, raw)
+        {
+            let refused = crate::block::size_block(&block, &crate::fuzzing::fuzz_limits());
+            assert!(
+                matches!(
+                    refused,
+                    Err(crate::block::BlockError::DecodedTooLarge { .. })
+                ),
+                "a body sized over the limit is refused as too large, not {refused:?}"
+            );
+        }
+        return;
+    }
     let Ok(records) = decode(raw, count) else {
         return;
     };
-    assert_eq!(
-        crate::decoded::records_bytes(&records),
-        size,
-        "decoded records differ from the size computed before decoding them"
-    );
+    crate::fuzzing::assert_decoded_size(&records, size, limit);
     let again = encode(&records).expect("decoded records always re-encode");
     let back = decode(&again, count).expect("a fresh encoding always decodes");
     assert_eq!(
