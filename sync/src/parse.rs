@@ -5,7 +5,8 @@
 //! what was found. The HTTP layer returns that error as a JSON body ([`ParseError::to_json`]),
 //! so a producer can fix its input without reading our code.
 //!
-//! Limits are per line ([`LINE_BYTES_MAX`]), per record ([`FIELDS_MAX`]) and per key and field
+//! Limits are per line ([`LINE_BYTES_MAX`]), per record ([`ParseOptions::fields_max`], by default
+//! [`FIELDS_MAX`]; a parser stops at the first field over it) and per key and field
 //! name (the block format's [`KEY_BYTES_MAX`] and [`FIELD_NAME_BYTES_MAX`], so that every
 //! parsed record can be sealed); the body size is the caller's limit. Neither parser panics on any input: both are fuzzed (`sync/fuzz`).
 //!
@@ -28,7 +29,7 @@ use thiserror::Error;
 
 /// The longest accepted input line, in bytes (without its line ending).
 pub const LINE_BYTES_MAX: usize = 1 << 20;
-/// The most fields one record may carry.
+/// The most fields one record may carry unless [`ParseOptions::fields_max`] says otherwise.
 pub const FIELDS_MAX: usize = 1024;
 /// The most tags one line-protocol line may carry (their values make up the routing key).
 pub const TAGS_MAX: usize = 64;
@@ -36,12 +37,24 @@ pub const TAGS_MAX: usize = 64;
 const FOUND_CHARS_MAX: usize = 40;
 
 /// Options shared by both parsers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ParseOptions {
     /// The timestamp given to records that carry none, in nanoseconds since the Unix epoch.
     /// The HTTP and MQTT sources set it to the receive time; `None` makes a missing
     /// timestamp an error.
     pub default_ts: Option<i64>,
+    /// The most fields one record may carry; the parser refuses the input at the first field
+    /// over it, without building the rest. The agent sets its `ingest.fields_per_record_max`.
+    pub fields_max: usize,
+}
+
+impl Default for ParseOptions {
+    fn default() -> Self {
+        ParseOptions {
+            default_ts: None,
+            fields_max: FIELDS_MAX,
+        }
+    }
 }
 
 /// Why an input could not be parsed, and where.
@@ -109,12 +122,12 @@ fn too_long(what: &str, len: usize, max: usize) -> Option<String> {
     (len > max).then(|| format!("{what} of at most {max} bytes (this one has {len})"))
 }
 
-/// The error for a record with more than [`FIELDS_MAX`] fields.
-fn too_many_fields(line_no: usize, column: usize) -> ParseError {
+/// The error for a record with more than `max` fields.
+fn too_many_fields(line_no: usize, column: usize, max: usize) -> ParseError {
     ParseError {
         line: line_no,
         column,
-        expected: format!("at most {FIELDS_MAX} fields in a record"),
-        found: format!("field number {}", FIELDS_MAX + 1),
+        expected: format!("at most {max} fields in a record"),
+        found: format!("field number {}", max + 1),
     }
 }

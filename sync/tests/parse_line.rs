@@ -111,6 +111,7 @@ fn missing_timestamp_takes_the_default() {
         &cases,
         &ParseOptions {
             default_ts: Some(99),
+            ..ParseOptions::default()
         },
     );
 }

@@ -131,6 +131,7 @@ fn strings_bytes_and_bools() {
 fn default_timestamp_applies_only_when_ts_is_missing_or_null() {
     let opts = ParseOptions {
         default_ts: Some(77),
+        ..ParseOptions::default()
     };
     check_with(r#"{"key":"k","fields":{"a":1}}"#, &opts, "k @77 a=1i");
     check_with(

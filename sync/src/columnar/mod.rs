@@ -16,11 +16,14 @@
 //! dictionary is copied into every record that uses it. [`decoded_size`] computes their exact
 //! size (`crate::decoded`) without building them, so a caller can refuse the body first.
 
+mod cut;
 mod decode;
 mod encode;
 mod floats;
 mod ints;
 mod wire;
+
+pub use cut::{CutLimits, cut};
 
 use crate::record::Record;
 use thiserror::Error;

@@ -23,7 +23,7 @@
 use super::{
     FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX, column, line_too_long, shorten, too_long, too_many_fields,
 };
-use super::{FIELDS_MAX, LINE_BYTES_MAX, ParseError, ParseOptions};
+use super::{LINE_BYTES_MAX, ParseError, ParseOptions};
 use crate::record::{Record, Value};
 use thiserror::Error;
 
@@ -50,6 +50,7 @@ pub fn parse_ndjson_with(input: &str, opts: &ParseOptions) -> Result<Vec<Record>
                 b: line.as_bytes(),
                 pos: 0,
                 line_no,
+                fields_max: opts.fields_max,
             }
             .record(opts)?,
         );
@@ -72,6 +73,7 @@ struct LineParser<'a> {
     b: &'a [u8],
     pos: usize,
     line_no: usize,
+    fields_max: usize,
 }
 
 impl LineParser<'_> {
@@ -173,6 +175,8 @@ impl LineParser<'_> {
         }
         self.ws();
         let mut fields: Vec<(String, Value)> = Vec::new();
+        // Names seen so far, so that a duplicate costs one lookup, not a scan of the record.
+        let mut names = std::collections::HashSet::new();
         if self.eat(b'}') {
             return Ok(fields);
         }
@@ -186,10 +190,11 @@ impl LineParser<'_> {
             if let Some(expected) = too_long("a field name", name.len(), FIELD_NAME_BYTES_MAX) {
                 return Err(self.err_at(name_at, expected));
             }
-            if fields.len() == FIELDS_MAX {
-                return Err(too_many_fields(self.line_no, column(self.s, name_at)));
+            if fields.len() == self.fields_max {
+                let at = column(self.s, name_at);
+                return Err(too_many_fields(self.line_no, at, self.fields_max));
             }
-            if fields.iter().any(|(n, _)| *n == name) {
+            if !names.insert(name.clone()) {
                 return Err(self.err_at(name_at, "a field name not already used in this record"));
             }
             self.ws();

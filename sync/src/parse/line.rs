@@ -19,7 +19,7 @@
 //! section of the line.
 
 use super::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
-use super::{FIELDS_MAX, LINE_BYTES_MAX, ParseError, ParseOptions, TAGS_MAX};
+use super::{LINE_BYTES_MAX, ParseError, ParseOptions, TAGS_MAX};
 use super::{column, line_too_long, shorten, too_long, too_many_fields};
 use crate::record::{Record, Value};
 use influxdb_line_protocol::{self as lp, EscapedStr, FieldValue, ParsedLine};
@@ -126,18 +126,17 @@ impl<'a> Line<'a> {
         if let Some(expected) = too_long(what, key.len(), KEY_BYTES_MAX) {
             return Err(self.err_at(self.offset_of(&p.series.measurement), expected));
         }
-        if let Some((name, _)) = p.field_set.get(FIELDS_MAX) {
-            return Err(too_many_fields(
-                self.line_no,
-                column(self.s, self.offset_of(name)),
-            ));
+        if let Some((name, _)) = p.field_set.get(opts.fields_max) {
+            let at = column(self.s, self.offset_of(name));
+            return Err(too_many_fields(self.line_no, at, opts.fields_max));
         }
         let mut fields: Vec<(String, Value)> = Vec::with_capacity(p.field_set.len());
+        let mut names = std::collections::HashSet::with_capacity(p.field_set.len());
         for (name, value) in &p.field_set {
             if let Some(expected) = too_long("a field name", name.len(), FIELD_NAME_BYTES_MAX) {
                 return Err(self.err_at(self.offset_of(name), expected));
             }
-            if fields.iter().any(|(n, _)| n == name.as_str()) {
+            if !names.insert(name.as_str()) {
                 return Err(self.err_at(
                     self.offset_of(name),
                     "a field name not already used in this line",
