@@ -400,6 +400,9 @@ pub struct Hub {
     wal: WalHandle,
     writer: Mutex<Option<std::thread::JoinHandle<()>>>,
     reader: WalReader,
+    /// What tier 1 and a local tier 2 are stored on (`RealStorage` unless opened with
+    /// [`Hub::open_on`]).
+    storage: Arc<dyn crate::storage::Storage>,
     memory: Arc<Semaphore>,
     memory_permits: u32,
     names: RwLock<Names>,
@@ -643,6 +646,21 @@ impl Hub {
         cfg: &HubConfig,
         faults: Option<wal::FaultHook>,
     ) -> Result<Arc<Hub>, OpenError> {
+        let env = wal::WalEnv {
+            storage: crate::storage::RealStorage::shared(),
+            tuning: wal::WalTuning::default(),
+        };
+        Self::open_on(cfg, env, faults)
+    }
+
+    /// As [`Hub::open_with_faults`], with tier 1 (the WAL, its reader) and a `file://` tier 2
+    /// on `env.storage` (`MemStorage` in the crash simulations) and the WAL paced by
+    /// `env.tuning`. The catalog and the data directory's lock stay on real files.
+    pub fn open_on(
+        cfg: &HubConfig,
+        env: wal::WalEnv,
+        faults: Option<wal::FaultHook>,
+    ) -> Result<Arc<Hub>, OpenError> {
         if dedupe_disabled() {
             tracing::error!(
                 "{DISABLE_DEDUPE_ENV}=1: DEDUPLICATION IS OFF, resent blocks are stored twice (test-only mutation switch)"
@@ -675,7 +693,9 @@ impl Hub {
                 move |g: &crate::streams::CommittedGroup| streams.on_commit(g)
             })),
         };
-        let (wal, join) = wal::start(&cfg.wal_dir(), catalog.clone(), offsets, writer_cfg)?;
+        let storage = env.storage.clone();
+        let (wal, join) =
+            wal::start_with(env, &cfg.wal_dir(), catalog.clone(), offsets, writer_cfg)?;
         let mut names = Names::default();
         for s in streams {
             names.streams.insert(s.name.clone(), s.id);
@@ -705,7 +725,8 @@ impl Hub {
             catalog,
             wal,
             writer: Mutex::new(Some(join)),
-            reader: WalReader::new(&cfg.wal_dir()),
+            reader: WalReader::with_storage(storage.clone(), &cfg.wal_dir()),
+            storage,
             memory: Arc::new(Semaphore::new(memory_permits as usize)),
             memory_permits,
             names: RwLock::new(names),
@@ -1590,6 +1611,11 @@ impl Hub {
     /// Merged streams: segments, readable ends, cuts and reader groups.
     pub fn streams(&self) -> &Arc<crate::streams::StreamManager> {
         &self.streams
+    }
+
+    /// What tier 1 and a local tier 2 are stored on.
+    pub fn storage(&self) -> &Arc<dyn crate::storage::Storage> {
+        &self.storage
     }
 
     /// The WAL reader.

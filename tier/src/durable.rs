@@ -222,7 +222,7 @@ impl LocalDurability {
 
     fn sync_file(&self, file: &File, path: &FsPath) -> Result<(), DurableError> {
         #[cfg(feature = "fault-injection")]
-        if self.probe.skip_file.load(Ordering::Relaxed) {
+        if self.probe.skips_file_syncs() {
             return Ok(());
         }
         file.sync_all().map_err(io("syncing", path))?;
@@ -233,7 +233,7 @@ impl LocalDurability {
 
     fn sync_dir(&self, dir: &FsPath) -> Result<(), DurableError> {
         #[cfg(feature = "fault-injection")]
-        if self.probe.skip_dir.load(Ordering::Relaxed) {
+        if self.probe.skips_dir_syncs() {
             return Ok(());
         }
         File::open(dir)
@@ -288,7 +288,9 @@ const PROBE_EVENTS_MAX: usize = 1 << 16;
 
 #[cfg(feature = "fault-injection")]
 impl SyncProbe {
-    fn record(&self, e: SyncEvent) {
+    /// Records one step (the stores that write through a probe: this module's and the hub's
+    /// storage-backed one).
+    pub fn record(&self, e: SyncEvent) {
         let mut events = self.events.lock().expect("sync events");
         if events.len() >= PROBE_EVENTS_MAX {
             events.drain(..PROBE_EVENTS_MAX / 2);
@@ -309,6 +311,16 @@ impl SyncProbe {
     /// Mutation switch: directories are no longer fsynced.
     pub fn skip_dir_syncs(&self, skip: bool) {
         self.skip_dir.store(skip, Ordering::Relaxed);
+    }
+
+    /// Whether written files go unsynced (the mutation is on).
+    pub fn skips_file_syncs(&self) -> bool {
+        self.skip_file.load(Ordering::Relaxed)
+    }
+
+    /// Whether directories go unsynced (the mutation is on).
+    pub fn skips_dir_syncs(&self) -> bool {
+        self.skip_dir.load(Ordering::Relaxed)
     }
 
     /// How many file and directory syncs returned so far.

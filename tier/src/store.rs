@@ -211,6 +211,11 @@ pub struct Tier2 {
     md5_etags: bool,
     /// A local directory: puts and deletes go through it, synced (`store` reads the same root).
     local: Option<Arc<LocalDurability>>,
+    /// The root directory of a wrapped store that is a local directory (the hub's).
+    root: Option<std::path::PathBuf>,
+    /// The sync probe of a wrapped local store (tests only).
+    #[cfg(feature = "fault-injection")]
+    probe: Option<Arc<crate::durable::SyncProbe>>,
 }
 
 impl Tier2 {
@@ -229,6 +234,9 @@ impl Tier2 {
                     location,
                     md5_etags: false,
                     local: Some(Arc::new(local)),
+                    root: None,
+                    #[cfg(feature = "fault-injection")]
+                    probe: None,
                 })
             }
             TierConfig::S3 {
@@ -294,6 +302,9 @@ impl Tier2 {
                     location,
                     md5_etags: true,
                     local: None,
+                    root: None,
+                    #[cfg(feature = "fault-injection")]
+                    probe: None,
                 })
             }
         }
@@ -307,18 +318,39 @@ impl Tier2 {
             location: location.into(),
             md5_etags: true,
             local: None,
+            root: None,
+            #[cfg(feature = "fault-injection")]
+            probe: None,
         }
     }
 
-    /// The root directory of a local tier 2 (`None` for S3 and wrapped stores).
+    /// Names the directory a wrapped store keeps its objects in (object `a/b` is the file
+    /// `root/a/b`), for [`Tier2::local_root`].
+    pub fn with_local_root(mut self, root: impl Into<std::path::PathBuf>) -> Tier2 {
+        self.root = Some(root.into());
+        self
+    }
+
+    /// Hands over the sync probe a wrapped local store writes through (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_sync_probe(mut self, probe: Arc<crate::durable::SyncProbe>) -> Tier2 {
+        self.probe = Some(probe);
+        self
+    }
+
+    /// The root directory of a local tier 2 (`None` for S3 and stores wrapped without one).
     pub fn local_root(&self) -> Option<&std::path::Path> {
-        self.local.as_deref().map(LocalDurability::root)
+        self.root
+            .as_deref()
+            .or_else(|| self.local.as_deref().map(LocalDurability::root))
     }
 
     /// The syncs of a local tier 2, recorded, with the mutation switches (tests only).
     #[cfg(feature = "fault-injection")]
     pub fn sync_probe(&self) -> Option<&crate::durable::SyncProbe> {
-        self.local.as_deref().map(LocalDurability::probe)
+        self.probe
+            .as_deref()
+            .or_else(|| self.local.as_deref().map(LocalDurability::probe))
     }
 
     /// A human-readable location for logs.

@@ -18,11 +18,12 @@
 //!
 //! Randomness comes from one seed, so runs are reproducible.
 
-use super::{OpKind, Storage, StorageFile};
+use super::{DirEntry, FileStat, OpKind, Storage, StorageFile};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::SystemTime;
 
 /// Where a crash point landed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,10 +123,13 @@ struct Inode {
     data: Vec<u8>,
     durable: Vec<u8>,
     pending: Vec<Pending>,
+    /// The last write or length change (`None`: never changed).
+    modified: Option<SystemTime>,
 }
 
 impl Inode {
     fn write(&mut self, pos: usize, bytes: &[u8]) {
+        self.modified = Some(SystemTime::now());
         if self.data.len() < pos + bytes.len() {
             self.data.resize(pos + bytes.len(), 0);
         }
@@ -137,6 +141,7 @@ impl Inode {
     }
 
     fn set_len(&mut self, len: usize) {
+        self.modified = Some(SystemTime::now());
         self.data.resize(len, 0);
         self.pending.push(Pending::SetLen(len));
     }
@@ -613,6 +618,36 @@ impl Storage for MemStorage {
             .filter(|p| p.parent() == Some(dir))
             .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
             .collect())
+    }
+
+    fn read_dir(&self, dir: &Path) -> io::Result<Vec<DirEntry>> {
+        let s = self.lock();
+        if !s.dirs.contains(dir) {
+            return Err(not_found(dir));
+        }
+        let name = |p: &PathBuf| p.file_name().map(|n| n.to_string_lossy().into_owned());
+        let files = s.live.keys().filter(|p| p.parent() == Some(dir));
+        let mut out: Vec<DirEntry> = files
+            .filter_map(|p| name(p).map(|name| (name, false)))
+            .chain(
+                s.dirs
+                    .iter()
+                    .filter(|p| p.parent() == Some(dir))
+                    .filter_map(|p| name(p).map(|name| (name, true))),
+            )
+            .map(|(name, is_dir)| DirEntry { name, is_dir })
+            .collect();
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    fn stat(&self, path: &Path) -> io::Result<FileStat> {
+        let s = self.lock();
+        let inode = &s.inodes[&s.inode_of(path)?];
+        Ok(FileStat {
+            len: inode.data.len() as u64,
+            modified: inode.modified.unwrap_or(SystemTime::UNIX_EPOCH),
+        })
     }
 
     fn free_bytes(&self, _dir: &Path) -> Option<u64> {

@@ -18,8 +18,10 @@
 //! `synchronous=FULL` keeps a committed transaction and drops an uncommitted one.
 
 mod mem;
+mod object;
 
 pub use mem::{CrashInfo, CrashMode, Fault, FaultError, MemStorage};
+pub use object::StorageStore;
 
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
@@ -28,6 +30,7 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::SystemTime;
 
 /// The kind of a storage operation, for fault injection and crash accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -88,8 +91,26 @@ pub trait Storage: Send + Sync + fmt::Debug {
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
     /// The names of the files in a directory, sorted.
     fn list(&self, dir: &Path) -> io::Result<Vec<String>>;
+    /// The files and subdirectories of a directory, sorted by name (tier 2's listings).
+    fn read_dir(&self, dir: &Path) -> io::Result<Vec<DirEntry>>;
+    /// A file's length and last modification, including bytes not yet durable.
+    fn stat(&self, path: &Path) -> io::Result<FileStat>;
     /// Bytes available to unprivileged writers on the file system holding `dir`, when known.
     fn free_bytes(&self, dir: &Path) -> Option<u64>;
+}
+
+/// One entry of [`Storage::read_dir`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    pub name: String,
+    pub is_dir: bool,
+}
+
+/// What [`Storage::stat`] tells about a file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileStat {
+    pub len: u64,
+    pub modified: SystemTime,
 }
 
 /// The real file system.
@@ -223,6 +244,34 @@ impl Storage for RealStorage {
         names.sort();
         Ok(names)
     }
+    fn read_dir(&self, dir: &Path) -> io::Result<Vec<DirEntry>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if kind.is_file() || kind.is_dir() {
+                out.push(DirEntry {
+                    name: entry.file_name().to_string_lossy().into_owned(),
+                    is_dir: kind.is_dir(),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+    fn stat(&self, path: &Path) -> io::Result<FileStat> {
+        let m = fs::metadata(path)?;
+        if !m.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{}: not a file", path.display()),
+            ));
+        }
+        Ok(FileStat {
+            len: m.len(),
+            modified: m.modified()?,
+        })
+    }
     fn free_bytes(&self, dir: &Path) -> Option<u64> {
         statvfs_free(dir)
     }
@@ -263,6 +312,19 @@ mod tests {
         g.read_at(&mut buf, 4).unwrap();
         assert_eq!(&buf, b"o!");
         assert_eq!(s.list(dir.path()).unwrap(), vec!["f".to_string()]);
+        s.create_dir(&dir.path().join("sub")).unwrap();
+        let names: Vec<(String, bool)> = s
+            .read_dir(dir.path())
+            .unwrap()
+            .into_iter()
+            .map(|e| (e.name, e.is_dir))
+            .collect();
+        assert_eq!(names, [("f".to_string(), false), ("sub".to_string(), true)]);
+        assert_eq!(s.stat(&path).unwrap().len, 6);
+        assert!(
+            s.stat(&dir.path().join("sub")).is_err(),
+            "a directory is no file"
+        );
         assert!(s.free_bytes(dir.path()).is_some());
     }
 }

@@ -75,6 +75,12 @@ pub enum TierOpenError {
     Catalog(#[from] CatalogError),
     #[error("tier 1: {0}")]
     Io(#[from] std::io::Error),
+    #[error("creating tier-2 directory {}: {source}", path.display())]
+    LocalRoot {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Why a tiering round stopped (it is retried on the next round).
@@ -294,9 +300,33 @@ pub fn store_config(cfg: &Tier2Config) -> Result<tier::TierConfig, StoreConfigEr
     })
 }
 
-/// Opens the tier-2 store described by `[tier2]`.
+/// Opens the tier-2 store described by `[tier2]`, a local directory on the real file system.
 pub fn open_store(cfg: &Tier2Config) -> Result<Tier2, TierOpenError> {
-    Ok(Tier2::open(&store_config(cfg)?)?)
+    open_store_on(cfg, crate::storage::RealStorage::shared())
+}
+
+/// As [`open_store`], with a local directory on `storage` ([`crate::storage::StorageStore`]:
+/// every put and delete synced through the hub's storage trait, like tier 1).
+pub fn open_store_on(
+    cfg: &Tier2Config,
+    storage: Arc<dyn crate::storage::Storage>,
+) -> Result<Tier2, TierOpenError> {
+    match store_config(cfg)? {
+        tier::TierConfig::Local { root } => {
+            let local = crate::storage::StorageStore::open(storage, &root).map_err(|source| {
+                TierOpenError::LocalRoot {
+                    path: root.clone(),
+                    source,
+                }
+            })?;
+            let t2 = Tier2::from_store(Arc::new(local.clone()), root.display().to_string())
+                .with_local_root(root);
+            #[cfg(feature = "fault-injection")]
+            let t2 = t2.with_sync_probe(local.probe().clone());
+            Ok(t2)
+        }
+        s3 => Ok(Tier2::open(&s3)?),
+    }
 }
 
 impl Tiering {
@@ -308,7 +338,7 @@ impl Tiering {
         faults: Option<TierFaultHook>,
     ) -> Result<Arc<Tiering>, TierOpenError> {
         store::init(hub.catalog())?;
-        let store = open_store(&cfg.tier2)?;
+        let store = open_store_on(&cfg.tier2, hub.storage().clone())?;
         let recorded = store::tier1_floor(hub.catalog())?;
         let files = hub.wal_reader().files()?;
         // Files below the recorded floor were evicted in the catalog; a crash kept them.

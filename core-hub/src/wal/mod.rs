@@ -92,7 +92,7 @@ pub use reader::{WalReadError, WalReader};
 pub use recover::{Recovered, WalOpenError, recover, recover_in};
 
 use crate::catalog::{BacklogRow, Catalog, DeviceId, GapRow, StreamId};
-use crate::storage::{RealStorage, Storage};
+use crate::storage::Storage;
 use committer::Committer;
 use recover::open_io;
 use std::collections::HashMap;
@@ -354,24 +354,6 @@ impl WalHandle {
     }
 }
 
-/// Recovers the WAL in `dir` against the catalog and starts the writer thread, on the real
-/// file system with the default timing.
-///
-/// `stream_offsets` are the next hub offsets per stream as committed in the catalog. The
-/// thread stops when every [`WalHandle`] is dropped.
-pub fn start(
-    dir: &Path,
-    catalog: Arc<Catalog>,
-    stream_offsets: HashMap<StreamId, u64>,
-    cfg: WriterConfig,
-) -> Result<(WalHandle, std::thread::JoinHandle<()>), WalOpenError> {
-    let env = WalEnv {
-        storage: Arc::new(RealStorage),
-        tuning: WalTuning::default(),
-    };
-    start_with(env, dir, catalog, stream_offsets, cfg)
-}
-
 /// Where the WAL keeps its files and how its threads pace themselves.
 #[derive(Debug, Clone)]
 pub struct WalEnv {
@@ -439,7 +421,11 @@ impl WalTuning {
     }
 }
 
-/// As [`start`], on `env.storage` with `env.tuning`.
+/// Recovers the WAL in `dir` against the catalog and starts the writer thread, on
+/// `env.storage` (`RealStorage` in production) with `env.tuning`.
+///
+/// `stream_offsets` are the next hub offsets per stream as committed in the catalog. The
+/// thread stops when every [`WalHandle`] is dropped.
 pub fn start_with(
     env: WalEnv,
     dir: &Path,

@@ -3,7 +3,7 @@
 
 use super::format::{EntryHeader, FrameError, list_wal_files_in, verify_frame, wal_file_path};
 use crate::catalog::BlockRow;
-use crate::storage::{RealStorage, Storage, StorageFile};
+use crate::storage::{Storage, StorageFile};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -49,11 +49,6 @@ pub struct WalReader {
 const READER_FILES_MAX: usize = 64;
 
 impl WalReader {
-    /// A reader over `dir` on the real file system.
-    pub fn new(dir: &Path) -> WalReader {
-        WalReader::with_storage(Arc::new(RealStorage), dir)
-    }
-
     /// A reader over `dir` on `storage`.
     pub fn with_storage(storage: Arc<dyn Storage>, dir: &Path) -> WalReader {
         WalReader {
