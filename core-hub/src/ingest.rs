@@ -243,6 +243,8 @@ pub struct IngestStats {
     pub stored_refused: AtomicU64,
     /// The revocation list in force and the sessions it closed (`crate::server`).
     pub revocation: crate::pki::RevocationStats,
+    /// Per-connection limits that tripped (`crate::server`).
+    pub connections: crate::server::ConnStats,
 }
 
 /// The content checksum of consecutive records starting at `first_seq`: the protocol's

@@ -87,6 +87,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         load(&s.stored_refused),
     );
     revocation_metrics(&mut out, &s.revocation);
+    crate::server::connection_metrics(&mut out, &s.connections);
     counter(
         &mut out,
         "tributary_hub_wal_fsyncs_total",
@@ -285,14 +286,14 @@ fn revocation_metrics(out: &mut String, r: &crate::pki::RevocationStats) {
     );
 }
 
-fn counter(out: &mut String, name: &str, help: &str, v: u64) {
+pub(crate) fn counter(out: &mut String, name: &str, help: &str, v: u64) {
     let _ = writeln!(
         out,
         "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
     );
 }
 
-fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
+pub(crate) fn gauge(out: &mut String, name: &str, help: &str, v: u64) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
 }
 

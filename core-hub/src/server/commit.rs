@@ -1,0 +1,150 @@
+//! Commits: each is submitted to the WAL in the order the receiver emits it, and its
+//! durability awaited on its own task so the connection keeps reading while the WAL
+//! group-commits.
+
+use std::time::Duration;
+
+use sync::protocol::{CommitItem, ErrorCode, Receiver};
+use tokio::sync::mpsc;
+
+use super::ConnCtx;
+use crate::ingest::{IngestError, VerifiedBlock};
+use crate::wal::CommitError;
+
+/// How long a closing session waits for the commits it already handed to the WAL, so that
+/// nothing of it becomes durable after the device saw the session end.
+const SETTLE_ON_CLOSE: Duration = Duration::from_secs(1);
+
+/// What a commit task reports back to its connection loop.
+pub(super) enum Done {
+    Committed {
+        stream: String,
+        epoch: u64,
+        durable_seq: u64,
+    },
+    Failed(IngestError),
+}
+
+/// Submits a commit in order, then waits for durability on a separate task so the connection
+/// keeps reading while the WAL group-commits.
+pub(super) async fn commit(
+    ctx: &ConnCtx,
+    device: &str,
+    stream: String,
+    epoch: u64,
+    item: CommitItem,
+    done: &mpsc::UnboundedSender<Done>,
+) {
+    let done = done.clone();
+    match item {
+        CommitItem::Block {
+            header,
+            block,
+            skip_through,
+            records,
+            checksum,
+        } => {
+            let vb = VerifiedBlock {
+                header,
+                block,
+                skip_through,
+                records,
+                checksum: Some(checksum.checksum),
+            };
+            match ctx.hub.submit_verified(device, &stream, vb).await {
+                Ok(pending) => {
+                    tokio::spawn(async move {
+                        let msg = match pending.wait().await {
+                            Ok(outcome) => Done::Committed {
+                                stream,
+                                epoch,
+                                durable_seq: outcome.durable_seq(),
+                            },
+                            Err(e) => Done::Failed(e),
+                        };
+                        let _ = done.send(msg);
+                    });
+                }
+                Err(e) => {
+                    let _ = done.send(Done::Failed(e));
+                }
+            }
+        }
+        CommitItem::Gap(g) => {
+            let hub = ctx.hub.clone();
+            let device = device.to_owned();
+            tokio::spawn(async move {
+                let reason = format!("{:?}", g.reason);
+                let msg = match hub
+                    .record_gap(&device, &stream, epoch, g.first_seq, g.last_seq, &reason)
+                    .await
+                {
+                    Ok(durable_seq) => Done::Committed {
+                        stream,
+                        epoch,
+                        durable_seq,
+                    },
+                    Err(e) => Done::Failed(e),
+                };
+                let _ = done.send(msg);
+            });
+        }
+    }
+}
+
+/// Waits, up to [`SETTLE_ON_CLOSE`], for the outcomes of the `in_flight` commits a closing
+/// session handed to the WAL. The receiver hands out nothing once closed, so after this no
+/// record of the session becomes durable once the device sees it closed (unless the WAL is
+/// slower than the bound, which is logged).
+pub(super) async fn settle(
+    device: &str,
+    done_rx: &mut mpsc::UnboundedReceiver<Done>,
+    mut in_flight: usize,
+) {
+    let deadline = tokio::time::Instant::now() + SETTLE_ON_CLOSE;
+    while in_flight > 0 {
+        match tokio::time::timeout_at(deadline, done_rx.recv()).await {
+            Ok(Some(_)) => in_flight -= 1,
+            Ok(None) => return,
+            Err(_) => {
+                tracing::warn!(%device, in_flight, "closing with commits still in flight");
+                return;
+            }
+        }
+    }
+}
+
+/// Sends an Ack for every lane of this session whose `tiered_seq` rose; the receiver keeps the
+/// last value it sent per lane and ignores lanes outside the session.
+pub(super) fn push_tiered(ctx: &ConnCtx, device: &str, rx: &mut Receiver) {
+    for m in ctx.hub.marks(device) {
+        if m.tiered_seq > 0 {
+            rx.update_tiered(ctx.now(), &m.stream, m.epoch, m.tiered_seq);
+        }
+    }
+}
+
+pub(super) fn error_code(e: &IngestError) -> ErrorCode {
+    match e {
+        IngestError::Fenced(_) => ErrorCode::DeviceFenced,
+        IngestError::Conflict { .. } => ErrorCode::ConflictFenced,
+        // A forbidden key is content the device may not write to that stream: the stream is
+        // refused (the message names it first), the device's other streams keep flowing.
+        IngestError::BadStreamName(_)
+        | IngestError::Unauthorized(_)
+        | IngestError::ForbiddenKey { .. } => ErrorCode::UnauthorizedStream,
+        IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
+        IngestError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,
+        IngestError::BadDeviceId | IngestError::ReservedSeq | IngestError::BadGap { .. } => {
+            ErrorCode::ProtocolViolation
+        }
+        IngestError::OutOfOrder { .. } => ErrorCode::ProtocolViolation,
+        // Conditions that clear by themselves: the agent retries after a short fixed delay.
+        IngestError::Unavailable(
+            CommitError::DiskFull { .. } | CommitError::Full(_) | CommitError::EarlierFailed,
+        ) => ErrorCode::StorageFull,
+        IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_) => {
+            ErrorCode::Internal
+        }
+    }
+}

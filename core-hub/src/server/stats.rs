@@ -1,0 +1,84 @@
+//! Counters of the per-connection limits, exported on `/metrics` (names documented in
+//! docs/security.md, so the adversarial suites can assert them).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::metrics::{counter, gauge};
+
+/// What the connection limits did, since start.
+#[derive(Debug, Default)]
+pub struct ConnStats {
+    /// Connections closed with `SUPERSEDED`: a newer connection of their device took their place.
+    pub superseded: AtomicU64,
+    /// Connections closed with `HELLO_TIMEOUT`: no control stream or Hello within the deadline.
+    pub hello_timeouts: AtomicU64,
+    /// Sessions closed with `IDLE_TIMEOUT`: the control stream or a data stream made no progress.
+    pub idle_timeouts: AtomicU64,
+    /// Connections refused with `LIMIT_EXCEEDED` at the hub's connection capacity.
+    pub refused: AtomicU64,
+    /// Times a connection stopped taking data streams at `ingest.blocks_in_flight_max`.
+    pub blocks_in_flight_limited: AtomicU64,
+    /// Data streams that waited for the ingest budget before their bytes were read.
+    pub memory_waits: AtomicU64,
+    /// QUIC Retry packets sent to validate client addresses under handshake load.
+    pub retries: AtomicU64,
+    /// Handshakes in progress now.
+    pub handshakes: AtomicU64,
+}
+
+impl ConnStats {
+    pub(super) fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Writes the connection-limit families.
+pub fn connection_metrics(out: &mut String, c: &ConnStats) {
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let families: [(&str, &str, &AtomicU64); 7] = [
+        (
+            "tributary_hub_connections_superseded_total",
+            "Connections closed with SUPERSEDED because a newer connection of the same device took their place.",
+            &c.superseded,
+        ),
+        (
+            "tributary_hub_connections_hello_timeout_total",
+            "Connections closed with HELLO_TIMEOUT: no control stream or Hello within ingest.hello_timeout.",
+            &c.hello_timeouts,
+        ),
+        (
+            "tributary_hub_sessions_idle_timeout_total",
+            "Sessions closed with IDLE_TIMEOUT: a control or data stream made no progress within ingest.control_idle_timeout.",
+            &c.idle_timeouts,
+        ),
+        (
+            "tributary_hub_connections_refused_total",
+            "Connections refused with LIMIT_EXCEEDED at the hub's connection capacity.",
+            &c.refused,
+        ),
+        (
+            "tributary_hub_blocks_in_flight_limited_total",
+            "Times a connection stopped taking data streams at ingest.blocks_in_flight_max.",
+            &c.blocks_in_flight_limited,
+        ),
+        (
+            "tributary_hub_data_memory_waits_total",
+            "Data streams that waited for the ingest memory budget before their bytes were read.",
+            &c.memory_waits,
+        ),
+        (
+            "tributary_hub_quic_retries_total",
+            "QUIC Retry packets sent to validate client addresses under handshake load.",
+            &c.retries,
+        ),
+    ];
+    for (name, help, v) in families {
+        counter(out, name, help, load(v));
+    }
+    gauge(
+        out,
+        "tributary_hub_quic_handshakes_in_progress",
+        "QUIC handshakes in progress now.",
+        load(&c.handshakes),
+    );
+}
