@@ -82,6 +82,7 @@ pub struct EdgeConfig {
     pub tls: Option<TlsConfig>,
     pub http: HttpConfig,
     pub storage: StorageConfig,
+    pub ingest: IngestConfig,
     /// The local streams, in the order they were declared.
     pub streams: Vec<StreamConfig>,
     pub sources: Vec<SourceConfig>,
@@ -175,6 +176,15 @@ pub struct StorageConfig {
     pub block_linger: Duration,
     pub block_version: u8,
     pub queue_batches_max: usize,
+}
+
+/// `[ingest]`: rules every record meets before it is stored, whatever its source.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IngestConfig {
+    /// `fields_per_record_max`: the most fields a record may carry from a producer (HTTP
+    /// NDJSON and line protocol, MQTT payloads) and after the stream's filters; default 1,000,
+    /// at most the columnar format's column limit less the agent's own fields.
+    pub fields_per_record_max: usize,
 }
 
 /// `[[streams]]`: one local stream.
@@ -375,6 +385,7 @@ impl EdgeConfig {
             disk_bytes_max: s.disk_bytes_max,
             on_full: s.on_full,
             queue_batches_max: s.queue_batches_max,
+            fields_per_record_max: self.ingest.fields_per_record_max,
             ..LogConfig::default()
         }
     }
@@ -467,6 +478,8 @@ struct RawConfig {
     #[serde(default)]
     storage: RawStorage,
     #[serde(default)]
+    ingest: RawIngest,
+    #[serde(default)]
     streams: Vec<RawStream>,
     #[serde(default)]
     sources: Vec<RawSource>,
@@ -516,6 +529,12 @@ struct RawStorage {
     block_linger: Option<String>,
     block_version: Option<String>,
     queue_batches_max: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawIngest {
+    fields_per_record_max: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -595,6 +614,7 @@ impl RawConfig {
             tls,
             http: self.http.into_typed()?,
             storage: self.storage.into_typed()?,
+            ingest: self.ingest.into_typed()?,
             streams,
             sources,
         })
@@ -727,6 +747,30 @@ impl RawHttp {
             )?,
             body_bytes_max,
             allowed_hosts: self.allowed_hosts.clone().unwrap_or_default(),
+        })
+    }
+}
+
+impl RawIngest {
+    fn into_typed(self) -> Result<IngestConfig, ConfigError> {
+        let key = "ingest.fields_per_record_max";
+        let max = crate::log::FIELDS_PER_RECORD_LIMIT;
+        let n = count_or(
+            key,
+            self.fields_per_record_max,
+            crate::log::FIELDS_PER_RECORD_DEFAULT,
+        )?;
+        if n > max {
+            return Err(ConfigError::invalid(
+                key,
+                format!(
+                    "{n} is more than the block format allows ({max}: its {} columns per block less the agent's own fields)",
+                    sync::columnar::COLUMNS_MAX
+                ),
+            ));
+        }
+        Ok(IngestConfig {
+            fields_per_record_max: n,
         })
     }
 }

@@ -191,7 +191,9 @@ impl Metrics {
             AppendError::Full { .. } => 0,
             AppendError::Poisoned(_) => 1,
             AppendError::Storage(_) => 2,
-            AppendError::RecordTooLarge { .. } => 3,
+            AppendError::RecordTooLarge { .. }
+            | AppendError::TooManyFields { .. }
+            | AppendError::Unsealable { .. } => 3,
             AppendError::Closed => 4,
             AppendError::UnknownStream(_) | AppendError::EmptyBatch => 5,
         };

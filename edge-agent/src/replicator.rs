@@ -652,21 +652,24 @@ pub fn reblock(
             .last()
             .is_none_or(|p| p.header.last_seq() + 1 == b.header.first_seq);
         if !run.is_empty() && (run_records + n > records_max || !contiguous) {
-            out.push(seal_run(std::mem::take(&mut run), version)?);
+            out.extend(seal_run(std::mem::take(&mut run), version)?);
             run_records = 0;
         }
         run_records += n;
         run.push(b);
     }
     if !run.is_empty() {
-        out.push(seal_run(run, version)?);
+        out.extend(seal_run(run, version)?);
     }
     Ok(out)
 }
 
-fn seal_run(run: Vec<locallog::StoredBlock>, version: u8) -> Result<Vec<u8>, String> {
+/// One run re-sealed: one block, or several where the run's records exceed what a columnar
+/// block holds (distinct columns, decoded size; `locallog::cut_for`), so that a backlog with
+/// many distinct field names never fails to re-seal.
+fn seal_run(run: Vec<locallog::StoredBlock>, version: u8) -> Result<Vec<Vec<u8>>, String> {
     if run.len() == 1 {
-        return Ok(run.into_iter().next().expect("one block").bytes);
+        return Ok(vec![run.into_iter().next().expect("one block").bytes]);
     }
     let limits = sync::block::DecodeLimits::default();
     let first = run[0].header;
@@ -676,15 +679,27 @@ fn seal_run(run: Vec<locallog::StoredBlock>, version: u8) -> Result<Vec<u8>, Str
         let block = sync::block::decode_block(&b.bytes, &limits).map_err(|e| e.to_string())?;
         records.extend(block.records);
     }
-    let opts = sync::block::EncodeOptions {
-        version,
-        // Only a batch's continuation at the very end of the run carries over; inside the run
-        // the batch is whole.
-        flags: last_flags & sync::block::FLAG_BATCH_CONTINUES,
-        zstd_level: sync::block::DEFAULT_ZSTD_LEVEL,
-    };
-    sync::block::encode_block_with(&opts, first.epoch, first.first_seq, &records)
-        .map_err(|e| e.to_string())
+    let runs = locallog::cut_for(version, &records);
+    let (mut at, mut out) = (0usize, Vec::with_capacity(runs.len()));
+    for (k, len) in runs.iter().enumerate() {
+        let opts = sync::block::EncodeOptions {
+            version,
+            // Only a batch's continuation at the very end of the run carries over; inside the
+            // run the batch is whole.
+            flags: if k + 1 == runs.len() {
+                last_flags & sync::block::FLAG_BATCH_CONTINUES
+            } else {
+                sync::block::FLAG_BATCH_CONTINUES
+            },
+            zstd_level: sync::block::DEFAULT_ZSTD_LEVEL,
+        };
+        let seq = first.first_seq + at as u64;
+        let block = sync::block::encode_block_with(&opts, first.epoch, seq, &records[at..at + len])
+            .map_err(|e| e.to_string())?;
+        out.push(block);
+        at += len;
+    }
+    Ok(out)
 }
 
 /// The newest block the driver has handed to the sender per lane.

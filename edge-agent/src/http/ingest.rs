@@ -105,6 +105,15 @@ impl Ingest {
         ingest
     }
 
+    /// How producers' bodies and payloads are parsed: records without a timestamp get
+    /// `default_ts`, and none may carry more than `ingest.fields_per_record_max` fields.
+    pub fn parse_options(&self, default_ts: i64) -> ParseOptions {
+        ParseOptions {
+            default_ts: Some(default_ts),
+            fields_max: self.log.config().fields_per_record_max,
+        }
+    }
+
     /// The source of `stream` when it is a derived stream.
     pub fn derived_from(&self, stream: &str) -> Option<&str> {
         self.derived.get(stream).map(String::as_str)
@@ -232,10 +241,11 @@ pub enum BodyError {
     },
     /// Only blank or comment lines.
     Empty,
-    /// A record carries a field the agent reserves (`_idempotency`): it could forge a key.
+    /// A record carries a field name the agent reserves (starting with `_`: `_idempotency`
+    /// could forge a key, `_topic` steer the hub's MQTT republish).
     ReservedField {
         line: usize,
-        field: &'static str,
+        field: String,
     },
 }
 
@@ -254,10 +264,15 @@ impl std::fmt::Display for BodyError {
                  in the URL: post it to /v1/streams/{measurement}/records"
             ),
             BodyError::Empty => write!(f, "the body holds no records"),
-            BodyError::ReservedField { line, field } => write!(
+            BodyError::ReservedField { line, field } if field == KEY_FIELD => write!(
                 f,
                 "line {line}: the field {field:?} is reserved by the agent for idempotency keys \
                  (send the key in the Idempotency-Key header): rename the field"
+            ),
+            BodyError::ReservedField { line, field } => write!(
+                f,
+                "line {line}: the field {field:?} is reserved: names starting with '_' are set \
+                 only by the agent's own sources: rename the field"
             ),
         }
     }
@@ -276,12 +291,29 @@ impl BodyError {
     }
 }
 
-/// Decodes a request body for `stream`. Records without a timestamp get `default_ts`.
+/// Decodes a request body for `stream` under the default field limit. Records without a
+/// timestamp get `default_ts`.
 pub fn parse_body(
     format: BodyFormat,
     stream: &str,
     body: &[u8],
     default_ts: i64,
+) -> Result<Vec<Record>, BodyError> {
+    let opts = ParseOptions {
+        default_ts: Some(default_ts),
+        fields_max: crate::log::FIELDS_PER_RECORD_DEFAULT,
+    };
+    parse_body_with(format, stream, body, &opts)
+}
+
+/// Decodes a request body for `stream`: all of it or nothing. A record over
+/// `opts.fields_max` fields stops the parse there; a field name starting with `_` (reserved for
+/// the agent's own sources, see [`RESERVED_PREFIX`]) refuses the body.
+pub fn parse_body_with(
+    format: BodyFormat,
+    stream: &str,
+    body: &[u8],
+    opts: &ParseOptions,
 ) -> Result<Vec<Record>, BodyError> {
     let text = std::str::from_utf8(body).map_err(|e| BodyError::NotUtf8 {
         line: 1 + body[..e.valid_up_to()]
@@ -289,13 +321,10 @@ pub fn parse_body(
             .filter(|b| **b == b'\n')
             .count(),
     })?;
-    let opts = ParseOptions {
-        default_ts: Some(default_ts),
-    };
     let records = match format {
-        BodyFormat::Ndjson => parse_ndjson_with(text, &opts).map_err(BodyError::Parse)?,
+        BodyFormat::Ndjson => parse_ndjson_with(text, opts).map_err(BodyError::Parse)?,
         BodyFormat::LineProtocol => {
-            let lines = parse_line_protocol(text, &opts).map_err(BodyError::Parse)?;
+            let lines = parse_line_protocol(text, opts).map_err(BodyError::Parse)?;
             if let Some(bad) = lines.iter().find(|l| l.measurement != stream) {
                 let line = measurement_line(text, &bad.measurement).unwrap_or(1);
                 return Err(BodyError::WrongMeasurement {
@@ -310,16 +339,27 @@ pub fn parse_body(
     if records.is_empty() {
         return Err(BodyError::Empty);
     }
-    if let Some(i) = records
-        .iter()
-        .position(|r| r.fields.iter().any(|(n, _)| n == KEY_FIELD))
-    {
+    if let Some((i, field)) = first_reserved(&records) {
         return Err(BodyError::ReservedField {
             line: record_line(text, i),
-            field: KEY_FIELD,
+            field: field.to_owned(),
         });
     }
     Ok(records)
+}
+
+/// Field names starting with this are reserved for the agent's own sources (`_topic` and
+/// `_mqtt_digest` from MQTT, `_idempotency` from a keyed request): producers cannot set them.
+pub const RESERVED_PREFIX: char = '_';
+
+/// The first record, and its field, whose name is reserved.
+pub fn first_reserved(records: &[Record]) -> Option<(usize, &str)> {
+    records.iter().enumerate().find_map(|(i, r)| {
+        r.fields
+            .iter()
+            .find(|(n, _)| n.starts_with(RESERVED_PREFIX))
+            .map(|(n, _)| (i, n.as_str()))
+    })
 }
 
 /// The 1-based line of the `index`-th record: both formats hold one record per line that is

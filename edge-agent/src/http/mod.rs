@@ -272,7 +272,8 @@ async fn post_records(
     if let Some(key) = headers.get("idempotency-key") {
         return post_idempotent(&app, &stream, key, content_type, format, &body).await;
     }
-    let records = match parse_body(format, &stream, &body, now_ns()) {
+    let opts = app.ingest.parse_options(now_ns());
+    let records = match ingest::parse_body_with(format, &stream, &body, &opts) {
         Ok(r) => r,
         Err(e) => return body_error(&e),
     };
@@ -317,7 +318,8 @@ async fn post_idempotent(
         Err(e) => return failed(e),
         Ok(IdempotentStart::Replay(answer)) => answer,
         Ok(IdempotentStart::Claimed(claim)) => {
-            let records = match parse_body(format, stream, body, now_ns()) {
+            let opts = app.ingest.parse_options(now_ns());
+            let records = match ingest::parse_body_with(format, stream, body, &opts) {
                 Ok(r) => r,
                 Err(e) => return body_error(&e),
             };
@@ -368,7 +370,9 @@ fn append_error(e: &AppendError) -> Response {
     match e {
         AppendError::UnknownStream(_) => error(StatusCode::NOT_FOUND, e.to_string()),
         AppendError::EmptyBatch => error(StatusCode::BAD_REQUEST, e.to_string()),
-        AppendError::RecordTooLarge { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
+        AppendError::RecordTooLarge { .. }
+        | AppendError::TooManyFields { .. }
+        | AppendError::Unsealable { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),
         AppendError::Full { retry_after } => {
             let mut r = unavailable(
                 "the disk budget (storage.disk_bytes_max) is full and storage.on_full = \"block\": \

@@ -80,6 +80,7 @@ pub mod switches;
 mod writer;
 
 pub use index::{Gap, GapReason, LogStatus, StoredBlock, StreamStatus};
+pub use writer::cut_for;
 
 use crate::catalog::{Catalog, CatalogError, CatalogLocation};
 use crate::storage::Storage;
@@ -115,6 +116,15 @@ pub enum OnFull {
     Block,
 }
 
+/// The default `ingest.fields_per_record_max`.
+pub const FIELDS_PER_RECORD_DEFAULT: usize = 1000;
+/// Fields the agent's own sources may add to a record on top of a producer's (`_topic`,
+/// `_mqtt_digest`, `_idempotency`, with room to spare).
+pub const AGENT_FIELDS_MAX: usize = 8;
+/// The highest `ingest.fields_per_record_max`: one record, with the agent's fields, must fit the
+/// columnar format's column limit.
+pub const FIELDS_PER_RECORD_LIMIT: usize = sync::columnar::COLUMNS_MAX - AGENT_FIELDS_MAX;
+
 /// The log's configuration. Libraries take this struct; binaries build it from `edge.toml`.
 #[derive(Debug, Clone)]
 pub struct LogConfig {
@@ -136,6 +146,10 @@ pub struct LogConfig {
     pub on_full: OnFull,
     /// Bound of the producer -> writer channel, in batches.
     pub queue_batches_max: usize,
+    /// `ingest.fields_per_record_max`: a batch with a record over it (not counting up to
+    /// [`AGENT_FIELDS_MAX`] of the agent's own `_` fields) is refused whole with
+    /// [`AppendError::TooManyFields`].
+    pub fields_per_record_max: usize,
     /// Where the SQLite catalog lives.
     pub catalog: CatalogLocation,
 }
@@ -155,6 +169,7 @@ impl Default for LogConfig {
             disk_bytes_max: 2 << 30,
             on_full: OnFull::DropOldest,
             queue_batches_max: 1024,
+            fields_per_record_max: FIELDS_PER_RECORD_DEFAULT,
             catalog: CatalogLocation::InDataDir,
         }
     }
@@ -178,6 +193,16 @@ pub enum AppendError {
     EmptyBatch,
     #[error("a record of {bytes} bytes exceeds the {max}-byte record limit")]
     RecordTooLarge { bytes: usize, max: usize },
+    #[error(
+        "record {index} of the batch has {fields} fields, more than ingest.fields_per_record_max ({max})"
+    )]
+    TooManyFields {
+        index: usize,
+        fields: usize,
+        max: usize,
+    },
+    #[error("record {index} of the batch cannot be sealed: {why}")]
+    Unsealable { index: usize, why: String },
     #[error("disk budget reached (on_full = block): retry after {retry_after:?}")]
     Full { retry_after: Duration },
     #[error("storage failed while writing this batch: {0}")]
@@ -489,7 +514,33 @@ impl LogHandle {
                 max: RECORD_BYTES_MAX,
             });
         }
+        self.check_sealable(records)?;
         Ok(id)
+    }
+
+    /// Refuses a batch the writer could not seal: a record over the field limit, or a key or
+    /// field name over the block format's maxima. With this check, sealing (which cuts blocks
+    /// at the columnar limits) cannot fail on the batch's content, so a bad batch fails alone
+    /// and never poisons the log.
+    fn check_sealable(&self, records: &[Record]) -> Result<(), AppendError> {
+        let max = self.inner.cfg.fields_per_record_max;
+        for (index, r) in records.iter().enumerate() {
+            // The agent's own `_` fields do not count against the producer's limit.
+            let own = r.fields.iter().filter(|(n, _)| n.starts_with('_')).count();
+            let fields = r.fields.len() - own;
+            if fields > max || own > AGENT_FIELDS_MAX {
+                return Err(AppendError::TooManyFields { index, fields, max });
+            }
+            let names = r.fields.iter().map(|(n, _)| n.len());
+            let long = std::iter::once(("key", r.key.len(), sync::parse::KEY_BYTES_MAX))
+                .chain(names.map(|n| ("field name", n, sync::parse::FIELD_NAME_BYTES_MAX)))
+                .find(|(_, len, max)| len > max);
+            if let Some((what, len, max)) = long {
+                let why = format!("a {what} of {len} bytes, more than the format allows ({max})");
+                return Err(AppendError::Unsealable { index, why });
+            }
+        }
+        Ok(())
     }
 
     /// Appends one batch atomically; resolves once it is durable under the fsync policy.

@@ -50,3 +50,23 @@ pub(crate) fn batch_rule() -> bool {
 pub(crate) fn hole_rule() -> bool {
     true
 }
+
+/// Mutation check for block cutting: off, the sealer and the re-blocker seal a run in one block
+/// whatever its columns, as they once did. Process-wide (the writer has its own thread), so only
+/// a test binary of its own may turn it off.
+#[cfg(feature = "fault-injection")]
+static BLOCK_CUT_OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turns block cutting at the columnar limits on or off, process-wide.
+#[cfg(feature = "fault-injection")]
+pub fn set_block_cut(on: bool) {
+    BLOCK_CUT_OFF.store(!on, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// Whether sealing cuts blocks at the columnar limits (always, without the feature).
+pub fn block_cut() -> bool {
+    #[cfg(feature = "fault-injection")]
+    return !BLOCK_CUT_OFF.load(std::sync::atomic::Ordering::SeqCst);
+    #[cfg(not(feature = "fault-injection"))]
+    true
+}

@@ -397,8 +397,42 @@ impl Writer {
         res
     }
 
-    /// Encodes one block and frames it into the stream's write buffer.
+    /// Encodes `records` as one block, or as several when they exceed what a columnar block
+    /// holds (`sync::columnar::cut`), and frames them into the stream's write buffer. The
+    /// blocks of a cut carry `FLAG_BATCH_CONTINUES` between them, so they stay one batch.
     fn seal(
+        &mut self,
+        i: usize,
+        records: &[Record],
+        first_seq: u64,
+        flags: u8,
+    ) -> Result<(), String> {
+        let runs = cut_for(self.cfg.block_version, records);
+        if runs.len() > 1 {
+            tracing::debug!(stream = %self.streams[i].name, blocks = runs.len(), "block cut at the columnar limits");
+        }
+        let (mut at, last) = (0usize, runs.len() - 1);
+        for (k, len) in runs.into_iter().enumerate() {
+            let head = if k == 0 {
+                flags & FLAG_BATCH_CONTINUED
+            } else {
+                FLAG_BATCH_CONTINUED
+            };
+            let tail = if k == last {
+                flags & FLAG_BATCH_CONTINUES
+            } else {
+                FLAG_BATCH_CONTINUES
+            };
+            let other = flags & !(FLAG_BATCH_CONTINUED | FLAG_BATCH_CONTINUES);
+            let seq = first_seq + at as u64;
+            self.seal_one(i, &records[at..at + len], seq, head | tail | other)?;
+            at += len;
+        }
+        Ok(())
+    }
+
+    /// Encodes one block and frames it into the stream's write buffer.
+    fn seal_one(
         &mut self,
         i: usize,
         records: &[Record],
@@ -1089,6 +1123,15 @@ impl Writer {
             st.active = None;
         }
     }
+}
+
+/// The runs `records` are sealed in: one, except for a columnar block over the format's column
+/// limit or a default reader's decoded-size limit (a row block has neither).
+pub fn cut_for(version: u8, records: &[Record]) -> Vec<usize> {
+    if version != sync::block::VERSION_COLUMNAR || !super::switches::block_cut() {
+        return vec![records.len()];
+    }
+    sync::columnar::cut(records, &sync::columnar::CutLimits::default())
 }
 
 /// Splits a batch into block-sized chunks (lengths), each within the limits but never empty.

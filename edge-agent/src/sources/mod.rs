@@ -5,6 +5,7 @@
 //! module also holds what sources share with the HTTP API: readiness for `/healthz` and the
 //! source counters for `/metrics`.
 
+pub mod flatten;
 pub mod mqtt;
 pub mod sensors;
 

@@ -92,6 +92,7 @@ use tracing::{debug, error, info, warn};
 
 use super::SourcesState;
 use crate::config::{MqttSourceConfig, PayloadFormat, TsUnit};
+use crate::http::ingest::RESERVED_PREFIX;
 use crate::http::{Ingest, now_ns};
 use crate::log::AppendError;
 
@@ -275,7 +276,8 @@ impl MqttSource {
     pub async fn run(self) {
         let (tx, rx) = mpsc::channel(CHANNEL_MESSAGES);
         let writer = Writer {
-            mapper: Mapper::new(&self.cfg, self.stats.clone()),
+            mapper: Mapper::new(&self.cfg, self.stats.clone())
+                .with_fields_max(self.ingest.log().config().fields_per_record_max),
             stream: self.cfg.stream.clone(),
             ingest: self.ingest.clone(),
             stats: self.stats.clone(),
@@ -727,6 +729,8 @@ pub struct Mapper {
     ts_field: Option<String>,
     ts_unit: TsUnit,
     stats: Arc<MqttStats>,
+    /// `ingest.fields_per_record_max`: a payload over it is refused as a bad payload.
+    fields_max: usize,
 }
 
 enum TemplateLevel {
@@ -753,7 +757,14 @@ impl Mapper {
             ts_field: cfg.ts_field.clone(),
             ts_unit: cfg.ts_unit,
             stats,
+            fields_max: crate::log::FIELDS_PER_RECORD_DEFAULT,
         }
+    }
+
+    /// The mapper with another per-record field limit (`ingest.fields_per_record_max`).
+    pub fn with_fields_max(mut self, fields_max: usize) -> Self {
+        self.fields_max = fields_max;
+        self
     }
 
     /// The key from the template, or `None` without one or on a mismatch (counted).
@@ -816,13 +827,9 @@ impl Mapper {
         received_ns: i64,
         out: &mut Vec<Record>,
     ) -> Result<(), String> {
-        let value: serde_json::Value =
-            serde_json::from_slice(&p.payload).map_err(|e| format!("not JSON: {e}"))?;
-        let serde_json::Value::Object(map) = value else {
-            return Err("expected a JSON object".into());
-        };
-        let mut fields = Vec::with_capacity(map.len() + 2);
-        flatten("", &map, &mut fields);
+        let mut fields = super::flatten::flatten_json(&p.payload, self.fields_max)
+            .map_err(|e| e.to_string())?
+            .fields;
         let mut ts = received_ns;
         if let Some(name) = &self.ts_field {
             match fields.iter().position(|(n, _)| n == name) {
@@ -858,10 +865,20 @@ impl Mapper {
         let text = std::str::from_utf8(&p.payload).map_err(|_| "not UTF-8".to_owned())?;
         let opts = ParseOptions {
             default_ts: Some(received_ns),
+            fields_max: self.fields_max,
         };
         let lines = parse_line_protocol(text, &opts).map_err(|e| e.to_string())?;
         if lines.is_empty() {
             return Err("no lines".into());
+        }
+        if let Some((i, (name, _))) = lines.iter().enumerate().find_map(|(i, l)| {
+            let reserved = |(n, _): &&(String, Value)| n.starts_with(RESERVED_PREFIX);
+            l.record.fields.iter().find(reserved).map(|f| (i, f))
+        }) {
+            return Err(format!(
+                "line {}: the field {name:?} is reserved: names starting with '_' are set only by the agent",
+                i + 1
+            ));
         }
         for l in lines {
             let mut r = l.record;
@@ -879,38 +896,6 @@ fn set_field(fields: &mut Vec<(String, Value)>, name: &str, value: Value) {
     match fields.iter_mut().find(|(n, _)| n == name) {
         Some(f) => f.1 = value,
         None => fields.push((name.to_owned(), value)),
-    }
-}
-
-/// Flattens a JSON object into `a.b` names; the first of two colliding names wins.
-fn flatten(
-    prefix: &str,
-    map: &serde_json::Map<String, serde_json::Value>,
-    out: &mut Vec<(String, Value)>,
-) {
-    for (k, v) in map {
-        let name = if prefix.is_empty() {
-            k.clone()
-        } else {
-            format!("{prefix}.{k}")
-        };
-        let value = match v {
-            serde_json::Value::Object(inner) => {
-                flatten(&name, inner, out);
-                continue;
-            }
-            serde_json::Value::Null => continue,
-            serde_json::Value::Bool(b) => Value::Bool(*b),
-            serde_json::Value::Number(n) => match n.as_i64() {
-                Some(i) => Value::I64(i),
-                None => Value::F64(n.as_f64().unwrap_or(f64::NAN)),
-            },
-            serde_json::Value::String(s) => Value::Str(s.clone()),
-            serde_json::Value::Array(_) => Value::Str(v.to_string()),
-        };
-        if !out.iter().any(|(n, _)| *n == name) {
-            out.push((name, value));
-        }
     }
 }
 
