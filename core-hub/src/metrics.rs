@@ -164,6 +164,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         completeness_metrics(&mut out, hub, t);
     }
     crate::scrub::render_metrics(&mut out);
+    crate::republish::store::render_metrics(&mut out, hub);
     out
 }
 
