@@ -168,7 +168,6 @@ pub fn router_for(
         .route("/", get(status_page))
         .route("/v1/streams", get(streams))
         .merge(crate::streams::api::routes(state.hub.clone()))
-        .merge(crate::republish::api::routes(state.hub.clone()))
         .route("/v1/streams/{stream}", get(stream_detail))
         .route("/v1/streams/{stream}/completeness", get(completeness_route))
         .route("/v1/devices", get(devices));
@@ -269,7 +268,7 @@ async fn healthz(State(st): State<AppState>) -> Response {
         return (StatusCode::SERVICE_UNAVAILABLE, format!("{why}\n")).into_response();
     }
     let mut body = String::from("ok\n");
-    for line in crate::scrub::health_detail() {
+    for line in crate::scrub::health_detail(&st.hub) {
         body.push_str(&line);
         body.push('\n');
     }

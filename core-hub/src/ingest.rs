@@ -67,15 +67,26 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot, watch};
 pub const MEMORY_PERMIT_BYTES: u64 = 1024;
 
 /// The environment variable of the test-only mutation switch, see [`dedupe_disabled`].
+#[cfg(feature = "fault-injection")]
 pub const DISABLE_DEDUPE_ENV: &str = "TRIBUTARY_TEST_HUB_DISABLE_DEDUPE";
 
 /// Test-only mutation switch (`TRIBUTARY_TEST_HUB_DISABLE_DEDUPE=1`): the hub reports marks of
 /// 0 in the handshake, so devices resend what it holds, and stores resent blocks again instead
 /// of dropping them. It exists so that CI proves the ledger checker catches duplicates
-/// (`tests/tests/mutation.rs`); it must never be set in production, and the hub says so loudly.
+/// (`tests/tests/mutation.rs`); the hub says so loudly when it is on. Only builds with the
+/// `fault-injection` feature read the variable; in any other build this is a constant `false`
+/// and neither the variable's name nor the code behind it is in the binary.
+#[inline]
 pub fn dedupe_disabled() -> bool {
-    static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *DISABLED.get_or_init(|| std::env::var(DISABLE_DEDUPE_ENV).is_ok_and(|v| v == "1"))
+    #[cfg(feature = "fault-injection")]
+    {
+        static DISABLED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *DISABLED.get_or_init(|| std::env::var(DISABLE_DEDUPE_ENV).is_ok_and(|v| v == "1"))
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        false
+    }
 }
 
 /// Why the hub could not open.
@@ -422,6 +433,8 @@ pub struct Hub {
     tiered_changed: Arc<watch::Sender<u64>>,
     /// Tiering's counters, for `/metrics`; set once tiering is open (see `main.rs`).
     tier_stats: std::sync::OnceLock<Arc<crate::tiering::TierStats>>,
+    /// This hub's tier-1 quarantine (what its readers skip) and scrub counters.
+    tier1_scrub: crate::scrub::Tier1Scrub,
     /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
     _lock: std::fs::File,
 }
@@ -663,6 +676,7 @@ impl Hub {
         env: wal::WalEnv,
         faults: Option<wal::FaultHook>,
     ) -> Result<Arc<Hub>, OpenError> {
+        #[cfg(feature = "fault-injection")]
         if dedupe_disabled() {
             tracing::error!(
                 "{DISABLE_DEDUPE_ENV}=1: DEDUPLICATION IS OFF, resent blocks are stored twice (test-only mutation switch)"
@@ -675,7 +689,7 @@ impl Hub {
         crate::storage::create_dir_durable(&cfg.data_dir).map_err(data_dir_err)?;
         let lock = lock_data_dir(&cfg.data_dir)?;
         // Readers skip what an earlier run quarantined from the first read on.
-        crate::scrub::install_quarantine(&cfg.data_dir);
+        let tier1_scrub = crate::scrub::Tier1Scrub::load(&cfg.data_dir);
         let catalog = Arc::new(Catalog::open(&cfg.catalog_path())?);
         // SQLite syncs the catalog's contents, not its directory entries (the database and its
         // `-wal` file): they are made durable here, before anything is committed into them.
@@ -740,8 +754,14 @@ impl Hub {
             tiered_changed: Arc::new(watch::channel(0).0),
             tier_stats: std::sync::OnceLock::new(),
             streams: streams_mgr,
+            tier1_scrub,
             _lock: lock,
         }))
+    }
+
+    /// This hub's tier-1 quarantine and scrub counters (never shared with another hub).
+    pub fn tier1_scrub(&self) -> &crate::scrub::Tier1Scrub {
+        &self.tier1_scrub
     }
 
     /// The durable marks of `device`, for the handshake.
@@ -1057,20 +1077,6 @@ impl Hub {
         stream: &str,
         vb: VerifiedBlock,
     ) -> Result<PendingCommit, IngestError> {
-        self.submit_verified_charged(device, stream, vb, None).await
-    }
-
-    /// As [`Hub::submit_verified`], with the share of the ingest budget the caller already
-    /// holds for this block (the QUIC driver's decode charge). It is kept until the block is
-    /// durable when it covers the block's cost, so the block is never charged twice and a
-    /// driver never waits for memory while holding it.
-    pub async fn submit_verified_charged(
-        &self,
-        device: &str,
-        stream: &str,
-        vb: VerifiedBlock,
-        held: Option<OwnedSemaphorePermit>,
-    ) -> Result<PendingCommit, IngestError> {
         let result = async {
             self.admit(device, stream)?;
             let first = vb.header.first_seq.max(vb.skip_through.saturating_add(1));
@@ -1090,13 +1096,7 @@ impl Hub {
             // The records are built already: charge what they take, not what the body says.
             let records = sync::decoded::records_bytes(&vb.records);
             let cost = vb.block.len() as u64 + records;
-            let permit = match held {
-                Some(p) if p.num_permits() >= self.permits_for(cost) as usize => p,
-                other => {
-                    drop(other);
-                    self.reserve(cost).await?
-                }
-            };
+            let permit = self.reserve(cost).await?;
             let untrimmed = first == vb.header.first_seq;
             let decoded = Decoded {
                 epoch: vb.header.epoch,
@@ -1269,7 +1269,7 @@ impl Hub {
     }
 
     /// Reserves `bytes` of the ingest budget, waiting while it is spent.
-    pub(crate) async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
+    async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
         let permits = self.permits_for(bytes);
         self.memory
             .clone()
@@ -1310,7 +1310,7 @@ impl Hub {
     }
 
     /// Permits covering `bytes`, at least one and at most the whole budget.
-    pub(crate) fn permits_for(&self, bytes: u64) -> u32 {
+    fn permits_for(&self, bytes: u64) -> u32 {
         bytes
             .div_ceil(MEMORY_PERMIT_BYTES)
             .clamp(1, u64::from(self.memory_permits)) as u32

@@ -163,8 +163,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     if let Some(t) = tracker {
         completeness_metrics(&mut out, hub, t);
     }
-    crate::scrub::render_metrics(&mut out);
-    crate::republish::store::render_metrics(&mut out, hub);
+    crate::scrub::render_metrics(&mut out, hub);
     out
 }
 

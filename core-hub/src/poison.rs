@@ -70,7 +70,7 @@ pub fn quarantine(hub: &Hub, row: &BlockRow, e: &BlockError) -> Poison {
         last_seq: row.last_seq,
         what: format!("does not decode within the limits: {e}"),
     };
-    match crate::scrub::quarantine_block(hub.data_dir(), damaged) {
+    match crate::scrub::quarantine_block(hub, damaged) {
         Ok(true) => {
             stats.stored_quarantined.fetch_add(1, Ordering::Relaxed);
             tracing::error!(

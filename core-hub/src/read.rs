@@ -210,7 +210,7 @@ fn scan_tier1(
                 return Ok(());
             }
             // The scrubber found this block damaged: skip it, serve the rest of the stream.
-            if crate::scrub::is_quarantined(row) {
+            if crate::scrub::is_quarantined(hub, row) {
                 *next = (*next).max((row.hub_offset_base + row.count()).min(to));
                 continue;
             }

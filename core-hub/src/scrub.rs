@@ -12,9 +12,10 @@
 //! - **reported**: one `error` log line per block with device, stream, epoch and seqs, and the
 //!   `tributary_hub_scrub_*` metrics ([`render_metrics`]);
 //! - **quarantined**: recorded in `<data_dir>/quarantine.json` (atomically replaced, so the
-//!   list survives restarts and operators can read it), and in a process-wide set that the
-//!   reader consults through [`is_quarantined`] to skip them, so the rest of the stream is
-//!   still served.
+//!   list survives restarts and operators can read it), and in the hub's own set
+//!   ([`Tier1Scrub`], owned by the `Hub`, loaded by `Hub::open`) that the reader consults
+//!   through [`is_quarantined`] to skip them, so the rest of the stream is still served. Two
+//!   hubs in one process (tests) never share it.
 //!
 //! The records of a damaged block are lost at the hub, but not necessarily anywhere: an agent
 //! that still holds them can be asked to resend (a later issue); until then the quarantine
@@ -53,9 +54,11 @@
 //! - `main.rs`, after `Hub::open`: `let _scrub = core_hub::scrub::Scrubber::start(hub.clone(), &cfg.data_dir, core_hub::scrub::DEFAULT_INTERVAL);`
 //!   and, after `Tiering::open`: `core_hub::scrub::start_tier2(tiering.clone(), (&cfg.tier2).into(), stop_rx.clone())`.
 //! - `read.rs`, first line of the loop over index rows in `read_records`:
-//!   `if crate::scrub::is_quarantined(row) { continue; }`
-//! - `metrics.rs`, in `render`: `crate::scrub::render_metrics(&mut out);`
+//!   `if crate::scrub::is_quarantined(hub, row) { continue; }`
+//! - `metrics.rs`, in `render`: `crate::scrub::render_metrics(&mut out, hub);`
 //! - `api.rs`, `/healthz`: [`health_detail`] lines after `ok`.
+//!
+//! The tier-2 counters and quarantined paths stay process-wide ([`render_tier2_metrics`]).
 
 use crate::catalog::{BlockRow, Catalog, CatalogError};
 use crate::ingest::Hub;
@@ -252,38 +255,55 @@ impl Quarantine {
     }
 }
 
-/// Makes `data_dir`'s quarantine list the one readers consult (one hub per process), so that
-/// what an earlier run quarantined is skipped from the hub's first read, before a
-/// [`Scrubber`] starts. Called by `Hub::open`. A list that cannot be read is logged and
-/// replaced by an empty one, as [`Scrubber::start`] does.
-pub fn install_quarantine(data_dir: &Path) {
-    let quarantine = Quarantine::load(data_dir).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "cannot load the quarantine list; starting empty");
-        Quarantine {
-            path: data_dir.join(QUARANTINE_FILE),
-            blocks: RwLock::new(BTreeMap::new()),
-        }
-    });
-    *global().quarantine.write().expect("quarantine slot") = Some(Arc::new(quarantine));
+/// One hub's tier-1 scrub state: the quarantine its readers consult and the scrub counters.
+/// Owned by the `Hub` (loaded by `Hub::open`, so what an earlier run quarantined is skipped
+/// from the first read on, before a [`Scrubber`] starts); nothing of it is process-wide.
+#[derive(Debug)]
+pub struct Tier1Scrub {
+    quarantine: Arc<Quarantine>,
+    runs: AtomicU64,
+    failures: AtomicU64,
+    blocks_checked: AtomicU64,
+    bytes_checked: AtomicU64,
 }
 
-/// Quarantines one block found unreadable outside a scrub pass (a stored block that does not
-/// decode within the limits, `crate::poison`): adds it to the list in `data_dir`, loading
-/// that first when no [`Scrubber`] runs for it, so readers skip it from now on. Returns
-/// whether it was new.
-pub fn quarantine_block(data_dir: &Path, damaged: Damaged) -> Result<bool, ScrubError> {
-    let path = data_dir.join(QUARANTINE_FILE);
-    let quarantine = {
-        let mut slot = global().quarantine.write().expect("quarantine slot");
-        match slot.as_ref() {
-            Some(q) if q.path == path => q.clone(),
-            _ => {
-                let q = Arc::new(Quarantine::load(data_dir)?);
-                *slot = Some(q.clone());
-                q
+impl Tier1Scrub {
+    /// Loads `data_dir`'s quarantine list. A list that cannot be read is logged and replaced
+    /// by an empty one (the hub keeps serving; the next scrub pass finds the damage again).
+    pub fn load(data_dir: &Path) -> Tier1Scrub {
+        let quarantine = Quarantine::load(data_dir).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "cannot load the quarantine list; starting empty");
+            Quarantine {
+                path: data_dir.join(QUARANTINE_FILE),
+                blocks: RwLock::new(BTreeMap::new()),
             }
+        });
+        if !quarantine.is_empty() {
+            tracing::warn!(
+                blocks = quarantine.len(),
+                "tier-1 blocks are quarantined (see {QUARANTINE_FILE})"
+            );
         }
-    };
+        Tier1Scrub {
+            quarantine: Arc::new(quarantine),
+            runs: AtomicU64::new(0),
+            failures: AtomicU64::new(0),
+            blocks_checked: AtomicU64::new(0),
+            bytes_checked: AtomicU64::new(0),
+        }
+    }
+
+    /// The quarantine this hub's readers consult.
+    pub fn quarantine(&self) -> &Arc<Quarantine> {
+        &self.quarantine
+    }
+}
+
+/// Quarantines one block of `hub` found unreadable outside a scrub pass (a stored block that
+/// does not decode within the limits, `crate::poison`): adds it to the hub's list, so its
+/// readers skip it from now on. Returns whether it was new.
+pub fn quarantine_block(hub: &Hub, damaged: Damaged) -> Result<bool, ScrubError> {
+    let quarantine = hub.tier1_scrub().quarantine();
     Ok(quarantine.add(std::slice::from_ref(&damaged))? == 1)
 }
 
@@ -307,41 +327,18 @@ fn persist(path: &Path, list: &[&Damaged]) -> Result<(), ScrubError> {
     Ok(())
 }
 
-/// Process-wide counters and the quarantine the reader consults.
-#[derive(Debug, Default)]
-struct Global {
-    quarantine: RwLock<Option<Arc<Quarantine>>>,
-    runs: AtomicU64,
-    failures: AtomicU64,
-    blocks_checked: AtomicU64,
-    bytes_checked: AtomicU64,
+/// Whether `hub`'s block of `row` is quarantined (its readers skip it).
+pub fn is_quarantined(hub: &Hub, row: &BlockRow) -> bool {
+    hub.tier1_scrub()
+        .quarantine()
+        .contains(row.wal_file, row.wal_pos)
 }
 
-fn global() -> &'static Global {
-    static GLOBAL: std::sync::OnceLock<Global> = std::sync::OnceLock::new();
-    GLOBAL.get_or_init(Global::default)
-}
-
-/// Whether the block of `row` is quarantined (the reader skips it). False until a
-/// [`Scrubber`] runs in this process. One hub per process: the set is process-wide.
-pub fn is_quarantined(row: &BlockRow) -> bool {
-    global()
-        .quarantine
-        .read()
-        .expect("quarantine slot")
-        .as_ref()
-        .is_some_and(|q| q.contains(row.wal_file, row.wal_pos))
-}
-
-/// Appends the `tributary_hub_scrub_*` metrics in Prometheus text format.
-pub fn render_metrics(out: &mut String) {
-    let g = global();
-    let quarantined = g
-        .quarantine
-        .read()
-        .expect("quarantine slot")
-        .as_ref()
-        .map_or(0, |q| q.len());
+/// Appends `hub`'s `tributary_hub_scrub_*` metrics, then the process-wide tier-2 ones
+/// ([`render_tier2_metrics`]), in Prometheus text format.
+pub fn render_metrics(out: &mut String, hub: &Hub) {
+    let g = hub.tier1_scrub();
+    let quarantined = g.quarantine().len();
     let mut line = |kind: &str, name: &str, help: &str, v: u64| {
         out.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
@@ -387,24 +384,10 @@ pub struct Scrubber {
 }
 
 impl Scrubber {
-    /// Loads the quarantine list (so the reader skips known damage at once) and starts the
-    /// thread. A quarantine file that cannot be read is logged and replaced by an empty list.
+    /// Starts the thread, which adds what it finds to the hub's quarantine (loaded by
+    /// `Hub::open`, so the reader skips known damage at once).
     pub fn start(hub: Arc<Hub>, data_dir: &Path, interval: Duration) -> Scrubber {
-        let quarantine = Quarantine::load(data_dir).unwrap_or_else(|e| {
-            tracing::error!(error = %e, "cannot load the quarantine list; starting empty");
-            Quarantine {
-                path: data_dir.join(QUARANTINE_FILE),
-                blocks: RwLock::new(BTreeMap::new()),
-            }
-        });
-        let quarantine = Arc::new(quarantine);
-        if !quarantine.is_empty() {
-            tracing::warn!(
-                blocks = quarantine.len(),
-                "tier-1 blocks are quarantined (see {QUARANTINE_FILE})"
-            );
-        }
-        *global().quarantine.write().expect("quarantine slot") = Some(quarantine.clone());
+        let quarantine = hub.tier1_scrub().quarantine().clone();
         let stop = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
         let wal_dir = data_dir.join("wal");
         let thread_stop = stop.clone();
@@ -444,7 +427,7 @@ impl Drop for Scrubber {
 
 /// One pass: scrub, report every damaged block once, quarantine it.
 fn run_once(hub: &Hub, wal_dir: &Path, quarantine: &Quarantine) {
-    let g = global();
+    let g = hub.tier1_scrub();
     let names = |row: &BlockRow| {
         (
             hub.device_name(row.device)
@@ -645,7 +628,8 @@ pub fn report_tier2_damage(
 
 /// One line per problem for `/healthz` (empty when tier 2 holds no quarantined object).
 /// The hub stays healthy (it serves everything else); this only names what is lost.
-pub fn health_detail() -> Vec<String> {
+/// `hub`'s tier-1 quarantine is named after tier 2's (process-wide) list.
+pub fn health_detail(hub: &Hub) -> Vec<String> {
     let g = tier2_global();
     let paths = g.quarantined_paths.read().expect("tier-2 quarantine list");
     let mut out = Vec::new();
@@ -656,13 +640,8 @@ pub fn health_detail() -> Vec<String> {
         ));
         out.extend(paths.iter().take(20).map(|p| format!("  {p}")));
     }
-    if let Some(q) = global()
-        .quarantine
-        .read()
-        .expect("quarantine slot")
-        .as_ref()
-        && !q.is_empty()
-    {
+    let q = hub.tier1_scrub().quarantine();
+    if !q.is_empty() {
         out.push(format!(
             "tier 1: {} WAL block(s) quarantined (see {QUARANTINE_FILE})",
             q.len()
@@ -671,8 +650,9 @@ pub fn health_detail() -> Vec<String> {
     out
 }
 
-/// Appends the `tributary_hub_tier2_*` scrub and quarantine metrics.
-fn render_tier2_metrics(out: &mut String) {
+/// Appends the `tributary_hub_tier2_*` scrub and quarantine metrics (process-wide: one
+/// tier 2 per process).
+pub fn render_tier2_metrics(out: &mut String) {
     let g = tier2_global();
     let mut line = |kind: &str, name: &str, help: &str, v: u64| {
         out.push_str(&format!(

@@ -90,7 +90,7 @@ static ONE_HUB: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn metric(name: &str) -> u64 {
     let mut text = String::new();
-    core_hub::scrub::render_metrics(&mut text);
+    core_hub::scrub::render_tier2_metrics(&mut text);
     text.lines()
         .find_map(|l| l.strip_prefix(&format!("{name} ")))
         .and_then(|v| v.trim().parse().ok())
@@ -238,7 +238,7 @@ async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
     assert!(q[0].what.contains("size"), "{}", q[0].what);
     assert!(metric("tributary_hub_tier2_corrupt_objects_total") > corrupt_before);
     assert!(metric("tributary_hub_tier2_records_skipped_total") >= truncated.rows);
-    let health = core_hub::scrub::health_detail().join("\n");
+    let health = core_hub::scrub::health_detail(&hub).join("\n");
     assert!(health.contains(&truncated.path), "{health}");
 
     // The hub's readers (records API, `core-hub read`) skip it too, without an error.
@@ -280,7 +280,7 @@ async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
         2,
         "gauge of what is quarantined now"
     );
-    let health = core_hub::scrub::health_detail().join("\n");
+    let health = core_hub::scrub::health_detail(&hub).join("\n");
     assert!(health.contains(&flipped.path), "{health}");
 
     // Every other object keeps serving, and tending the quarantine again changes nothing.

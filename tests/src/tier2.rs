@@ -223,5 +223,26 @@ pub fn start_hub_with_env(spec: &HubSpec, pki: &Pki, env: &[(&str, &str)]) -> Re
     }
     let mut proc = Proc::spawn(ps)?;
     proc.wait_http_ok(spec.http, "/healthz", START_TIMEOUT)?;
+    if env.iter().any(|(k, _)| *k == TIER_FAULT_ENV) {
+        // Only a hub built with core-hub's `fault-injection` feature reads the variable; a
+        // test whose fault silently did nothing would prove nothing.
+        wait_until(
+            START_TIMEOUT,
+            "the hub to log that tier faults are on",
+            || (proc.stderr() + &proc.stdout()).contains(TIER_FAULT_LINE),
+        )
+        .with_context(|| {
+            format!(
+                "{TIER_FAULT_ENV} had no effect: the hub binary lacks core-hub's `fault-injection` \
+                 feature (build it with `cargo build --workspace --all-targets`)\n{}",
+                proc.log_tail(40)
+            )
+        })?;
+    }
     Ok(proc)
 }
+
+/// The tier fault switch's variable (`core_hub::tiering::faults::FAULT_ENV`, test builds only).
+pub const TIER_FAULT_ENV: &str = "TRIBUTARY_TIER_FAULT";
+/// What the hub logs when it reads [`TIER_FAULT_ENV`].
+const TIER_FAULT_LINE: &str = "tiering fault injection is ON";

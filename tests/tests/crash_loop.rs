@@ -64,7 +64,7 @@ fn crash_loop_while_ingesting_and_tiering() -> Result<()> {
     let mut hub = tier2::start_hub_with_env(
         &hub_spec,
         &pki,
-        &[("TRIBUTARY_TIER_FAULT", "after_upload:delay:200")],
+        &[(tier2::TIER_FAULT_ENV, "after_upload:delay:200")],
     )?;
     let mut agent_specs = Vec::new();
     let mut agents = Vec::new();

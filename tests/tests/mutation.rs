@@ -1,7 +1,8 @@
 //! Mutation check: CI proves that the ledger checker can fail.
 //!
 //! The hub has a test-only switch, `TRIBUTARY_TEST_HUB_DISABLE_DEDUPE=1`
-//! (`core_hub::ingest::dedupe_disabled`): it reports marks of 0 in the handshake, so a
+//! (`core_hub::ingest::dedupe_disabled`, only in builds with core-hub's `fault-injection`
+//! feature, which `cargo build --workspace --all-targets` enables): it reports marks of 0 in the handshake, so a
 //! reconnecting agent resends everything it holds, and it stores resent blocks again instead of
 //! dropping them. The same scenario runs twice, on a real hub and agent:
 //!
@@ -122,7 +123,9 @@ fn the_checker_catches_duplicates_when_dedupe_is_off() -> Result<()> {
     );
     ensure!(
         mutated.hub_log.contains(LOUD_LINE),
-        "the hub did not log that deduplication is off:\n{}",
+        "the hub did not log that deduplication is off (a hub binary built without core-hub's \
+         `fault-injection` feature ignores the switch; build with \
+         `cargo build --workspace --all-targets`):\n{}",
         mutated.hub_log
     );
     let r = &mutated.report;

@@ -71,7 +71,7 @@ use std::time::{Duration, Instant as StdInstant};
 use sync::protocol::{ErrorCode, Instant, ReceiverConfig};
 use tokio::sync::{Semaphore, watch};
 
-use crate::config::{ConnectionQuotas, HubConfig};
+use crate::config::HubConfig;
 use crate::ingest::Hub;
 use crate::pki::{self, SharedRevocations};
 
@@ -144,12 +144,6 @@ pub enum Mutation {
     /// The Error frame of a closed session goes out before its commits settled.
     #[cfg(feature = "fault-injection")]
     CloseBeforeSettle,
-    /// A device's new connection never supersedes its old ones (no per-device limit).
-    #[cfg(feature = "fault-injection")]
-    NoSupersede,
-    /// Data streams are read and decoded without charging the ingest budget.
-    #[cfg(feature = "fault-injection")]
-    UnchargedReads,
 }
 
 /// Binds the QUIC listener and serves devices until `shutdown` flips to true.
@@ -169,7 +163,7 @@ pub async fn start_with_mutation(
     shutdown: watch::Receiver<bool>,
     mutation: Mutation,
 ) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
-    tracing::error!(?mutation, "TEST-ONLY MUTATION: a server guard is off");
+    tracing::error!(?mutation, "TEST-ONLY MUTATION: a revocation guard is off");
     start_mutated(cfg, hub, shutdown, mutation).await
 }
 
@@ -194,12 +188,7 @@ async fn start_mutated(
         .map_err(|e| ServeError::Quic(e.to_string()))?;
     let receiver_cfg = receiver_config(cfg);
     let mut server_cfg = quinn::ServerConfig::with_crypto(Arc::new(quic_tls));
-    let mut transport = transport_config(receiver_cfg.window_bytes);
-    // Past this many data streams, the device waits for stream credit instead of the hub
-    // buffering its blocks (the session loop stops taking streams at the same bound).
-    let blocks_max = cfg.ingest.conn.blocks_in_flight_max;
-    transport.max_concurrent_uni_streams(quinn::VarInt::from_u32(blocks_max));
-    server_cfg.transport_config(Arc::new(transport));
+    server_cfg.transport_config(Arc::new(transport_config(receiver_cfg.window_bytes)));
     let socket = udp_socket(cfg.listen.quic)?;
     let runtime =
         quinn::default_runtime().ok_or_else(|| ServeError::Quic("no async runtime".into()))?;
@@ -231,38 +220,25 @@ async fn start_mutated(
         revoke_tx,
     ));
     let ep = endpoint.clone();
-    let data = Arc::new(data::DataCtx {
-        frame_max: receiver_cfg.frame_bytes_max as usize + 16,
-        cfg: receiver_cfg.clone(),
-        hub: hub.clone(),
-        idle: cfg.ingest.conn.control_idle_timeout,
-        uncharged: mutation.uncharged_reads(),
-    });
-    let shared = ConnCtx {
-        hub: hub.clone(),
-        revocations: revocations.clone(),
-        revoke_rx: revoke_rx.clone(),
-        receiver_cfg: receiver_cfg.clone(),
-        connections: connections.clone(),
-        slots: admission::DeviceSlots::new(cfg.ingest.conn.connections_per_device_max),
-        quotas: cfg.ingest.conn,
-        data,
-        clock: StdInstant::now(),
-        mutation,
-    };
     let task = tokio::spawn(async move {
+        let clock = StdInstant::now();
         loop {
             let incoming = tokio::select! {
                 i = ep.accept() => i,
                 _ = shutdown.changed() => None,
             };
             let Some(incoming) = incoming else { break };
-            let Some(handshake) = admission::validate_or_retry(&shared, incoming) else {
-                continue;
+            let ctx = ConnCtx {
+                hub: hub.clone(),
+                revocations: revocations.clone(),
+                revoke_rx: revoke_rx.clone(),
+                receiver_cfg: receiver_cfg.clone(),
+                connections: connections.clone(),
+                clock,
+                mutation,
             };
-            let ctx = shared.clone();
             tokio::spawn(async move {
-                if let Err(e) = session::connection(ctx, handshake).await {
+                if let Err(e) = session::connection(ctx, incoming).await {
                     tracing::info!(error = %e, "device connection ended");
                 }
             });
@@ -284,7 +260,6 @@ async fn start_mutated(
 
 fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
     let mut r = ReceiverConfig::default();
-    r.timeouts.idle = cfg.ingest.conn.control_idle_timeout;
     r.decode_limits.body_bytes_max = cfg.ingest.block_bytes_max;
     r.decode_limits.raw_bytes_max = cfg.ingest.block_raw_bytes_max;
     r.decode_limits.records_max = cfg.ingest.records_per_block_max;
@@ -315,7 +290,6 @@ fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, ServeError> {
 }
 
 /// What every connection task shares with the accept loop.
-#[derive(Clone)]
 struct ConnCtx {
     hub: Arc<Hub>,
     revocations: Arc<SharedRevocations>,
@@ -323,32 +297,8 @@ struct ConnCtx {
     receiver_cfg: ReceiverConfig,
     /// One permit per connection the budget share allows.
     connections: Arc<Semaphore>,
-    /// Every device's live connections.
-    slots: Arc<admission::DeviceSlots>,
-    quotas: ConnectionQuotas,
-    /// What every data-stream task shares.
-    data: Arc<data::DataCtx>,
     clock: StdInstant,
     mutation: Mutation,
-}
-
-impl Mutation {
-    /// Whether a device's new connection supersedes its oldest at the limit.
-    fn supersedes(self) -> bool {
-        #[cfg(feature = "fault-injection")]
-        if self == Mutation::NoSupersede {
-            return false;
-        }
-        true
-    }
-
-    fn uncharged_reads(self) -> bool {
-        #[cfg(feature = "fault-injection")]
-        if self == Mutation::UnchargedReads {
-            return true;
-        }
-        false
-    }
 }
 
 impl ConnCtx {

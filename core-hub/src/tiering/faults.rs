@@ -3,12 +3,14 @@
 //! A fault makes the step fail (the uploader stops this round and retries later), or, with
 //! `TRIBUTARY_TIER_FAULT=<point>:exit`, ends the whole process at once with exit code 86, which
 //! is how the crash tests kill a real hub exactly between upload and commit; `<point>:delay:MS`
-//! only holds the step open, so that the system crash loop's random kills land there. Production never
-//! sets either: no hook is installed and the variable is absent.
+//! only holds the step open, so that the system crash loop's random kills land there. Only
+//! builds with core-hub's `fault-injection` feature read the variable (the test build,
+//! `cargo build --workspace --all-targets`); a release build has no hook and no variable.
 
 use std::sync::Arc;
 
 /// The environment variable a child hub process reads its fault from.
+#[cfg(feature = "fault-injection")]
 pub const FAULT_ENV: &str = "TRIBUTARY_TIER_FAULT";
 /// Exit code of a process ended by an `:exit` fault.
 pub const FAULT_EXIT_CODE: i32 = 86;
@@ -25,6 +27,7 @@ pub enum TierFaultPoint {
 }
 
 impl TierFaultPoint {
+    #[cfg(feature = "fault-injection")]
     fn name(self) -> &'static str {
         match self {
             TierFaultPoint::AfterUpload => "after_upload",
@@ -40,6 +43,14 @@ pub type TierFaultHook = Arc<dyn Fn(TierFaultPoint) -> bool + Send + Sync>;
 /// The hook described by [`FAULT_ENV`], if set: `after_upload:exit` exits the process at that
 /// point (after `skip` earlier hits, with `after_upload:exit:3`), `after_upload:fail` fails it
 /// every time, `after_upload:delay:300` holds that step open for 300 ms and goes on.
+/// Always `None` without the `fault-injection` feature.
+#[cfg(not(feature = "fault-injection"))]
+pub fn hook_from_env() -> Option<TierFaultHook> {
+    None
+}
+
+/// See the build without the feature, which always returns `None`.
+#[cfg(feature = "fault-injection")]
 pub fn hook_from_env() -> Option<TierFaultHook> {
     let spec = std::env::var(FAULT_ENV).ok()?;
     let mut parts = spec.split(':');

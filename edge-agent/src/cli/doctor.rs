@@ -7,7 +7,8 @@
 //! deadline.
 //!
 //! For tests, `TRIBUTARY_DOCTOR_NOW_UNIX` replaces the wall clock (seconds since the epoch):
-//! this is how a board that booted at 1970 is reproduced.
+//! this is how a board that booted at 1970 is reproduced. Only builds with the
+//! `fault-injection` feature read it (the test build, `cargo build --workspace --all-targets`).
 
 use std::net::ToSocketAddrs;
 use std::path::Path;
@@ -86,6 +87,8 @@ pub fn doctor(config_path: &Path) -> anyhow::Result<()> {
 }
 
 fn wall_clock() -> u64 {
+    // Test builds only (`fault-injection`): release binaries read no test clock.
+    #[cfg(feature = "fault-injection")]
     if let Some(fake) = std::env::var("TRIBUTARY_DOCTOR_NOW_UNIX")
         .ok()
         .and_then(|s| s.parse().ok())
