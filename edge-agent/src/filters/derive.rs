@@ -510,6 +510,32 @@ impl Runner {
             })?
     }
 
+    /// The outputs the log can store: one over `ingest.fields_per_record_max` (a stage that
+    /// adds fields) would be refused on every retry and stall the stream, so it is left out,
+    /// logged with the reason. Deterministic, so a replay after a crash leaves out the same.
+    fn storable(&self, out: Vec<Record>) -> Vec<Record> {
+        let max = self.ingest.log().config().fields_per_record_max;
+        let before = out.len();
+        let mut first_error = None;
+        let kept: Vec<Record> = out
+            .into_iter()
+            .enumerate()
+            .filter(|(i, r)| match crate::log::sealable(*i, r, max) {
+                Ok(()) => true,
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                    false
+                }
+            })
+            .map(|(_, r)| r)
+            .collect();
+        if let Some(e) = first_error {
+            let dropped = before - kept.len();
+            tracing::warn!(stream = %self.derived, dropped, error = %e, "derived: outputs the log cannot store are left out");
+        }
+        kept
+    }
+
     /// One step: consumes the next chunk, appending its outputs. `Ok(false)` when there was
     /// nothing to read. An append that fails is retried with the same batch (its pending entry
     /// stays valid) until it succeeds or the log closes (`Err`).
@@ -518,6 +544,7 @@ impl Runner {
             return Ok(false);
         };
         let out = self.pipeline.run(records);
+        let out = self.storable(out);
         if out.is_empty() {
             self.pos = next;
             self.publish();

@@ -215,6 +215,30 @@ pub enum AppendError {
     Closed,
 }
 
+/// Whether record `index` of a batch can be stored: at most `fields_max` fields (not counting
+/// up to [`AGENT_FIELDS_MAX`] of the agent's own `_` fields), and a key and field names within
+/// the block format's maxima. What [`LogHandle::append`] checks for every record.
+pub fn sealable(index: usize, r: &Record, fields_max: usize) -> Result<(), AppendError> {
+    let own = r.fields.iter().filter(|(n, _)| n.starts_with('_')).count();
+    let fields = r.fields.len() - own;
+    if fields > fields_max || own > AGENT_FIELDS_MAX {
+        return Err(AppendError::TooManyFields {
+            index,
+            fields,
+            max: fields_max,
+        });
+    }
+    let names = r.fields.iter().map(|(n, _)| n.len());
+    let long = std::iter::once(("key", r.key.len(), sync::parse::KEY_BYTES_MAX))
+        .chain(names.map(|n| ("field name", n, sync::parse::FIELD_NAME_BYTES_MAX)))
+        .find(|(_, len, max)| len > max);
+    if let Some((what, len, max)) = long {
+        let why = format!("a {what} of {len} bytes, more than the format allows ({max})");
+        return Err(AppendError::Unsealable { index, why });
+    }
+    Ok(())
+}
+
 /// Why [`LogHandle::read_blocks`] failed.
 #[derive(Debug, Clone, Error, PartialEq, Eq)]
 pub enum ReadError {
@@ -524,23 +548,10 @@ impl LogHandle {
     /// and never poisons the log.
     fn check_sealable(&self, records: &[Record]) -> Result<(), AppendError> {
         let max = self.inner.cfg.fields_per_record_max;
-        for (index, r) in records.iter().enumerate() {
-            // The agent's own `_` fields do not count against the producer's limit.
-            let own = r.fields.iter().filter(|(n, _)| n.starts_with('_')).count();
-            let fields = r.fields.len() - own;
-            if fields > max || own > AGENT_FIELDS_MAX {
-                return Err(AppendError::TooManyFields { index, fields, max });
-            }
-            let names = r.fields.iter().map(|(n, _)| n.len());
-            let long = std::iter::once(("key", r.key.len(), sync::parse::KEY_BYTES_MAX))
-                .chain(names.map(|n| ("field name", n, sync::parse::FIELD_NAME_BYTES_MAX)))
-                .find(|(_, len, max)| len > max);
-            if let Some((what, len, max)) = long {
-                let why = format!("a {what} of {len} bytes, more than the format allows ({max})");
-                return Err(AppendError::Unsealable { index, why });
-            }
-        }
-        Ok(())
+        records
+            .iter()
+            .enumerate()
+            .try_for_each(|(index, r)| sealable(index, r, max))
     }
 
     /// Appends one batch atomically; resolves once it is durable under the fsync policy.

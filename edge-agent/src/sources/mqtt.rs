@@ -511,8 +511,13 @@ impl Writer {
             match self.ingest.ingest(&self.stream, records.clone()).await {
                 Ok(_) => break,
                 Err(AppendError::Closed) => return false,
-                Err(e @ AppendError::RecordTooLarge { .. }) => {
-                    // One message is too large: store the others one by one, count the rest.
+                Err(
+                    e @ (AppendError::RecordTooLarge { .. }
+                    | AppendError::TooManyFields { .. }
+                    | AppendError::Unsealable { .. }),
+                ) => {
+                    // One message can never be stored (too large, or over the field limit
+                    // after the stream's filters): store the others one by one, count the rest.
                     warn!(stream = %self.stream, error = %e, "mqtt: a batch holds an oversize record; storing message by message");
                     return self.write_each(records).await;
                 }
