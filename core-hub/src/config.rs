@@ -53,6 +53,8 @@ pub struct HubConfig {
     pub completeness: crate::completeness::CompletenessConfig,
     /// `[republish]`: the optional MQTT republish sink (see `republish`).
     pub republish: Option<crate::republish::RepublishConfig>,
+    /// `[read]`: byte bounds on reader pages, the block cache and follow streams.
+    pub read: ReadConfig,
 }
 
 /// Where the hub listens.
@@ -328,6 +330,8 @@ pub struct RawConfig {
     #[serde(default)]
     pub completeness: crate::completeness::RawCompleteness,
     pub republish: Option<crate::republish::RawRepublish>,
+    #[serde(default)]
+    pub read: RawRead,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -579,7 +583,9 @@ impl HubConfig {
         let http = parse_http(raw.http)?;
         let completeness = raw.completeness.parse()?;
         let republish = raw.republish.as_ref().map(|r| r.parse()).transpose()?;
+        let read = parse_read(&raw.read)?;
         Ok(HubConfig {
+            read,
             completeness,
             republish,
             data_dir,
@@ -1064,6 +1070,106 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     };
     n.checked_mul(mult)
         .ok_or_else(|| format!("`{s}` overflows"))
+}
+
+/// `[read]`: what one reader may make the hub hold (see `crate::read` and docs/streams.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadConfig {
+    /// A page of records (the records API, reader-group batches, republish and tier-2 reads)
+    /// stops before its records' decoded size (`sync::decoded`) would pass this; a page always
+    /// holds at least one record.
+    pub page_bytes_max: u64,
+    /// The decoded blocks the readers' shared cache keeps, by decoded size.
+    pub cache_bytes_max: u64,
+    /// Concurrent `follow=true` responses; the next one is refused with 503.
+    pub follows_max: u32,
+    /// NDJSON bytes queued for one follow response that its client has not taken yet.
+    pub follow_buffer_bytes_max: u64,
+    /// A follow response whose client takes nothing for this long while its buffer is full
+    /// is ended (logged and counted).
+    pub follow_stall_timeout: Duration,
+}
+
+/// Default `read.page_bytes_max`.
+pub const DEFAULT_PAGE_BYTES_MAX: u64 = 4 << 20;
+/// Default `read.cache_bytes_max`.
+pub const DEFAULT_CACHE_BYTES_MAX: u64 = 256 << 20;
+/// Default `read.follows_max`.
+pub const DEFAULT_FOLLOWS_MAX: u32 = 256;
+/// Default `read.follow_buffer_bytes_max`.
+pub const DEFAULT_FOLLOW_BUFFER_BYTES_MAX: u64 = 1 << 20;
+/// Default `read.follow_stall_timeout`.
+pub const DEFAULT_FOLLOW_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Default for ReadConfig {
+    fn default() -> Self {
+        ReadConfig {
+            page_bytes_max: DEFAULT_PAGE_BYTES_MAX,
+            cache_bytes_max: DEFAULT_CACHE_BYTES_MAX,
+            follows_max: DEFAULT_FOLLOWS_MAX,
+            follow_buffer_bytes_max: DEFAULT_FOLLOW_BUFFER_BYTES_MAX,
+            follow_stall_timeout: DEFAULT_FOLLOW_STALL_TIMEOUT,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRead {
+    pub page_bytes_max: Option<String>,
+    pub cache_bytes_max: Option<String>,
+    pub follows_max: Option<u64>,
+    pub follow_buffer_bytes_max: Option<String>,
+    pub follow_stall_timeout: Option<String>,
+}
+
+fn parse_read(raw: &RawRead) -> Result<ReadConfig, ConfigError> {
+    let at_least = |key: &str, v: u64, min: u64, what: &str| {
+        if v < min {
+            Err(ConfigError::key(key, format!("must be at least {what}")))
+        } else {
+            Ok(v)
+        }
+    };
+    let page = opt_bytes(
+        "read.page_bytes_max",
+        raw.page_bytes_max.as_deref(),
+        DEFAULT_PAGE_BYTES_MAX,
+    )?;
+    let page_bytes_max = at_least("read.page_bytes_max", page, 1024, "1KiB")?;
+    let cache_bytes_max = opt_bytes(
+        "read.cache_bytes_max",
+        raw.cache_bytes_max.as_deref(),
+        DEFAULT_CACHE_BYTES_MAX,
+    )?;
+    let follows = raw.follows_max.unwrap_or(u64::from(DEFAULT_FOLLOWS_MAX));
+    let follows_max = u32::try_from(follows)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| ConfigError::key("read.follows_max", "must be between 1 and 4294967295"))?;
+    let buffer = opt_bytes(
+        "read.follow_buffer_bytes_max",
+        raw.follow_buffer_bytes_max.as_deref(),
+        DEFAULT_FOLLOW_BUFFER_BYTES_MAX,
+    )?;
+    let follow_buffer_bytes_max = at_least("read.follow_buffer_bytes_max", buffer, 4096, "4KiB")?;
+    let follow_stall_timeout = match raw.follow_stall_timeout.as_deref() {
+        Some(s) => parse_duration("read.follow_stall_timeout", s)?,
+        None => DEFAULT_FOLLOW_STALL_TIMEOUT,
+    };
+    if follow_stall_timeout.is_zero() {
+        return Err(ConfigError::key(
+            "read.follow_stall_timeout",
+            "must be longer than 0s",
+        ));
+    }
+    Ok(ReadConfig {
+        page_bytes_max,
+        cache_bytes_max,
+        follows_max,
+        follow_buffer_bytes_max,
+        follow_stall_timeout,
+    })
 }
 
 fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {

@@ -364,6 +364,8 @@ fn catalog_metrics(out: &mut String, hub: &Hub) {
 
 /// Merged streams: scale events, open segments per stream and each open segment's rates.
 fn streams_metrics(out: &mut String, hub: &Hub) {
+    // Reader bounds: the block cache, follow responses, byte-cut pages.
+    crate::read::render_metrics(out, hub);
     let st = hub.streams().stats();
     counter(
         out,

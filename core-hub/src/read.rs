@@ -17,6 +17,14 @@
 //! index, their files are gone), filtered exactly like tier-1 records, and reading continues
 //! in tier 1 at that offset. Blocks the scrubber quarantined are skipped, and so is a block that
 //! does not decode within the hub's limits: it is quarantined on the spot (`crate::poison`).
+//!
+//! Bounds ([`ReadState`], `[read]` in the config): a page holds at most as many records as its
+//! caller asks for and stops before its records' decoded size ([`ReadRecord::decoded_bytes`])
+//! would pass `read.page_bytes_max` (its [`PageLimit`]), but always holds at least one record.
+//! The offset it returns is that of the first record it did not examine, so the next page
+//! starts exactly there: nothing is skipped or repeated. The block cache is bounded by
+//! `read.cache_bytes_max`, follow responses by `read.follows_max` and
+//! `read.follow_buffer_bytes_max` (`crate::streams::api`).
 
 use crate::catalog::BlockRow;
 use crate::ingest::Hub;
@@ -31,6 +39,175 @@ use thiserror::Error;
 
 /// Most blocks fetched from the index per query.
 const INDEX_PAGE_BLOCKS: usize = 256;
+
+/// How much one page may hold: `records`, and records whose decoded size stays within
+/// `bytes` (`None`: the hub's `read.page_bytes_max`). A page always holds at least one record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PageLimit {
+    pub records: usize,
+    pub bytes: Option<u64>,
+}
+
+impl From<usize> for PageLimit {
+    fn from(records: usize) -> Self {
+        PageLimit {
+            records,
+            bytes: None,
+        }
+    }
+}
+
+/// The room left in a page being filled.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Room {
+    records_max: usize,
+    bytes_max: u64,
+    taken: usize,
+    bytes: u64,
+    /// A record was left for the next page because it did not fit.
+    cut_by_bytes: bool,
+}
+
+impl Room {
+    pub(crate) fn new(limit: PageLimit, default_bytes: u64) -> Room {
+        Room {
+            records_max: limit.records,
+            bytes_max: limit.bytes.unwrap_or(default_bytes),
+            taken: 0,
+            bytes: 0,
+            cut_by_bytes: false,
+        }
+    }
+
+    /// Whether a record of `size` decoded bytes goes in (the first one always does).
+    pub(crate) fn fits(&self, size: u64) -> bool {
+        self.taken == 0 || self.bytes.saturating_add(size) <= self.bytes_max
+    }
+
+    pub(crate) fn take(&mut self, size: u64) {
+        self.taken += 1;
+        self.bytes = self.bytes.saturating_add(size);
+    }
+
+    pub(crate) fn full(&self) -> bool {
+        self.taken >= self.records_max || self.bytes >= self.bytes_max
+    }
+
+    /// The same page's remaining room, as a limit for a sub-reader.
+    pub(crate) fn left(&self) -> PageLimit {
+        PageLimit {
+            records: self.records_max.saturating_sub(self.taken),
+            bytes: Some(self.bytes_max.saturating_sub(self.bytes)),
+        }
+    }
+}
+
+/// The decoded size a record counts in a page: as `sync::decoded` counts it in a block, plus
+/// the device name each read record carries.
+pub fn record_bytes(device: &str, r: &Record) -> u64 {
+    parts_bytes(device, &r.key, &r.fields)
+}
+
+/// [`record_bytes`] of a record given by its parts.
+pub fn parts_bytes(device: &str, key: &str, fields: &[(String, Value)]) -> u64 {
+    let fields: u64 = fields
+        .iter()
+        .map(|(n, v)| {
+            sync::decoded::FIELD_OVERHEAD_BYTES + (n.len() + sync::decoded::payload_len(v)) as u64
+        })
+        .sum();
+    sync::decoded::RECORD_OVERHEAD_BYTES + (key.len() + device.len()) as u64 + fields
+}
+
+/// The `[read]` bounds and the counters behind their metrics, one per hub (held by the
+/// stream manager).
+#[derive(Debug, Default)]
+pub struct ReadState {
+    pub config: crate::config::ReadConfig,
+    /// Follow responses open now.
+    pub follows_active: std::sync::atomic::AtomicU64,
+    /// Follow requests refused at `read.follows_max`.
+    pub follows_refused: std::sync::atomic::AtomicU64,
+    /// Follow responses ended because their client took nothing for the stall timeout.
+    pub follows_dropped: std::sync::atomic::AtomicU64,
+    /// NDJSON bytes queued in follow responses, not yet taken by the HTTP server.
+    pub follow_buffered_bytes: std::sync::atomic::AtomicU64,
+    /// Pages cut short by `read.page_bytes_max`.
+    pub pages_cut_by_bytes: std::sync::atomic::AtomicU64,
+}
+
+impl ReadState {
+    pub fn new(config: crate::config::ReadConfig) -> ReadState {
+        ReadState {
+            config,
+            ..ReadState::default()
+        }
+    }
+}
+
+/// The `tributary_hub_read_*` series.
+pub fn render_metrics(out: &mut String, hub: &Hub) {
+    use std::fmt::Write;
+    use std::sync::atomic::Ordering::Relaxed;
+    let st = hub.streams().read_state();
+    let cache = hub.streams().cache();
+    let series: [(&str, &str, &str, u64); 8] = [
+        (
+            "tributary_hub_read_cache_bytes",
+            "gauge",
+            "Decoded bytes held by the readers' block cache (read.cache_bytes_max).",
+            cache.bytes(),
+        ),
+        (
+            "tributary_hub_read_cache_blocks",
+            "gauge",
+            "Blocks held by the readers' block cache.",
+            cache.len() as u64,
+        ),
+        (
+            "tributary_hub_read_cache_bytes_max",
+            "gauge",
+            "The block cache's bound, read.cache_bytes_max.",
+            st.config.cache_bytes_max,
+        ),
+        (
+            "tributary_hub_read_follows_active",
+            "gauge",
+            "Follow responses open now (read.follows_max).",
+            st.follows_active.load(Relaxed),
+        ),
+        (
+            "tributary_hub_read_follows_refused_total",
+            "counter",
+            "Follow requests refused with 503 at read.follows_max.",
+            st.follows_refused.load(Relaxed),
+        ),
+        (
+            "tributary_hub_read_follows_dropped_total",
+            "counter",
+            "Follow responses ended because their client took nothing for read.follow_stall_timeout.",
+            st.follows_dropped.load(Relaxed),
+        ),
+        (
+            "tributary_hub_read_follow_buffered_bytes",
+            "gauge",
+            "NDJSON bytes queued in follow responses (each at most read.follow_buffer_bytes_max).",
+            st.follow_buffered_bytes.load(Relaxed),
+        ),
+        (
+            "tributary_hub_read_pages_cut_by_bytes_total",
+            "counter",
+            "Reader pages that stopped at read.page_bytes_max.",
+            st.pages_cut_by_bytes.load(Relaxed),
+        ),
+    ];
+    for (name, kind, help, v) in series {
+        let _ = writeln!(
+            out,
+            "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+        );
+    }
+}
 
 /// Why a read failed.
 #[derive(Debug, Error)]
@@ -69,6 +246,13 @@ pub struct ReadRecord {
     pub segment: SegmentId,
 }
 
+impl ReadRecord {
+    /// The decoded size this record counts in a page ([`record_bytes`]).
+    pub fn decoded_bytes(&self) -> u64 {
+        parts_bytes(&self.device, &self.key, &self.fields)
+    }
+}
+
 /// A page of records and where the next page starts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReadPage {
@@ -77,12 +261,23 @@ pub struct ReadPage {
     pub next: u64,
 }
 
-/// Reads up to `limit` records of `stream` with hub offset >= `from`, below its readable end.
+/// Reads up to `limit` records of `stream` with hub offset >= `from`, below its readable end,
+/// within `read.page_bytes_max` (see [`read_records_with`]).
 pub fn read_records(
     hub: &Hub,
     stream: &str,
     from: u64,
     limit: usize,
+) -> Result<ReadPage, ReadError> {
+    read_records_with(hub, stream, from, limit.into())
+}
+
+/// As [`read_records`], within `limit`; `next` is where the next page starts exactly.
+pub fn read_records_with(
+    hub: &Hub,
+    stream: &str,
+    from: u64,
+    limit: PageLimit,
 ) -> Result<ReadPage, ReadError> {
     let sid = hub
         .lookup_stream(stream)
@@ -106,13 +301,14 @@ pub fn read_records(
 
 /// Visits the records of `snap`'s stream with offsets in `[from, to)` (clamped to the
 /// readable end) in offset order, pushing those `accept(graph, segment, offset, point,
-/// record)` keeps, until `limit` are kept. Returns the offset after the last one examined.
+/// record)` keeps, until `limit` is reached (records, or their decoded bytes). Returns the
+/// offset after the last one examined: the first offset the next page must look at.
 pub fn scan(
     hub: &Hub,
     snap: &StreamSnapshot,
     from: u64,
     to: u64,
-    limit: usize,
+    limit: impl Into<PageLimit>,
     accept: impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
     out: &mut Vec<ReadRecord>,
 ) -> Result<u64, ReadError> {
@@ -134,35 +330,70 @@ pub fn scan_in(
     segment: Option<SegmentId>,
     from: u64,
     to: u64,
-    limit: usize,
+    limit: impl Into<PageLimit>,
     mut accept: impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
     out: &mut Vec<ReadRecord>,
 ) -> Result<u64, ReadError> {
     let to = to.min(snap.end);
-    let start_len = out.len();
+    let default_bytes = hub.streams().read_state().config.page_bytes_max;
+    let mut room = Room::new(limit.into(), default_bytes);
     let mut next = from;
+    let result = scan_steps(
+        hub,
+        snap,
+        segment,
+        &mut next,
+        to,
+        &mut room,
+        &mut accept,
+        out,
+    );
+    if room.cut_by_bytes {
+        let st = hub.streams().read_state();
+        st.pages_cut_by_bytes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    result.map(|()| next)
+}
+
+/// The body of [`scan_in`]: tier 2 below the tier-1 start, then tier 1, until `room` is full
+/// or `to` is reached. `*next` is always the first offset not examined yet.
+#[allow(clippy::too_many_arguments)]
+fn scan_steps(
+    hub: &Hub,
+    snap: &StreamSnapshot,
+    segment: Option<SegmentId>,
+    next: &mut u64,
+    to: u64,
+    room: &mut Room,
+    accept: &mut impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
+    out: &mut Vec<ReadRecord>,
+) -> Result<(), ReadError> {
     let tiering = hub.streams().tiering();
-    while next < to && out.len() - start_len < limit {
+    while *next < to && !room.full() {
         let tier1_start = match &tiering {
             Some(_) => crate::tiering::store::state(hub.catalog(), snap.stream)?.evicted_end,
             None => 0,
         };
-        if next < tier1_start {
+        if *next < tier1_start {
             let t = tiering.clone().expect("tier-1 start is 0 without tiering");
-            let room = limit - (out.len() - start_len);
             let bound = tier1_start.min(to);
-            let moved = scan_tier2(t, snap, segment, next, bound, room, &mut accept, out)?;
-            if moved <= next {
+            let moved = scan_tier2(t, snap, segment, *next, bound, room, accept, out)?;
+            if room.cut_by_bytes || room.full() {
+                *next = moved;
+                return Ok(());
+            }
+            if moved <= *next {
                 return Err(ReadError::Internal(format!(
-                    "tier 2 read of stream {} made no progress at offset {next}",
-                    snap.stream
+                    "tier 2 read of stream {} made no progress at offset {}",
+                    snap.stream, *next
                 )));
             }
-            next = moved;
+            *next = moved;
             continue;
         }
-        match scan_tier1(hub, snap, &mut next, to, limit, start_len, &mut accept, out) {
-            Ok(()) => return Ok(next),
+        match scan_tier1(hub, snap, next, to, room, accept, out) {
+            Ok(()) => return Ok(()),
             Err(e) => {
                 // Eviction may have removed the file after the index rows were fetched: the
                 // records are in tier 2 now, read them there.
@@ -172,32 +403,30 @@ pub fn scan_in(
                     }
                     None => 0,
                 };
-                if matches!(e, ReadError::Wal(_)) && next < evicted {
+                if matches!(e, ReadError::Wal(_)) && *next < evicted {
                     continue;
                 }
                 return Err(e);
             }
         }
     }
-    Ok(next)
+    Ok(())
 }
 
 /// The tier-1 part of [`scan_in`]: from `*next` (at or past the tier-1 start) through the
 /// block index and the WAL. `*next` stays the offset after the last record examined, also
-/// when an error interrupts.
-#[allow(clippy::too_many_arguments)]
+/// when an error interrupts, and a record that does not fit the page is not examined.
 fn scan_tier1(
     hub: &Hub,
     snap: &StreamSnapshot,
     next: &mut u64,
     to: u64,
-    limit: usize,
-    start_len: usize,
+    room: &mut Room,
     accept: &mut impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
     out: &mut Vec<ReadRecord>,
 ) -> Result<(), ReadError> {
     let graph = &snap.graph;
-    while *next < to && out.len() - start_len < limit {
+    while *next < to && !room.full() {
         let rows = hub
             .catalog()
             .blocks_from(snap.stream, *next, INDEX_PAGE_BLOCKS)?;
@@ -222,36 +451,63 @@ fn scan_tier1(
                 }
                 other => other?,
             };
-            let first = next.saturating_sub(row.hub_offset_base) as usize;
-            for i in first..b.records.len() {
-                let o = row.hub_offset_base + i as u64;
-                if o >= to {
-                    *next = to;
-                    return Ok(());
-                }
-                *next = o + 1;
-                let (p, r) = (b.points[i], &b.records[i]);
-                let seg = graph.locate(o, p);
-                if accept(graph, seg, o, p, r) {
-                    out.push(ReadRecord {
-                        device: b.device.clone(),
-                        epoch: row.epoch,
-                        seq: row.first_seq + i as u64,
-                        key: r.key.clone(),
-                        ts: r.ts,
-                        fields: r.fields.clone(),
-                        offset: o,
-                        ingest_ts: b.ingest_ts,
-                        segment: seg,
-                    });
-                    if out.len() - start_len >= limit {
-                        return Ok(());
-                    }
-                }
+            if !scan_block(&b, row, graph, next, to, room, accept, out) {
+                return Ok(());
             }
         }
     }
     Ok(())
+}
+
+/// The records of one loaded block from `*next` on. Returns `false` once the page is done
+/// (full, or `to` reached).
+#[allow(clippy::too_many_arguments)]
+fn scan_block(
+    b: &DecodedBlock,
+    row: &BlockRow,
+    graph: &Graph,
+    next: &mut u64,
+    to: u64,
+    room: &mut Room,
+    accept: &mut impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
+    out: &mut Vec<ReadRecord>,
+) -> bool {
+    let first = next.saturating_sub(row.hub_offset_base) as usize;
+    for i in first..b.records.len() {
+        let o = row.hub_offset_base + i as u64;
+        if o >= to {
+            *next = to;
+            return false;
+        }
+        let (p, r) = (b.points[i], &b.records[i]);
+        let size = record_bytes(&b.device, r);
+        if !room.fits(size) {
+            // Not examined: the next page starts with it.
+            room.cut_by_bytes = true;
+            *next = o;
+            return false;
+        }
+        *next = o + 1;
+        let seg = graph.locate(o, p);
+        if accept(graph, seg, o, p, r) {
+            room.take(size);
+            out.push(ReadRecord {
+                device: b.device.clone(),
+                epoch: row.epoch,
+                seq: row.first_seq + i as u64,
+                key: r.key.clone(),
+                ts: r.ts,
+                fields: r.fields.clone(),
+                offset: o,
+                ingest_ts: b.ingest_ts,
+                segment: seg,
+            });
+            if room.full() {
+                return false;
+            }
+        }
+    }
+    true
 }
 
 /// Tier-2 records fetched per [`crate::tiering::read::TierReader`] page.
@@ -266,7 +522,7 @@ fn scan_tier2(
     segment: Option<SegmentId>,
     from: u64,
     bound: u64,
-    limit: usize,
+    room: &mut Room,
     accept: &mut impl FnMut(&Graph, SegmentId, u64, u32, &Record) -> bool,
     out: &mut Vec<ReadRecord>,
 ) -> Result<u64, ReadError> {
@@ -275,14 +531,19 @@ fn scan_tier2(
         .stream_name(snap.stream)
         .ok_or_else(|| ReadError::UnknownStream(format!("#{}", snap.stream)))?;
     let graph = &snap.graph;
-    let start_len = out.len();
     let mut next = from;
     let mut reader =
         crate::tiering::read::TierReader::new(tiering, &name, segment.map(u64::from), from)
             .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?
             .until(bound);
-    while next < bound && out.len() - start_len < limit {
-        let page = block_on_tier2(reader.next_page(TIER2_PAGE))
+    while next < bound && !room.full() {
+        let left = room.left();
+        let page_limit = PageLimit {
+            records: TIER2_PAGE,
+            // A page of tier-2 records needs room for at least one, whatever is left.
+            bytes: left.bytes.map(|b| b.max(1)),
+        };
+        let page = block_on_tier2(reader.next_page_with(page_limit))
             .map_err(|e| ReadError::Internal(format!("tier 2: {e}")))?;
         let position = reader.position();
         if page.records.is_empty() {
@@ -298,15 +559,21 @@ fn scan_tier2(
             if o < next {
                 continue;
             }
-            next = o + 1;
             let r = Record {
                 key: tr.key,
                 ts: tr.ts,
                 fields: tr.fields,
             };
+            let size = record_bytes(&tr.device, &r);
+            if !room.fits(size) {
+                room.cut_by_bytes = true;
+                return Ok(o);
+            }
+            next = o + 1;
             let p = key_point(&r.key);
             let seg = graph.locate(o, p);
             if accept(graph, seg, o, p, &r) {
+                room.take(size);
                 out.push(ReadRecord {
                     device: tr.device,
                     epoch: tr.epoch,
@@ -318,7 +585,7 @@ fn scan_tier2(
                     ingest_ts: tr.ingest_ts,
                     segment: seg,
                 });
-                if out.len() - start_len >= limit {
+                if room.full() {
                     return Ok(next);
                 }
             }

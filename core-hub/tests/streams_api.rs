@@ -305,7 +305,17 @@ async fn reader_groups_over_http_and_the_cli() {
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Commit only once the command has paged to the end and opened its follow response, so
+    // the new records can only reach it through the follow.
+    let follows = &hub.streams().read_state().follows_active;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while follows.load(std::sync::atomic::Ordering::Acquire) == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the CLI never opened its follow response"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     hub.commit_block("pump-7", "telemetry", &block("pump-7", 1, 31, 40))
         .await
         .unwrap();

@@ -4,8 +4,13 @@
 //!   NDJSON, one record per line in hub offset order, each with its `segment` and `offset`.
 //!   `from=<RFC 3339>` is hub ingest time. Without `follow`, one page: the headers
 //!   `x-tributary-next-offset` (a hub offset) and `x-tributary-next-cut` (a cut, exact after a
-//!   cut or key start) say where the next page starts; an empty page means caught up. With
-//!   `follow=true` the response never ends: records are pushed as they commit.
+//!   cut or key start) say where the next page starts; an empty page means caught up. A page
+//!   also stops before its records' decoded size passes `read.page_bytes_max` (it always holds
+//!   one record), and the next page starts exactly after it. With `follow=true` the response
+//!   never ends: records are pushed as they commit, at most `read.follow_buffer_bytes_max`
+//!   queued for the client; a client that takes nothing for `read.follow_stall_timeout` is
+//!   cut off (logged, `tributary_hub_read_follows_dropped_total`). At most `read.follows_max`
+//!   follow responses are open at once: the next gets 503 with a JSON error naming the limit.
 //! - `GET /v1/streams/{s}/segments`: the segment graph, the readable end, rates and policy.
 //! - `GET /v1/streams/{s}/cut[?group=G]`: a cut at the readable end (or a group's checkpoints).
 //! - `PUT /v1/streams/{s}/groups/{g}?from=..&session_timeout_ms=..`: create a reader group.
@@ -25,7 +30,7 @@ use super::SegmentId;
 use super::group::{DEFAULT_SESSION_TIMEOUT, GroupError};
 use super::reader::{Start, StreamReader};
 use crate::ingest::Hub;
-use crate::read::{ReadError, write_ndjson_line};
+use crate::read::{PageLimit, ReadError, write_ndjson_line};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Path, Query, State};
@@ -35,6 +40,7 @@ use axum::routing::{get, post};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// The response header with the next page's cut.
@@ -45,6 +51,9 @@ pub const POSITIONS_HEADER: &str = "x-tributary-positions";
 const WAIT_MAX: Duration = Duration::from_secs(60);
 /// Records per chunk of a follow response.
 const FOLLOW_CHUNK: usize = 2000;
+/// Chunks of a follow response's buffer: each holds about a quarter of
+/// `read.follow_buffer_bytes_max`.
+const FOLLOW_CHUNKS_BUFFERED: u64 = 4;
 
 /// The routes, with their own state; mount with `Router::merge`.
 pub fn routes<S: Clone + Send + Sync + 'static>(hub: Arc<Hub>) -> Router<S> {
@@ -123,6 +132,11 @@ async fn records(
     };
     let follow = q.follow.unwrap_or(false);
     let limit = q.limit.map(|l| l.max(1));
+    // The slot is taken before anything is opened, so a refused follow costs nothing.
+    let slot = match follow.then(|| FollowSlot::take(&hub)).transpose() {
+        Ok(slot) => slot,
+        Err(refused) => return refused,
+    };
     let h = hub.clone();
     let opened =
         tokio::task::spawn_blocking(move || StreamReader::open(h, &stream, start, q.key)).await;
@@ -131,8 +145,8 @@ async fn records(
         Ok(Err(e)) => return read_error(e),
         Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
     };
-    if follow {
-        return follow_response(reader, limit);
+    if let Some(slot) = slot {
+        return follow_response(reader, limit, slot);
     }
     let limit = limit
         .unwrap_or(crate::api::RECORDS_LIMIT_DEFAULT)
@@ -164,49 +178,156 @@ async fn records(
     resp
 }
 
-/// Streams records as they commit until the client goes away (or `limit` records).
-fn follow_response(mut reader: StreamReader, limit: Option<usize>) -> Response {
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<Vec<u8>, std::io::Error>>(4);
-    tokio::spawn(async move {
-        let mut left = limit.unwrap_or(usize::MAX);
-        while left > 0 {
-            if !reader.has_more() {
-                if tx.is_closed() {
-                    return;
-                }
-                reader.wait(Duration::from_secs(1)).await;
-                continue;
-            }
-            let n = left.min(FOLLOW_CHUNK);
-            let read = tokio::task::spawn_blocking(move || {
-                let r = reader.read(n);
-                (reader, r)
-            })
-            .await;
-            let Ok((r, result)) = read else { return };
-            reader = r;
-            let records = match result {
-                Ok(records) => records,
-                Err(e) => {
-                    let _ = tx.send(Err(std::io::Error::other(e.to_string()))).await;
-                    return;
-                }
-            };
-            if records.is_empty() {
-                continue;
-            }
-            left = left.saturating_sub(records.len());
-            let mut chunk = Vec::with_capacity(records.len() * 160);
-            for r in &records {
-                write_ndjson_line(r, &mut chunk);
-            }
-            if tx.send(Ok(chunk)).await.is_err() {
-                return;
-            }
+/// A follow response's place under `read.follows_max`, given back when the response ends.
+struct FollowSlot(Arc<Hub>);
+
+impl FollowSlot {
+    /// A slot, or the 503 that names the limit.
+    fn take(hub: &Arc<Hub>) -> Result<FollowSlot, Response> {
+        let st = hub.streams().read_state();
+        let max = u64::from(st.config.follows_max);
+        let before = st.follows_active.fetch_add(1, Ordering::AcqRel);
+        if before < max {
+            return Ok(FollowSlot(hub.clone()));
         }
-    });
-    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
+        st.follows_active.fetch_sub(1, Ordering::AcqRel);
+        st.follows_refused.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            follows_max = max,
+            "follow request refused: read.follows_max follow responses are open"
+        );
+        let body = serde_json::json!({
+            "error": format!("too many follow readers: {max} are open (read.follows_max)"),
+            "limit": "read.follows_max",
+            "max": max,
+        });
+        let mut resp = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        Err(resp)
+    }
+}
+
+impl Drop for FollowSlot {
+    fn drop(&mut self) {
+        let st = self.0.streams().read_state();
+        st.follows_active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One NDJSON chunk queued for a follow client, holding its share of the client's buffer
+/// (`read.follow_buffer_bytes_max`) until the HTTP server takes it.
+struct Queued {
+    bytes: Vec<u8>,
+    counted: u64,
+    hub: Arc<Hub>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        let st = self.hub.streams().read_state();
+        st.follow_buffered_bytes
+            .fetch_sub(self.counted, Ordering::Relaxed);
+    }
+}
+
+/// What a follow response's producer hands its body: queued chunks, and how it ended. The
+/// producer can empty it (a stalled client's chunks are freed at once, not when the
+/// connection finally goes), which a channel would not allow.
+#[derive(Default)]
+struct Outbox {
+    state: std::sync::Mutex<OutboxState>,
+    /// Something was queued, or the follow ended.
+    ready: tokio::sync::Notify,
+    /// The body was dropped: the client went away.
+    gone: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct OutboxState {
+    queue: std::collections::VecDeque<Queued>,
+    /// `Some(None)`: ended normally; `Some(Some(why))`: ended with an error for the client.
+    end: Option<Option<String>>,
+    gone: bool,
+}
+
+impl Outbox {
+    fn lock(&self) -> std::sync::MutexGuard<'_, OutboxState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn push(&self, q: Queued) {
+        self.lock().queue.push_back(q);
+        self.ready.notify_one();
+    }
+
+    /// Ends the follow; `failed` drops whatever is still queued and fails the response.
+    fn end(&self, failed: Option<String>) {
+        let mut st = self.lock();
+        if failed.is_some() {
+            st.queue.clear();
+        }
+        st.end.get_or_insert(failed);
+        drop(st);
+        self.ready.notify_one();
+    }
+
+    fn is_gone(&self) -> bool {
+        self.lock().gone
+    }
+
+    /// The next item for the body: a chunk, the error that ends it, or `None` at its end.
+    async fn next(&self) -> Option<Result<Vec<u8>, std::io::Error>> {
+        loop {
+            let ready = self.ready.notified();
+            tokio::pin!(ready);
+            ready.as_mut().enable();
+            {
+                let mut st = self.lock();
+                if let Some(mut q) = st.queue.pop_front() {
+                    // The chunk leaves the buffer here: its permit and count go with `q`.
+                    return Some(Ok(std::mem::take(&mut q.bytes)));
+                }
+                match st.end.take() {
+                    Some(Some(why)) => {
+                        st.end = Some(None);
+                        return Some(Err(std::io::Error::other(why)));
+                    }
+                    Some(None) => {
+                        st.end = Some(None);
+                        return None;
+                    }
+                    None => {}
+                }
+            }
+            ready.await;
+        }
+    }
+}
+
+/// The body's handle on the outbox; dropping it (the client went away) tells the producer.
+struct BodyEnd(Arc<Outbox>);
+
+impl Drop for BodyEnd {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.gone = true;
+        st.queue.clear();
+        drop(st);
+        self.0.gone.notify_one();
+    }
+}
+
+/// Streams records as they commit until the client goes away (or `limit` records). At most
+/// `read.follow_buffer_bytes_max` of NDJSON waits for the client (plus the chunk the server
+/// is writing); a client that takes nothing for `read.follow_stall_timeout` is cut off.
+fn follow_response(reader: StreamReader, limit: Option<usize>, slot: FollowSlot) -> Response {
+    let outbox = Arc::new(Outbox::default());
+    tokio::spawn(follow_task(reader, limit, slot, outbox.clone()));
+    let stream = futures_util::stream::unfold(BodyEnd(outbox), |end| async move {
+        let item = end.0.next().await?;
+        Some((item, end))
     });
     let mut resp = Response::new(Body::from_stream(stream));
     resp.headers_mut().insert(
@@ -214,6 +335,108 @@ fn follow_response(mut reader: StreamReader, limit: Option<usize>) -> Response {
         HeaderValue::from_static("application/x-ndjson"),
     );
     resp
+}
+
+/// The producer of a follow response: reads chunks bounded in bytes, and waits for buffer
+/// room before queueing each (back-pressure), up to the stall timeout.
+async fn follow_task(
+    mut reader: StreamReader,
+    limit: Option<usize>,
+    slot: FollowSlot,
+    outbox: Arc<Outbox>,
+) {
+    let hub = slot.0.clone();
+    let cfg = hub.streams().read_state().config;
+    let buffer = Arc::new(tokio::sync::Semaphore::new(
+        usize::try_from(cfg.follow_buffer_bytes_max).unwrap_or(usize::MAX >> 4),
+    ));
+    let chunk_bytes = (cfg.follow_buffer_bytes_max / FOLLOW_CHUNKS_BUFFERED).max(1);
+    let mut left = limit.unwrap_or(usize::MAX);
+    while left > 0 {
+        if outbox.is_gone() {
+            return;
+        }
+        if !reader.has_more() {
+            reader.wait(Duration::from_secs(1)).await;
+            continue;
+        }
+        let page = PageLimit {
+            records: left.min(FOLLOW_CHUNK),
+            bytes: Some(chunk_bytes),
+        };
+        let read = tokio::task::spawn_blocking(move || {
+            let r = reader.read_with(page);
+            (reader, r)
+        })
+        .await;
+        let Ok((r, result)) = read else { return };
+        reader = r;
+        let records = match result {
+            Ok(records) => records,
+            Err(e) => return outbox.end(Some(e.to_string())),
+        };
+        if records.is_empty() {
+            continue;
+        }
+        left = left.saturating_sub(records.len());
+        let mut chunk = Vec::with_capacity(records.len() * 160);
+        for r in &records {
+            write_ndjson_line(r, &mut chunk);
+        }
+        drop(records);
+        match queue_chunk(&hub, &buffer, chunk, &outbox, &cfg, reader.stream()).await {
+            Some(q) => outbox.push(q),
+            None => return,
+        }
+    }
+    outbox.end(None);
+    drop(slot);
+}
+
+/// Waits for room for `chunk` in the client's buffer. `None` when the client went away, or
+/// took nothing for the stall timeout: then what is queued is freed and the response fails.
+async fn queue_chunk(
+    hub: &Arc<Hub>,
+    buffer: &Arc<tokio::sync::Semaphore>,
+    chunk: Vec<u8>,
+    outbox: &Outbox,
+    cfg: &crate::config::ReadConfig,
+    stream: crate::catalog::StreamId,
+) -> Option<Queued> {
+    let st = hub.streams().read_state();
+    let counted = (chunk.len() as u64).min(cfg.follow_buffer_bytes_max);
+    let permits = u32::try_from(counted).unwrap_or(u32::MAX);
+    let acquire = buffer.clone().acquire_many_owned(permits);
+    let gone = outbox.gone.notified();
+    if outbox.is_gone() {
+        return None;
+    }
+    let permit = tokio::select! {
+        p = tokio::time::timeout(cfg.follow_stall_timeout, acquire) => p,
+        () = gone => return None,
+    };
+    let Ok(Ok(permit)) = permit else {
+        st.follows_dropped.fetch_add(1, Ordering::Relaxed);
+        let queued = cfg.follow_buffer_bytes_max - buffer.available_permits() as u64;
+        tracing::warn!(
+            stream,
+            queued_bytes = queued,
+            stall = ?cfg.follow_stall_timeout,
+            "follow client took nothing for read.follow_stall_timeout with its buffer full (read.follow_buffer_bytes_max); ending its response"
+        );
+        outbox.end(Some(
+            "follow client too slow: nothing taken for read.follow_stall_timeout".into(),
+        ));
+        return None;
+    };
+    st.follow_buffered_bytes
+        .fetch_add(counted, Ordering::Relaxed);
+    Some(Queued {
+        bytes: chunk,
+        counted,
+        hub: hub.clone(),
+        _permit: permit,
+    })
 }
 
 /// `GET /v1/streams/{s}/segments`.

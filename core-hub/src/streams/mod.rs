@@ -121,6 +121,7 @@ pub struct StreamManager {
     streams: Mutex<HashMap<StreamId, StreamEntry>>,
     groups: group::Groups,
     cache: reader::BlockCache,
+    read: crate::read::ReadState,
     stats: StreamStats,
     stop: AtomicBool,
     /// Tier 2, once tiering is open: readers go there below a stream's tier-1 start. Weak,
@@ -148,6 +149,7 @@ impl StreamManager {
     pub fn open(
         catalog: Arc<Catalog>,
         policy: &StreamPolicy,
+        read: &crate::config::ReadConfig,
     ) -> Result<Arc<StreamManager>, StreamsError> {
         graph::init_schema(&catalog)?;
         group::init_schema(&catalog)?;
@@ -178,7 +180,8 @@ impl StreamManager {
             policies: policy.scale.clone(),
             streams: Mutex::new(streams),
             groups: group::Groups::load(&catalog)?,
-            cache: reader::BlockCache::new(reader::BLOCK_CACHE_ENTRIES),
+            cache: reader::BlockCache::new(read.cache_bytes_max),
+            read: crate::read::ReadState::new(*read),
             stats: StreamStats::default(),
             stop: AtomicBool::new(false),
             tiering: Mutex::new(std::sync::Weak::new()),
@@ -225,6 +228,11 @@ impl StreamManager {
     /// Decoded blocks shared by readers.
     pub fn cache(&self) -> &reader::BlockCache {
         &self.cache
+    }
+
+    /// The `[read]` bounds and their counters.
+    pub fn read_state(&self) -> &crate::read::ReadState {
+        &self.read
     }
 
     /// Split and merge counters.

@@ -6,7 +6,7 @@
 //! predecessors' in offset order), and tags each record with its segment. Reader groups read
 //! segment by segment instead ([`crate::read::scan`] with a segment filter). Both decode each
 //! WAL block once through the shared [`BlockCache`], since readers near the tail all want the
-//! same few blocks.
+//! same few blocks; the cache is bounded by the blocks' decoded size (`read.cache_bytes_max`).
 //!
 //! `from=TIME` is hub ingest time, which is monotonic along the log: the first record whose
 //! block was committed at or after TIME. Event-time selection (the producer's `ts`) belongs to
@@ -16,7 +16,7 @@ use super::cut::{Cut, CutError, CutFilter};
 use super::{StreamSnapshot, StreamsError};
 use crate::catalog::{BlockRow, StreamId};
 use crate::ingest::Hub;
-use crate::read::{ReadError, ReadRecord, scan};
+use crate::read::{PageLimit, ReadError, ReadRecord, scan};
 use rusqlite::{OptionalExtension, params};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -24,9 +24,6 @@ use std::time::Duration;
 use sync::record::Record;
 use thiserror::Error;
 use tokio::sync::watch;
-
-/// Decoded blocks kept for readers.
-pub const BLOCK_CACHE_ENTRIES: usize = 512;
 
 /// One WAL block, verified and decoded, with each record's hash point.
 #[derive(Debug)]
@@ -38,40 +35,97 @@ pub struct DecodedBlock {
     pub points: Vec<u32>,
 }
 
-/// Blocks by `(wal_file, wal_pos)`, and their insertion order.
-type CacheMap = (HashMap<(u64, u64), Arc<DecodedBlock>>, VecDeque<(u64, u64)>);
+impl DecodedBlock {
+    /// The memory this block counts in the cache: its records' decoded size
+    /// (`sync::decoded`), their hash points, its device name and a fixed overhead.
+    pub fn cached_bytes(&self) -> u64 {
+        const FIXED: u64 = 256;
+        sync::decoded::records_bytes(&self.records)
+            + 4 * self.points.len() as u64
+            + self.device.len() as u64
+            + FIXED
+    }
+}
 
-/// A small FIFO cache of decoded blocks keyed by WAL position.
+/// Blocks by `(wal_file, wal_pos)` with their sizes, and their insertion order.
+#[derive(Debug, Default)]
+struct CacheMap {
+    blocks: HashMap<(u64, u64), (Arc<DecodedBlock>, u64)>,
+    order: VecDeque<(u64, u64)>,
+    bytes: u64,
+}
+
+/// A FIFO cache of decoded blocks keyed by WAL position, bounded by their decoded size
+/// (`read.cache_bytes_max`). A block larger than the whole bound is never cached.
 #[derive(Debug)]
 pub struct BlockCache {
-    cap: usize,
+    bytes_max: u64,
     inner: Mutex<CacheMap>,
 }
 
 impl BlockCache {
-    pub fn new(cap: usize) -> BlockCache {
+    pub fn new(bytes_max: u64) -> BlockCache {
         BlockCache {
-            cap,
-            inner: Mutex::new((HashMap::new(), VecDeque::new())),
+            bytes_max,
+            inner: Mutex::new(CacheMap::default()),
         }
     }
 
     /// The cached block at `(wal_file, wal_pos)`.
     pub fn get(&self, key: (u64, u64)) -> Option<Arc<DecodedBlock>> {
-        self.inner.lock().expect("cache lock").0.get(&key).cloned()
+        let g = self.inner.lock().expect("cache lock");
+        g.blocks.get(&key).map(|(b, _)| b.clone())
     }
 
-    /// Caches a block, evicting the oldest past capacity.
+    /// Caches a block, evicting the oldest until the cache is within its bound.
     pub fn put(&self, key: (u64, u64), b: Arc<DecodedBlock>) {
-        let mut g = self.inner.lock().expect("cache lock");
-        if g.0.insert(key, b).is_none() {
-            g.1.push_back(key);
+        let size = b.cached_bytes();
+        if size > self.bytes_max {
+            return;
         }
-        while g.1.len() > self.cap {
-            if let Some(old) = g.1.pop_front() {
-                g.0.remove(&old);
+        let mut g = self.inner.lock().expect("cache lock");
+        match g.blocks.insert(key, (b, size)) {
+            Some((_, old)) => g.bytes -= old,
+            None => g.order.push_back(key),
+        }
+        g.bytes += size;
+        while g.bytes > self.bytes_max {
+            let Some(old) = g.order.pop_front() else {
+                break;
+            };
+            if let Some((_, n)) = g.blocks.remove(&old) {
+                g.bytes -= n;
             }
         }
+        assert!(
+            g.bytes <= self.bytes_max,
+            "the block cache stays within its bound"
+        );
+        assert_eq!(
+            g.blocks.len(),
+            g.order.len(),
+            "every cached block is in the order"
+        );
+    }
+
+    /// Decoded bytes held now (at most `read.cache_bytes_max`).
+    pub fn bytes(&self) -> u64 {
+        self.inner.lock().expect("cache lock").bytes
+    }
+
+    /// Blocks held now.
+    pub fn len(&self) -> usize {
+        self.inner.lock().expect("cache lock").blocks.len()
+    }
+
+    /// Whether the cache holds no block.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The bound, `read.cache_bytes_max`.
+    pub fn bytes_max(&self) -> u64 {
+        self.bytes_max
     }
 }
 
@@ -222,9 +276,15 @@ impl StreamReader {
         }
     }
 
-    /// Up to `limit` records after the position, up to the readable end (blocking I/O: call
-    /// from a blocking thread in async code).
+    /// Up to `limit` records after the position, up to the readable end, within
+    /// `read.page_bytes_max` (blocking I/O: call from a blocking thread in async code).
     pub fn read(&mut self, limit: usize) -> Result<Vec<ReadRecord>, ReadError> {
+        self.read_with(limit.into())
+    }
+
+    /// As [`StreamReader::read`], within `limit` (records and decoded bytes); the position
+    /// moves to the first record not returned, so the next read continues exactly there.
+    pub fn read_with(&mut self, limit: PageLimit) -> Result<Vec<ReadRecord>, ReadError> {
         let snap = self.rx.borrow().clone();
         let mut out = Vec::new();
         let key = self.key.as_deref();

@@ -28,7 +28,7 @@
 use super::Tiering;
 use super::store::{self, ChunkRow};
 use crate::catalog::{CatalogError, StreamId};
-use crate::read::{ReadError, ReadPage, ReadRecord};
+use crate::read::{PageLimit, ReadError, ReadPage, ReadRecord, Room};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use thiserror::Error;
@@ -256,19 +256,34 @@ impl TierReader {
         Ok(None)
     }
 
-    /// Up to `limit` records from the current position; an empty page means the reader is
-    /// at the end of what is committed.
+    /// Up to `limit` records from the current position, within `read.page_bytes_max`; an
+    /// empty page means the reader is at the end of what is committed.
     pub async fn next_page(&mut self, limit: usize) -> Result<ReadPage, ReadThroughError> {
+        self.next_page_with(limit.into()).await
+    }
+
+    /// As [`TierReader::next_page`], within `limit` (records and decoded bytes, see
+    /// [`crate::read::PageLimit`]). A record that does not fit stays for the next page, so
+    /// pages continue exactly; a page always holds at least one record when there is one.
+    pub async fn next_page_with(&mut self, limit: PageLimit) -> Result<ReadPage, ReadThroughError> {
+        let default_bytes = self
+            .tiering
+            .hub()
+            .streams()
+            .read_state()
+            .config
+            .page_bytes_max;
+        let mut room = Room::new(limit, default_bytes);
         let mut records = Vec::new();
-        while records.len() < limit && self.next < self.end {
+        while !room.full() && self.next < self.end {
             let st = store::state(self.tiering.hub().catalog(), self.sid)?;
             // Retention removed everything below tier2_start from both tiers.
             self.next = self.next.max(st.tier2_start);
             if self.next >= st.evicted_end && self.current.is_none() {
                 let hub = self.tiering.hub().clone();
-                let (stream, from, n) = (self.stream.clone(), self.next, limit - records.len());
+                let (stream, from, left) = (self.stream.clone(), self.next, room.left());
                 let page = tokio::task::spawn_blocking(move || {
-                    crate::read::read_records(&hub, &stream, from, n)
+                    crate::read::read_records_with(&hub, &stream, from, left)
                 })
                 .await
                 .map_err(|e| ReadThroughError::Missing {
@@ -285,18 +300,31 @@ impl TierReader {
                 continue;
             }
             let (row, recs) = self.current.as_mut().expect("filled");
-            while records.len() < limit {
+            while !room.full() {
                 if recs.front().is_some_and(|(_, r)| r.offset >= self.end) {
                     self.next = self.next.max(self.end);
                     break;
                 }
-                let Some((seg, r)) = recs.pop_front() else {
+                let Some((_, r)) = recs.front() else {
                     break;
                 };
-                if r.offset >= self.next {
-                    self.next = r.offset + 1;
-                    records.push(to_read_record(r, seg));
+                if r.offset < self.next {
+                    recs.pop_front();
+                    continue;
                 }
+                let size = crate::read::parts_bytes(&r.device, &r.key, &r.fields);
+                if !room.fits(size) {
+                    // Left for the next page, which starts at its offset.
+                    self.next = r.offset;
+                    return Ok(ReadPage {
+                        records,
+                        next: self.next,
+                    });
+                }
+                let (seg, r) = recs.pop_front().expect("a front record");
+                self.next = r.offset + 1;
+                room.take(size);
+                records.push(to_read_record(r, seg));
             }
             if recs.is_empty() {
                 self.next = self.next.max(row.end_offset);
