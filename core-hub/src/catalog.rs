@@ -98,6 +98,13 @@ CREATE TABLE IF NOT EXISTS backlog (
     last_seq INTEGER NOT NULL,
     PRIMARY KEY (device, stream)
 ) WITHOUT ROWID;
+-- the field names (columns) each stream holds, registered at ingest before a block with a
+-- new one is queued (ingest.columns_per_stream_max is checked against it)
+CREATE TABLE IF NOT EXISTS stream_fields (
+    stream INTEGER NOT NULL,
+    field TEXT NOT NULL,
+    PRIMARY KEY (stream, field)
+) WITHOUT ROWID;
 INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', 1);
 ";
 
@@ -542,6 +549,56 @@ impl Catalog {
                 last_seq: u(r.get(6)?),
             })
         })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Every `(device, stream)` with a backlog report: the streams a device holds state in
+    /// besides its lanes (the per-device stream quota counts both).
+    pub fn backlog_streams(&self) -> Result<Vec<(DeviceId, StreamId)>, CatalogError> {
+        let c = self.r();
+        let mut st = c.prepare("SELECT device, stream FROM backlog")?;
+        let rows = st.query_map([], |r| {
+            Ok((r.get::<_, i64>(0)? as DeviceId, r.get::<_, i64>(1)? as StreamId))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Registers field names of `stream` (those already registered are ignored).
+    pub fn register_fields(&self, stream: StreamId, fields: &[&str]) -> Result<(), CatalogError> {
+        let mut c = self.w();
+        let tx = c.transaction()?;
+        {
+            let mut st = tx.prepare_cached(
+                "INSERT OR IGNORE INTO stream_fields (stream, field) VALUES (?1, ?2)",
+            )?;
+            for f in fields {
+                st.execute(rusqlite::params![i64::from(stream), f])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Every registered `(stream, field)`. A catalog from before the registry existed gets it
+    /// filled from tier 2's field registry first (the fields already tiered).
+    pub fn stream_fields(&self) -> Result<Vec<(StreamId, String)>, CatalogError> {
+        {
+            let c = self.w();
+            let tiered: bool = c.query_row(
+                "SELECT EXISTS (SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'tier_fields')",
+                [],
+                |r| r.get(0),
+            )?;
+            if tiered {
+                c.execute(
+                    "INSERT OR IGNORE INTO stream_fields (stream, field) SELECT DISTINCT stream, field FROM tier_fields",
+                    [],
+                )?;
+            }
+        }
+        let c = self.r();
+        let mut st = c.prepare("SELECT stream, field FROM stream_fields")?;
+        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)? as StreamId, r.get(1)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
     }
 

@@ -55,6 +55,8 @@ pub struct HubConfig {
     pub republish: Option<crate::republish::RepublishConfig>,
     /// `[read]`: byte bounds on reader pages, the block cache and follow streams.
     pub read: ReadConfig,
+    /// `[metrics]`: how many devices `/metrics` lists by name.
+    pub metrics: MetricsConfig,
 }
 
 /// Where the hub listens.
@@ -164,6 +166,48 @@ pub struct IngestConfig {
     pub block_decoded_bytes_max: u64,
     /// The most streams one connection may announce.
     pub streams_per_connection_max: NonZeroU32,
+    /// Per-device hub state: streams, epochs and lanes per device, columns per stream.
+    pub state: StateQuotas,
+}
+
+/// Bounds on the hub state one device can create (`ingest.*_per_device_max`,
+/// `ingest.columns_per_stream_max`); see `crate::ingest::quotas` and docs/security.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateQuotas {
+    /// Distinct streams a device may hold lanes or backlog reports in.
+    pub streams_per_device_max: u32,
+    /// Distinct epochs a device may hold lanes in.
+    pub epochs_per_device_max: u32,
+    /// Distinct `(epoch, stream)` lanes a device may hold.
+    pub lanes_per_device_max: u32,
+    /// Distinct field names (columns) one stream may hold, over every device.
+    pub columns_per_stream_max: u32,
+}
+
+impl Default for StateQuotas {
+    fn default() -> Self {
+        StateQuotas {
+            streams_per_device_max: DEFAULT_STREAMS_PER_DEVICE_MAX,
+            epochs_per_device_max: DEFAULT_EPOCHS_PER_DEVICE_MAX,
+            lanes_per_device_max: DEFAULT_LANES_PER_DEVICE_MAX,
+            columns_per_stream_max: DEFAULT_COLUMNS_PER_STREAM_MAX,
+        }
+    }
+}
+
+/// `[metrics]`: bounds on what `/metrics` lists.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricsConfig {
+    /// Devices listed with their own series (the first by name); the rest are left out.
+    pub device_series_max: usize,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            device_series_max: DEFAULT_DEVICE_SERIES_MAX,
+        }
+    }
 }
 
 /// Which streams exist and who may write them.
@@ -332,6 +376,8 @@ pub struct RawConfig {
     pub republish: Option<crate::republish::RawRepublish>,
     #[serde(default)]
     pub read: RawRead,
+    #[serde(default)]
+    pub metrics: RawMetrics,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -387,6 +433,10 @@ pub struct RawIngest {
     pub records_per_block_max: Option<u64>,
     pub block_decoded_bytes_max: Option<String>,
     pub streams_per_connection_max: Option<u64>,
+    pub streams_per_device_max: Option<u64>,
+    pub epochs_per_device_max: Option<u64>,
+    pub lanes_per_device_max: Option<u64>,
+    pub columns_per_stream_max: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -489,6 +539,16 @@ pub const DEFAULT_RECORDS_PER_BLOCK_MAX: u32 = 1 << 20;
 pub const DEFAULT_BLOCK_DECODED_BYTES_MAX: u64 = sync::block::DECODED_BYTES_MAX_DEFAULT;
 /// Default most streams per connection.
 pub const DEFAULT_STREAMS_PER_CONNECTION_MAX: u32 = 1024;
+/// Default `ingest.streams_per_device_max`: a device ships a handful of streams.
+pub const DEFAULT_STREAMS_PER_DEVICE_MAX: u32 = 256;
+/// Default `ingest.epochs_per_device_max`: one epoch per data-directory wipe or clone.
+pub const DEFAULT_EPOCHS_PER_DEVICE_MAX: u32 = 64;
+/// Default `ingest.lanes_per_device_max`: streams times the epochs still in use.
+pub const DEFAULT_LANES_PER_DEVICE_MAX: u32 = 1024;
+/// Default `ingest.columns_per_stream_max`: distinct field names of one stream.
+pub const DEFAULT_COLUMNS_PER_STREAM_MAX: u32 = 4096;
+/// Default `metrics.device_series_max`.
+pub const DEFAULT_DEVICE_SERIES_MAX: usize = 1000;
 
 /// Default records per tier-2 chunk.
 pub const DEFAULT_CHUNK_RECORDS_MAX: u64 = 1_000_000;
@@ -583,8 +643,10 @@ impl HubConfig {
         let http = parse_http(raw.http)?;
         let completeness = raw.completeness.parse()?;
         let republish = raw.republish.as_ref().map(|r| r.parse()).transpose()?;
+        let metrics = parse_metrics(&raw.metrics)?;
         let read = parse_read(&raw.read)?;
         Ok(HubConfig {
+            metrics,
             read,
             completeness,
             republish,
@@ -865,7 +927,64 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
         records_per_block_max,
         block_decoded_bytes_max,
         streams_per_connection_max,
+        state: parse_state_quotas(raw)?,
     })
+}
+
+/// The per-device state quotas of `[ingest]`; each must be at least 1.
+fn parse_state_quotas(raw: &RawIngest) -> Result<StateQuotas, ConfigError> {
+    let d = StateQuotas::default();
+    let one = |key: &str, v: Option<u64>, default: u32| -> Result<u32, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(n) => u32::try_from(n)
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| ConfigError::key(key, "must be between 1 and 4294967295")),
+        }
+    };
+    let q = StateQuotas {
+        streams_per_device_max: one(
+            "ingest.streams_per_device_max",
+            raw.streams_per_device_max,
+            d.streams_per_device_max,
+        )?,
+        epochs_per_device_max: one(
+            "ingest.epochs_per_device_max",
+            raw.epochs_per_device_max,
+            d.epochs_per_device_max,
+        )?,
+        lanes_per_device_max: one(
+            "ingest.lanes_per_device_max",
+            raw.lanes_per_device_max,
+            d.lanes_per_device_max,
+        )?,
+        columns_per_stream_max: one(
+            "ingest.columns_per_stream_max",
+            raw.columns_per_stream_max,
+            d.columns_per_stream_max,
+        )?,
+    };
+    Ok(q)
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawMetrics {
+    pub device_series_max: Option<u64>,
+}
+
+fn parse_metrics(raw: &RawMetrics) -> Result<MetricsConfig, ConfigError> {
+    let device_series_max = match raw.device_series_max {
+        None => DEFAULT_DEVICE_SERIES_MAX,
+        Some(n) => usize::try_from(n)
+            .ok()
+            .filter(|&n| (1..=1_000_000).contains(&n))
+            .ok_or_else(|| {
+                ConfigError::key("metrics.device_series_max", "must be between 1 and 1000000")
+            })?,
+    };
+    Ok(MetricsConfig { device_series_max })
 }
 
 fn parse_streams(

@@ -63,6 +63,11 @@ use sync::record::Record;
 use thiserror::Error;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, oneshot, watch};
 
+mod keys;
+pub mod quotas;
+
+pub use keys::{key_in_device, key_problem};
+
 /// The budget semaphore counts this many bytes per permit, so budgets above 4 GiB fit.
 pub const MEMORY_PERMIT_BYTES: u64 = 1024;
 
@@ -127,6 +132,23 @@ pub enum IngestError {
         key: String,
         prefix: String,
     },
+    /// A record key with an empty, `.` or `..` segment, or a NUL or control character
+    /// (`ingest::keys`). On the wire this is `UNAUTHORIZED_STREAM`, like a forbidden key.
+    #[error("stream `{stream}` refuses key {key:?}: {why}")]
+    BadKey {
+        stream: String,
+        key: String,
+        why: &'static str,
+    },
+    /// New state (a stream, epoch or lane of the device, or columns of the stream) beyond a
+    /// per-device state quota (`ingest::quotas`); nothing was created. On the wire this is
+    /// `QUOTA_EXCEEDED`, naming the stream first.
+    #[error("stream `{stream}` refused: it would exceed {key} = {max}")]
+    QuotaExceeded {
+        stream: String,
+        key: &'static str,
+        max: u32,
+    },
     #[error("block of {len} bytes exceeds the {limit}-byte limit")]
     TooLarge { len: usize, limit: usize },
     #[error("bad block: {0}")]
@@ -162,6 +184,8 @@ impl IngestError {
             IngestError::BadStreamName(_) => "bad_stream_name",
             IngestError::Unauthorized(_) => "unauthorized",
             IngestError::ForbiddenKey { .. } => "forbidden_key",
+            IngestError::BadKey { .. } => "bad_key",
+            IngestError::QuotaExceeded { .. } => "quota_exceeded",
             IngestError::TooLarge { .. } => "too_large",
             IngestError::BadBlock(_) => "bad_block",
             IngestError::DecodedTooLarge { .. } => "decoded_too_large",
@@ -422,6 +446,10 @@ pub struct Hub {
     keys: Mutex<HashMap<(DeviceId, u64, StreamId), Arc<KeyCell>>>,
     fenced: RwLock<HashMap<String, String>>,
     stats: Arc<IngestStats>,
+    /// Per-device state quotas (`ingest::quotas`), counted from the catalog at open.
+    quotas: quotas::Quotas,
+    /// `metrics.device_series_max`.
+    device_series_max: usize,
     /// Decoded record buffers for reuse.
     record_pool: Arc<RecordPool>,
     /// Merged streams: segment graphs, readable ends, reader groups.
@@ -730,6 +758,7 @@ impl Hub {
             .into_iter()
             .map(|m| ((m.device, m.epoch, m.stream), KeyCell::new(m.durable_seq)))
             .collect();
+        let quotas = quotas::load(&catalog, &names, cfg.ingest.state)?;
         let memory_permits = u32::try_from(cfg.ingest.memory_bytes_max / MEMORY_PERMIT_BYTES)
             .unwrap_or(u32::MAX)
             .max(1);
@@ -749,6 +778,8 @@ impl Hub {
             keys: Mutex::new(keys),
             fenced: RwLock::new(fenced),
             stats: Arc::new(IngestStats::default()),
+            quotas,
+            device_series_max: cfg.metrics.device_series_max,
             record_pool: Arc::new(RecordPool::default()),
             admission: RwLock::new(None),
             tiered_changed: Arc::new(watch::channel(0).0),
@@ -909,6 +940,7 @@ impl Hub {
         report: BacklogReport,
     ) -> Result<(), IngestError> {
         self.authorize(device, stream)?;
+        self.admit_stream_quota(device, stream)?;
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
         let row = BacklogRow {
             device: d,
@@ -945,6 +977,7 @@ impl Hub {
         if first == 0 || first > last || last > sync::protocol::receiver::SEQ_MAX {
             return Err(IngestError::BadGap { first, last });
         }
+        self.admit_lane_quota(device, stream, epoch)?;
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
         let cell = self.cell(d, epoch, s);
         let order = cell.order.lock().await;
@@ -1140,7 +1173,10 @@ impl Hub {
         permit: OwnedSemaphorePermit,
     ) -> Result<PendingCommit, IngestError> {
         self.check_keys(device, stream, &dec.records)?;
+        // Quotas before anything is created for the lane (its stream, its key cell).
+        self.admit_lane_quota(device, stream, dec.epoch)?;
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
+        self.admit_columns_quota(device, stream, s, &dec.records)?;
         let epoch = dec.epoch;
         let cell = self.cell(d, epoch, s);
         let _order = cell.order.lock().await;
@@ -1408,30 +1444,6 @@ impl Hub {
         }
     }
 
-    /// Refuses a block with a key outside the device's own prefix on a stream configured with
-    /// `keys_prefixed_by_device` (issue 6 §1). Every record of the block counts, resent ones
-    /// included, so a block is either wholly admitted or wholly refused.
-    fn check_keys(
-        &self,
-        device: &str,
-        stream: &str,
-        records: &[Record],
-    ) -> Result<(), IngestError> {
-        if !self.policy.keys_prefixed_by_device.contains(stream) {
-            return Ok(());
-        }
-        let prefix = format!("{device}/");
-        match records.iter().find(|r| !r.key.starts_with(&prefix)) {
-            None => Ok(()),
-            Some(r) => Err(IngestError::ForbiddenKey {
-                stream: stream.to_owned(),
-                // A hostile key could be huge; the error only needs to identify it.
-                key: r.key.chars().take(120).collect(),
-                prefix,
-            }),
-        }
-    }
-
     /// Compares every committed or pending range that lies within the overlap with this block.
     fn check_conflicts(
         &self,
@@ -1676,6 +1688,11 @@ impl Hub {
         &self.stats
     }
 
+    /// `metrics.device_series_max`: devices `/metrics` lists by name.
+    pub fn device_series_max(&self) -> usize {
+        self.device_series_max
+    }
+
     /// The global ingest memory budget (permits of [`MEMORY_PERMIT_BYTES`] bytes). A driver
     /// may reserve from it for bytes it buffers before calling `commit_block`.
     pub fn memory(&self) -> &Arc<Semaphore> {
@@ -1797,6 +1814,21 @@ mod tests {
             IngestError::BadDeviceId,
             IngestError::BadStreamName(String::new()),
             IngestError::Unauthorized(String::new()),
+            IngestError::ForbiddenKey {
+                stream: String::new(),
+                key: String::new(),
+                prefix: String::new(),
+            },
+            IngestError::BadKey {
+                stream: String::new(),
+                key: String::new(),
+                why: "",
+            },
+            IngestError::QuotaExceeded {
+                stream: String::new(),
+                key: "",
+                max: 0,
+            },
             IngestError::TooLarge { len: 0, limit: 0 },
             IngestError::BadBlock(String::new()),
             IngestError::DecodedTooLarge { size: 0, limit: 0 },

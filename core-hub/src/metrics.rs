@@ -87,6 +87,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         load(&s.stored_refused),
     );
     revocation_metrics(&mut out, &s.revocation);
+    quota_metrics(&mut out, hub);
     crate::server::connection_metrics(&mut out, &s.connections);
     counter(
         &mut out,
@@ -155,13 +156,14 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         hub.memory_in_use_bytes(),
     );
     group_commit_histogram(&mut out, w);
-    catalog_metrics(&mut out, hub);
+    let listed = listed_devices(hub);
+    catalog_metrics(&mut out, hub, &listed);
     streams_metrics(&mut out, hub);
     if let Some(t) = hub.tier_stats() {
         tier_metrics(&mut out, t);
     }
     if let Some(t) = tracker {
-        completeness_metrics(&mut out, hub, t);
+        completeness_metrics(&mut out, hub, t, &listed);
     }
     crate::scrub::render_metrics(&mut out, hub);
     out
@@ -174,7 +176,12 @@ fn secs(ns: i64) -> f64 {
 
 /// Per stream: watermark, complete-through time and active devices; per device and stream:
 /// backlog and last contact. Retired devices are left out (see [`crate::completeness`]).
-fn completeness_metrics(out: &mut String, hub: &Hub, tracker: &crate::completeness::Tracker) {
+fn completeness_metrics(
+    out: &mut String,
+    hub: &Hub,
+    tracker: &crate::completeness::Tracker,
+    listed: &Listed,
+) {
     let streams = hub.catalog().streams().unwrap_or_default();
     let summaries: Vec<_> = streams
         .iter()
@@ -231,7 +238,7 @@ fn completeness_metrics(out: &mut String, hub: &Hub, tracker: &crate::completene
                     let _ = writeln!(out, "{name}{{stream=\"{stream}\"}} {}", sum.active_devices);
                 }
                 _ => {
-                    for d in &sum.devices {
+                    for d in sum.devices.iter().filter(|d| listed.contains(&d.device)) {
                         let device = escape(&d.device);
                         let v = match i {
                             3 => d.backlog_blocks as f64,
@@ -286,6 +293,43 @@ fn revocation_metrics(out: &mut String, r: &crate::pki::RevocationStats) {
     );
 }
 
+/// The devices listed with their own series: the first `metrics.device_series_max` by name.
+/// The others are left out of every per-device family, and counted, so a flood of devices
+/// cannot make a scrape unbounded.
+struct Listed {
+    names: std::collections::HashSet<String>,
+    omitted: u64,
+}
+
+impl Listed {
+    fn contains(&self, device: &str) -> bool {
+        self.names.contains(device)
+    }
+}
+
+fn listed_devices(hub: &Hub) -> Listed {
+    // The catalog lists devices by name.
+    let devices = hub.catalog().devices().unwrap_or_default();
+    let max = hub.device_series_max();
+    let omitted = devices.len().saturating_sub(max) as u64;
+    let names = devices.into_iter().take(max).map(|d| d.name).collect();
+    Listed { names, omitted }
+}
+
+/// Refusals per per-device state quota (`ingest::quotas`), and how many devices the
+/// per-device families leave out.
+fn quota_metrics(out: &mut String, hub: &Hub) {
+    let name = "tributary_hub_quota_refused_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Blocks, gaps and backlog reports refused by a per-device state quota (QUOTA_EXCEEDED), by limit.\n# TYPE {name} counter"
+    );
+    for limit in crate::ingest::quotas::Limit::ALL {
+        let v = hub.quotas().stats().refused(limit);
+        let _ = writeln!(out, "{name}{{limit=\"{}\"}} {v}", limit.label());
+    }
+}
+
 pub(crate) fn counter(out: &mut String, name: &str, help: &str, v: u64) {
     let _ = writeln!(
         out,
@@ -321,7 +365,7 @@ fn group_commit_histogram(out: &mut String, w: &crate::wal::WalStats) {
     let _ = writeln!(out, "{name}_count {cumulative}");
 }
 
-fn catalog_metrics(out: &mut String, hub: &Hub) {
+fn catalog_metrics(out: &mut String, hub: &Hub, listed: &Listed) {
     let devices = hub.catalog().devices().unwrap_or_default();
     let fenced = devices.iter().filter(|d| d.fence_reason.is_some()).count();
     gauge(
@@ -329,6 +373,12 @@ fn catalog_metrics(out: &mut String, hub: &Hub) {
         "tributary_hub_fenced_devices",
         "Devices fenced after a content conflict.",
         fenced as u64,
+    );
+    gauge(
+        out,
+        "tributary_hub_metrics_devices_omitted",
+        "Devices left out of the per-device series (beyond metrics.device_series_max, by name).",
+        listed.omitted,
     );
     let name = "tributary_hub_stream_next_offset";
     let _ = writeln!(
@@ -350,6 +400,9 @@ fn catalog_metrics(out: &mut String, hub: &Hub) {
     );
     for m in hub.catalog().all_marks().unwrap_or_default() {
         let device = hub.device_name(m.device).unwrap_or_default();
+        if !listed.contains(&device) {
+            continue;
+        }
         let stream = hub.stream_name(m.stream).unwrap_or_default();
         let _ = writeln!(
             out,

@@ -1,5 +1,7 @@
 //! Per-key rules at ingest: the key-hash range stored in the block index (for segment readers
-//! to skip blocks), and the per-device key allow-list (`keys_prefixed_by_device`, issue 6 §1).
+//! to skip blocks), the per-device key allow-list (`keys_prefixed_by_device`), the key
+//! segment rules on every stream (no empty, `.` or `..` segment, no control character), and
+//! a record's identity as `(device, key)`.
 
 mod common;
 
@@ -101,4 +103,98 @@ async fn keys_outside_the_device_prefix_are_refused() {
     rs[0].key = "anything".into();
     let b = encode_block(VERSION_COLUMNAR, 1, 1, &rs).unwrap();
     hub.commit_block("d1", "open", &b).await.unwrap();
+}
+
+#[tokio::test]
+async fn dot_segments_cannot_pass_the_device_prefix() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_with(
+        dir.path(),
+        "[[streams]]\nname = \"telemetry\"\nkeys_prefixed_by_device = true\n",
+    );
+    // Textually these start with `d1/`; by segment they are not d1's keys.
+    for key in ["d1/../d2/x", "d1/./../d2", "d1//d2/x", "d1/"] {
+        let mut rs = records("d1", 1, 3);
+        rs[1].key = key.into();
+        let b = encode_block(VERSION_COLUMNAR, 1, 1, &rs).unwrap();
+        let err = hub.commit_block("d1", "telemetry", &b).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                IngestError::BadKey { .. } | IngestError::ForbiddenKey { .. }
+            ),
+            "{key}: {err}"
+        );
+        assert!(err.to_string().starts_with("stream `telemetry`"), "{err}");
+    }
+    // A bare device id is not under the device's prefix either.
+    let mut rs = records("d1", 1, 3);
+    rs[0].key = "d1".into();
+    let b = encode_block(VERSION_COLUMNAR, 1, 1, &rs).unwrap();
+    let err = hub.commit_block("d1", "telemetry", &b).await.unwrap_err();
+    assert_eq!(err.code(), "forbidden_key");
+    // Nothing of the refused blocks was created, not even the stream.
+    assert!(hub.lookup_stream("telemetry").is_none());
+    // The device's own keys still pass.
+    hub.commit_block("d1", "telemetry", &block("d1", 1, 1, 3))
+        .await
+        .unwrap();
+    assert_eq!(read_all(&hub, "telemetry").len(), 3);
+}
+
+#[tokio::test]
+async fn ambiguous_keys_are_refused_on_every_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_with(dir.path(), "");
+    for key in [
+        "",
+        "/a",
+        "a/",
+        "a//b",
+        ".",
+        "x/./y",
+        "x/../y",
+        "a\0b",
+        "a\nb",
+        "a\u{1b}[31m",
+    ] {
+        let mut rs = records("d1", 1, 4);
+        rs[2].key = key.into();
+        let b = encode_block(VERSION_COLUMNAR, 1, 1, &rs).unwrap();
+        let err = hub.commit_block("d1", "open", &b).await.unwrap_err();
+        assert_eq!(err.code(), "bad_key", "{key:?}: {err}");
+        let msg = err.to_string();
+        assert!(msg.starts_with("stream `open` refuses key"), "{msg}");
+    }
+    // Nothing of the refused blocks is stored; the lane continues from seq 1.
+    assert_eq!(hub.marks("d1").iter().map(|m| m.durable_seq).max(), None);
+    hub.commit_block("d1", "open", &block("d1", 1, 1, 4))
+        .await
+        .unwrap();
+    assert_eq!(read_all(&hub, "open").len(), 4);
+}
+
+#[tokio::test]
+async fn a_foreign_looking_key_is_the_writers_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let hub = hub_with(dir.path(), "");
+    // d1 writes the key `d9/engine` (no prefix rule on this stream), d9 writes its own.
+    let mut rs = records("d1", 1, 2);
+    for r in &mut rs {
+        r.key = "d9/engine".into();
+    }
+    let b = encode_block(VERSION_COLUMNAR, 1, 1, &rs).unwrap();
+    hub.commit_block("d1", "open", &b).await.unwrap();
+    hub.commit_block("d9", "open", &block("d9", 1, 1, 2))
+        .await
+        .unwrap();
+    let got = read_all(&hub, "open");
+    assert_eq!(got.len(), 4);
+    // Same key, two identities: every record names the device that shipped it.
+    let of = |device: &str| {
+        got.iter()
+            .filter(|r| r.key == "d9/engine" && r.device == device)
+            .count()
+    };
+    assert_eq!((of("d1"), of("d9")), (2, 2));
 }

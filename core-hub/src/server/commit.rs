@@ -132,7 +132,11 @@ pub(super) fn error_code(e: &IngestError) -> ErrorCode {
         // refused (the message names it first), the device's other streams keep flowing.
         IngestError::BadStreamName(_)
         | IngestError::Unauthorized(_)
-        | IngestError::ForbiddenKey { .. } => ErrorCode::UnauthorizedStream,
+        | IngestError::ForbiddenKey { .. }
+        | IngestError::BadKey { .. } => ErrorCode::UnauthorizedStream,
+        // Nothing was created; the message names the stream first, so the agent leaves that
+        // stream out and its other lanes keep flowing.
+        IngestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
         IngestError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,
         IngestError::BadDeviceId | IngestError::ReservedSeq | IngestError::BadGap { .. } => {

@@ -1,0 +1,467 @@
+//! Per-device state quotas (`ingest.streams_per_device_max`, `ingest.epochs_per_device_max`,
+//! `ingest.lanes_per_device_max`, `ingest.columns_per_stream_max`) and the `/metrics` series
+//! bound (`metrics.device_series_max`).
+//!
+//! - Each limit refuses the block, gap or backlog report that would create state beyond it,
+//!   with `quota_exceeded` naming the stream and the limit's key; nothing of it is in the
+//!   catalog; the refusal is counted by limit on `/metrics`; the device's admitted lanes and
+//!   an honest device keep committing; the counts come back from the catalog after a restart.
+//! - Over real QUIC, a device whose second stream is beyond its quota gets `QUOTA_EXCEEDED`
+//!   (18) naming that stream, and its first stream keeps flowing in the next session.
+//! - Mutation checks (`Quotas::disable_check`, feature `fault-injection`): with one check
+//!   left out, the scenario guarding it fails.
+
+mod common;
+
+use anyhow::{Context, Result, bail, ensure};
+use common::{block, read_all, records};
+use core_hub::config::TlsPaths;
+use core_hub::ingest::BacklogReport;
+use core_hub::ingest::quotas::Limit;
+use core_hub::{Hub, HubConfig, IngestError};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+use sync::block::{VERSION_COLUMNAR, VERSION_ROWS, encode_block};
+use sync::protocol::{
+    Backlog, ErrorCode, FrameBuffer, Instant, LaneAnnounce, Sender, SenderConfig, SenderEvent,
+    TransmitKind,
+};
+use sync::record::Value;
+use tokio::sync::watch;
+
+/// Small limits, so each trips within a few blocks.
+fn small(dir: &Path) -> HubConfig {
+    common::config(dir, |c| {
+        c.ingest.state.streams_per_device_max = 2;
+        c.ingest.state.epochs_per_device_max = 2;
+        c.ingest.state.lanes_per_device_max = 3;
+        c.ingest.state.columns_per_stream_max = 6;
+    })
+}
+
+fn metric(hub: &Hub, line: &str) -> u64 {
+    let text = core_hub::metrics::render(hub);
+    text.lines()
+        .find_map(|l| l.strip_prefix(line)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {line} in\n{text}"))
+}
+
+fn refused(hub: &Hub, label: &str) -> u64 {
+    metric(
+        hub,
+        &format!("tributary_hub_quota_refused_total{{limit=\"{label}\"}}"),
+    )
+}
+
+fn quota_key(e: &IngestError) -> Option<&'static str> {
+    match e {
+        IngestError::QuotaExceeded { key, .. } => Some(key),
+        _ => None,
+    }
+}
+
+/// The durable mark of `(device, stream, epoch)`, 0 if the hub holds no such lane.
+fn mark(hub: &Hub, device: &str, stream: &str, epoch: u64) -> u64 {
+    hub.marks(device)
+        .iter()
+        .find(|m| m.stream == stream && m.epoch == epoch)
+        .map_or(0, |m| m.durable_seq)
+}
+
+/// d1 fills its stream, epoch and lane limits; every further new state is refused with its
+/// limit's key and creates nothing. Returns an error (instead of panicking) when a limit does
+/// not hold, so the mutation checks can expect it.
+async fn limits_hold(hub: &Hub) -> Result<()> {
+    hub.commit_block("d1", "s1", &block("d1", 1, 1, 5)).await?;
+    hub.commit_block("d1", "s2", &block("d1", 1, 1, 5)).await?;
+    // A third stream: refused, and the stream is not in the catalog.
+    let e = hub
+        .commit_block("d1", "s3", &block("d1", 1, 1, 5))
+        .await
+        .err()
+        .context("a third stream was admitted past streams_per_device_max = 2")?;
+    ensure!(
+        quota_key(&e) == Some("ingest.streams_per_device_max"),
+        "{e}"
+    );
+    ensure!(e.to_string().starts_with("stream `s3`"), "{e}");
+    ensure!(e.code() == "quota_exceeded");
+    ensure!(hub.lookup_stream("s3").is_none(), "s3 was created");
+    // A backlog report alone cannot create a stream either.
+    let e = hub
+        .record_backlog("d1", "s4", BacklogReport::default())
+        .err()
+        .context("a backlog report created a stream past the limit")?;
+    ensure!(quota_key(&e) == Some("ingest.streams_per_device_max"));
+    ensure!(hub.lookup_stream("s4").is_none(), "s4 was created");
+    // A second epoch fits; a third does not.
+    hub.commit_block("d1", "s1", &block("d1", 2, 1, 5)).await?;
+    let e = hub
+        .commit_block("d1", "s1", &block("d1", 3, 1, 5))
+        .await
+        .err()
+        .context("a third epoch was admitted past epochs_per_device_max = 2")?;
+    ensure!(quota_key(&e) == Some("ingest.epochs_per_device_max"));
+    ensure!(mark(hub, "d1", "s1", 3) == 0);
+    // Three lanes held: a fourth, of known stream and epoch, is refused (block and gap).
+    let e = hub
+        .commit_block("d1", "s2", &block("d1", 2, 1, 5))
+        .await
+        .err()
+        .context("a fourth lane was admitted past lanes_per_device_max = 3")?;
+    ensure!(quota_key(&e) == Some("ingest.lanes_per_device_max"));
+    let e = hub
+        .record_gap("d1", "s2", 2, 1, 10, "DiskFull")
+        .await
+        .err()
+        .context("a gap created a lane past the limit")?;
+    ensure!(quota_key(&e) == Some("ingest.lanes_per_device_max"));
+    ensure!(mark(hub, "d1", "s2", 2) == 0);
+    ensure!(hub.marks("d1").len() == 3, "{:?}", hub.marks("d1"));
+    Ok(())
+}
+
+/// A block bringing fields past `columns_per_stream_max` = 6 is refused and registers none.
+async fn columns_hold(hub: &Hub) -> Result<()> {
+    // `common::record` has 4 fields; two more fit.
+    let mut rs = records("d1", 6, 8);
+    for r in &mut rs {
+        r.fields.push(("extra1".into(), Value::I64(1)));
+        r.fields.push(("extra2".into(), Value::I64(2)));
+    }
+    hub.commit_block("d1", "s1", &encode_block(VERSION_COLUMNAR, 1, 6, &rs)?)
+        .await?;
+    let mut rs = records("d1", 9, 11);
+    rs[1].fields.push(("flood".into(), Value::I64(1)));
+    let e = hub
+        .commit_block("d1", "s1", &encode_block(VERSION_ROWS, 1, 9, &rs)?)
+        .await
+        .err()
+        .context("a seventh column was admitted past columns_per_stream_max = 6")?;
+    ensure!(
+        quota_key(&e) == Some("ingest.columns_per_stream_max"),
+        "{e}"
+    );
+    ensure!(mark(hub, "d1", "s1", 1) == 8);
+    let registered = registered_fields(hub, "s1")?;
+    ensure!(!registered.contains(&"flood".to_string()), "{registered:?}");
+    ensure!(registered.len() == 6, "{registered:?}");
+    Ok(())
+}
+
+fn registered_fields(hub: &Hub, stream: &str) -> Result<Vec<String>> {
+    let sid = hub.lookup_stream(stream).context("no such stream")?;
+    Ok(hub
+        .catalog()
+        .stream_fields()?
+        .into_iter()
+        .filter(|(s, _)| *s == sid)
+        .map(|(_, f)| f)
+        .collect())
+}
+
+#[tokio::test]
+async fn each_limit_refuses_new_state_and_creates_nothing() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = small(dir.path());
+    let hub = Hub::open(&cfg)?;
+    limits_hold(&hub).await?;
+    columns_hold(&hub).await?;
+    // Counted by limit (the backlog report counts with the blocks).
+    assert_eq!(refused(&hub, "streams_per_device"), 2);
+    assert_eq!(refused(&hub, "epochs_per_device"), 1);
+    assert_eq!(refused(&hub, "lanes_per_device"), 2);
+    assert_eq!(refused(&hub, "columns_per_stream"), 1);
+    // The device's admitted lanes keep flowing, and an honest device is not limited by it.
+    hub.commit_block("d1", "s1", &block("d1", 1, 9, 20)).await?;
+    hub.commit_block("d1", "s2", &block("d1", 1, 6, 9)).await?;
+    for s in ["s3", "s1"] {
+        hub.commit_block("d2", s, &block("d2", 1, 1, 5)).await?;
+    }
+    assert_eq!(mark(&hub, "d1", "s1", 1), 20);
+    assert_eq!(mark(&hub, "d2", "s3", 1), 5);
+    // s3 exists now (d2's), and d1 still holds nothing in it.
+    assert_eq!(mark(&hub, "d1", "s3", 1), 0);
+    assert_eq!(read_all(&hub, "s3").len(), 5);
+    drop(hub);
+
+    // After a restart the counts come from the catalog: the same refusals hold.
+    let hub = Hub::open(&cfg)?;
+    let e = hub
+        .commit_block("d1", "s3", &block("d1", 1, 1, 5))
+        .await
+        .unwrap_err();
+    assert_eq!(quota_key(&e), Some("ingest.streams_per_device_max"));
+    let e = hub
+        .commit_block("d1", "s1", &block("d1", 3, 1, 5))
+        .await
+        .unwrap_err();
+    assert_eq!(quota_key(&e), Some("ingest.epochs_per_device_max"));
+    let e = hub
+        .commit_block("d1", "s2", &block("d1", 2, 1, 5))
+        .await
+        .unwrap_err();
+    assert_eq!(quota_key(&e), Some("ingest.lanes_per_device_max"));
+    let mut rs = records("d1", 21, 22);
+    rs[0].fields.push(("flood".into(), Value::I64(1)));
+    let e = hub
+        .commit_block("d1", "s1", &encode_block(VERSION_ROWS, 1, 21, &rs)?)
+        .await
+        .unwrap_err();
+    assert_eq!(quota_key(&e), Some("ingest.columns_per_stream_max"));
+    hub.commit_block("d1", "s1", &block("d1", 1, 21, 25))
+        .await?;
+    assert_eq!(mark(&hub, "d1", "s1", 1), 25);
+    Ok(())
+}
+
+#[tokio::test]
+async fn mutation_each_unchecked_limit_is_caught() -> Result<()> {
+    for limit in [
+        Limit::StreamsPerDevice,
+        Limit::EpochsPerDevice,
+        Limit::LanesPerDevice,
+    ] {
+        let dir = tempfile::tempdir()?;
+        let hub = Hub::open(&small(dir.path()))?;
+        hub.quotas().disable_check(Some(limit));
+        let outcome = limits_hold(&hub).await;
+        ensure!(
+            outcome.is_err(),
+            "with {} unchecked the scenario still passed",
+            limit.key()
+        );
+        println!("{} unchecked: {}", limit.key(), outcome.unwrap_err());
+    }
+    let dir = tempfile::tempdir()?;
+    let hub = Hub::open(&small(dir.path()))?;
+    hub.commit_block("d1", "s1", &block("d1", 1, 1, 5)).await?;
+    hub.quotas().disable_check(Some(Limit::ColumnsPerStream));
+    let outcome = columns_hold(&hub).await;
+    ensure!(
+        outcome.is_err(),
+        "with columns unchecked the scenario passed"
+    );
+    println!("columns unchecked: {}", outcome.unwrap_err());
+    Ok(())
+}
+
+#[tokio::test]
+async fn metrics_list_a_bounded_number_of_devices() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let hub = Hub::open(&common::config(dir.path(), |c| {
+        c.metrics.device_series_max = 2;
+    }))?;
+    for d in ["a1", "a2", "a3", "a4", "a5"] {
+        hub.commit_block(d, "s", &block(d, 1, 1, 3)).await?;
+    }
+    let text = core_hub::metrics::render(&hub);
+    let series = |device: &str| {
+        text.lines()
+            .filter(|l| l.contains(&format!("device=\"{device}\"")))
+            .count()
+    };
+    assert_eq!(series("a1"), 1, "{text}");
+    assert_eq!(series("a2"), 1);
+    for d in ["a3", "a4", "a5"] {
+        assert_eq!(series(d), 0, "{d} listed past the bound:\n{text}");
+    }
+    assert_eq!(metric(&hub, "tributary_hub_metrics_devices_omitted"), 3);
+    Ok(())
+}
+
+// ---- over real QUIC ----
+
+const WAIT: Duration = Duration::from_secs(20);
+const RECORDS_PER_BLOCK: u64 = 10;
+
+struct Running {
+    _dir: tempfile::TempDir,
+    pki: PathBuf,
+    hub: Arc<Hub>,
+    quic: std::net::SocketAddr,
+    _stop: watch::Sender<bool>,
+}
+
+async fn start(streams_per_device_max: u32) -> Result<Running> {
+    let dir = tempfile::tempdir()?;
+    let pki = dir.path().join("pki");
+    core_hub::pki::init(&pki, &[], false)?;
+    let cfg = common::config(&dir.path().join("hub"), |c: &mut HubConfig| {
+        c.listen.quic = "127.0.0.1:0".parse().unwrap();
+        c.tls = Some(TlsPaths::new(
+            pki.join("ca.pem"),
+            pki.join("hub.pem"),
+            pki.join("hub.key"),
+        ));
+        c.ingest.state.streams_per_device_max = streams_per_device_max;
+    });
+    let hub = Hub::open(&cfg)?;
+    let (stop, stop_rx) = watch::channel(false);
+    let (server, _task) = core_hub::server::start(&cfg, hub.clone(), stop_rx).await?;
+    Ok(Running {
+        _dir: dir,
+        pki,
+        hub,
+        quic: server.local_addr,
+        _stop: stop,
+    })
+}
+
+async fn connect(run: &Running, device: &str) -> Result<quinn::Connection> {
+    let out = run.pki.with_file_name(format!("cert-{device}"));
+    if !out.exists() {
+        core_hub::pki::issue(&run.pki, device, &out)?;
+    }
+    let tls = edge_agent::link::TlsPaths {
+        ca: out.join("ca.pem"),
+        cert: out.join("device.pem"),
+        key: out.join("device.key"),
+    };
+    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
+    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
+    Ok(endpoint.connect(run.quic, "localhost")?.await?)
+}
+
+/// How a session ended: the code and message of the hub's Error frame, if any.
+#[derive(Debug)]
+struct Ended {
+    code: Option<ErrorCode>,
+    message: String,
+}
+
+fn lane_block(device: &str, n: u64) -> Vec<u8> {
+    let first = n * RECORDS_PER_BLOCK + 1;
+    let rs = records(device, first, first + RECORDS_PER_BLOCK - 1);
+    encode_block(VERSION_ROWS, 1, first, &rs).unwrap()
+}
+
+/// One session shipping `blocks` blocks on each of `streams` (epoch 1). Returns once every
+/// lane is acknowledged in full, or when the hub ends the session.
+async fn session(run: &Running, device: &str, streams: &[&str], blocks: u64) -> Result<Ended> {
+    let conn = connect(run, device).await?;
+    let clock = StdInstant::now();
+    let now = || Instant::from_nanos(clock.elapsed().as_nanos() as u64);
+    let (mut ctl_tx, mut ctl_rx) = conn.open_bi().await?;
+    let lanes = streams
+        .iter()
+        .map(|s| LaneAnnounce {
+            stream: (*s).into(),
+            epoch: 1,
+            first_seq: 1,
+            last_seq: blocks * RECORDS_PER_BLOCK,
+            acked_seq: 0,
+            backlog: Backlog::default(),
+            gaps: Vec::new(),
+        })
+        .collect();
+    let mut sender = Sender::new(SenderConfig::default(), 1, lanes, now())?;
+    let mut frames = FrameBuffer::new(SenderConfig::default().frame_bytes_max);
+    let mut acked: std::collections::HashMap<String, u64> = Default::default();
+    let mut buf = vec![0u8; 64 << 10];
+    let full = blocks * RECORDS_PER_BLOCK;
+    loop {
+        while let Some(t) = sender.poll_transmit() {
+            match t.kind {
+                TransmitKind::Control => ctl_tx.write_all(&t.frame).await?,
+                TransmitKind::Data => {
+                    let mut s = conn.open_uni().await?;
+                    s.write_all(&t.frame).await?;
+                    s.finish()?;
+                }
+            }
+        }
+        let mut progressed = false;
+        while let Some(ev) = sender.poll_event() {
+            progressed = true;
+            match ev {
+                SenderEvent::WantBlocks {
+                    stream, after_seq, ..
+                } => {
+                    let from = after_seq / RECORDS_PER_BLOCK;
+                    let bs = (from..blocks).map(|n| lane_block(device, n)).collect();
+                    sender.supply_blocks(now(), &stream, 1, bs)?;
+                }
+                SenderEvent::Acked {
+                    stream,
+                    durable_seq,
+                    ..
+                } => {
+                    acked.insert(stream, durable_seq);
+                    if streams.iter().all(|s| acked.get(*s) == Some(&full)) {
+                        return Ok(Ended {
+                            code: None,
+                            message: String::new(),
+                        });
+                    }
+                }
+                SenderEvent::Closed(r) => {
+                    return Ok(Ended {
+                        code: Some(r.code),
+                        message: r.message,
+                    });
+                }
+                SenderEvent::Established { .. } => {}
+                SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
+            }
+        }
+        if progressed {
+            continue;
+        }
+        tokio::select! {
+            read = ctl_rx.read(&mut buf) => match read? {
+                Some(n) => {
+                    frames.push(&buf[..n]);
+                    while let Some(f) = frames.next_frame()? {
+                        sender.handle_frame(now(), &f);
+                    }
+                }
+                None => bail!("control stream closed without an Error frame"),
+            },
+            reason = conn.closed() => bail!("connection closed: {reason}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_past_its_stream_quota_gets_quota_exceeded_and_keeps_its_lane() -> Result<()> {
+    let run = start(1).await?;
+    // The honest device fills its one stream with `second`.
+    let honest = tokio::time::timeout(WAIT, session(&run, "honest", &["second"], 5))
+        .await
+        .context("the honest device's session timed out")??;
+    assert_eq!(honest.code, None, "{honest:?}");
+
+    // d1 may hold one stream: `first` is admitted, then `second` is refused at its first
+    // block (its backlog report in the Hello was refused too, and created nothing).
+    let first = tokio::time::timeout(WAIT, session(&run, "d1", &["first"], 5))
+        .await
+        .context("d1's first session timed out")??;
+    assert_eq!(first.code, None, "{first:?}");
+    let ended = tokio::time::timeout(WAIT, session(&run, "d1", &["first", "second"], 5))
+        .await
+        .context("the session over the quota did not end")??;
+    println!("over the quota: {ended:?}");
+    assert_eq!(ended.code, Some(ErrorCode::QuotaExceeded));
+    assert_eq!(ErrorCode::QuotaExceeded.to_u16(), 18);
+    assert!(
+        ended.message.starts_with("stream `second`")
+            && ended.message.contains("ingest.streams_per_device_max"),
+        "{}",
+        ended.message
+    );
+    assert!(refused(&run.hub, "streams_per_device") >= 1);
+    assert_eq!(mark(&run.hub, "d1", "second", 1), 0);
+
+    // Leaving the refused stream out (what the agent does), its lane flows to the end.
+    let again = tokio::time::timeout(WAIT, session(&run, "d1", &["first"], 8))
+        .await
+        .context("the next session timed out")??;
+    assert_eq!(again.code, None, "{again:?}");
+    assert_eq!(mark(&run.hub, "d1", "first", 1), 8 * RECORDS_PER_BLOCK);
+    assert_eq!(mark(&run.hub, "honest", "second", 1), 5 * RECORDS_PER_BLOCK);
+    let devices: Vec<String> = run.hub.marks("d1").into_iter().map(|m| m.stream).collect();
+    assert_eq!(devices, vec!["first".to_string()]);
+    Ok(())
+}
