@@ -2,8 +2,10 @@
 //! behind durable puts: at the last step before the commit transaction (fault point
 //! `AfterManifest`) every chunk object and manifest the range wrote to a local tier 2 has had
 //! its file synced before the rename into place and its directories synced after it
-//! (observed through `tier::Tier2::sync_probe`, feature `fault-injection`). With the file
-//! syncs switched off (the mutation check) the same assertions fail.
+//! (observed through `tier::Tier2::sync_probe`, feature `fault-injection`: the probe of the
+//! hub's storage-backed store, `core_hub::storage::StorageStore`, which writes a `file://`
+//! tier 2 through the hub's `Storage` trait). With the file syncs switched off (the mutation
+//! check) the same assertions fail.
 
 mod tier_support;
 
