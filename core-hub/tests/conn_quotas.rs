@@ -1,0 +1,467 @@
+//! Per-connection bounds of the hub's QUIC server, over real QUIC with real device
+//! certificates: the hub and its server run in this process, devices are built on the
+//! protocol's `Sender` (as the agent is).
+//!
+//! - `ingest.connections_per_device_max`: a device's new connection supersedes its oldest,
+//!   which ends with `SUPERSEDED`; six connections of one certificate never take the slots of
+//!   a small hub, so other devices still get in and ship.
+//! - `ingest.hello_timeout`: a connection that opens no control stream, or sends half a Hello,
+//!   is closed with `HELLO_TIMEOUT`.
+//! - `ingest.blocks_in_flight_max`: past it a device cannot open another data stream (quinn's
+//!   stream credit), and the hub counts it.
+//! - The ingest budget is charged before a data stream's bytes are read: with the budget
+//!   spent, blocks wait (nothing is committed), and flow again once it frees.
+//! - `ingest.retry_above_handshakes = 0`: every new address is validated by a QUIC Retry, and
+//!   devices still connect.
+//!
+//! In each, `/metrics` counts the limit and an honest device keeps being acknowledged.
+//! Mutation checks (`core_hub::server::Mutation`, feature `fault-injection`): without the
+//! supersede, or without the read charge, the scenario that guards it fails.
+
+mod common;
+
+use anyhow::{Context, Result, bail, ensure};
+use core_hub::config::TlsPaths;
+use core_hub::server::Mutation;
+use core_hub::{Hub, HubConfig};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant as StdInstant};
+use sync::block::{VERSION_ROWS, encode_block};
+use sync::protocol::{
+    Backlog, ErrorCode, FrameBuffer, Instant, LaneAnnounce, Sender, SenderConfig, SenderEvent,
+    TransmitKind,
+};
+use tokio::sync::watch;
+
+const STREAM: &str = "telemetry";
+const RECORDS_PER_BLOCK: u64 = 20;
+/// Blocks a device keeps unacknowledged.
+const IN_FLIGHT_BLOCKS: u64 = 4;
+/// Only bounds a broken build's wait.
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A hub with its QUIC server, in a temp dir with a fresh PKI.
+struct Running {
+    _dir: tempfile::TempDir,
+    pki: PathBuf,
+    hub: Arc<Hub>,
+    quic: std::net::SocketAddr,
+    _stop: watch::Sender<bool>,
+}
+
+async fn start(mutation: Mutation, edit: impl FnOnce(&mut HubConfig)) -> Result<Running> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    let dir = tempfile::tempdir()?;
+    let pki = dir.path().join("pki");
+    core_hub::pki::init(&pki, &[], false)?;
+    let cfg = common::config(&dir.path().join("hub"), |c: &mut HubConfig| {
+        c.listen.quic = "127.0.0.1:0".parse().unwrap();
+        c.tls = Some(TlsPaths::new(
+            pki.join("ca.pem"),
+            pki.join("hub.pem"),
+            pki.join("hub.key"),
+        ));
+        edit(c);
+    });
+    let hub = Hub::open(&cfg)?;
+    let (stop, stop_rx) = watch::channel(false);
+    let (server, _task) = match mutation {
+        Mutation::None => core_hub::server::start(&cfg, hub.clone(), stop_rx).await?,
+        m => core_hub::server::start_with_mutation(&cfg, hub.clone(), stop_rx, m).await?,
+    };
+    Ok(Running {
+        _dir: dir,
+        pki,
+        hub,
+        quic: server.local_addr,
+        _stop: stop,
+    })
+}
+
+/// Issues a certificate for `device`; returns its directory.
+fn issue(pki: &Path, device: &str) -> Result<PathBuf> {
+    let out = pki.with_file_name(format!("cert-{device}"));
+    core_hub::pki::issue(pki, device, &out)?;
+    Ok(out)
+}
+
+async fn connect(quic: std::net::SocketAddr, cert: &Path) -> Result<quinn::Connection> {
+    let tls = edge_agent::link::TlsPaths {
+        ca: cert.join("ca.pem"),
+        cert: cert.join("device.pem"),
+        key: cert.join("device.key"),
+    };
+    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
+    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
+    Ok(endpoint.connect(quic, "localhost")?.await?)
+}
+
+/// How a device's session ended, as the device saw it.
+#[derive(Debug)]
+struct Ended {
+    code: Option<u64>,
+}
+
+fn code(c: ErrorCode) -> Option<u64> {
+    Some(u64::from(c.to_u16()))
+}
+
+/// The device's log in `epoch`: block `n` holds seqs `n * RECORDS_PER_BLOCK + 1 ..`.
+fn device_block(device: &str, epoch: u64, n: u64) -> Vec<u8> {
+    let first = n * RECORDS_PER_BLOCK + 1;
+    let records = common::records(device, first, first + RECORDS_PER_BLOCK - 1);
+    encode_block(VERSION_ROWS, epoch, first, &records).unwrap()
+}
+
+/// One device session in a fresh `epoch` (so a reconnecting device needs no log of its past
+/// sessions): it ships blocks up to `limit` (blocks in its log), keeping [`IN_FLIGHT_BLOCKS`]
+/// unacknowledged, and reports every ack on `acked`. Returns when the session ends.
+async fn device(
+    device: String,
+    epoch: u64,
+    conn: quinn::Connection,
+    acked: watch::Sender<u64>,
+    mut limit: watch::Receiver<u64>,
+) -> Result<Ended> {
+    let clock = StdInstant::now();
+    let now = || Instant::from_nanos(clock.elapsed().as_nanos() as u64);
+    let (mut ctl_tx, mut ctl_rx) = conn.open_bi().await?;
+    let lane = LaneAnnounce {
+        stream: STREAM.into(),
+        epoch,
+        first_seq: 1,
+        last_seq: 0,
+        acked_seq: 0,
+        backlog: Backlog::default(),
+        gaps: Vec::new(),
+    };
+    let mut sender = Sender::new(SenderConfig::default(), epoch, vec![lane], now())?;
+    let mut frames = FrameBuffer::new(SenderConfig::default().frame_bytes_max);
+    let (mut written, mut durable) = (0u64, 0u64);
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        let cap = *limit.borrow_and_update();
+        while written < cap.min(durable / RECORDS_PER_BLOCK + IN_FLIGHT_BLOCKS) {
+            sender.offer_block(now(), STREAM, device_block(&device, epoch, written))?;
+            written += 1;
+        }
+        while let Some(t) = sender.poll_transmit() {
+            let sent = match t.kind {
+                TransmitKind::Control => ctl_tx.write_all(&t.frame).await.map_err(|_| ()),
+                TransmitKind::Data => send_uni(&conn, &t.frame).await,
+            };
+            if sent.is_err() {
+                return Ok(Ended {
+                    code: close_code(&conn).await,
+                });
+            }
+        }
+        let mut progressed = false;
+        while let Some(ev) = sender.poll_event() {
+            progressed = true;
+            match ev {
+                SenderEvent::WantBlocks { after_seq, .. } => {
+                    let blocks = (after_seq / RECORDS_PER_BLOCK..written)
+                        .map(|n| device_block(&device, epoch, n))
+                        .collect();
+                    sender.supply_blocks(now(), STREAM, epoch, blocks)?;
+                }
+                SenderEvent::Acked { durable_seq, .. } => {
+                    durable = durable.max(durable_seq);
+                    acked.send_replace(durable);
+                }
+                SenderEvent::Closed(r) => {
+                    return Ok(Ended {
+                        code: Some(u64::from(r.code.to_u16())),
+                    });
+                }
+                SenderEvent::Established { .. } => {}
+                SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
+            }
+        }
+        if progressed {
+            continue;
+        }
+        tokio::select! {
+            read = ctl_rx.read(&mut buf) => match read {
+                Ok(Some(n)) => {
+                    frames.push(&buf[..n]);
+                    while let Some(f) = frames.next_frame()? {
+                        sender.handle_frame(now(), &f);
+                    }
+                }
+                Ok(None) | Err(_) => return Ok(Ended { code: close_code(&conn).await }),
+            },
+            _ = limit.changed() => {}
+            _ = tokio::time::sleep(Duration::from_millis(200)) => sender.handle_timeout(now()),
+            _ = conn.closed() => return Ok(Ended { code: close_code(&conn).await }),
+        }
+    }
+}
+
+async fn send_uni(conn: &quinn::Connection, frame: &[u8]) -> Result<(), ()> {
+    let mut s = conn.open_uni().await.map_err(|_| ())?;
+    s.write_all(frame).await.map_err(|_| ())?;
+    s.finish().map_err(|_| ())
+}
+
+/// The application close code, once the connection is closed.
+async fn close_code(conn: &quinn::Connection) -> Option<u64> {
+    match conn.closed().await {
+        quinn::ConnectionError::ApplicationClosed(c) => Some(c.error_code.into_inner()),
+        _ => None,
+    }
+}
+
+/// Waits for `cond` to hold, checking every few milliseconds, up to `within`.
+async fn wait_for(what: &str, within: Duration, mut cond: impl FnMut() -> bool) -> Result<()> {
+    let deadline = StdInstant::now() + within;
+    while !cond() {
+        ensure!(StdInstant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    Ok(())
+}
+
+fn metric(hub: &Hub, name: &str) -> u64 {
+    let text = core_hub::metrics::render(hub);
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+/// A device session on its own task, the acks it got, and the size of its log.
+struct Session {
+    task: tokio::task::JoinHandle<Result<Ended>>,
+    acked: watch::Receiver<u64>,
+    limit: watch::Sender<u64>,
+}
+
+impl Session {
+    /// Waits until the hub acknowledged `blocks` blocks of this session.
+    async fn acked_blocks(&mut self, blocks: u64) -> Result<()> {
+        let target = blocks * RECORDS_PER_BLOCK;
+        tokio::time::timeout(WAIT, self.acked.wait_for(|&a| a >= target))
+            .await
+            .context("the device was not acknowledged in time")??;
+        Ok(())
+    }
+}
+
+/// Starts `name`'s device on `conn` in `epoch` with a log of `blocks` blocks.
+fn run_device(name: &str, epoch: u64, conn: quinn::Connection, blocks: u64) -> Session {
+    let (acked_tx, acked) = watch::channel(0u64);
+    let (limit, limit_rx) = watch::channel(blocks);
+    let task = tokio::spawn(device(name.to_string(), epoch, conn, acked_tx, limit_rx));
+    Session { task, acked, limit }
+}
+
+/// Connects `name` and waits until the hub acknowledged a few blocks.
+async fn ingesting(run: &Running, name: &str, cert: &Path) -> Result<Session> {
+    let conn = connect(run.quic, cert).await?;
+    let mut s = run_device(name, 1, conn, u64::MAX);
+    s.acked_blocks(10).await?;
+    Ok(s)
+}
+
+/// An ingest budget that allows three connections: 3/4 of it over 128 KiB each.
+const SMALL_HUB_MEMORY_BYTES: u64 = 512 << 10;
+
+fn small_hub(c: &mut HubConfig) {
+    c.ingest.memory_bytes_max = SMALL_HUB_MEMORY_BYTES;
+}
+
+/// One certificate connects six times: each connection supersedes the one before with
+/// `SUPERSEDED`, and two other devices still get into the three-connection hub and ship.
+async fn supersede_scenario(run: &Running) -> Result<()> {
+    let cert = issue(&run.pki, "dev-1")?;
+    let mut old = ingesting(run, "dev-1", &cert).await?;
+    for round in 1..=5u64 {
+        let conn = connect(run.quic, &cert).await?;
+        let mut new = run_device("dev-1", round + 1, conn, u64::MAX);
+        let ended = tokio::time::timeout(Duration::from_secs(5), &mut old.task)
+            .await
+            .context("the device's old connection was not superseded")???;
+        assert_eq!(ended.code, code(ErrorCode::Superseded), "round {round}");
+        // The new connection is served.
+        new.acked_blocks(5).await?;
+        assert_eq!(
+            metric(&run.hub, "tributary_hub_connections_superseded_total"),
+            round
+        );
+        old = new;
+    }
+    // Three slots in all; dev-1 holds one, so two honest devices get the other two.
+    for name in ["dev-2", "dev-3"] {
+        let cert = issue(&run.pki, name)?;
+        let s = ingesting(run, name, &cert).await?;
+        assert!(!s.task.is_finished(), "{name}'s session ended");
+    }
+    assert!(!old.task.is_finished(), "dev-1's newest session ended");
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_connections_refused_total"),
+        0
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_supersedes_the_devices_oldest() -> Result<()> {
+    let run = start(Mutation::None, small_hub).await?;
+    supersede_scenario(&run).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_without_supersede_one_certificate_fills_the_hub() -> Result<()> {
+    let run = start(Mutation::NoSupersede, small_hub).await?;
+    let err = supersede_scenario(&run).await;
+    println!("without supersede: {err:?}");
+    assert!(
+        err.is_err(),
+        "the supersede scenario passed without its guard"
+    );
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_connections_superseded_total"),
+        0
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_without_a_timely_hello_are_closed() -> Result<()> {
+    let run = start(Mutation::None, |c| {
+        c.ingest.conn.hello_timeout = Duration::from_millis(300);
+    })
+    .await?;
+    let cert = issue(&run.pki, "dev-1")?;
+    // No control stream at all.
+    let silent = connect(run.quic, &cert).await?;
+    let got = tokio::time::timeout(WAIT, close_code(&silent)).await?;
+    assert_eq!(got, code(ErrorCode::HelloTimeout));
+    // A control stream with half a Hello: a length prefix, then nothing more.
+    let other = issue(&run.pki, "dev-2")?;
+    let half = connect(run.quic, &other).await?;
+    let (mut tx, _rx) = half.open_bi().await?;
+    tx.write_all(&[200, 0, 0, 0, 1, 2]).await?;
+    let got = tokio::time::timeout(WAIT, close_code(&half)).await?;
+    assert_eq!(got, code(ErrorCode::HelloTimeout));
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_connections_hello_timeout_total"),
+        2
+    );
+    // An honest device sends its Hello at once and is served.
+    let honest = issue(&run.pki, "dev-3")?;
+    let mut s = ingesting(&run, "dev-3", &honest).await?;
+    s.acked_blocks(20).await?;
+    assert!(!s.task.is_finished());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_streams_beyond_blocks_in_flight_wait_for_credit() -> Result<()> {
+    let run = start(Mutation::None, |c| {
+        c.ingest.conn.blocks_in_flight_max = 2;
+        c.ingest.conn.hello_timeout = Duration::from_secs(60);
+    })
+    .await?;
+    let cert = issue(&run.pki, "dev-1")?;
+    let conn = connect(run.quic, &cert).await?;
+    // The start of a Hello opens the session (quinn shows a stream once it carries data).
+    let (mut ctl_tx, _ctl_rx) = conn.open_bi().await?;
+    ctl_tx.write_all(&[200, 0, 0, 0, 1]).await?;
+    // Two data streams that never finish hold both places.
+    let mut open = Vec::new();
+    for _ in 0..2 {
+        let mut s = conn.open_uni().await?;
+        s.write_all(&[100, 0]).await?;
+        open.push(s);
+    }
+    let hub = run.hub.clone();
+    wait_for("the in-flight limit on /metrics", WAIT, || {
+        metric(&hub, "tributary_hub_blocks_in_flight_limited_total") >= 1
+    })
+    .await?;
+    // A third stream gets no credit while they are open.
+    let third = tokio::time::timeout(Duration::from_millis(500), conn.open_uni()).await;
+    assert!(
+        third.is_err(),
+        "a third data stream was opened past the limit"
+    );
+    // An honest device, with the same limit, keeps being acknowledged.
+    let honest = issue(&run.pki, "dev-2")?;
+    let mut s = ingesting(&run, "dev-2", &honest).await?;
+    s.acked_blocks(30).await?;
+    assert!(!s.task.is_finished());
+    Ok(())
+}
+
+/// With the ingest budget spent, a device's data streams wait before they are read (counted),
+/// nothing of them commits; once the budget frees they commit.
+async fn budget_scenario(run: &Running) -> Result<()> {
+    let cert = issue(&run.pki, "dev-1")?;
+    let conn = connect(run.quic, &cert).await?;
+    let mut s = run_device("dev-1", 1, conn, 10);
+    s.acked_blocks(10).await?;
+    // Every commit is durable: only the connection's own charge is held. Take the rest.
+    let hub = run.hub.clone();
+    let connection_only = core_hub::server::CONNECTION_COST_BYTES;
+    wait_for("commits to release their charge", WAIT, || {
+        hub.memory_in_use_bytes() <= connection_only
+    })
+    .await?;
+    let free = run.hub.memory().available_permits() as u32;
+    let held = run.hub.memory().clone().try_acquire_many_owned(free)?;
+    let waits = metric(&run.hub, "tributary_hub_data_memory_waits_total");
+    s.limit.send_replace(20);
+    wait_for(
+        "a data stream waiting for the budget",
+        Duration::from_secs(5),
+        || metric(&hub, "tributary_hub_data_memory_waits_total") > waits,
+    )
+    .await?;
+    // Nothing is committed while the budget is spent.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(*s.acked.borrow(), 10 * RECORDS_PER_BLOCK);
+    drop(held);
+    s.acked_blocks(20).await?;
+    assert!(!s.task.is_finished());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_streams_are_charged_to_the_budget_before_they_are_read() -> Result<()> {
+    let run = start(Mutation::None, |_| {}).await?;
+    budget_scenario(&run).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_with_uncharged_reads_nothing_waits_for_the_budget() -> Result<()> {
+    let run = start(Mutation::UnchargedReads, |_| {}).await?;
+    let err = budget_scenario(&run).await;
+    println!("uncharged reads: {err:?}");
+    assert!(err.is_err(), "the budget scenario passed without its guard");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_new_address_is_validated_by_retry_when_asked() -> Result<()> {
+    let run = start(Mutation::None, |c| {
+        c.ingest.conn.retry_above_handshakes = 0;
+    })
+    .await?;
+    let cert = issue(&run.pki, "dev-1")?;
+    let mut s = ingesting(&run, "dev-1", &cert).await?;
+    s.acked_blocks(20).await?;
+    assert!(metric(&run.hub, "tributary_hub_quic_retries_total") >= 1);
+    assert_eq!(
+        metric(&run.hub, "tributary_hub_quic_handshakes_in_progress"),
+        0
+    );
+    Ok(())
+}
