@@ -13,13 +13,11 @@ use core_hub::client::ApiTarget;
 use core_hub::completeness::{format_time, parse_time};
 use core_hub::config::valid_device_id;
 use core_hub::pki::RevocationList;
-use core_hub::read::ReadRecord;
-use core_hub::republish::topic_of;
+use core_hub::republish::topic::{TOPIC_BYTES_LIMIT, Template, Values, check_topic};
 use core_hub::streams::Cut;
 use core_hub::streams::api::{format_positions, parse_positions};
 use core_hub::streams::reader::{Start, StartError};
 use rustls::pki_types::CertificateDer;
-use sync::Value;
 
 /// Arbitrary text as the hub's `hub.toml` (`HubConfig::from_toml`, no environment).
 pub fn hub_config(data: &[u8]) {
@@ -121,19 +119,23 @@ pub fn api_params(data: &[u8]) {
             assert!(revoked.is_revoked(device), "a listed device is revoked");
         }
     }
-    let record = ReadRecord {
-        device: "dev7".into(),
-        epoch: 1,
-        seq: 1,
-        key: "truck/1".into(),
-        ts: 0,
-        fields: vec![("_topic".into(), Value::Str(String::new()))],
-        offset: 0,
-        ingest_ts: 0,
-        segment: 0,
-    };
-    let topic = topic_of(&record, "telemetry", text);
-    assert!(!topic.contains("{stream}") || text.contains("{stream}"));
+    // A template that parses renders hostile values into a checked topic with as many
+    // levels as the template has: a value never adds a level or a wildcard.
+    if let Ok(template) = Template::parse(text) {
+        let levels = |t: &str| t.split('/').count();
+        let topic = template.render(Values {
+            stream: "telemetry",
+            device: "dev/+",
+            key: "$SYS/#\0",
+        });
+        let probe = template.render(Values {
+            stream: "s",
+            device: "d",
+            key: "k",
+        });
+        assert_eq!(levels(&topic), levels(&probe), "{text:?} -> {topic:?}");
+        assert!(check_topic(&topic, TOPIC_BYTES_LIMIT).is_ok() || topic.len() > 60_000);
+    }
 }
 
 /// Arbitrary bytes as a device's client certificate (DER), as the QUIC listener sees it.

@@ -168,6 +168,7 @@ pub fn router_for(
         .route("/", get(status_page))
         .route("/v1/streams", get(streams))
         .merge(crate::streams::api::routes(state.hub.clone()))
+        .merge(crate::republish::api::routes(state.hub.clone()))
         .route("/v1/streams/{stream}", get(stream_detail))
         .route("/v1/streams/{stream}/completeness", get(completeness_route))
         .route("/v1/devices", get(devices));

@@ -166,6 +166,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         completeness_metrics(&mut out, hub, t, &listed);
     }
     crate::scrub::render_metrics(&mut out, hub);
+    crate::republish::store::render_metrics(&mut out, hub);
     out
 }
 

@@ -1,101 +1,23 @@
 //! MQTT republish against a real mosquitto: every record of the merged stream is republished
-//! on its original topic (the edge's `_topic` field; the topic template otherwise), with
+//! on its original topic (the edge's `_topic` field, honoured because the stream is listed in
+//! `republish.topic_from_record`; the topic template with the key escaped otherwise), with
 //! `device`, `epoch` and `seq` as MQTT 5 user properties; the checkpoint (a stream position in
 //! the hub catalog) lets a restarted sink resume without losing anything.
 //!
-//! Needs `mosquitto` on PATH (CI installs the Debian package); `MOSQUITTO=/path` overrides.
+//! Needs `mosquitto` (see `mqtt_support`).
 
 mod common;
-/// Ports below the kernel's ephemeral range: a port released here and bound again by a child
-/// (or after a restart) cannot meanwhile become some outgoing connection's source port.
-#[path = "../../tests/src/ports.rs"]
-#[allow(dead_code)]
-mod ports;
+mod mqtt_support;
 
 use core_hub::republish::{self, RawRepublish};
-use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::Packet;
-use rumqttc::v5::{AsyncClient, Event, MqttOptions};
+use mqtt_support::{Broker, DEADLINE, Msg, subscriber};
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, SocketAddr, TcpStream};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use sync::block::{VERSION_ROWS, encode_block};
 use sync::record::{Record, Value};
 use tokio::sync::watch;
 
 const STREAM: &str = "telemetry";
-const DEADLINE: Duration = Duration::from_secs(30);
-
-/// A mosquitto on a free loopback port, killed on drop (a minimal copy of
-/// `tests/src/mosquitto.rs`, which core-hub cannot depend on).
-struct Broker {
-    child: Child,
-    port: u16,
-    _dir: tempfile::TempDir,
-}
-
-impl Broker {
-    fn start() -> Broker {
-        let binary = std::env::var("MOSQUITTO")
-            .map(PathBuf::from)
-            .unwrap_or_else(|_| {
-                ["/usr/sbin/mosquitto", "/usr/bin/mosquitto"]
-                    .iter()
-                    .map(PathBuf::from)
-                    .find(|p| p.is_file())
-                    .unwrap_or_else(|| PathBuf::from("mosquitto"))
-            });
-        let port = ports::tcp();
-        let dir = tempfile::tempdir().unwrap();
-        let conf = dir.path().join("mosquitto.conf");
-        std::fs::write(
-            &conf,
-            format!("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"),
-        )
-        .unwrap();
-        let child = Command::new(&binary)
-            .arg("-c")
-            .arg(&conf)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "starting {}: {e} (apt-get install mosquitto)",
-                    binary.display()
-                )
-            });
-        let mut broker = Broker {
-            child,
-            port,
-            _dir: dir,
-        };
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
-        let start = Instant::now();
-        while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
-            assert!(
-                broker.child.try_wait().unwrap().is_none(),
-                "mosquitto exited at start"
-            );
-            assert!(
-                start.elapsed() < Duration::from_secs(10),
-                "mosquitto did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        broker
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Records `first..=last` of `device`; even seqs came from MQTT (they carry `_topic`).
 fn records(device: &str, first: u64, last: u64) -> Vec<Record> {
@@ -122,77 +44,16 @@ fn expected_topic(device: &str, seq: u64) -> String {
     if seq.is_multiple_of(2) {
         format!("sensors/{device}/temp")
     } else {
-        format!("hub/{STREAM}/{device}/{device}/temp")
+        // The key fills one level: its `/` is escaped.
+        format!("hub/{STREAM}/{device}/{device}%2Ftemp")
     }
 }
 
 /// One received message: (device, epoch, seq) -> topic.
 type Seen = BTreeMap<(String, u64, u64), Vec<String>>;
 
-/// Subscribes to everything and collects messages until `stop`.
-async fn subscriber(
-    port: u16,
-) -> (
-    tokio::sync::mpsc::UnboundedReceiver<(String, String, u64, u64, serde_json::Value)>,
-    AsyncClient,
-) {
-    let mut opts = MqttOptions::new("test-subscriber", "127.0.0.1", port);
-    opts.set_keep_alive(Duration::from_secs(30));
-    let (client, mut ev) = AsyncClient::new(opts, 100);
-    client.subscribe("#", QoS::AtLeastOnce).await.unwrap();
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let (ready_tx, mut ready_rx) = watch::channel(false);
-    tokio::spawn(async move {
-        loop {
-            match ev.poll().await {
-                Ok(Event::Incoming(Packet::SubAck(_))) => {
-                    let _ = ready_tx.send(true);
-                }
-                Ok(Event::Incoming(Packet::Publish(p))) => {
-                    let topic = String::from_utf8_lossy(&p.topic).into_owned();
-                    let props = p
-                        .properties
-                        .map(|pp| pp.user_properties)
-                        .unwrap_or_default();
-                    let prop = |k: &str| {
-                        props
-                            .iter()
-                            .find(|(n, _)| n == k)
-                            .map(|(_, v)| v.clone())
-                            .unwrap_or_default()
-                    };
-                    let payload: serde_json::Value =
-                        serde_json::from_slice(&p.payload).unwrap_or(serde_json::Value::Null);
-                    let msg = (
-                        topic,
-                        prop("device"),
-                        prop("epoch").parse().unwrap_or(0),
-                        prop("seq").parse().unwrap_or(0),
-                        payload,
-                    );
-                    if tx.send(msg).is_err() {
-                        return;
-                    }
-                }
-                Ok(_) => {}
-                // The broker goes away when the test ends; a failure before that shows as
-                // missing messages in `collect_until`.
-                Err(_) => return,
-            }
-        }
-    });
-    let start = Instant::now();
-    while !*ready_rx.borrow_and_update() {
-        assert!(start.elapsed() < DEADLINE, "no SUBACK");
-        tokio::time::timeout(Duration::from_secs(1), ready_rx.changed())
-            .await
-            .ok();
-    }
-    (rx, client)
-}
-
 async fn collect_until(
-    rx: &mut tokio::sync::mpsc::UnboundedReceiver<(String, String, u64, u64, serde_json::Value)>,
+    rx: &mut tokio::sync::mpsc::UnboundedReceiver<Msg>,
     seen: &mut Seen,
     want: &BTreeSet<(String, u64, u64)>,
 ) {
@@ -205,8 +66,13 @@ async fn collect_until(
             seen.len(),
             want.len()
         );
-        if let Ok(Some((topic, device, epoch, seq, payload))) =
-            tokio::time::timeout(left, rx.recv()).await
+        if let Ok(Some(Msg {
+            topic,
+            device,
+            epoch,
+            seq,
+            payload,
+        })) = tokio::time::timeout(left, rx.recv()).await
         {
             assert_eq!(
                 payload["device"],
@@ -229,7 +95,7 @@ async fn every_record_republished_on_its_topic_with_ids() {
     let broker = Broker::start();
     let dir = tempfile::tempdir().unwrap();
     let hub = common::open(dir.path());
-    let (mut rx, _sub) = subscriber(broker.port).await;
+    let (mut rx, _sub) = subscriber(broker.port, "test-subscriber").await;
 
     let mut want = BTreeSet::new();
     for (device, n) in [("truck-1", 300u64), ("truck-2", 200)] {
@@ -246,6 +112,7 @@ async fn every_record_republished_on_its_topic_with_ids() {
         streams: Some(vec![STREAM.into()]),
         qos: Some(1),
         topic_template: Some("hub/{stream}/{device}/{key}".into()),
+        topic_from_record: Some(vec![STREAM.into()]),
         batch_records: Some(64),
         poll_interval: Some("10ms".into()),
         ..RawRepublish::default()

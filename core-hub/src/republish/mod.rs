@@ -1,0 +1,381 @@
+//! MQTT republish: an optional sink that republishes merged streams to a core MQTT broker.
+//!
+//! One task per configured stream reads the stream in hub offset order (commit order, so per
+//! key order holds) and publishes every record with QoS 1:
+//!
+//! - **Topic:** `topic_template` with `{stream}`, `{device}` and `{key}` filled in, each value
+//!   escaped so that it fills its own topic level only ([`topic`] has the exact rule). A
+//!   record's `_topic` field (where the edge's MQTT source keeps the original topic) is
+//!   honoured only for the streams listed in `topic_from_record`, none by default: a producer
+//!   cannot choose where the hub publishes with the hub's own broker credentials.
+//! - **Checked before it is sent:** every topic is checked ([`topic::check_topic`]: length,
+//!   NUL, wildcards, a leading `$`) and every packet's size is known, before anything reaches
+//!   the MQTT client ([`plan`]).
+//! - **Payload:** the record as one JSON object in the reader's NDJSON shape
+//!   (`device, epoch, seq, key, ts, fields, offset, ingest_ts`, see
+//!   [`crate::read::write_ndjson_line`]) without the newline and without the edge's internal
+//!   fields `_topic` and `_mqtt_digest`.
+//! - **Ids:** MQTT 5 user properties `device`, `epoch` and `seq` (plus `offset`), so that
+//!   subscribers can deduplicate.
+//!
+//! **At least once.** A batch (at most `batch_records` records and `batch_bytes_max` bytes) is
+//! published, then the task waits for every PUBACK of it; only then is the batch's end stored
+//! as the stream's checkpoint (table `republish_checkpoints` in the hub catalog: a stream
+//! position, the next hub offset). A broker or connection error drops the connection and
+//! starts again from the checkpoint, so records published but not yet checkpointed are
+//! published again: duplicates, never losses. The ids above identify them.
+//!
+//! **Never wedged by one record.** A record that cannot be published (an invalid or too long
+//! topic, a packet over `packet_bytes_max` or the broker's maximum, a part MQTT cannot encode,
+//! a broker refusal a retry cannot change) is dead-lettered ([`dead_letter`]): recorded,
+//! counted, logged once per reason per episode, and skipped with its batch's checkpoint.
+//!
+//! When caught up the task polls the stream every `poll_interval` for new commits.
+
+pub mod api;
+mod config;
+pub mod dead_letter;
+pub mod plan;
+pub mod store;
+pub mod topic;
+
+#[cfg(feature = "fault-injection")]
+pub use config::Mutation;
+pub use config::{
+    DEFAULT_BATCH_BYTES_MAX, DEFAULT_BATCH_RECORDS, DEFAULT_DEAD_LETTERS_MAX,
+    DEFAULT_PACKET_BYTES_MAX, DEFAULT_POLL_INTERVAL, DEFAULT_TOPIC_BYTES_MAX,
+    DEFAULT_TOPIC_TEMPLATE, RawRepublish, RepublishConfig,
+};
+pub use dead_letter::{DeadLetter, Reason};
+pub use plan::{DIGEST_FIELD, TOPIC_FIELD, payload_of};
+pub use store::{checkpoint, dead_letter_counts, dead_letters};
+
+use crate::ingest::Hub;
+use crate::read::read_records;
+use dead_letter::Episode;
+use plan::{Batch, Plan, plan_batch};
+use rumqttc::v5::mqttbytes::QoS;
+use rumqttc::v5::mqttbytes::v5::{Packet, PubAckReason};
+use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use std::sync::Arc;
+use std::time::Duration;
+use thiserror::Error;
+use tokio::sync::{mpsc, watch};
+
+/// Why a republish step failed; the task reconnects and resumes from its checkpoint.
+#[derive(Debug, Error)]
+pub enum RepublishError {
+    #[error("catalog: {0}")]
+    Catalog(#[from] rusqlite::Error),
+    #[error("reading the stream: {0}")]
+    Read(#[from] crate::read::ReadError),
+    #[error("mqtt client: {0}")]
+    Client(Box<rumqttc::v5::ClientError>),
+    #[error("mqtt connection: {0}")]
+    Connection(String),
+    #[error("broker asked to retry a publish later: {0:?}")]
+    Refused(PubAckReason),
+    #[error("a blocking task failed: {0}")]
+    Join(#[from] tokio::task::JoinError),
+    #[error("stopped")]
+    Stopped,
+}
+
+impl From<rumqttc::v5::ClientError> for RepublishError {
+    fn from(e: rumqttc::v5::ClientError) -> Self {
+        RepublishError::Client(Box::new(e))
+    }
+}
+
+/// What the MQTT event loop reports to the publishing task.
+#[derive(Debug)]
+enum Conn {
+    /// CONNACK, with the broker's maximum packet size if it has one.
+    Connected(Option<u32>),
+    Ack(PubAckReason),
+    Lost(String),
+}
+
+/// Starts one task per configured stream. They stop when `stop` turns true.
+pub fn start(
+    hub: Arc<Hub>,
+    cfg: RepublishConfig,
+    stop: watch::Receiver<bool>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    cfg.streams
+        .iter()
+        .map(|stream| {
+            let (hub, cfg, stop, stream) = (hub.clone(), cfg.clone(), stop.clone(), stream.clone());
+            tokio::spawn(async move { run_stream(hub, cfg, stream, stop).await })
+        })
+        .collect()
+}
+
+async fn run_stream(
+    hub: Arc<Hub>,
+    cfg: RepublishConfig,
+    stream: String,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut delay = Duration::from_millis(100);
+    loop {
+        if *stop.borrow() {
+            return;
+        }
+        match session(&hub, &cfg, &stream, &mut stop).await {
+            Err(RepublishError::Stopped) | Ok(()) => return,
+            Err(e) => {
+                tracing::warn!(%stream, error = %e, "republish: resuming from the checkpoint");
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => {}
+            _ = stop.changed() => return,
+        }
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// Drives the MQTT event loop, forwarding CONNACK and PUBACKs; ends on the first error.
+async fn drive(mut ev: EventLoop, tx: mpsc::UnboundedSender<Conn>) {
+    loop {
+        let conn = match ev.poll().await {
+            Ok(Event::Incoming(Packet::ConnAck(c))) => {
+                Conn::Connected(c.properties.and_then(|p| p.max_packet_size))
+            }
+            Ok(Event::Incoming(Packet::PubAck(a))) => Conn::Ack(a.reason),
+            Ok(Event::Incoming(Packet::Disconnect(d))) => {
+                Conn::Lost(format!("the broker disconnected: {:?}", d.reason_code))
+            }
+            Ok(_) => continue,
+            Err(e) => Conn::Lost(e.to_string()),
+        };
+        let lost = matches!(conn, Conn::Lost(_));
+        if tx.send(conn).is_err() || lost {
+            return;
+        }
+    }
+}
+
+async fn session(
+    hub: &Arc<Hub>,
+    cfg: &RepublishConfig,
+    stream: &str,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<(), RepublishError> {
+    let mut opts = MqttOptions::new(
+        format!("{}-{stream}", cfg.client_id),
+        cfg.host.clone(),
+        cfg.port,
+    );
+    opts.set_keep_alive(Duration::from_secs(30));
+    opts.set_clean_start(true);
+    let (client, ev) = AsyncClient::new(opts, cfg.batch_records.max(10));
+    let (tx, mut conn) = mpsc::unbounded_channel();
+    let driver = tokio::spawn(drive(ev, tx));
+    let result = async {
+        let broker_max = connected(&mut conn, stop).await?;
+        let packet_max = broker_max.map_or(cfg.packet_bytes_max, |b| {
+            cfg.packet_bytes_max.min(u64::from(b))
+        });
+        let mut sink = Sink {
+            hub,
+            cfg,
+            stream,
+            client: &client,
+            conn: &mut conn,
+            packet_max,
+            episode: Episode::default(),
+        };
+        sink.publish_loop(stop).await
+    }
+    .await;
+    let _ = client.try_disconnect();
+    driver.abort();
+    result
+}
+
+/// Waits for the CONNACK; returns the broker's maximum packet size.
+async fn connected(
+    conn: &mut mpsc::UnboundedReceiver<Conn>,
+    stop: &mut watch::Receiver<bool>,
+) -> Result<Option<u32>, RepublishError> {
+    loop {
+        tokio::select! {
+            c = conn.recv() => match c {
+                Some(Conn::Connected(max)) => return Ok(max),
+                Some(Conn::Lost(e)) => return Err(RepublishError::Connection(e)),
+                Some(Conn::Ack(_)) => {}
+                None => return Err(RepublishError::Connection("event loop ended".into())),
+            },
+            _ = stop.changed() => return Err(RepublishError::Stopped),
+        }
+    }
+}
+
+/// One connected session of one stream's sink.
+struct Sink<'a> {
+    hub: &'a Arc<Hub>,
+    cfg: &'a RepublishConfig,
+    stream: &'a str,
+    client: &'a AsyncClient,
+    conn: &'a mut mpsc::UnboundedReceiver<Conn>,
+    /// The lower of `packet_bytes_max` and the broker's maximum packet size.
+    packet_max: u64,
+    episode: Episode,
+}
+
+impl Sink<'_> {
+    async fn publish_loop(
+        &mut self,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<(), RepublishError> {
+        let (h, s) = (self.hub.clone(), self.stream.to_string());
+        let mut next = tokio::task::spawn_blocking(move || checkpoint(&h, &s)).await??;
+        loop {
+            if *stop.borrow() {
+                return Err(RepublishError::Stopped);
+            }
+            let batch = self.next_batch(next).await?;
+            if batch.records.is_empty() {
+                self.idle(stop).await?;
+                continue;
+            }
+            let dead = self.publish(&batch, stop).await?;
+            next = batch.next;
+            let (h, s, keep) = (
+                self.hub.clone(),
+                self.stream.to_string(),
+                self.cfg.dead_letters_max,
+            );
+            tokio::task::spawn_blocking(move || store::commit_batch(&h, &s, next, &dead, keep))
+                .await??;
+        }
+    }
+
+    /// Reads a page from `from` and plans a batch from its head.
+    async fn next_batch(&self, from: u64) -> Result<Batch, RepublishError> {
+        let (h, s, n) = (
+            self.hub.clone(),
+            self.stream.to_string(),
+            self.cfg.batch_records,
+        );
+        let page = tokio::task::spawn_blocking(move || read_records(&h, &s, from, n)).await?;
+        let page = match page {
+            Ok(p) => p,
+            // The stream appears with its first commit.
+            Err(crate::read::ReadError::UnknownStream(_)) => crate::read::ReadPage {
+                records: Vec::new(),
+                next: from,
+            },
+            Err(e) => return Err(e.into()),
+        };
+        Ok(plan_batch(
+            page.records,
+            page.next,
+            self.stream,
+            self.cfg,
+            self.packet_max,
+        ))
+    }
+
+    /// Caught up: waits for the poll interval, watching the connection.
+    async fn idle(&mut self, stop: &mut watch::Receiver<bool>) -> Result<(), RepublishError> {
+        tokio::select! {
+            _ = tokio::time::sleep(self.cfg.poll_interval) => Ok(()),
+            _ = stop.changed() => Err(RepublishError::Stopped),
+            c = self.conn.recv() => match c {
+                // Nothing is outstanding, so this is a connection error.
+                Some(Conn::Lost(e)) => Err(RepublishError::Connection(e)),
+                None => Err(RepublishError::Connection("event loop ended".into())),
+                Some(_) => Ok(()),
+            },
+        }
+    }
+
+    /// Publishes the batch's publishable records and waits for their PUBACKs, which a broker
+    /// sends in the order of the PUBLISHes; returns the batch's dead letters in offset order.
+    async fn publish(
+        &mut self,
+        batch: &Batch,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Vec<DeadLetter>, RepublishError> {
+        let mut sent = Vec::new();
+        for (i, plan) in batch.plans.iter().enumerate() {
+            if let Plan::Publish {
+                topic,
+                payload,
+                properties,
+            } = plan
+            {
+                self.client
+                    .publish_with_properties(
+                        topic.clone(),
+                        QoS::AtLeastOnce,
+                        false,
+                        payload.clone(),
+                        properties.clone(),
+                    )
+                    .await?;
+                sent.push(i);
+            }
+        }
+        let mut refused = Vec::new();
+        for &i in &sent {
+            match self.ack(stop).await? {
+                None => {}
+                Some(reason) => refused.push((i, format!("the broker answered {reason:?}"))),
+            }
+        }
+        Ok(self.dead_letters(batch, refused))
+    }
+
+    /// The next PUBACK: `None` when it is a success, the reason when it is a refusal that a
+    /// retry cannot change; a transient refusal or a lost connection is an error.
+    async fn ack(
+        &mut self,
+        stop: &mut watch::Receiver<bool>,
+    ) -> Result<Option<PubAckReason>, RepublishError> {
+        let c = tokio::select! {
+            c = self.conn.recv() => c,
+            _ = stop.changed() => return Err(RepublishError::Stopped),
+        };
+        match c {
+            Some(Conn::Ack(PubAckReason::Success | PubAckReason::NoMatchingSubscribers)) => {
+                Ok(None)
+            }
+            Some(Conn::Ack(
+                r @ (PubAckReason::QuotaExceeded | PubAckReason::PacketIdentifierInUse),
+            )) => Err(RepublishError::Refused(r)),
+            Some(Conn::Ack(r)) => Ok(Some(r)),
+            Some(Conn::Connected(_)) => Err(RepublishError::Connection("reconnected".into())),
+            Some(Conn::Lost(e)) => Err(RepublishError::Connection(e)),
+            None => Err(RepublishError::Connection("event loop ended".into())),
+        }
+    }
+
+    /// The batch's dead letters (planned ones and `refused` by the broker), logged through
+    /// the episode in offset order.
+    fn dead_letters(&mut self, batch: &Batch, refused: Vec<(usize, String)>) -> Vec<DeadLetter> {
+        let mut refused = refused.into_iter().peekable();
+        let mut dead = Vec::new();
+        for (i, (r, plan)) in batch.records.iter().zip(&batch.plans).enumerate() {
+            let letter = match plan {
+                Plan::Dead { reason, detail } => {
+                    Some(DeadLetter::new(self.stream, r, *reason, detail.clone()))
+                }
+                Plan::Publish { .. } => refused
+                    .next_if(|(j, _)| *j == i)
+                    .map(|(_, d)| DeadLetter::new(self.stream, r, Reason::BrokerRefused, d)),
+            };
+            match letter {
+                Some(d) => {
+                    self.episode.dead_lettered(&d);
+                    dead.push(d);
+                }
+                None => self.episode.published(self.stream),
+            }
+        }
+        dead
+    }
+}
