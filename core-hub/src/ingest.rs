@@ -1669,6 +1669,11 @@ impl Hub {
         if stats.poisoned.load(Ordering::Relaxed) {
             return Err("tier-1 log poisoned after a storage failure; restart the hub".into());
         }
+        if let Some(e) = stats.fd_exhausted() {
+            return Err(format!(
+                "tier-1 out of file descriptors, writes retried with backoff: {e}"
+            ));
+        }
         match stats.disk_full() {
             Some(e) => Err(format!(
                 "tier-1 disk full, writes refused until space is free: {e}"

@@ -151,6 +151,18 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     );
     gauge(
         &mut out,
+        "tributary_hub_wal_fd_exhausted",
+        "1 while tier-1 writes back off because the hub is out of file descriptors.",
+        u64::from(w.fd_exhausted.load(Ordering::Relaxed)),
+    );
+    counter(
+        &mut out,
+        "tributary_hub_wal_fd_exhausted_total",
+        "WAL rolls (or retries) that failed for EMFILE or ENFILE and were rolled back.",
+        load(&w.fd_exhausted_failures),
+    );
+    gauge(
+        &mut out,
         "tributary_hub_ingest_memory_bytes",
         "Ingest memory reserved from the budget.",
         hub.memory_in_use_bytes(),

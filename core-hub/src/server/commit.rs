@@ -145,7 +145,10 @@ pub(super) fn error_code(e: &IngestError) -> ErrorCode {
         IngestError::OutOfOrder { .. } => ErrorCode::ProtocolViolation,
         // Conditions that clear by themselves: the agent retries after a short fixed delay.
         IngestError::Unavailable(
-            CommitError::DiskFull { .. } | CommitError::Full(_) | CommitError::EarlierFailed,
+            CommitError::DiskFull { .. }
+            | CommitError::FdExhausted { .. }
+            | CommitError::Full(_)
+            | CommitError::EarlierFailed,
         ) => ErrorCode::StorageFull,
         IngestError::Unavailable(_) | IngestError::Catalog(_) | IngestError::Internal(_) => {
             ErrorCode::Internal

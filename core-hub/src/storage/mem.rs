@@ -66,6 +66,8 @@ pub enum FaultError {
     Eio,
     /// `ENOSPC`: the file system is full.
     Enospc,
+    /// `EMFILE`: the process has no file descriptor left (a create or open allocates one).
+    Emfile,
 }
 
 impl FaultError {
@@ -73,6 +75,7 @@ impl FaultError {
         match self {
             FaultError::Eio => io::Error::from_raw_os_error(libc::EIO),
             FaultError::Enospc => io::Error::from_raw_os_error(libc::ENOSPC),
+            FaultError::Emfile => io::Error::from_raw_os_error(libc::EMFILE),
         }
     }
 }

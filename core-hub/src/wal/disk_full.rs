@@ -12,6 +12,15 @@
 //! maximum, each time the disk fills again before anything committed since the last resume.
 //! [`FullState`] is the pure part (clock and counters passed in); [`enter_disk_full`] and
 //! [`try_resume`] apply it to the writer's shared flags.
+//!
+//! Running out of file descriptors (EMFILE, ENFILE) when a roll creates the next WAL file, or
+//! syncs the directory, is transient in the same way and uses the same schedule, owned by the
+//! writer alone ([`enter_fd_exhausted`], [`fd_retry_due`], [`end_fd_exhausted`]): the group is
+//! cut off and its requests fail with the retryable `FdExhausted`, requests are refused until
+//! the backoff has passed, then the next group (or the writer's idle probe) tries again. One
+//! `error` line when an episode starts, one `warn` line when it ends; every failed attempt
+//! counts in `tributary_hub_wal_fd_exhausted_total`. `open(2)` fails with EMFILE or ENFILE
+//! before it creates anything, so a failed creation leaves no file behind.
 
 use super::{CommitError, WalStats, WalTuning};
 use std::sync::Mutex;
@@ -34,6 +43,20 @@ pub fn is_disk_full(e: &std::io::Error) -> bool {
         e.kind(),
         std::io::ErrorKind::StorageFull | std::io::ErrorKind::QuotaExceeded
     )
+}
+
+/// Whether an operation failed only because the process (EMFILE) or the system (ENFILE) has
+/// no file descriptor left: nothing was created or changed, and it can be retried later.
+pub fn is_fd_exhausted(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// The retryable error for a failed descriptor allocation at `path`.
+pub(super) fn fd_error(path: &std::path::Path, e: &std::io::Error) -> CommitError {
+    CommitError::FdExhausted {
+        path: path.to_path_buf(),
+        detail: e.to_string(),
+    }
 }
 
 /// What the writer and the committer share to get through a full disk.
@@ -61,7 +84,7 @@ pub(super) struct FullState {
 impl FullState {
     /// Enters the full state at `now`, `commits` group commits into the run. Returns the
     /// backoff chosen, or `None` if already full (another group in flight failed too).
-    fn enter(&mut self, now: Instant, commits: u64, t: &WalTuning) -> Option<Duration> {
+    pub(super) fn enter(&mut self, now: Instant, commits: u64, t: &WalTuning) -> Option<Duration> {
         if self.retry_at.is_some() {
             return None;
         }
@@ -76,7 +99,7 @@ impl FullState {
     }
 
     /// Whether a probe at `now`, seeing `free` bytes, ends the full state.
-    fn may_resume(&self, now: Instant, free: Option<u64>, t: &WalTuning) -> bool {
+    pub(super) fn may_resume(&self, now: Instant, free: Option<u64>, t: &WalTuning) -> bool {
         let Some(at) = self.retry_at else {
             return false;
         };
@@ -84,7 +107,7 @@ impl FullState {
     }
 
     /// Leaves the full state, `commits` group commits into the run.
-    fn resume(&mut self, now: Instant, commits: u64) {
+    pub(super) fn resume(&mut self, now: Instant, commits: u64) {
         let at = self.retry_at.take();
         assert!(
             at.is_some_and(|at| now >= at),
@@ -93,8 +116,7 @@ impl FullState {
         self.commits_at_resume = commits;
     }
 
-    #[cfg(test)]
-    fn is_full(&self) -> bool {
+    pub(super) fn is_full(&self) -> bool {
         self.retry_at.is_some()
     }
 }
@@ -151,6 +173,73 @@ pub(super) fn try_resume(
     stats.disk_full_resumed.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(free_bytes = ?free, "the WAL's file system has space again; tier-1 writes resume");
     true
+}
+
+/// Starts (or extends) an out-of-descriptors episode after the failed attempt `e`: counts
+/// it, and refuses writes for the next backoff (doubling while nothing commits in between).
+/// Logs only when the episode starts.
+pub(super) fn enter_fd_exhausted(
+    stats: &WalStats,
+    fd: &mut FullState,
+    t: &WalTuning,
+    e: &CommitError,
+) {
+    assert!(
+        matches!(e, CommitError::FdExhausted { .. }),
+        "not an fd exhaustion: {e}"
+    );
+    stats.fd_exhausted_failures.fetch_add(1, Ordering::Relaxed);
+    *stats.fd_exhausted_error.lock().expect("fd lock") = Some(e.clone());
+    let commits = stats.group_commits.load(Ordering::Relaxed);
+    let backoff = fd.enter(Instant::now(), commits, t);
+    if !stats.fd_exhausted.swap(true, Ordering::AcqRel) {
+        tracing::error!(
+            error = %e,
+            retry_in = ?backoff,
+            "tier-1 out of file descriptors: the failed group was rolled back; refusing writes \
+             and retrying with backoff (raise the hub's open-file limit if this repeats)"
+        );
+    }
+}
+
+/// Whether the backoff of an episode has passed at `now`: if so, the episode's wait ends
+/// (the next attempt decides). `false` while waiting, and when no episode runs.
+pub(super) fn fd_retry_due(
+    stats: &WalStats,
+    fd: &mut FullState,
+    t: &WalTuning,
+    now: Instant,
+) -> bool {
+    if !fd.may_resume(now, None, t) {
+        return false;
+    }
+    fd.resume(now, stats.group_commits.load(Ordering::Relaxed));
+    true
+}
+
+/// The error requests are refused with while an episode waits out its backoff.
+pub(super) fn fd_refusal(stats: &WalStats, fd: &FullState) -> Option<CommitError> {
+    if !fd.is_full() {
+        return None;
+    }
+    stats.fd_exhausted_error.lock().expect("fd lock").clone()
+}
+
+/// Ends the episode after an attempt got its descriptors (a group written, or the probe).
+pub(super) fn end_fd_exhausted(stats: &WalStats) {
+    if stats.fd_exhausted.swap(false, Ordering::AcqRel) {
+        tracing::warn!("tier 1 has file descriptors again; writes resume");
+    }
+}
+
+impl WalStats {
+    /// The error writes fail with while tier 1 is out of file descriptors, `None` otherwise.
+    pub fn fd_exhausted(&self) -> Option<CommitError> {
+        if !self.fd_exhausted.load(Ordering::Acquire) {
+            return None;
+        }
+        self.fd_exhausted_error.lock().expect("fd lock").clone()
+    }
 }
 
 #[cfg(test)]

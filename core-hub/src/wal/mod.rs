@@ -134,6 +134,13 @@ pub struct WalStats {
     pub disk_full_resumed: AtomicU64,
     /// The last disk-full error (names the path); kept after the disk has space again.
     pub disk_full_error: Mutex<Option<CommitError>>,
+    /// Set while tier 1 is out of file descriptors (an episode); cleared once a group was
+    /// written again or the writer's probe got a descriptor.
+    pub fd_exhausted: AtomicBool,
+    /// Groups (and retries) that failed for EMFILE or ENFILE and were rolled back.
+    pub fd_exhausted_failures: AtomicU64,
+    /// The last out-of-descriptors error (names the path).
+    pub fd_exhausted_error: Mutex<Option<CommitError>>,
 }
 
 /// Number of group-commit size histogram buckets (1, 2, 4, ... 2^14, +Inf).
@@ -179,6 +186,11 @@ pub enum CommitError {
     /// their own once space is free; retry later.
     #[error("the hub's disk is full at {}: {detail}; retry later", path.display())]
     DiskFull { path: PathBuf, detail: String },
+    /// The hub ran out of file descriptors (EMFILE, ENFILE) creating or syncing a WAL file:
+    /// nothing of the request was kept, and writes resume on their own once descriptors are
+    /// free again (`wal::disk_full`); retry later.
+    #[error("the hub is out of file descriptors at {}: {detail}; retry later", path.display())]
+    FdExhausted { path: PathBuf, detail: String },
     /// An earlier block of the same lane failed to commit after this one was checked, so this
     /// one was not written either; resend from the hub's durable mark.
     #[error("an earlier block of this lane failed to commit; resend from the durable mark")]
@@ -403,6 +415,8 @@ pub enum Mutation {
     /// Cutting off a group after a full disk, or rewinding, removes files without the
     /// directory fsync: a removed file may come back after a crash.
     SkipCutDirSync,
+    /// EMFILE or ENFILE on a WAL roll poisons the log, as any other storage error did.
+    FdExhaustionFatal,
 }
 
 impl WalTuning {

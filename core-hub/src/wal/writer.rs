@@ -1,14 +1,18 @@
 //! The writer thread: batches requests into groups, writes their frames and rolls files, and
-//! undoes a group that failed for a full disk (or cuts back to the committed end when the
-//! committer asks). It never fsyncs for a group's sake and never acknowledges: the
+//! undoes a group that failed for a full disk or for want of file descriptors (or cuts back
+//! to the committed end when the committer asks). It never fsyncs for a group's sake and never acknowledges: the
 //! [`super::committer`] does both, in write order.
 
 use super::committer::{Done, Piped, Written};
-use super::disk_full::{Shared, enter_disk_full, try_resume};
-use super::format::{
-    EntryHeader, KIND_BLOCK, WAL_HEADER_LEN, encode_frame, frame_len, wal_file_path,
+use super::disk_full::{
+    FullState, Shared, end_fd_exhausted, enter_disk_full, enter_fd_exhausted, fd_error, fd_refusal,
+    fd_retry_due, is_fd_exhausted, try_resume,
 };
-use super::recover::{Recovered, create_wal_file, empty_wal_file, rewind};
+use super::format::{
+    EntryHeader, KIND_BLOCK, WAL_HEADER_LEN, encode_frame, frame_len, wal_file_header,
+    wal_file_path,
+};
+use super::recover::{Recovered, empty_wal_file, rewind};
 use super::{
     AppendDone, AppendRequest, CommitError, FaultPoint, GapRequest, Request, WalEnv, WalStats,
     WriterConfig, fail, fault, poison, request_bytes, write_error,
@@ -57,8 +61,15 @@ pub(super) struct Writer {
     /// Read for the committed stream offsets when the log is cut back to the committed end.
     catalog: Arc<Catalog>,
     shared: Arc<Shared>,
-    /// WAL files the group being written rolled into (removed if it fails for a full disk).
-    created: Vec<PathBuf>,
+    /// WAL files the group being written rolled into (removed if it fails for a full disk or
+    /// for want of descriptors), with their handle once created whole (reused by the cut, so
+    /// it needs no new descriptor).
+    created: Vec<(PathBuf, Option<Arc<dyn StorageFile>>)>,
+    /// The WAL directory must be fsynced before anything more is written: a roll created a
+    /// file, or a cut removed one, and the directory fsync then found no descriptor.
+    dir_sync_owed: bool,
+    /// The out-of-descriptors backoff (`disk_full::enter_fd_exhausted`).
+    fd: FullState,
     /// The next offset of each stream before the group being written assigned any.
     group_offsets: HashMap<StreamId, u64>,
     /// The WAL end the last group handed to the committer reaches: groups go in write order.
@@ -118,6 +129,8 @@ impl Writer {
             catalog,
             shared: link.shared,
             created: Vec::new(),
+            dir_sync_owed: false,
+            fd: FullState::default(),
             group_offsets: HashMap::new(),
             sent_end,
             stop_seen: false,
@@ -142,11 +155,12 @@ impl Writer {
         }
     }
 
-    /// Idle work: a rewind the committer asked for, and the disk-full probe.
+    /// Idle work: a rewind the committer asked for, and the disk-full and descriptor probes.
     fn tick(&mut self, rx: &mpsc::Receiver<Request>) {
         if self.shared.rewind.load(Ordering::Acquire) {
             self.rewind_to_committed(Vec::new(), rx);
         }
+        self.probe_fds();
         let (storage, dir) = (&self.env.storage, &self.dir);
         try_resume(&self.stats, &self.shared, &self.env.tuning, || {
             storage.free_bytes(dir)
@@ -196,7 +210,21 @@ impl Writer {
             return;
         }
         if let Some(e) = self.stats.disk_full() {
-            self.fail_and_drain(batch, e, rx);
+            let refused = self.fail_and_drain(batch, e, rx);
+            self.stats
+                .disk_full_refused
+                .fetch_add(refused, Ordering::Relaxed);
+            return;
+        }
+        if let Err(e) = self.fd_gate() {
+            if matches!(e, CommitError::FdExhausted { .. }) {
+                self.fail_and_drain(batch, e, rx);
+            } else {
+                poison(&self.stats, &e);
+                for req in batch {
+                    fail(req, e.clone());
+                }
+            }
             return;
         }
         let requests = batch.len();
@@ -211,7 +239,7 @@ impl Writer {
         let mut group = Group::default();
         let (file, error) = match self.write_batch(&mut pending, &mut group) {
             Ok(()) => (group.wrote.then(|| self.file.clone()), None),
-            Err(e @ CommitError::DiskFull { .. }) => {
+            Err(e @ (CommitError::DiskFull { .. } | CommitError::FdExhausted { .. })) => {
                 self.undo_group(start, group.dones, pending.collect(), e, rx);
                 return;
             }
@@ -224,7 +252,85 @@ impl Writer {
                 (None, Some(e))
             }
         };
+        if error.is_none() {
+            end_fd_exhausted(&self.stats);
+        }
         self.send(group, requests, file, error);
+    }
+
+    /// Before a group: refuses it while an out-of-descriptors episode waits out its backoff
+    /// (`FdExhausted`), and settles a directory fsync still owed (its own EMFILE extends the
+    /// episode; any other failure is returned to poison the log).
+    fn fd_gate(&mut self) -> Result<(), CommitError> {
+        fd_retry_due(&self.stats, &mut self.fd, &self.env.tuning, Instant::now());
+        if let Some(e) = fd_refusal(&self.stats, &self.fd) {
+            return Err(e);
+        }
+        if !self.dir_sync_owed {
+            return Ok(());
+        }
+        match self.env.storage.sync_dir(&self.dir) {
+            Ok(()) => {
+                self.dir_sync_owed = false;
+                Ok(())
+            }
+            Err(e) if self.fd_transient(&e) => {
+                let e = fd_error(&self.dir, &e);
+                enter_fd_exhausted(&self.stats, &mut self.fd, &self.env.tuning, &e);
+                Err(e)
+            }
+            Err(e) => Err(CommitError::Io(format!("{}: {e}", self.dir.display()))),
+        }
+    }
+
+    /// The idle probe of an out-of-descriptors episode: once its backoff has passed, one
+    /// descriptor is taken (the directory fsync if one is owed, else opening the active file)
+    /// and the episode ends if that works, so an idle hub reports healthy again by itself.
+    fn probe_fds(&mut self) {
+        if !self.stats.fd_exhausted.load(Ordering::Acquire)
+            || self.stats.poisoned.load(Ordering::Acquire)
+        {
+            return;
+        }
+        if !fd_retry_due(&self.stats, &mut self.fd, &self.env.tuning, Instant::now()) {
+            return;
+        }
+        let probe = if self.dir_sync_owed {
+            self.fd_gate().map(drop)
+        } else {
+            let path = wal_file_path(&self.dir, self.file_first);
+            match self.env.storage.open(&path) {
+                Ok(_) => Ok(()),
+                Err(e) if self.fd_transient(&e) => {
+                    let e = fd_error(&path, &e);
+                    enter_fd_exhausted(&self.stats, &mut self.fd, &self.env.tuning, &e);
+                    Err(e)
+                }
+                // Not a descriptor problem: the next group finds out what it is.
+                Err(_) => Ok(()),
+            }
+        };
+        match probe {
+            Ok(()) => end_fd_exhausted(&self.stats),
+            Err(CommitError::FdExhausted { .. }) => {}
+            Err(e) => poison(&self.stats, &e),
+        }
+    }
+
+    /// Whether `e` is a descriptor shortage to wait out (always, unless the test-only
+    /// mutation makes it fatal again).
+    fn fd_transient(&self, e: &std::io::Error) -> bool {
+        is_fd_exhausted(e) && !self.fd_fatal_mutation()
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn fd_fatal_mutation(&self) -> bool {
+        self.env.tuning.mutated(super::Mutation::FdExhaustionFatal)
+    }
+
+    #[cfg(not(feature = "fault-injection"))]
+    fn fd_fatal_mutation(&self) -> bool {
+        false
     }
 
     /// Hands a written group to the committer, in write order.
@@ -259,8 +365,9 @@ impl Writer {
         }
     }
 
-    /// Cuts off a group whose write failed for a full disk, fails its requests and everything
-    /// queued behind them, and starts refusing writes. Groups written before it are intact.
+    /// Cuts off a group whose write failed for a full disk (or for want of descriptors), fails
+    /// its requests and everything queued behind them, and starts refusing writes. Groups
+    /// written before it are intact.
     fn undo_group(
         &mut self,
         start: GroupStart,
@@ -272,15 +379,22 @@ impl Writer {
         self.routed.clear();
         if let Err(io) = self.cut_group(start) {
             // The tail could not be cut: it is unknown again, as after any failed write.
-            let fatal = CommitError::Io(format!("cutting off a group after a full disk: {io}"));
+            let fatal = CommitError::Io(format!("cutting off a group after {e}: {io}"));
             poison(&self.stats, &fatal);
+        } else if matches!(e, CommitError::FdExhausted { .. }) {
+            enter_fd_exhausted(&self.stats, &mut self.fd, &self.env.tuning, &e);
         } else {
             enter_disk_full(&self.stats, &self.shared, &self.env.tuning, &e);
         }
         for done in dones {
             done.finish(Err(e.clone()));
         }
-        self.fail_and_drain(rest, e, rx);
+        let refused = self.fail_and_drain(rest, e.clone(), rx);
+        if matches!(e, CommitError::DiskFull { .. }) {
+            self.stats
+                .disk_full_refused
+                .fetch_add(refused, Ordering::Relaxed);
+        }
     }
 
     /// Truncates the log to where the group started, removes the files it rolled into, and
@@ -296,7 +410,7 @@ impl Writer {
         let keep = wal_file_path(&self.dir, cut_at);
         let created = std::mem::take(&mut self.created);
         let mut removed = false;
-        for path in created.iter().filter(|p| **p != keep) {
+        for (path, _) in created.iter().filter(|(p, _)| *p != keep) {
             match self.env.storage.remove(path) {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
                 r => removed |= r.is_ok(),
@@ -305,11 +419,22 @@ impl Writer {
         if removed && !self.env.tuning.skip_cut_dir_sync() {
             // Durable before the log grows again: a removed file that came back after a crash
             // would start inside the range the active file goes on to commit, and recovery
-            // would take it for the file holding the committed end.
-            self.env.storage.sync_dir(&self.dir)?;
+            // would take it for the file holding the committed end. Without a descriptor for
+            // it, it is owed: no later group writes before it succeeded (`fd_gate`).
+            match self.env.storage.sync_dir(&self.dir) {
+                Err(e) if self.fd_transient(&e) => self.dir_sync_owed = true,
+                r => r?,
+            }
         }
-        if created.contains(&keep) {
-            self.file = empty_wal_file(&*self.env.storage, &keep)?;
+        if let Some((_, handle)) = created.iter().find(|(p, _)| *p == keep) {
+            self.file = match handle {
+                // Created whole by this group: emptied through its handle, no new descriptor.
+                Some(f) => {
+                    f.set_len(WAL_HEADER_LEN as u64)?;
+                    f.clone()
+                }
+                None => empty_wal_file(&*self.env.storage, &keep)?,
+            };
             self.file_first = cut_at;
             self.file_len = WAL_HEADER_LEN as u64;
         } else {
@@ -338,7 +463,13 @@ impl Writer {
     /// returned, and this drain, which runs after every callback of the failed requests (here,
     /// or on the committer before it acknowledged the rewind marker), finds it. Its own
     /// callback runs before the next `try_recv`, so requests depending on it are found too.
-    fn fail_and_drain(&mut self, reqs: Vec<Request>, e: CommitError, rx: &mpsc::Receiver<Request>) {
+    /// Returns how many requests it failed.
+    fn fail_and_drain(
+        &mut self,
+        reqs: Vec<Request>,
+        e: CommitError,
+        rx: &mpsc::Receiver<Request>,
+    ) -> u64 {
         let mut refused = 0u64;
         for req in reqs {
             refused += 1;
@@ -354,9 +485,7 @@ impl Writer {
                 Err(_) => break,
             }
         }
-        self.stats
-            .disk_full_refused
-            .fetch_add(refused, Ordering::Relaxed);
+        refused
     }
 
     /// Cuts the log back to the committed end after a catalog commit failed for a full disk:
@@ -385,7 +514,10 @@ impl Writer {
         if self.written.send(Piped::Rewound(ack_tx)).is_ok() {
             let _ = ack_rx.recv();
         }
-        self.fail_and_drain(Vec::new(), e, rx);
+        let refused = self.fail_and_drain(Vec::new(), e, rx);
+        self.stats
+            .disk_full_refused
+            .fetch_add(refused, Ordering::Relaxed);
     }
 
     fn rewind_files(&mut self) -> Result<(), String> {
@@ -592,11 +724,30 @@ impl Writer {
         );
         let path = wal_file_path(&self.dir, first);
         // Recorded first: a failed creation may still leave the file behind.
-        self.created.push(path.clone());
-        let file = create_wal_file(&*self.env.storage, &path).map_err(|e| write_error(&path, e))?;
+        self.created.push((path.clone(), None));
+        let file = match self.env.storage.create(&path) {
+            Ok(f) => f,
+            Err(e) if self.fd_transient(&e) => {
+                // EMFILE/ENFILE: open(2) gave up before it created anything.
+                self.created.pop();
+                return Err(fd_error(&path, &e));
+            }
+            Err(e) => return Err(write_error(&path, e)),
+        };
+        file.append(&wal_file_header())
+            .map_err(|e| write_error(&path, e))?;
         file.sync().map_err(io)?;
+        self.created.last_mut().expect("recorded above").1 = Some(file.clone());
         if !self.skip_roll_dir_sync() {
-            self.env.storage.sync_dir(&self.dir).map_err(io)?;
+            match self.env.storage.sync_dir(&self.dir) {
+                Err(e) if self.fd_transient(&e) => {
+                    // The file is whole but its entry may not be durable: nothing goes into
+                    // it, or into any file, before the directory fsync succeeded.
+                    self.dir_sync_owed = true;
+                    return Err(fd_error(&self.dir, &e));
+                }
+                r => r.map_err(io)?,
+            }
         }
         self.file = file;
         self.file_first = first;
