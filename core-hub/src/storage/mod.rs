@@ -1,7 +1,9 @@
-//! Storage IO for the hub's tier-1 log, behind a small object-safe trait.
+//! Storage IO for the hub's tier-1 log and a local tier 2, behind a small object-safe trait.
 //!
 //! Every byte the WAL writes, and every file it creates, rolls, truncates or removes, goes
-//! through [`Storage`], so the crash-safety argument can be tested rather than assumed:
+//! through [`Storage`], and so does every object of a `file://` tier 2 ([`StorageStore`], an
+//! `object_store::ObjectStore` over this trait), so the crash-safety argument can be tested
+//! rather than assumed (`Hub::open_on` opens the whole hub on a chosen storage):
 //! - [`RealStorage`] is `std::fs` plus `fdatasync` (`File::sync_data`) and directory fsyncs;
 //! - [`MemStorage`] keeps files in memory, tracks what is durable, and on
 //!   [`MemStorage::crash`] throws away what a power cut may throw away: unsynced bytes are
@@ -12,7 +14,8 @@
 //! The model of durability is the POSIX one the WAL relies on: file contents (and length) are
 //! durable after [`StorageFile::sync`] on that file; a new, renamed or removed directory entry
 //! is durable only after [`Storage::sync_dir`] on its parent. Directories themselves are
-//! assumed to exist once created (the hub creates its data directory at open).
+//! assumed to exist once created: [`Storage::create_dir`] syncs every level it creates into
+//! its parent before it returns.
 //!
 //! The SQLite catalog is not behind this trait: it stays on real files, and SQLite with
 //! `synchronous=FULL` keeps a committed transaction and drops an uncommitted one.
@@ -68,7 +71,8 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     }
 }
 
-/// The file operations the hub's tier-1 log needs. Object safe, shared between threads.
+/// The file operations the hub's tier-1 log and a local tier 2 need. Object safe, shared
+/// between threads.
 pub trait Storage: Send + Sync + fmt::Debug {
     /// Creates `path` empty (truncating an existing file), open for reading and appending.
     /// The entry is durable after [`Storage::sync_dir`] of the parent.
