@@ -37,8 +37,12 @@
 //!   `tributary_edge_mqtt_topic_mismatches_total` and keyed by the whole topic. Without a template:
 //!   the topic (JSON) or the line's tags (line protocol).
 //! - `_topic`: a string field holding the original topic, so the hub can republish on it.
-//! - JSON payloads must be one object. Nested objects flatten into `parent.child` names; arrays
-//!   are kept as their JSON text; `null` is skipped; fields come in name order; integers stay `i64`, other numbers `f64`.
+//! - JSON payloads must be one object. Nested objects flatten into `parent.child` names in one
+//!   pass ([`super::flatten`]); arrays are kept as their JSON text; `null` is skipped; fields
+//!   come in name order (of two equal names the first wins); integers stay `i64`, other numbers
+//!   `f64`. A payload over `ingest.fields_per_record_max` fields, or with a top-level name
+//!   starting with `_` (reserved for the agent's own fields), is a bad payload (below); so is a
+//!   line-protocol payload with such a field.
 //!   `ts_field` (a flattened name) gives the event time in `ts_unit`; it is removed from the
 //!   fields. Missing or unreadable timestamps are counted and get the receive time.
 //! - Line protocol payloads may hold several lines; the measurement name is ignored (the
