@@ -51,7 +51,7 @@ pub use plan::{DIGEST_FIELD, TOPIC_FIELD, payload_of};
 pub use store::{checkpoint, dead_letter_counts, dead_letters};
 
 use crate::ingest::Hub;
-use crate::read::read_records;
+use crate::read::{PageLimit, read_records_with};
 use dead_letter::Episode;
 use plan::{Batch, Plan, plan_batch};
 use rumqttc::v5::mqttbytes::QoS;
@@ -255,12 +255,15 @@ impl Sink<'_> {
 
     /// Reads a page from `from` and plans a batch from its head.
     async fn next_batch(&self, from: u64) -> Result<Batch, RepublishError> {
-        let (h, s, n) = (
-            self.hub.clone(),
-            self.stream.to_string(),
-            self.cfg.batch_records,
-        );
-        let page = tokio::task::spawn_blocking(move || read_records(&h, &s, from, n)).await?;
+        // The read is bounded in decoded bytes too, so a page never holds much more than the
+        // batch it becomes.
+        let limit = PageLimit {
+            records: self.cfg.batch_records,
+            bytes: Some(self.cfg.batch_bytes_max),
+        };
+        let (h, s) = (self.hub.clone(), self.stream.to_string());
+        let page =
+            tokio::task::spawn_blocking(move || read_records_with(&h, &s, from, limit)).await?;
         let page = match page {
             Ok(p) => p,
             // The stream appears with its first commit.

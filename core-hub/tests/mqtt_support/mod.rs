@@ -119,6 +119,7 @@ pub async fn subscriber(port: u16, id: &str) -> (mpsc::UnboundedReceiver<Msg>, A
     client.subscribe("#", QoS::AtLeastOnce).await.unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     let (ready_tx, mut ready_rx) = watch::channel(false);
+    let (err_tx, err_rx) = watch::channel(None::<String>);
     tokio::spawn(async move {
         loop {
             match ev.poll().await {
@@ -132,14 +133,21 @@ pub async fn subscriber(port: u16, id: &str) -> (mpsc::UnboundedReceiver<Msg>, A
                 }
                 Ok(_) => {}
                 // The broker goes away when the test ends; a failure before that shows as
-                // missing messages.
-                Err(_) => return,
+                // missing messages (or, before the SUBACK, in the panic below).
+                Err(e) => {
+                    let _ = err_tx.send(Some(e.to_string()));
+                    return;
+                }
             }
         }
     });
     let start = Instant::now();
     while !*ready_rx.borrow_and_update() {
-        assert!(start.elapsed() < DEADLINE, "no SUBACK");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "no SUBACK from the broker on port {port}: {:?}",
+            err_rx.borrow()
+        );
         tokio::time::timeout(Duration::from_secs(1), ready_rx.changed())
             .await
             .ok();
