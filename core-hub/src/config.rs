@@ -1627,4 +1627,35 @@ mod tests {
         let empty = format!("data_dir = \"/d\"\n{tls}revoked = \"\"\n");
         assert_eq!(problem_key(&empty), "tls.revoked");
     }
+
+    #[test]
+    fn state_quotas_and_the_metrics_bound_are_typed_and_checked() {
+        let d = HubConfig::from_toml("data_dir = \"/d\"").unwrap();
+        assert_eq!(d.ingest.state, StateQuotas::default());
+        assert_eq!(d.ingest.state.streams_per_device_max, 256);
+        assert_eq!(d.metrics.device_series_max, 1000);
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[ingest]\nstreams_per_device_max = 3\nepochs_per_device_max = 4\n\
+             lanes_per_device_max = 5\ncolumns_per_stream_max = 6\n[metrics]\ndevice_series_max = 7",
+        )
+        .unwrap();
+        let q = c.ingest.state;
+        assert_eq!((q.streams_per_device_max, q.epochs_per_device_max), (3, 4));
+        assert_eq!((q.lanes_per_device_max, q.columns_per_stream_max), (5, 6));
+        assert_eq!(c.metrics.device_series_max, 7);
+        for key in [
+            "streams_per_device_max",
+            "epochs_per_device_max",
+            "lanes_per_device_max",
+            "columns_per_stream_max",
+        ] {
+            let text = format!("data_dir = \"/d\"\n[ingest]\n{key} = 0");
+            assert_eq!(problem_key(&text), format!("ingest.{key}"));
+        }
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[metrics]\ndevice_series_max = 0"),
+            "metrics.device_series_max"
+        );
+        assert!(HubConfig::from_toml("data_dir = \"/d\"\n[metrics]\nseries = 1").is_err());
+    }
 }

@@ -568,8 +568,8 @@ impl<'a> SeqRanges<'a> {
 }
 
 /// Encodes `records` (one chunk, normally in offset order) as a Parquet file with the columns
-/// of `registry`, which must already contain every (field, type) the records carry (see
-/// [`FieldRegistry::observe_records`]).
+/// of `registry` that the records use (in the registry's order and names), which must already
+/// contain every (field, type) the records carry (see [`FieldRegistry::observe_records`]).
 ///
 /// The output is a pure function of the records, the registry and the options. Encodes on the
 /// calling thread; see [`encode_chunk_with_threads`].
@@ -598,6 +598,9 @@ pub fn encode_chunk_with_threads(
     }
     let level = ZstdLevel::try_new(options.zstd_level)
         .map_err(|e| EncodeError::Options(format!("zstd level: {e}")))?;
+    // Only the columns these records use (`FieldRegistry::narrowed_to`).
+    let narrowed = registry.narrowed_to(records);
+    let registry = &narrowed;
     let rows = records.len();
     let first = &records[0];
 

@@ -208,6 +208,44 @@ impl FieldRegistry {
         changed
     }
 
+    /// This registry narrowed to the columns `records` use, in this registry's order and
+    /// with its names. A chunk file carries only those (a stream that once saw thousands of
+    /// fields does not write thousands of empty columns into every later file); readers see
+    /// the stream's whole schema over its files: the hub through each file's own column
+    /// specs, SQL engines with `union_by_name`. Fields not registered here are left for the
+    /// encoder to report.
+    pub fn narrowed_to(&self, records: &[crate::TierRecord]) -> FieldRegistry {
+        let mut used = vec![false; self.columns.len()];
+        // Records mostly repeat the previous record's fields: skip those lookups.
+        let mut last: Vec<(&str, ValueKind)> = Vec::new();
+        for r in records {
+            for (pos, (name, value)) in r.fields.iter().enumerate() {
+                let kind = ValueKind::of(value);
+                if last.get(pos) == Some(&(name.as_str(), kind)) {
+                    continue;
+                }
+                if let Some(i) = self.column_of(name, kind) {
+                    used[i] = true;
+                }
+                match last.get_mut(pos) {
+                    Some(slot) => *slot = (name.as_str(), kind),
+                    None => last.push((name.as_str(), kind)),
+                }
+            }
+        }
+        if used.iter().all(|&u| u) {
+            return self.clone();
+        }
+        let columns = self
+            .columns
+            .iter()
+            .zip(&used)
+            .filter(|(_, u)| **u)
+            .map(|(c, _)| c.clone())
+            .collect();
+        FieldRegistry::from_columns(columns).expect("a subset of a valid registry is valid")
+    }
+
     /// A free column name starting from `base`: fixed columns force the typed form, then
     /// `__2`, `__3`, ... until nothing collides.
     fn free_name(&self, base: String, kind: ValueKind) -> String {
