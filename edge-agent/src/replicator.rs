@@ -29,6 +29,8 @@ use sync::protocol::{
 use crate::link::{self, TlsPaths};
 use crate::log::{self as locallog, LogHandle};
 
+mod poison;
+
 /// How long a stream the hub refused stays out of the sessions before it is offered again.
 pub const REFUSED_STREAM_RETRY: Duration = Duration::from_secs(600);
 
@@ -131,6 +133,8 @@ pub struct LinkStatus {
     pub streams_refused: AtomicU64,
     /// Sessions the hub ended because its storage was full.
     pub storage_full: AtomicU64,
+    /// Blocks the hub refused for good, quarantined and reported as gaps.
+    pub blocks_quarantined: AtomicU64,
 }
 
 /// What the link is doing right now.
@@ -156,6 +160,7 @@ impl Default for LinkStatus {
             epochs_minted: AtomicU64::new(0),
             streams_refused: AtomicU64::new(0),
             storage_full: AtomicU64::new(0),
+            blocks_quarantined: AtomicU64::new(0),
         }
     }
 }
@@ -232,6 +237,11 @@ impl LinkStatus {
                 "tributary_edge_link_storage_full_total",
                 "Sessions the hub ended or refused because its storage was full (retried after hub.storage_full_retry).",
                 &self.storage_full,
+            ),
+            (
+                "tributary_edge_link_blocks_refused_total",
+                "Blocks the hub refused for good (DECODED_TOO_LARGE, BAD_BLOCK), quarantined under data_dir/quarantine/ and reported to the hub as gaps.",
+                &self.blocks_quarantined,
             ),
         ];
         let _ = writeln!(
@@ -324,10 +334,20 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
         local_only: cfg.local_only.iter().cloned().collect(),
         ..Refused::default()
     };
+    let mut poison = poison::Poison::default();
     loop {
         status.set("connecting", None);
         status.connects.fetch_add(1, Ordering::Relaxed);
-        let outcome = session(&cfg, &endpoint, &log, &status, clock, &mut refused).await;
+        let outcome = session(
+            &cfg,
+            &endpoint,
+            &log,
+            &status,
+            clock,
+            &mut refused,
+            &mut poison,
+        )
+        .await;
         status.disconnects.fetch_add(1, Ordering::Relaxed);
         let delay = match outcome {
             Ok(SessionEnd::Reset) => {
@@ -409,7 +429,8 @@ fn announce(log: &LogHandle, refused: &mut Refused) -> Vec<LaneAnnounce> {
 fn gap_marker(g: &locallog::Gap) -> GapMarker {
     let reason = match g.reason {
         locallog::GapReason::Dropped => GapReason::DiskFull,
-        locallog::GapReason::Corrupt => GapReason::Corrupt,
+        // The hub knows no "refused" reason: the block is quarantined, as a corrupt one is.
+        locallog::GapReason::Corrupt | locallog::GapReason::Refused => GapReason::Corrupt,
     };
     GapMarker {
         first_seq: g.first_seq,
@@ -427,6 +448,7 @@ async fn session(
     status: &LinkStatus,
     clock: StdInstant,
     refused: &mut Refused,
+    poison: &mut poison::Poison,
 ) -> Result<SessionEnd, String> {
     let addr = resolve(&cfg.hub_addr).await?;
     // Re-read the certificate files on every attempt: a rotated certificate applies at once.
@@ -497,8 +519,13 @@ async fn session(
                     if let Some(last) = blocks.last() {
                         offered.note(&stream, epoch, last.header.last_seq());
                     }
-                    let blocks = reblock(blocks, cfg.reblock_records_max, cfg.reblock_version)
+                    let stored = poison.decoded_limit.map(|_| blocks.clone());
+                    let resealed = reblock(blocks, cfg.reblock_records_max, cfg.reblock_version)
                         .map_err(|e| format!("re-sealing backlog blocks: {e}"))?;
+                    let blocks = match stored {
+                        Some(stored) => poison::within_limit(stored, resealed, poison),
+                        None => resealed,
+                    };
                     sender
                         .supply_blocks(now_of(clock), &stream, epoch, blocks)
                         .map_err(|e| e.to_string())?;
@@ -559,6 +586,16 @@ async fn session(
                         tracing::error!(%stream, "{msg}");
                         status.set("down", Some(msg));
                         return Ok(SessionEnd::Reset);
+                    }
+                    if reason.by_peer && poison::permanent(reason.code) {
+                        if poison::on_refusal(log, status, &reason, &offered.last, poison).await {
+                            let msg = format!(
+                                "hub refused a block for good ({}); quarantined it, moving on",
+                                reason.message
+                            );
+                            status.set("down", Some(msg));
+                            return Ok(SessionEnd::Reset);
+                        }
                     }
                     return Err(format!(
                         "hub closed the session: {:?}: {}",

@@ -45,6 +45,7 @@ fn print_stream(log: &LogHandle, stream: &str, from_seq: Option<u64>) -> anyhow:
         let why = match gap.reason {
             GapReason::Dropped => "dropped by the disk budget",
             GapReason::Corrupt => "quarantined as corrupt",
+            GapReason::Refused => "refused by the hub for good, quarantined",
         };
         eprintln!(
             "gap: epoch {:016x} seqs {}..={} ({} records) {why}",

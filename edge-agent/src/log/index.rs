@@ -22,6 +22,9 @@ pub enum GapReason {
     Dropped,
     /// Quarantined at recovery because its block failed verification.
     Corrupt,
+    /// Quarantined because the hub refused its block for good (decoded size over the hub's
+    /// limit, or a block nobody can decode); reported to the hub as `Corrupt`.
+    Refused,
 }
 
 /// A recorded gap: the seqs `first_seq..=last_seq` of `epoch` are gone, for `reason`.
@@ -309,6 +312,12 @@ impl Shared {
             }
             for b in &seg.blocks {
                 if b.last_seq() <= after_seq {
+                    continue;
+                }
+                // A quarantined block (a refused one stays in its segment) is never shipped.
+                if st.gaps.iter().any(|g| {
+                    g.epoch == epoch && g.first_seq <= b.first_seq && b.last_seq() <= g.last_seq
+                }) {
                     continue;
                 }
                 if b.last_seq() > durable || (total > 0 && total + b.len as usize > bytes_max) {

@@ -134,6 +134,7 @@ pub(crate) fn encode_gap(g: &Gap) -> Vec<u8> {
     out.push(match g.reason {
         GapReason::Dropped => 0,
         GapReason::Corrupt => 1,
+        GapReason::Refused => 2,
     });
     out
 }
@@ -146,6 +147,7 @@ pub(crate) fn decode_gap(e: &[u8]) -> Option<Gap> {
     let reason = match e[32] {
         0 => GapReason::Dropped,
         1 => GapReason::Corrupt,
+        2 => GapReason::Refused,
         _ => return None,
     };
     let g = Gap {

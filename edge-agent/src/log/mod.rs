@@ -445,6 +445,24 @@ pub fn valid_stream_name(s: &str) -> bool {
 /// The largest single record accepted (approximate bytes), well under the frame limit.
 pub const RECORD_BYTES_MAX: usize = 16 << 20;
 
+/// Why a refused block could not be quarantined.
+#[derive(Debug, Clone, Error, PartialEq, Eq)]
+pub enum QuarantineError {
+    #[error("unknown stream {0:?}")]
+    UnknownStream(String),
+    #[error("no stored block of {stream} epoch {epoch} lies within seqs {first_seq}..={last_seq}")]
+    NotHeld {
+        stream: String,
+        epoch: u64,
+        first_seq: u64,
+        last_seq: u64,
+    },
+    #[error("quarantining a refused block: {0}")]
+    Io(String),
+    #[error("the log is closed")]
+    Closed,
+}
+
 /// Messages to the writer thread.
 pub(crate) enum Msg {
     Append {
@@ -454,6 +472,15 @@ pub(crate) enum Msg {
     },
     /// Acks changed: persist them and run retention.
     Wake,
+    /// The hub refused these seqs for good: quarantine their blocks, record a gap.
+    Quarantine {
+        stream: usize,
+        epoch: u64,
+        first_seq: u64,
+        last_seq: u64,
+        why: String,
+        reply: mpsc::Sender<Result<PathBuf, QuarantineError>>,
+    },
     /// Mint an epoch `>= epoch_min`, then move `(stream index, old epoch, from_seq)` records.
     Mint {
         epoch_min: u64,
@@ -479,6 +506,12 @@ impl std::fmt::Debug for Msg {
                 stream, records, ..
             } => write!(f, "Append(stream {stream}, {} records)", records.len()),
             Msg::Wake => f.write_str("Wake"),
+            Msg::Quarantine {
+                stream,
+                first_seq,
+                last_seq,
+                ..
+            } => write!(f, "Quarantine({stream}, {first_seq}..={last_seq})"),
             Msg::Mint {
                 epoch_min, rekey, ..
             } => write!(f, "Mint(>= {epoch_min}, {} rekeys)", rekey.len()),
@@ -649,6 +682,38 @@ impl LogHandle {
             Ok(()) | Err(TrySendError::Full(_)) => Ok(()),
             Err(TrySendError::Disconnected(_)) => Err(AckError::Closed),
         }
+    }
+
+    /// Quarantines the stored blocks of `(stream, epoch)` within `first_seq..=last_seq`, which
+    /// the hub refused for good, and records the range as a `Refused` gap marker (both
+    /// fsynced, the copy first): the blocks are never shipped again and the range is reported
+    /// to the hub as a gap. Returns the quarantine file. Blocks the calling thread briefly.
+    pub fn quarantine_refused(
+        &self,
+        stream: &str,
+        epoch: u64,
+        first_seq: u64,
+        last_seq: u64,
+        why: &str,
+    ) -> Result<PathBuf, QuarantineError> {
+        let id = *self
+            .inner
+            .stream_ids
+            .get(stream)
+            .ok_or_else(|| QuarantineError::UnknownStream(stream.to_string()))?;
+        let (reply, rx) = mpsc::channel();
+        self.inner
+            .tx
+            .send(Msg::Quarantine {
+                stream: id,
+                epoch,
+                first_seq,
+                last_seq,
+                why: why.to_string(),
+                reply,
+            })
+            .map_err(|_| QuarantineError::Closed)?;
+        rx.recv().map_err(|_| QuarantineError::Closed)?
     }
 
     /// Gap markers of a stream, in epoch then seq order.

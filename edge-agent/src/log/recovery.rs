@@ -945,6 +945,7 @@ pub(crate) fn gap_row(stream: &str, g: &Gap) -> GapRow {
         reason: match g.reason {
             GapReason::Dropped => "dropped".into(),
             GapReason::Corrupt => "corrupt".into(),
+            GapReason::Refused => "refused".into(),
         },
         records: g.records,
     }

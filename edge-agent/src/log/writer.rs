@@ -32,6 +32,8 @@ use sync::segment::{
 };
 use tokio::sync::oneshot;
 
+mod refused;
+
 /// How long a producer refused under `on_full = block` is told to wait.
 const FULL_RETRY_AFTER: Duration = Duration::from_secs(1);
 /// Per-batch overhead assumed by the budget pre-check (frame + block header).
@@ -213,6 +215,17 @@ impl Writer {
                     reply,
                 } => self.on_append(stream, records, reply),
                 Msg::Wake => {}
+                Msg::Quarantine {
+                    stream,
+                    epoch,
+                    first_seq,
+                    last_seq,
+                    why,
+                    reply,
+                } => {
+                    let _ = reply
+                        .send(self.quarantine_refused(stream, epoch, first_seq, last_seq, &why));
+                }
                 Msg::Mint {
                     epoch_min,
                     rekey,
@@ -240,6 +253,17 @@ impl Writer {
                 reply,
             } => self.on_append(stream, records, reply),
             Msg::Wake => {}
+            Msg::Quarantine {
+                stream,
+                epoch,
+                first_seq,
+                last_seq,
+                why,
+                reply,
+            } => {
+                let _ =
+                    reply.send(self.quarantine_refused(stream, epoch, first_seq, last_seq, &why));
+            }
             Msg::Mint {
                 epoch_min,
                 rekey,
