@@ -320,9 +320,11 @@ mod tests {
         // For each shape (wide: many leaves in one object; deep: as deep as serde_json reads;
         // both), ten times the payload costs about ten times the work: the work per payload
         // byte stays within 1.5x (it settles as fixed overheads fade), where a quadratic
-        // flattener (the old per-leaf scan of the names) makes it grow tenfold. Wide or deep alone cost under 3 per byte; deep and wide repeats the
-        // prefix in every name, within the proven bound of 257 per byte.
-        let shapes: [(fn(usize) -> String, f64); 3] = [
+        // flattener (the old per-leaf scan of the names) makes it grow tenfold. Wide or deep
+        // alone cost under 3 per byte; deep and wide repeats the prefix in every name, within
+        // the proven bound of 257 per byte.
+        type Shape = fn(usize) -> String;
+        let shapes: [(Shape, f64); 3] = [
             (|n| nested(0, n), 3.0),
             (|n| nested(n / 100, 1), 3.0),
             (|n| nested(20, n), WORK_PER_BYTE_MAX as f64),
