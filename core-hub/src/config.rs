@@ -168,6 +168,39 @@ pub struct IngestConfig {
     pub streams_per_connection_max: NonZeroU32,
     /// Per-device hub state: streams, epochs and lanes per device, columns per stream.
     pub state: StateQuotas,
+    /// Per-connection bounds: connections per device, deadlines, blocks in flight, Retry.
+    pub conn: ConnectionQuotas,
+}
+
+/// Bounds on what one connection, and one device's connections, may hold
+/// (`ingest.connections_per_device_max`, `ingest.hello_timeout`, `ingest.control_idle_timeout`,
+/// `ingest.blocks_in_flight_max`, `ingest.retry_above_handshakes`); see `crate::server` and
+/// docs/security.md.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnectionQuotas {
+    /// Connections one device may hold at once; a newer one supersedes the oldest.
+    pub connections_per_device_max: u32,
+    /// How long a new connection has to open its control stream and send its Hello.
+    pub hello_timeout: Duration,
+    /// How long a session's control stream may stay silent (the agent pings well within it).
+    pub control_idle_timeout: Duration,
+    /// Data streams one connection may have being read, decoded or awaiting commit.
+    pub blocks_in_flight_max: u32,
+    /// Handshakes in progress at or above which a new, unvalidated client address gets a QUIC
+    /// Retry; 0 sends every new address one.
+    pub retry_above_handshakes: u32,
+}
+
+impl Default for ConnectionQuotas {
+    fn default() -> Self {
+        ConnectionQuotas {
+            connections_per_device_max: 1,
+            hello_timeout: Duration::from_secs(10),
+            control_idle_timeout: Duration::from_secs(30),
+            blocks_in_flight_max: 32,
+            retry_above_handshakes: 64,
+        }
+    }
 }
 
 /// Bounds on the hub state one device can create (`ingest.*_per_device_max`,
@@ -437,6 +470,11 @@ pub struct RawIngest {
     pub epochs_per_device_max: Option<u64>,
     pub lanes_per_device_max: Option<u64>,
     pub columns_per_stream_max: Option<u64>,
+    pub connections_per_device_max: Option<u64>,
+    pub hello_timeout: Option<String>,
+    pub control_idle_timeout: Option<String>,
+    pub blocks_in_flight_max: Option<u64>,
+    pub retry_above_handshakes: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -928,7 +966,73 @@ fn parse_ingest(raw: &RawIngest) -> Result<IngestConfig, ConfigError> {
         block_decoded_bytes_max,
         streams_per_connection_max,
         state: parse_state_quotas(raw)?,
+        conn: parse_connection_quotas(raw)?,
     })
+}
+
+/// The per-connection bounds of `[ingest]`.
+fn parse_connection_quotas(raw: &RawIngest) -> Result<ConnectionQuotas, ConfigError> {
+    let d = ConnectionQuotas::default();
+    let count = |key: &str, v: Option<u64>, default: u32, max: u32| -> Result<u32, ConfigError> {
+        match v {
+            None => Ok(default),
+            Some(n) => u32::try_from(n)
+                .ok()
+                .filter(|&n| (1..=max).contains(&n))
+                .ok_or_else(|| ConfigError::key(key, format!("must be between 1 and {max}"))),
+        }
+    };
+    let deadline =
+        |key: &str, v: Option<&str>, default: Duration| -> Result<Duration, ConfigError> {
+            let t = v.map_or(Ok(default), |s| parse_duration(key, s))?;
+            if !(Duration::from_millis(100)..=Duration::from_secs(3600)).contains(&t) {
+                return Err(ConfigError::key(key, "must be between 100ms and 1h"));
+            }
+            Ok(t)
+        };
+    let raw_idle = raw.control_idle_timeout.as_deref();
+    let q = ConnectionQuotas {
+        connections_per_device_max: count(
+            "ingest.connections_per_device_max",
+            raw.connections_per_device_max,
+            d.connections_per_device_max,
+            1024,
+        )?,
+        hello_timeout: deadline(
+            "ingest.hello_timeout",
+            raw.hello_timeout.as_deref(),
+            d.hello_timeout,
+        )?,
+        control_idle_timeout: deadline(
+            "ingest.control_idle_timeout",
+            raw_idle,
+            d.control_idle_timeout,
+        )?,
+        blocks_in_flight_max: count(
+            "ingest.blocks_in_flight_max",
+            raw.blocks_in_flight_max,
+            d.blocks_in_flight_max,
+            4096,
+        )?,
+        // 0 validates every new client address.
+        retry_above_handshakes: match raw.retry_above_handshakes {
+            None => d.retry_above_handshakes,
+            Some(n) => u32::try_from(n).map_err(|_| {
+                ConfigError::key(
+                    "ingest.retry_above_handshakes",
+                    "must be at most 4294967295",
+                )
+            })?,
+        },
+    };
+    // The agent pings every 10 s; an idle deadline near that would cut honest sessions.
+    if q.control_idle_timeout < Duration::from_secs(15) {
+        return Err(ConfigError::key(
+            "ingest.control_idle_timeout",
+            "must be at least 15s (the agent pings every 10s)",
+        ));
+    }
+    Ok(q)
 }
 
 /// The per-device state quotas of `[ingest]`; each must be at least 1.
@@ -1657,5 +1761,46 @@ mod tests {
             "metrics.device_series_max"
         );
         assert!(HubConfig::from_toml("data_dir = \"/d\"\n[metrics]\nseries = 1").is_err());
+    }
+
+    #[test]
+    fn connection_bounds_parse_and_name_their_key() {
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[ingest]\nconnections_per_device_max = 2\nhello_timeout = \"5s\"\n\
+             control_idle_timeout = \"45s\"\nblocks_in_flight_max = 8\nretry_above_handshakes = 0",
+        )
+        .unwrap();
+        let want = ConnectionQuotas {
+            connections_per_device_max: 2,
+            hello_timeout: Duration::from_secs(5),
+            control_idle_timeout: Duration::from_secs(45),
+            blocks_in_flight_max: 8,
+            retry_above_handshakes: 0,
+        };
+        assert_eq!(c.ingest.conn, want);
+        let d = HubConfig::from_toml("data_dir = \"/d\"")
+            .unwrap()
+            .ingest
+            .conn;
+        assert_eq!(d, ConnectionQuotas::default());
+        assert_eq!(d.connections_per_device_max, 1);
+        let bad = |line: &str| problem_key(&format!("data_dir = \"/d\"\n[ingest]\n{line}"));
+        let cases = [
+            (
+                "connections_per_device_max = 0",
+                "ingest.connections_per_device_max",
+            ),
+            ("hello_timeout = \"10\"", "ingest.hello_timeout"),
+            ("hello_timeout = \"1ms\"", "ingest.hello_timeout"),
+            (
+                "control_idle_timeout = \"5s\"",
+                "ingest.control_idle_timeout",
+            ),
+            ("blocks_in_flight_max = 0", "ingest.blocks_in_flight_max"),
+            ("blocks_in_flight_max = 5000", "ingest.blocks_in_flight_max"),
+        ];
+        for (line, key) in cases {
+            assert_eq!(bad(line), key, "{line}");
+        }
     }
 }

@@ -1110,6 +1110,20 @@ impl Hub {
         stream: &str,
         vb: VerifiedBlock,
     ) -> Result<PendingCommit, IngestError> {
+        self.submit_verified_charged(device, stream, vb, None).await
+    }
+
+    /// As [`Hub::submit_verified`], with the share of the ingest budget the caller already
+    /// holds for this block (the QUIC driver's decode charge). It is kept until the block is
+    /// durable when it covers the block's cost, so the block is never charged twice and a
+    /// driver never waits for memory while holding it.
+    pub async fn submit_verified_charged(
+        &self,
+        device: &str,
+        stream: &str,
+        vb: VerifiedBlock,
+        held: Option<OwnedSemaphorePermit>,
+    ) -> Result<PendingCommit, IngestError> {
         let result = async {
             self.admit(device, stream)?;
             let first = vb.header.first_seq.max(vb.skip_through.saturating_add(1));
@@ -1129,7 +1143,13 @@ impl Hub {
             // The records are built already: charge what they take, not what the body says.
             let records = sync::decoded::records_bytes(&vb.records);
             let cost = vb.block.len() as u64 + records;
-            let permit = self.reserve(cost).await?;
+            let permit = match held {
+                Some(p) if p.num_permits() >= self.permits_for(cost) as usize => p,
+                other => {
+                    drop(other);
+                    self.reserve(cost).await?
+                }
+            };
             let untrimmed = first == vb.header.first_seq;
             let decoded = Decoded {
                 epoch: vb.header.epoch,
@@ -1305,7 +1325,7 @@ impl Hub {
     }
 
     /// Reserves `bytes` of the ingest budget, waiting while it is spent.
-    async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
+    pub(crate) async fn reserve(&self, bytes: u64) -> Result<OwnedSemaphorePermit, IngestError> {
         let permits = self.permits_for(bytes);
         self.memory
             .clone()
@@ -1346,7 +1366,7 @@ impl Hub {
     }
 
     /// Permits covering `bytes`, at least one and at most the whole budget.
-    fn permits_for(&self, bytes: u64) -> u32 {
+    pub(crate) fn permits_for(&self, bytes: u64) -> u32 {
         bytes
             .div_ceil(MEMORY_PERMIT_BYTES)
             .clamp(1, u64::from(self.memory_permits)) as u32

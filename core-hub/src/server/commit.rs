@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
+use sync::block::BlockHeader;
 use sync::protocol::{CommitItem, ErrorCode, Receiver};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 
 use super::ConnCtx;
 use crate::ingest::{IngestError, VerifiedBlock};
@@ -14,6 +15,38 @@ use crate::wal::CommitError;
 /// How long a closing session waits for the commits it already handed to the WAL, so that
 /// nothing of it becomes durable after the device saw the session end.
 const SETTLE_ON_CLOSE: Duration = Duration::from_secs(1);
+
+/// The ingest-budget charge of a block the receiver was just handed, kept for that block's
+/// commit so the block is never charged twice and never waits for memory in between.
+pub(super) struct Charged {
+    stream: String,
+    epoch: u64,
+    first_seq: u64,
+    permit: OwnedSemaphorePermit,
+}
+
+impl Charged {
+    pub(super) fn new(stream: &str, header: &BlockHeader, permit: OwnedSemaphorePermit) -> Self {
+        Charged {
+            stream: stream.to_owned(),
+            epoch: header.epoch,
+            first_seq: header.first_seq,
+            permit,
+        }
+    }
+
+    /// The charge, if it is the one of this block.
+    fn take_for(
+        slot: &mut Option<Charged>,
+        stream: &str,
+        h: &BlockHeader,
+    ) -> Option<OwnedSemaphorePermit> {
+        let ours = slot.as_ref().is_some_and(|c| {
+            c.stream == stream && c.epoch == h.epoch && c.first_seq == h.first_seq
+        });
+        ours.then(|| slot.take().map(|c| c.permit)).flatten()
+    }
+}
 
 /// What a commit task reports back to its connection loop.
 pub(super) enum Done {
@@ -34,6 +67,7 @@ pub(super) async fn commit(
     epoch: u64,
     item: CommitItem,
     done: &mpsc::UnboundedSender<Done>,
+    charged: &mut Option<Charged>,
 ) {
     let done = done.clone();
     match item {
@@ -44,6 +78,7 @@ pub(super) async fn commit(
             records,
             checksum,
         } => {
+            let held = Charged::take_for(charged, &stream, &header);
             let vb = VerifiedBlock {
                 header,
                 block,
@@ -51,7 +86,11 @@ pub(super) async fn commit(
                 records,
                 checksum: Some(checksum.checksum),
             };
-            match ctx.hub.submit_verified(device, &stream, vb).await {
+            match ctx
+                .hub
+                .submit_verified_charged(device, &stream, vb, held)
+                .await
+            {
                 Ok(pending) => {
                     tokio::spawn(async move {
                         let msg = match pending.wait().await {

@@ -9,7 +9,7 @@ use sync::protocol::{
 use tokio::sync::mpsc;
 
 use super::ConnCtx;
-use super::commit::{Done, commit, error_code};
+use super::commit::{Charged, Done, commit, error_code};
 use crate::ingest::{BacklogReport, Hub};
 
 /// Acts on one receiver event. Returns the code and message to close with when the session
@@ -21,6 +21,7 @@ pub(super) async fn handle_event(
     ev: ReceiverEvent,
     done: &mpsc::UnboundedSender<Done>,
     announced: Option<&Announced>,
+    charged: &mut Option<Charged>,
 ) -> Option<(ErrorCode, String)> {
     match ev {
         ReceiverEvent::NeedMarks {
@@ -56,7 +57,7 @@ pub(super) async fn handle_event(
             stream,
             epoch,
             item,
-        } => commit(ctx, device, stream, epoch, item, done).await,
+        } => commit(ctx, device, stream, epoch, item, done, charged).await,
         ReceiverEvent::Backlog { entries, .. } => record_backlog(ctx, device, &entries, announced),
         ReceiverEvent::Fenced {
             stream,

@@ -14,17 +14,19 @@
 //!
 //! Decoding a block and hashing its records is most of the hub's CPU per block (a 32,768-record
 //! catch-up block costs tens of milliseconds). Each data stream's task therefore verifies,
-//! decodes and hashes its Block frame on the blocking pool ([`DecodedBlock::decode`], into
+//! decodes and hashes its Block frame on the blocking pool (`DecodedBlock::from_sized`, into
 //! record buffers reused from [`crate::ingest::RecordPool`]) and the connection task only runs
-//! the receiver's bookkeeping ([`Receiver::handle_decoded_block`]). Up to [`DECODE_AHEAD`] data
+//! the receiver's bookkeeping (`Receiver::handle_decoded_block`). Up to [`DECODE_AHEAD`] data
 //! streams per connection are read and decoded at once, and their results are fed to the
 //! receiver in the order the streams were opened, which is the order the agent sent them, so
 //! blocks reach the receiver in seq order and never wait decoded in its reorder buffer.
-//! A decoded block holds its [`crate::ingest::block_cost`] of the ingest budget (its body and
-//! its records' exact decoded size, computed before they are built) until the receiver took
-//! it; when the budget cannot cover it at once, the frame goes to the receiver undecoded (it
-//! decodes it itself, within the same decode limits), so decoding ahead never waits for memory
-//! and cannot deadlock with commits waiting for it. A block whose records would exceed
+//! A data stream's announced length is charged to the ingest budget before its body is read,
+//! and its [`crate::ingest::block_cost`] (its body and its records' exact decoded size,
+//! computed before they are built) before it is decoded; when the budget is spent the stream
+//! waits (QUIC flow control stalls the device) and nothing is decoded outside it. The charge
+//! goes with the block into its WAL submission and is released once the block is durable, so
+//! a connection never waits for memory while holding some (`data` has the order of charges
+//! that keeps connections from deadlocking). A block whose records would exceed
 //! `ingest.block_decoded_bytes_max` closes the session with `DECODED_TOO_LARGE`.
 //!
 //! # Memory per connection
@@ -37,7 +39,10 @@
 //! The hub's memory is therefore `ingest.memory_bytes_max` plus a fixed overhead (runtime,
 //! SQLite, WAL writer) for any number of devices. Idle connections hold no receive buffers
 //! (quinn allocates them as data arrives, and the control stream is read chunk by chunk), so
-//! the flow-control windows bound only what an active connection has in flight.
+//! the flow-control windows bound only what an active connection has in flight; those bytes,
+//! at most one receive window per connection, are the part the budget does not cover
+//! (docs/security.md, "Devices: connections"). Per-device slots, deadlines and blocks in
+//! flight are in `admission` and `session`.
 //!
 //! # Refused streams
 //!
@@ -71,7 +76,7 @@ use std::time::{Duration, Instant as StdInstant};
 use sync::protocol::{ErrorCode, Instant, ReceiverConfig};
 use tokio::sync::{Semaphore, watch};
 
-use crate::config::HubConfig;
+use crate::config::{ConnectionQuotas, HubConfig};
 use crate::ingest::Hub;
 use crate::pki::{self, SharedRevocations};
 
@@ -144,6 +149,12 @@ pub enum Mutation {
     /// The Error frame of a closed session goes out before its commits settled.
     #[cfg(feature = "fault-injection")]
     CloseBeforeSettle,
+    /// A device's new connection never supersedes its old ones (no per-device limit).
+    #[cfg(feature = "fault-injection")]
+    NoSupersede,
+    /// Data streams are read and decoded without charging the ingest budget.
+    #[cfg(feature = "fault-injection")]
+    UnchargedReads,
 }
 
 /// Binds the QUIC listener and serves devices until `shutdown` flips to true.
@@ -163,7 +174,7 @@ pub async fn start_with_mutation(
     shutdown: watch::Receiver<bool>,
     mutation: Mutation,
 ) -> Result<(Server, tokio::task::JoinHandle<()>), ServeError> {
-    tracing::error!(?mutation, "TEST-ONLY MUTATION: a revocation guard is off");
+    tracing::error!(?mutation, "TEST-ONLY MUTATION: a server guard is off");
     start_mutated(cfg, hub, shutdown, mutation).await
 }
 
@@ -188,7 +199,12 @@ async fn start_mutated(
         .map_err(|e| ServeError::Quic(e.to_string()))?;
     let receiver_cfg = receiver_config(cfg);
     let mut server_cfg = quinn::ServerConfig::with_crypto(Arc::new(quic_tls));
-    server_cfg.transport_config(Arc::new(transport_config(receiver_cfg.window_bytes)));
+    let mut transport = transport_config(receiver_cfg.window_bytes);
+    // Past this many data streams, the device waits for stream credit instead of the hub
+    // buffering its blocks (the session loop stops taking streams at the same bound).
+    let blocks_max = cfg.ingest.conn.blocks_in_flight_max;
+    transport.max_concurrent_uni_streams(quinn::VarInt::from_u32(blocks_max));
+    server_cfg.transport_config(Arc::new(transport));
     let socket = udp_socket(cfg.listen.quic)?;
     let runtime =
         quinn::default_runtime().ok_or_else(|| ServeError::Quic("no async runtime".into()))?;
@@ -220,25 +236,38 @@ async fn start_mutated(
         revoke_tx,
     ));
     let ep = endpoint.clone();
+    let data = Arc::new(data::DataCtx {
+        frame_max: receiver_cfg.frame_bytes_max as usize + 16,
+        cfg: receiver_cfg.clone(),
+        hub: hub.clone(),
+        idle: cfg.ingest.conn.control_idle_timeout,
+        uncharged: mutation.uncharged_reads(),
+    });
+    let shared = ConnCtx {
+        hub: hub.clone(),
+        revocations: revocations.clone(),
+        revoke_rx: revoke_rx.clone(),
+        receiver_cfg: receiver_cfg.clone(),
+        connections: connections.clone(),
+        slots: admission::DeviceSlots::new(cfg.ingest.conn.connections_per_device_max),
+        quotas: cfg.ingest.conn,
+        data,
+        clock: StdInstant::now(),
+        mutation,
+    };
     let task = tokio::spawn(async move {
-        let clock = StdInstant::now();
         loop {
             let incoming = tokio::select! {
                 i = ep.accept() => i,
                 _ = shutdown.changed() => None,
             };
             let Some(incoming) = incoming else { break };
-            let ctx = ConnCtx {
-                hub: hub.clone(),
-                revocations: revocations.clone(),
-                revoke_rx: revoke_rx.clone(),
-                receiver_cfg: receiver_cfg.clone(),
-                connections: connections.clone(),
-                clock,
-                mutation,
+            let Some(handshake) = admission::validate_or_retry(&shared, incoming) else {
+                continue;
             };
+            let ctx = shared.clone();
             tokio::spawn(async move {
-                if let Err(e) = session::connection(ctx, incoming).await {
+                if let Err(e) = session::connection(ctx, handshake).await {
                     tracing::info!(error = %e, "device connection ended");
                 }
             });
@@ -260,6 +289,7 @@ async fn start_mutated(
 
 fn receiver_config(cfg: &HubConfig) -> ReceiverConfig {
     let mut r = ReceiverConfig::default();
+    r.timeouts.idle = cfg.ingest.conn.control_idle_timeout;
     r.decode_limits.body_bytes_max = cfg.ingest.block_bytes_max;
     r.decode_limits.raw_bytes_max = cfg.ingest.block_raw_bytes_max;
     r.decode_limits.records_max = cfg.ingest.records_per_block_max;
@@ -290,6 +320,7 @@ fn udp_socket(addr: SocketAddr) -> Result<std::net::UdpSocket, ServeError> {
 }
 
 /// What every connection task shares with the accept loop.
+#[derive(Clone)]
 struct ConnCtx {
     hub: Arc<Hub>,
     revocations: Arc<SharedRevocations>,
@@ -297,8 +328,32 @@ struct ConnCtx {
     receiver_cfg: ReceiverConfig,
     /// One permit per connection the budget share allows.
     connections: Arc<Semaphore>,
+    /// Every device's live connections.
+    slots: Arc<admission::DeviceSlots>,
+    quotas: ConnectionQuotas,
+    /// What every data-stream task shares.
+    data: Arc<data::DataCtx>,
     clock: StdInstant,
     mutation: Mutation,
+}
+
+impl Mutation {
+    /// Whether a device's new connection supersedes its oldest at the limit.
+    fn supersedes(self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self == Mutation::NoSupersede {
+            return false;
+        }
+        true
+    }
+
+    fn uncharged_reads(self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self == Mutation::UnchargedReads {
+            return true;
+        }
+        false
+    }
 }
 
 impl ConnCtx {

@@ -1,5 +1,13 @@
 //! One device connection: admission, then the loop around the protocol's `Receiver`.
 //!
+//! Deadlines: a connection has `ingest.hello_timeout` from the end of its handshake to open
+//! its control stream and deliver a complete Hello, or it closes with `HELLO_TIMEOUT`; after
+//! that the receiver's idle timeout (`ingest.control_idle_timeout`) closes a silent session
+//! with `IDLE_TIMEOUT`, and each data stream's reads have the same progress deadline. At most
+//! `ingest.blocks_in_flight_max` data streams are taken per connection, counting those being
+//! read or decoded and the commits not yet durable; past it the loop stops accepting streams
+//! and quinn's stream limit (the same number) makes the device wait for credit.
+//!
 //! The loop is the driver the sans-IO receiver asks for: it flushes the receiver's transmits,
 //! acts on its events, then waits for the next input (a control chunk, a data stream, a
 //! decoded block, a commit outcome, a tiering or revocation signal, or the receiver's timer)
@@ -13,35 +21,76 @@ use sync::protocol::{ErrorCode, FrameBuffer, Receiver, ReceiverEvent};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
-use super::ConnCtx;
-use super::admission::{admit_connection, peer_device};
-use super::commit::{Done, error_code, push_tiered, settle};
-use super::data::{DECODE_AHEAD, Data, next_data, read_data};
+use super::admission::{DeviceSlot, Handshake, admit_connection, peer_device};
+use super::commit::{Charged, Done, error_code, push_tiered, settle};
+use super::data::{DECODE_AHEAD, Data, Turn, next_data, read_data};
 use super::events::{Announced, announced_last_seqs, handle_event};
+use super::{ConnCtx, ConnStats};
 
 /// Runs one connection from its handshake to its end.
-pub(super) async fn connection(ctx: ConnCtx, incoming: quinn::Incoming) -> Result<(), String> {
-    let conn = incoming.await.map_err(|e| format!("handshake: {e}"))?;
+pub(super) async fn connection(ctx: ConnCtx, handshake: Handshake) -> Result<(), String> {
+    let conn = handshake
+        .incoming
+        .await
+        .map_err(|e| format!("handshake: {e}"));
+    drop(handshake.guard);
+    let conn = conn?;
+    let hello_by = tokio::time::Instant::now() + ctx.quotas.hello_timeout;
     let (device, leaf) = peer_device(&conn)?;
-    let _charge = match admit_connection(&ctx).await {
+    let (slot, superseded) = ctx.slots.claim(&device, ctx.mutation.supersedes());
+    if superseded > 0 {
+        tracing::info!(%device, superseded, "a new connection supersedes the device's oldest");
+    }
+    let _charge = match admit_connection(&ctx, superseded > 0).await {
         Ok(c) => c,
         Err(msg) => {
             tracing::warn!(%device, reason = %msg, "refusing a connection");
+            ConnStats::bump(&ctx.hub.stats().connections.refused);
             close_with(&conn, ErrorCode::LimitExceeded, &msg);
             return Ok(());
         }
     };
-    let (mut ctl_tx, ctl_rx) = conn
-        .accept_bi()
-        .await
-        .map_err(|e| format!("{device}: control stream: {e}"))?;
+    let Some((mut ctl_tx, ctl_rx)) = control_stream(&ctx, &conn, &device, &slot, hello_by).await?
+    else {
+        return Ok(());
+    };
     if let Some((code, msg)) = gate(&ctx, &device, &leaf) {
         refuse(&conn, &mut ctl_tx, code, &msg).await;
         return Ok(());
     }
     tracing::info!(%device, remote = %conn.remote_address(), "device connected");
-    let session = Session::new(ctx, conn, device, leaf, ctl_tx, ctl_rx);
+    let session = Session::new(ctx, conn, (device, leaf), (ctl_tx, ctl_rx), slot, hello_by);
     session.run().await
+}
+
+/// Waits for the control stream, until the Hello deadline or until a newer connection of the
+/// device supersedes this one (both close the connection with their code: `None`).
+async fn control_stream(
+    ctx: &ConnCtx,
+    conn: &quinn::Connection,
+    device: &str,
+    slot: &DeviceSlot,
+    hello_by: tokio::time::Instant,
+) -> Result<Option<(quinn::SendStream, quinn::RecvStream)>, String> {
+    let stats = &ctx.hub.stats().connections;
+    tokio::select! {
+        bi = conn.accept_bi() => match bi {
+            Ok(streams) => Ok(Some(streams)),
+            Err(e) => Err(format!("{device}: control stream: {e}")),
+        },
+        _ = tokio::time::sleep_until(hello_by) => {
+            tracing::warn!(%device, "no control stream within ingest.hello_timeout; closing");
+            ConnStats::bump(&stats.hello_timeouts);
+            close_with(conn, ErrorCode::HelloTimeout, "no control stream within the Hello deadline");
+            Ok(None)
+        }
+        _ = slot.superseded.notified() => {
+            tracing::info!(%device, "superseded before its session started; closing");
+            ConnStats::bump(&stats.superseded);
+            close_with(conn, ErrorCode::Superseded, "a newer connection of this device took its place");
+            Ok(None)
+        }
+    }
 }
 
 /// Why a device may not start a session now, checked once its control stream is open.
@@ -76,6 +125,8 @@ enum Input {
     Done(Done),
     Tiered,
     RevocationsChanged,
+    Superseded,
+    HelloTimeout,
     Timer,
     Closed(quinn::ConnectionError),
 }
@@ -96,8 +147,6 @@ struct Session {
     ahead: VecDeque<JoinHandle<Data>>,
     /// Replays already counted with the hub's duplicates.
     replays: u64,
-    /// The largest data stream read, in bytes.
-    frame_max: usize,
     /// Tiering moves tiered_seq long after the last ack of new data; an idle agent hears of it
     /// only through this signal, so it can free what tier 2 now holds.
     tiered_rx: watch::Receiver<u64>,
@@ -107,23 +156,30 @@ struct Session {
     announced: Option<Announced>,
     /// Commits handed to the WAL whose outcome has not come back on `done_rx`.
     in_flight: usize,
+    /// The charge of the block last handed to the receiver, for its commit.
+    charged: Option<Charged>,
+    /// The newest data stream's charge turn: the next stream charges after it.
+    turn: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// Whether the loop is holding data streams back at `ingest.blocks_in_flight_max`.
+    limited: bool,
+    /// This connection's place among its device's connections.
+    slot: DeviceSlot,
+    /// When the Hello must have arrived.
+    hello_by: tokio::time::Instant,
 }
 
 impl Session {
     fn new(
         ctx: ConnCtx,
         conn: quinn::Connection,
-        device: String,
-        leaf: CertificateDer<'static>,
-        ctl_tx: quinn::SendStream,
-        ctl_rx: quinn::RecvStream,
+        (device, leaf): (String, CertificateDer<'static>),
+        (ctl_tx, ctl_rx): (quinn::SendStream, quinn::RecvStream),
+        slot: DeviceSlot,
+        hello_by: tokio::time::Instant,
     ) -> Session {
         let rx = Receiver::new(device.clone(), ctx.receiver_cfg.clone(), ctx.now());
         let frames = FrameBuffer::new(ctx.receiver_cfg.frame_bytes_max);
         let (done_tx, done_rx) = mpsc::unbounded_channel::<Done>();
-        // The control stream carries small frames (blocks come on their own streams); it is
-        // read chunk by chunk from quinn's own buffers, so an idle connection holds no buffer.
-        let frame_max = ctx.receiver_cfg.frame_bytes_max as usize + 16;
         let tiered_rx = ctx.hub.subscribe_tiered();
         Session {
             ctx,
@@ -138,10 +194,14 @@ impl Session {
             done_rx,
             ahead: VecDeque::with_capacity(DECODE_AHEAD),
             replays: 0,
-            frame_max,
             tiered_rx,
             announced: None,
             in_flight: 0,
+            charged: None,
+            turn: None,
+            limited: false,
+            slot,
+            hello_by,
         }
     }
 
@@ -156,6 +216,9 @@ impl Session {
                     return Ok(());
                 }
             }
+            // A block that produced no commit (a replay, or one the receiver holds for
+            // reordering, bounded by its window) gives its charge back now.
+            self.charged = None;
             if !progressed {
                 let input = self.next_input().await;
                 self.on_input(input)?;
@@ -195,15 +258,9 @@ impl Session {
     async fn on_event(&mut self, ev: ReceiverEvent) -> Option<(ErrorCode, String)> {
         self.in_flight += usize::from(matches!(ev, ReceiverEvent::Commit { .. }));
         let announced = self.announced.as_ref();
-        handle_event(
-            &self.ctx,
-            &self.device,
-            &mut self.rx,
-            ev,
-            &self.done_tx,
-            announced,
-        )
-        .await
+        let charged = &mut self.charged;
+        let (ctx, rx, done) = (&self.ctx, &mut self.rx, &self.done_tx);
+        handle_event(ctx, &self.device, rx, ev, done, announced, charged).await
     }
 
     /// Ends the session: its commits settle, then the Error frame the receiver queued with
@@ -219,9 +276,13 @@ impl Session {
         let _ = self.ctl_tx.finish();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ctl_tx.stopped()).await;
         close_with(&self.conn, code, &msg);
-        if code == ErrorCode::Revoked {
-            let closed = &self.ctx.hub.stats().revocation.sessions_closed;
-            closed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let stats = self.ctx.hub.stats();
+        match code {
+            ErrorCode::Revoked => ConnStats::bump(&stats.revocation.sessions_closed),
+            ErrorCode::Superseded => ConnStats::bump(&stats.connections.superseded),
+            ErrorCode::HelloTimeout => ConnStats::bump(&stats.connections.hello_timeouts),
+            ErrorCode::IdleTimeout => ConnStats::bump(&stats.connections.idle_timeouts),
+            _ => {}
         }
     }
 
@@ -232,14 +293,19 @@ impl Session {
             .rx
             .poll_timeout()
             .map(|t| tokio::time::Instant::now() + t.saturating_since(now));
-        let reading = self.ahead.len() < DECODE_AHEAD;
+        let reading = self.may_take_stream();
+        let awaiting_hello = self.announced.is_none();
         tokio::select! {
+            // The control stream carries small frames (blocks come on their own streams); it
+            // is read chunk by chunk from quinn's own buffers, so an idle one holds no buffer.
             read = self.ctl_rx.read_chunk(64 << 10, true) => Input::Control(read),
             uni = self.conn.accept_uni(), if reading => Input::DataStream(uni),
             data = next_data(&mut self.ahead) => Input::Data(data),
             Some(done) = self.done_rx.recv() => Input::Done(done),
             Ok(()) = self.tiered_rx.changed() => Input::Tiered,
             _ = self.ctx.revoke_rx.changed() => Input::RevocationsChanged,
+            _ = self.slot.superseded.notified() => Input::Superseded,
+            _ = tokio::time::sleep_until(self.hello_by), if awaiting_hello => Input::HelloTimeout,
             _ = sleep_until(deadline) => Input::Timer,
             reason = self.conn.closed() => Input::Closed(reason),
         }
@@ -254,18 +320,50 @@ impl Session {
             Input::Control(Err(e)) => return Err(format!("{device}: control stream: {e}")),
             Input::DataStream(s) => {
                 let s = s.map_err(|e| format!("{device}: {e}"))?;
-                let cfg = self.ctx.receiver_cfg.clone();
-                let read = read_data(s, self.frame_max, cfg, self.ctx.hub.clone());
-                self.ahead.push_back(tokio::spawn(read));
+                self.take_stream(s);
             }
             Input::Data(data) => self.on_data(data),
             Input::Done(done) => self.on_done(done),
             Input::Tiered => push_tiered(&self.ctx, &self.device, &mut self.rx),
             Input::RevocationsChanged => self.check_revoked(),
+            Input::Superseded => {
+                let msg = "a newer connection of this device took its place";
+                tracing::info!(%device, "superseded by a newer connection; closing");
+                self.rx.close(self.ctx.now(), ErrorCode::Superseded, msg);
+            }
+            Input::HelloTimeout => {
+                let msg = "no Hello within the Hello deadline";
+                tracing::warn!(%device, "no Hello within ingest.hello_timeout; closing");
+                self.rx.close(self.ctx.now(), ErrorCode::HelloTimeout, msg);
+            }
             Input::Timer => self.rx.handle_timeout(self.ctx.now()),
             Input::Closed(reason) => return Err(format!("{device}: {reason}")),
         }
         Ok(())
+    }
+
+    /// Whether another data stream may be taken: fewer than [`DECODE_AHEAD`] being read, and
+    /// fewer than `ingest.blocks_in_flight_max` being read or awaiting their commit.
+    fn may_take_stream(&mut self) -> bool {
+        let max = self.ctx.quotas.blocks_in_flight_max as usize;
+        let in_flight = self.ahead.len() + self.in_flight;
+        let limited = in_flight >= max;
+        if limited && !self.limited {
+            ConnStats::bump(&self.ctx.hub.stats().connections.blocks_in_flight_limited);
+        }
+        self.limited = limited;
+        !limited && self.ahead.len() < DECODE_AHEAD
+    }
+
+    /// Starts reading a data stream on its own task, charging after the one before it.
+    fn take_stream(&mut self, s: quinn::RecvStream) {
+        let (next, this) = tokio::sync::oneshot::channel();
+        let turn = Turn {
+            prev: self.turn.replace(this),
+            next,
+        };
+        let read = read_data(s, self.ctx.data.clone(), turn);
+        self.ahead.push_back(tokio::spawn(read));
     }
 
     /// Feeds the complete frames of a control-stream chunk to the receiver.
@@ -295,10 +393,17 @@ impl Session {
     fn on_data(&mut self, data: Data) {
         let now = self.ctx.now();
         match data {
-            Data::Frame(bytes) => self.rx.handle_frame(now, &bytes),
-            Data::Decoded(stream, block, slot) => {
+            Data::Frame(bytes, charge) => {
+                self.rx.handle_frame(now, &bytes);
+                drop(charge);
+            }
+            Data::Decoded(stream, block, permit) => {
+                self.charged = Some(Charged::new(&stream, &block.header, permit));
                 self.rx.handle_decoded_block(now, stream, block);
-                drop(slot);
+            }
+            Data::Stalled => {
+                let msg = "a data stream made no progress within ingest.control_idle_timeout";
+                self.rx.close(now, ErrorCode::IdleTimeout, msg)
             }
             Data::BadBlock(code, msg) => self.rx.close(now, code, &msg),
             Data::TooLarge => {
