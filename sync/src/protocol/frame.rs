@@ -89,9 +89,8 @@ pub enum ErrorCode {
     /// `ingest.connections_per_device_max` per device and closes the oldest). The device
     /// reconnects with its usual backoff; its newest session is the one that carries on.
     Superseded,
-    /// The connection did not open its control stream and send its Hello within the hub's
-    /// `ingest.hello_timeout`, or its control stream made no progress for
-    /// `ingest.control_idle_timeout`.
+    /// The connection did not open its control stream and deliver a complete Hello within the
+    /// hub's `ingest.hello_timeout`.
     HelloTimeout,
     /// A per-device state quota (streams, epochs or lanes per device, columns per stream) would
     /// be exceeded: the hub created nothing for it. The message names the stream between
