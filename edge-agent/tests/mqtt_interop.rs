@@ -475,3 +475,99 @@ fn healthz_is_ready_only_once_subscriptions_are_granted() {
     let _ = child.kill();
     let _ = child.wait();
 }
+
+/// Publishes each `(topic, payload)` at QoS 1 and waits for the broker's PUBACKs.
+fn publish_payloads(port: u16, messages: &[(&str, &str)]) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut opts = MqttOptions::new("payload-publisher", "127.0.0.1", port);
+        opts.set_clean_session(true);
+        let (client, mut eventloop) = AsyncClient::new(opts, 64);
+        for (topic, payload) in messages {
+            client
+                .publish(*topic, QoS::AtLeastOnce, false, payload.to_string())
+                .await
+                .unwrap();
+        }
+        let mut acked = 0;
+        while acked < messages.len() {
+            match eventloop.poll().await {
+                Ok(Event::Incoming(Packet::PubAck(_))) => acked += 1,
+                Ok(_) => {}
+                Err(e) => panic!("publisher connection failed: {e}"),
+            }
+        }
+    });
+}
+
+/// Producers cannot steer the hub's republish through a payload's `_topic`, nor exceed
+/// `ingest.fields_per_record_max`: such messages are counted as bad payloads, logged, acked and
+/// not stored, and the next message flows with the `_topic` the agent itself sets.
+#[test]
+fn payloads_with_reserved_fields_or_too_many_fields_are_refused_and_the_stream_flows() {
+    let broker = Broker::start();
+    let setup = Setup::new("fsync = \"always\"");
+    let config = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(
+        &setup.config,
+        format!(
+            "{config}[ingest]\nfields_per_record_max = 3\n[[sources]]\nkind = \"mqtt\"\n\
+             url = \"mqtt://127.0.0.1:{}\"\ntopics = [\"sensors/#\"]\nstream = \"telemetry\"\n\
+             format = \"json\"\n",
+            broker.port
+        ),
+    )
+    .unwrap();
+    let mut agent = setup.start();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !healthz(&setup).is_some_and(|(code, _)| code == 200) {
+        assert!(Instant::now() < deadline, "the agent never became ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    publish_payloads(
+        broker.port,
+        &[
+            (
+                "sensors/a",
+                r#"{"v":1,"_topic":"plant/line1/valve7/cmd/open"}"#,
+            ),
+            ("sensors/a", r#"{"a":1,"b":{"c":2,"d":{"e":3}},"f":4}"#),
+            ("sensors/a", r#"{"v":2,"n":{"x":1,"y":2}}"#),
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while durable_seq(&setup) < 1 {
+        assert!(Instant::now() < deadline, "the valid message never arrived");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let metrics = rt.block_on(setup.client().get("/metrics")).unwrap().text();
+    let log = agent.log_text();
+    agent.terminate();
+    let bad = metrics
+        .lines()
+        .find(|l| l.starts_with("tributary_edge_mqtt_bad_payloads_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(bad, Some(2.0), "{metrics}");
+    assert!(log.contains("\"_topic\" is reserved"), "{log}");
+    assert!(log.contains("more than 3 fields"), "{log}");
+    let stored = setup.inspect();
+    assert_eq!(
+        stored.len(),
+        1,
+        "only the valid message is stored: {stored:?}"
+    );
+    let fields = &stored[0]["fields"];
+    assert_eq!(
+        fields["_topic"], "sensors/a",
+        "the agent sets the topic: {fields}"
+    );
+    assert_eq!(fields["n.y"], 2);
+}
