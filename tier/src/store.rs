@@ -6,8 +6,10 @@
 //! object's size and footer.
 //!
 //! Every put and delete is durable when it returns: S3 acknowledges only stored objects, and
-//! on a local directory the writes go through [`crate::durable`] (file fsync, rename, directory
-//! fsyncs up to the root) instead of `LocalFileSystem`'s unsynced put. The hub relies on it:
+//! on a local directory opened here the writes go through [`crate::durable`] (file fsync,
+//! rename, directory fsyncs up to the root) instead of `LocalFileSystem`'s unsynced put. A
+//! wrapped store ([`Tier2::from_store`]) is as durable as it makes itself: the hub wraps its own
+//! local store, which writes through the hub's storage trait with the same syncs. The hub relies on it:
 //! it commits a chunk, tells agents `tiered_seq` and evicts tier 1 only after the chunk's and
 //! its manifest's puts returned (`docs/tiering.md`, "Sync points").
 
