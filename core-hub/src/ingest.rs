@@ -463,6 +463,8 @@ pub struct Hub {
     tier_stats: std::sync::OnceLock<Arc<crate::tiering::TierStats>>,
     /// This hub's tier-1 quarantine (what its readers skip) and scrub counters.
     tier1_scrub: crate::scrub::Tier1Scrub,
+    /// Start-up readiness (`/healthz`): not ready while `core-hub run` opens tier 2.
+    startup: crate::status::Startup,
     /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
     _lock: std::fs::File,
 }
@@ -786,8 +788,14 @@ impl Hub {
             tier_stats: std::sync::OnceLock::new(),
             streams: streams_mgr,
             tier1_scrub,
+            startup: crate::status::Startup::default(),
             _lock: lock,
         }))
+    }
+
+    /// Start-up readiness, which `/healthz` reports first ([`Hub::health`]).
+    pub fn startup(&self) -> &crate::status::Startup {
+        &self.startup
     }
 
     /// This hub's tier-1 quarantine and scrub counters (never shared with another hub).
@@ -1685,6 +1693,9 @@ impl Hub {
     /// Why tier 1 cannot take writes right now, for `/healthz`: a poisoned log (until a
     /// restart) or a full disk (until space is free again; the message names the path).
     pub fn health(&self) -> Result<(), String> {
+        if let Some(why) = self.startup.why_not_ready() {
+            return Err(format!("starting: {why}"));
+        }
         let stats = self.wal.stats();
         if stats.poisoned.load(Ordering::Relaxed) {
             return Err("tier-1 log poisoned after a storage failure; restart the hub".into());

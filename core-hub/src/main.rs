@@ -389,15 +389,16 @@ async fn serve(hub: Arc<Hub>, cfg: &HubConfig) -> Result<()> {
         }
         None => Vec::new(),
     };
-    // Tier 2: the uploader, eviction and the tier-1 budget (pushback).
-    let tiering = core_hub::tiering::Tiering::open(
-        hub.clone(),
-        cfg,
-        core_hub::tiering::faults::hook_from_env(),
-    )
-    .await
-    .context("opening tier 2")?;
-    tracing::info!(url = %cfg.tier2.url, "tiering to tier 2");
+    // Tier 2: the uploader, eviction and the tier-1 budget (pushback). `/healthz` says not
+    // ready until it is open; a transient failure is retried, a misconfiguration ends here.
+    let tiering = tokio::select! {
+        t = core_hub::status::open_tiering(&hub, cfg) => t.context("opening tier 2 (a configuration error: fix [tier2] and restart)")?,
+        () = shutdown_signal() => {
+            tracing::info!("shut down while opening tier 2");
+            let _ = stop_tx.send(true);
+            return Ok(());
+        }
+    };
     // Agents learn new tiered_seq marks even when idle (issue 7): connections push them.
     let _tier_follow = hub.follow_tiering(tiering.subscribe_tiered());
     hub.set_tier_stats(tiering.stats().clone());

@@ -149,6 +149,7 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
         "Times tier-1 writes resumed after a full disk.",
         load(&w.disk_full_resumed),
     );
+    hub.startup().render_metrics(&mut out);
     gauge(
         &mut out,
         "tributary_hub_wal_fd_exhausted",

@@ -20,6 +20,7 @@ use rusqlite::params;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::fmt::Write;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 /// Ingest rates of one stream, from the block index.
@@ -406,4 +407,148 @@ mod tests {
         assert_eq!(ago(10_000_000_000, Some(7_000_000_000)), "3.0 s ago");
         assert_eq!(ago(1, None), "never");
     }
+}
+
+/// Where the hub's start-up is: `/healthz` says not ready, with the reason, until tier 2 is
+/// open (`core-hub run` opens it with retries, see `main.rs`). A hub opened as a library
+/// (tests, tools) is ready from the start.
+#[derive(Debug, Default)]
+pub struct Startup {
+    not_ready: std::sync::RwLock<Option<String>>,
+    tier2_open_failures: std::sync::atomic::AtomicU64,
+}
+
+impl Startup {
+    /// Not ready, for `why` (shown by `/healthz`).
+    pub fn not_ready(&self, why: String) {
+        *self.not_ready.write().expect("startup lock") = Some(why);
+    }
+
+    /// A transient failure to open tier 2: counted, and shown by `/healthz` as `why`.
+    pub fn tier2_open_failed(&self, why: String) {
+        self.tier2_open_failures
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.not_ready(why);
+    }
+
+    /// Start-up is over.
+    pub fn ready(&self) {
+        *self.not_ready.write().expect("startup lock") = None;
+    }
+
+    /// Why the hub is not ready yet, `None` once it is.
+    pub fn why_not_ready(&self) -> Option<String> {
+        self.not_ready.read().expect("startup lock").clone()
+    }
+
+    /// `tributary_hub_ready` and `tributary_hub_tier2_open_failures_total`.
+    pub fn render_metrics(&self, out: &mut String) {
+        let ready = u64::from(self.why_not_ready().is_none());
+        let failures = self
+            .tier2_open_failures
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let _ = write!(
+            out,
+            "# HELP tributary_hub_ready 1 once start-up is over (tier 2 open); /healthz says why not.\n\
+             # TYPE tributary_hub_ready gauge\ntributary_hub_ready {ready}\n\
+             # HELP tributary_hub_tier2_open_failures_total Start-up attempts to open tier 2 that failed and were retried.\n\
+             # TYPE tributary_hub_tier2_open_failures_total counter\n\
+             tributary_hub_tier2_open_failures_total {failures}\n"
+        );
+    }
+}
+
+/// First wait after a failed attempt to open tier 2 at start-up; it doubles per failure.
+pub const TIER2_OPEN_BACKOFF_INITIAL: Duration = Duration::from_millis(250);
+/// Longest wait between two attempts to open tier 2.
+pub const TIER2_OPEN_BACKOFF_MAX: Duration = Duration::from_secs(10);
+
+/// Opens tier 2 for `core-hub run`, retrying what may clear by itself (out of descriptors, a
+/// catalog or disk error, an S3 endpoint not up yet: the bucket is listed once, so an
+/// unreachable store shows here and not at the first upload) with backoff. Each failure is
+/// logged with its reason, counted and shown by `/healthz` until an attempt succeeds; then
+/// the hub is ready. A misconfiguration (a bad `tier2.url`, missing or malformed
+/// credentials, a tier-2 directory the hub may not create) is returned at once.
+pub async fn open_tiering(
+    hub: &Arc<Hub>,
+    cfg: &crate::HubConfig,
+) -> Result<Arc<crate::tiering::Tiering>, crate::tiering::TierOpenError> {
+    let faults = crate::tiering::faults::hook_from_env();
+    let mut backoff = TIER2_OPEN_BACKOFF_INITIAL;
+    hub.startup().not_ready("opening tier 2".into());
+    for attempt in 1u64.. {
+        let why = match probe_store(&cfg.tier2).await {
+            Ok(()) => match crate::tiering::Tiering::open(hub.clone(), cfg, faults.clone()).await {
+                Ok(t) => {
+                    hub.startup().ready();
+                    tracing::info!(url = %cfg.tier2.url, attempt, "tiering to tier 2; the hub is ready");
+                    return Ok(t);
+                }
+                Err(e) if is_permanent(&e) => return Err(e),
+                Err(e) => e.to_string(),
+            },
+            Err(Probe::Permanent(e)) => return Err(e),
+            Err(Probe::Transient(why)) => why,
+        };
+        tracing::warn!(
+            url = %cfg.tier2.url, attempt, retry_in = ?backoff, error = %why,
+            "cannot open tier 2 yet; the hub is not ready and retries"
+        );
+        hub.startup().tier2_open_failed(format!(
+            "opening tier 2 ({}): attempt {attempt} failed, retrying in {backoff:?}: {why}",
+            cfg.tier2.url
+        ));
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(TIER2_OPEN_BACKOFF_MAX);
+    }
+    unreachable!("the attempts never run out")
+}
+
+enum Probe {
+    Permanent(crate::tiering::TierOpenError),
+    Transient(String),
+}
+
+/// For an S3 tier 2, one listing of the hub's own prefix: the endpoint answers and the
+/// credentials are accepted. A local directory is checked by `Tiering::open` itself.
+async fn probe_store(cfg: &crate::config::Tier2Config) -> Result<(), Probe> {
+    if cfg.url.starts_with("file://") {
+        return Ok(());
+    }
+    let store = crate::tiering::open_store(cfg).map_err(|e| {
+        if is_permanent(&e) {
+            Probe::Permanent(e)
+        } else {
+            Probe::Transient(e.to_string())
+        }
+    })?;
+    match store.list("_tributary/").await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(Probe::Transient(format!("tier 2 does not answer: {e}"))),
+    }
+}
+
+/// Whether a failure to open tier 2 is a misconfiguration that no retry fixes.
+fn is_permanent(e: &crate::tiering::TierOpenError) -> bool {
+    use crate::tiering::TierOpenError as E;
+    match e {
+        E::Config(_) => true,
+        E::Store(tier::OpenError::MissingCredential { .. } | tier::OpenError::Store { .. }) => true,
+        E::Store(_) | E::Catalog(_) => false,
+        E::LocalRoot { source, .. } | E::Io(source) => !is_transient_io(source),
+    }
+}
+
+/// IO errors that clear without the operator: descriptors, space, interrupted or timed-out
+/// calls, a device error that may pass. Anything else (permissions, a missing parent) is
+/// configuration.
+fn is_transient_io(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EAGAIN | libc::EIO)
+    ) || matches!(
+        e.kind(),
+        K::StorageFull | K::QuotaExceeded | K::Interrupted | K::TimedOut | K::WouldBlock
+    )
 }

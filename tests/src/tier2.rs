@@ -246,3 +246,37 @@ pub fn start_hub_with_env(spec: &HubSpec, pki: &Pki, env: &[(&str, &str)]) -> Re
 pub const TIER_FAULT_ENV: &str = "TRIBUTARY_TIER_FAULT";
 /// What the hub logs when it reads [`TIER_FAULT_ENV`].
 const TIER_FAULT_LINE: &str = "tiering fault injection is ON";
+
+/// Access key and secret of the S3 servers [`spawn_s3s_fs`] starts.
+pub const S3_KEYS: (&str, &str) = ("tributary", "tributary-secret");
+
+/// Starts `s3s-fs` (installed by `.ci/test`) on `127.0.0.1:port` over `root/data`, with the
+/// bucket `bucket` created, and waits until it accepts connections.
+pub fn spawn_s3s_fs(root: &Path, port: u16, bucket: &str) -> Result<Proc> {
+    let bin = std::env::var_os("PATH")
+        .into_iter()
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+        .chain(std::env::var_os("HOME").map(|h| Path::new(&h).join(".cargo/bin")))
+        .map(|d| d.join("s3s-fs"))
+        .find(|p| p.is_file())
+        .context(
+            "s3s-fs is not installed: cargo install s3s-fs@0.14.1 --features binary --locked",
+        )?;
+    let data = root.join("data");
+    std::fs::create_dir_all(data.join(bucket))?;
+    let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let mut proc = Proc::spawn(
+        ProcSpec::new(bin)
+            .name("s3s-fs")
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", S3_KEYS.0, "--secret-key", S3_KEYS.1])
+            .arg(data)
+            .log_dir(root.join("logs")),
+    )?;
+    wait_until(START_TIMEOUT, "s3s-fs to accept connections", || {
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok()
+            || !proc.is_running()
+    })?;
+    ensure!(proc.is_running(), "s3s-fs exited:\n{}", proc.log_tail(20));
+    Ok(proc)
+}
