@@ -504,3 +504,57 @@ async fn assert_dead_letters_api(hub: &Arc<Hub>, big: u64, denied: u64) {
     let _ = tx.send(());
     server.await.unwrap().unwrap();
 }
+
+/// Bridged records `first..=last` with honoured `_topic`s; `bad` carries a NUL in its topic.
+fn bridged_flow(first: u64, last: u64, bad: u64) -> Vec<Record> {
+    (first..=last)
+        .map(|seq| {
+            let topic = if seq == bad {
+                "sensors/dev1/nul\0".to_string()
+            } else {
+                format!("sensors/dev1/r{seq}")
+            };
+            rec("dev1/x", Some(&topic), None)
+        })
+        .collect()
+}
+
+/// The last line of defence: a record that passes the sink's checks (here because the topic
+/// check is switched off) but with which the broker closes the connection every time is
+/// dead-lettered as `broker_disconnected` after `SUSPECT_FAILURES` tries on its own, and the
+/// records after it flow in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_the_broker_keeps_dropping_the_connection_for_is_dead_lettered() {
+    let broker = Broker::start();
+    let dir = tempfile::tempdir().unwrap();
+    let hub = common::open(dir.path());
+    let (mut rx, _sub) = subscriber(broker.port, "drop-subscriber").await;
+    let bad = 6;
+    let block = encode_block(VERSION_ROWS, BRIDGED.1, 1, &bridged_flow(1, 10, bad)).unwrap();
+    hub.commit_block(DEVICE, BRIDGED.0, &block).await.unwrap();
+    let mut cfg = config(broker.port, |c| {
+        c.streams = Some(vec![BRIDGED.0.into()]);
+        c.topic_from_record = Some(vec![BRIDGED.0.into()]);
+    });
+    cfg.mutation = Mutation::SkipTopicCheck;
+    let sink = Sink::start(&hub, cfg);
+    let want: BTreeSet<_> = (1..=10)
+        .filter(|s| *s != bad)
+        .map(|s| (BRIDGED.1, s))
+        .collect();
+    let mut seen = Seen::default();
+    assert!(
+        collect(&mut rx, &mut seen, &want, DEADLINE).await,
+        "stalled"
+    );
+    assert!(checkpoint_reaches(&hub, BRIDGED.0, 10, DEADLINE).await);
+    sink.stop().await;
+    let order: Vec<u64> = seen.order.iter().map(|(_, s)| *s).collect();
+    assert_eq!(order, want.iter().map(|(_, s)| *s).collect::<Vec<_>>());
+    let dead: Vec<_> = republish::dead_letters(&hub, None, 10)
+        .into_iter()
+        .map(|d| (d.seq, d.reason))
+        .collect();
+    assert_eq!(dead, [(bad, Reason::BrokerDisconnected)]);
+    hub.shutdown();
+}

@@ -242,7 +242,8 @@ mod tests {
 
     #[test]
     fn config_problems_name_their_key() {
-        let cases: [(fn(&mut RawRepublish), &str); 8] = [
+        type Edit = fn(&mut RawRepublish);
+        let cases: [(Edit, &str); 8] = [
             (|r| r.qos = Some(2), "republish.qos"),
             (|r| r.url = Some("http://x".into()), "republish.url"),
             (

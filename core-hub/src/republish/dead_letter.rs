@@ -25,6 +25,10 @@ pub enum Reason {
     /// The broker answered the PUBLISH with a refusal that a retry cannot change
     /// (not authorized, topic name invalid, payload format invalid, unspecified).
     BrokerRefused,
+    /// The broker closed the connection every time this record was outstanding on its own
+    /// (`republish::SUSPECT_FAILURES` times, after as many with its batch): a record the
+    /// checks above did not catch but the broker will not take.
+    BrokerDisconnected,
     /// A reason this build does not know (read from a newer catalog).
     Other,
 }
@@ -37,6 +41,7 @@ impl Reason {
             Reason::PacketTooLarge => "packet_too_large",
             Reason::Encoding => "encoding",
             Reason::BrokerRefused => "broker_refused",
+            Reason::BrokerDisconnected => "broker_disconnected",
             Reason::Other => "other",
         }
     }
@@ -48,6 +53,7 @@ impl Reason {
             Reason::PacketTooLarge,
             Reason::Encoding,
             Reason::BrokerRefused,
+            Reason::BrokerDisconnected,
         ]
         .into_iter()
         .find(|r| r.as_str() == s)

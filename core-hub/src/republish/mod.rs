@@ -27,7 +27,8 @@
 //!
 //! **Never wedged by one record.** A record that cannot be published (an invalid or too long
 //! topic, a packet over `packet_bytes_max` or the broker's maximum, a part MQTT cannot encode,
-//! a broker refusal a retry cannot change) is dead-lettered ([`dead_letter`]): recorded,
+//! a broker refusal a retry cannot change, a record with which the broker keeps closing the
+//! connection: [`SUSPECT_FAILURES`]) is dead-lettered ([`dead_letter`]): recorded,
 //! counted, logged once per reason per episode, and skipped with its batch's checkpoint.
 //!
 //! When caught up the task polls the stream every `poll_interval` for new commits.
@@ -111,28 +112,83 @@ pub fn start(
         .collect()
 }
 
+/// Connection losses with the same batch outstanding before the records of that batch are
+/// published one at a time, and with one record outstanding on its own before that record is
+/// dead-lettered as `broker_disconnected`.
+pub const SUSPECT_FAILURES: u32 = 3;
+/// The first reconnect delay; it doubles up to [`RECONNECT_DELAY_MAX`].
+const RECONNECT_DELAY: Duration = Duration::from_millis(100);
+const RECONNECT_DELAY_MAX: Duration = Duration::from_secs(5);
+
+/// What one stream's sink remembers across its connections: its log episode, and which
+/// batch keeps losing the connection (a record the broker will not take, though it passed
+/// every check, must not wedge the stream).
+#[derive(Debug, Default)]
+struct Memory {
+    episode: Episode,
+    /// The batch start at which the connection was lost `failures` times in a row,
+    /// `single_failures` of them with that one record outstanding alone.
+    suspect_at: u64,
+    failures: u32,
+    single_failures: u32,
+    /// Batches starting below this offset hold one record each.
+    single_until: u64,
+    /// A batch was committed in the current connection.
+    progressed: bool,
+}
+
+impl Memory {
+    /// The connection was lost with the batch `from..end` outstanding.
+    fn lost_at(&mut self, from: u64, end: u64, single: bool) {
+        if self.failures > 0 && self.suspect_at == from {
+            self.failures += 1;
+        } else {
+            (self.suspect_at, self.failures, self.single_failures) = (from, 1, 0);
+        }
+        self.single_failures += u32::from(single);
+        if self.failures >= SUSPECT_FAILURES {
+            self.single_until = self.single_until.max(end);
+        }
+    }
+
+    fn committed(&mut self) {
+        (self.failures, self.single_failures, self.progressed) = (0, 0, true);
+    }
+
+    /// Whether the batch at `from` holds one record, and whether that record is given up.
+    fn suspicion(&self, from: u64) -> (bool, bool) {
+        let give_up = self.suspect_at == from && self.single_failures >= SUSPECT_FAILURES;
+        (from < self.single_until, give_up)
+    }
+}
+
 async fn run_stream(
     hub: Arc<Hub>,
     cfg: RepublishConfig,
     stream: String,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut delay = Duration::from_millis(100);
+    let mut delay = RECONNECT_DELAY;
+    let mut mem = Memory::default();
     loop {
         if *stop.borrow() {
             return;
         }
-        match session(&hub, &cfg, &stream, &mut stop).await {
+        mem.progressed = false;
+        match session(&hub, &cfg, &stream, &mut stop, &mut mem).await {
             Err(RepublishError::Stopped) | Ok(()) => return,
             Err(e) => {
                 tracing::warn!(%stream, error = %e, "republish: resuming from the checkpoint");
             }
         }
+        if mem.progressed {
+            delay = RECONNECT_DELAY;
+        }
         tokio::select! {
             _ = tokio::time::sleep(delay) => {}
             _ = stop.changed() => return,
         }
-        delay = (delay * 2).min(Duration::from_secs(5));
+        delay = (delay * 2).min(RECONNECT_DELAY_MAX);
     }
 }
 
@@ -162,6 +218,7 @@ async fn session(
     cfg: &RepublishConfig,
     stream: &str,
     stop: &mut watch::Receiver<bool>,
+    mem: &mut Memory,
 ) -> Result<(), RepublishError> {
     let mut opts = MqttOptions::new(
         format!("{}-{stream}", cfg.client_id),
@@ -185,7 +242,7 @@ async fn session(
             client: &client,
             conn: &mut conn,
             packet_max,
-            episode: Episode::default(),
+            mem,
         };
         sink.publish_loop(stop).await
     }
@@ -222,7 +279,7 @@ struct Sink<'a> {
     conn: &'a mut mpsc::UnboundedReceiver<Conn>,
     /// The lower of `packet_bytes_max` and the broker's maximum packet size.
     packet_max: u64,
-    episode: Episode,
+    mem: &'a mut Memory,
 }
 
 impl Sink<'_> {
@@ -241,7 +298,15 @@ impl Sink<'_> {
                 self.idle(stop).await?;
                 continue;
             }
-            let dead = self.publish(&batch, stop).await?;
+            let dead = match self.publish(&batch, stop).await {
+                Ok(dead) => dead,
+                Err(e @ (RepublishError::Connection(_) | RepublishError::Client(_))) => {
+                    let single = batch.records.len() == 1;
+                    self.mem.lost_at(next, batch.next, single);
+                    return Err(e);
+                }
+                Err(e) => return Err(e),
+            };
             next = batch.next;
             let (h, s, keep) = (
                 self.hub.clone(),
@@ -250,6 +315,7 @@ impl Sink<'_> {
             );
             tokio::task::spawn_blocking(move || store::commit_batch(&h, &s, next, &dead, keep))
                 .await??;
+            self.mem.committed();
         }
     }
 
@@ -257,8 +323,9 @@ impl Sink<'_> {
     async fn next_batch(&self, from: u64) -> Result<Batch, RepublishError> {
         // The read is bounded in decoded bytes too, so a page never holds much more than the
         // batch it becomes.
+        let (cut, give_up) = self.mem.suspicion(from);
         let limit = PageLimit {
-            records: self.cfg.batch_records,
+            records: if cut { 1 } else { self.cfg.batch_records },
             bytes: Some(self.cfg.batch_bytes_max),
         };
         let (h, s) = (self.hub.clone(), self.stream.to_string());
@@ -273,13 +340,24 @@ impl Sink<'_> {
             },
             Err(e) => return Err(e.into()),
         };
-        Ok(plan_batch(
+        let mut batch = plan_batch(
             page.records,
             page.next,
             self.stream,
             self.cfg,
             self.packet_max,
-        ))
+        );
+        if give_up && let Some(plan @ Plan::Publish { .. }) = batch.plans.first_mut() {
+            *plan = Plan::Dead {
+                reason: Reason::BrokerDisconnected,
+                detail: format!(
+                    "the broker closed the connection {} times in a row with this record \
+                     outstanding on its own",
+                    self.mem.single_failures
+                ),
+            };
+        }
+        Ok(batch)
     }
 
     /// Caught up: waits for the poll interval, watching the connection.
@@ -373,10 +451,10 @@ impl Sink<'_> {
             };
             match letter {
                 Some(d) => {
-                    self.episode.dead_lettered(&d);
+                    self.mem.episode.dead_lettered(&d);
                     dead.push(d);
                 }
-                None => self.episode.published(self.stream),
+                None => self.mem.episode.published(self.stream),
             }
         }
         dead
