@@ -542,3 +542,27 @@ fn sensor_sources_parse_and_bad_keys_are_named() {
         "sources[0].interval",
     );
 }
+
+#[test]
+fn ingest_field_limit_is_typed_bounded_and_reaches_the_log() {
+    let minimal = "data_dir = \"data\"\n[[streams]]\nname = \"telemetry\"\n";
+    let c = parse(minimal).unwrap();
+    assert_eq!(c.ingest.fields_per_record_max, 1000);
+    assert_eq!(c.log_config().fields_per_record_max, 1000);
+    let c = parse(&with("ingest", "fields_per_record_max = 10")).unwrap();
+    assert_eq!(c.log_config().fields_per_record_max, 10);
+    let c = parse_env(
+        minimal,
+        &[("TRIBUTARY_EDGE__INGEST__FIELDS_PER_RECORD_MAX", "7")],
+    )
+    .unwrap();
+    assert_eq!(c.ingest.fields_per_record_max, 7);
+    let key = "ingest.fields_per_record_max";
+    let m = expect_bad(&with("ingest", "fields_per_record_max = 65529"), key);
+    assert!(m.contains("65528"), "{m}");
+    expect_bad(&with("ingest", "fields_per_record_max = 0"), key);
+    assert!(
+        parse(&with("ingest", "fields_max = 3")).is_err(),
+        "unknown keys are refused"
+    );
+}

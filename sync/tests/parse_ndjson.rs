@@ -445,3 +445,25 @@ fn keys_and_field_names_longer_than_the_block_format_allows_are_refused() {
     // What parses can always be sealed.
     sync::block::encode_block(sync::block::VERSION_COLUMNAR, 1, 1, &ok).unwrap();
 }
+
+#[test]
+fn the_field_limit_comes_from_the_options() {
+    let opts = ParseOptions {
+        fields_max: 2,
+        ..ParseOptions::default()
+    };
+    let two = r#"{"key":"k","ts":1,"fields":{"a":1,"b":2}}"#;
+    assert_eq!(parse_ndjson_with(two, &opts).unwrap()[0].fields.len(), 2);
+    let three = format!(
+        "{two}\n{}",
+        r#"{"key":"k","ts":1,"fields":{"a":1,"b":2,"c":3}}"#
+    );
+    let e = parse_ndjson_with(&three, &opts).unwrap_err();
+    let second = three.lines().nth(1).unwrap();
+    assert_eq!((e.line, e.column), (2, second.find(r#""c""#).unwrap() + 1));
+    assert_eq!(e.expected, "at most 2 fields in a record");
+    assert_eq!(e.found, "field number 3");
+    let lp = "m,t=a a=1,b=2,c=3 1\n";
+    let e = sync::parse::parse_line_protocol(lp, &opts).unwrap_err();
+    assert_eq!(e.expected, "at most 2 fields in a record");
+}
