@@ -241,6 +241,25 @@ mod tests {
     }
 
     #[test]
+    fn every_key_reads_from_hub_toml() {
+        let text = "data_dir = \"/tmp/x\"\n[republish]\nurl = \"mqtt://127.0.0.1:1883\"\n\
+            streams = [\"t\", \"b\"]\ntopic_template = \"hub/{stream}/{key}\"\n\
+            topic_from_record = [\"b\"]\ntopic_bytes_max = \"512\"\npacket_bytes_max = \"64KiB\"\n\
+            batch_records = 10\nbatch_bytes_max = \"1MiB\"\ndead_letters_max = 50\n";
+        let c = crate::config::HubConfig::from_toml(text)
+            .unwrap()
+            .republish
+            .unwrap();
+        assert_eq!(c.topic_from_record, ["b"]);
+        assert_eq!((c.topic_bytes_max, c.packet_bytes_max), (512, 64 << 10));
+        assert_eq!((c.batch_records, c.batch_bytes_max), (10, 1 << 20));
+        assert_eq!(c.dead_letters_max, 50);
+        let unknown = text.replace("dead_letters_max", "dead_letter_max");
+        let e = crate::config::HubConfig::from_toml(&unknown).unwrap_err();
+        assert!(e.to_string().contains("dead_letter_max"), "{e}");
+    }
+
+    #[test]
     fn config_problems_name_their_key() {
         type Edit = fn(&mut RawRepublish);
         let cases: [(Edit, &str); 8] = [
