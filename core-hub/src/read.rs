@@ -81,7 +81,9 @@ impl Room {
 
     /// Whether a record of `size` decoded bytes goes in (the first one always does).
     pub(crate) fn fits(&self, size: u64) -> bool {
-        self.taken == 0 || self.bytes.saturating_add(size) <= self.bytes_max
+        self.taken == 0
+            || self.bytes.saturating_add(size) <= self.bytes_max
+            || mutation::page_bound_off()
     }
 
     pub(crate) fn take(&mut self, size: u64) {
@@ -98,6 +100,33 @@ impl Room {
         PageLimit {
             records: self.records_max.saturating_sub(self.taken),
             bytes: Some(self.bytes_max.saturating_sub(self.bytes)),
+        }
+    }
+}
+
+/// Test-only mutation switch (cargo feature `fault-injection`, never in a release build):
+/// with the page bound off, pages take records past `read.page_bytes_max` (up to their record
+/// limit), so that `core-hub/tests/read_bounds_mutation.rs` can show the page tests catch it.
+/// Process-wide: only that one-test binary turns it on.
+pub mod mutation {
+    #[cfg(feature = "fault-injection")]
+    static OFF: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    /// Turns the page byte bound off (`true`) or on again.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_page_bound_off(off: bool) {
+        OFF.store(off, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn page_bound_off() -> bool {
+        #[cfg(feature = "fault-injection")]
+        {
+            OFF.load(std::sync::atomic::Ordering::Relaxed)
+        }
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            false
         }
     }
 }
