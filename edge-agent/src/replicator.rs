@@ -587,15 +587,16 @@ async fn session(
                         status.set("down", Some(msg));
                         return Ok(SessionEnd::Reset);
                     }
-                    if reason.by_peer && poison::permanent(reason.code) {
-                        if poison::on_refusal(log, status, &reason, &offered.last, poison).await {
-                            let msg = format!(
-                                "hub refused a block for good ({}); quarantined it, moving on",
-                                reason.message
-                            );
-                            status.set("down", Some(msg));
-                            return Ok(SessionEnd::Reset);
-                        }
+                    if reason.by_peer
+                        && poison::permanent(reason.code)
+                        && poison::on_refusal(log, status, &reason, &offered.last, poison).await
+                    {
+                        let msg = format!(
+                            "hub refused a block for good ({}); quarantined it, moving on",
+                            reason.message
+                        );
+                        status.set("down", Some(msg));
+                        return Ok(SessionEnd::Reset);
                     }
                     return Err(format!(
                         "hub closed the session: {:?}: {}",
