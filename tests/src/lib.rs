@@ -2,6 +2,8 @@
 //! a real MQTT broker, network namespaces with iptables faults, and a userspace UDP impairment
 //! proxy (`tc netem` is not available on the CI machines).
 //!
+//! - [`adversary`]: a QUIC client with a device certificate that speaks the protocol and then
+//!   attacks the hub (decode bombs, floods, stalls), and a sampler of the hub's memory.
 //! - [`procs`]: start, `kill9`, `terminate` and restart binaries found by [`procs::bin_path`];
 //!   [`procs::wait_until`] is the one deadline-bounded wait.
 //! - [`cluster`]: pki, configs, and a hub with its agents as real processes.
@@ -20,6 +22,7 @@
 //! Every wait in here has a deadline, and every fault helper reports how many faults it actually
 //! applied, so a fault test can prove its faults happened.
 
+pub mod adversary;
 pub mod chaos;
 pub mod cluster;
 pub mod faultfs;
