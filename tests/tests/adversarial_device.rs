@@ -666,14 +666,38 @@ fn duplicate_sessions(s: &mut Suite) -> Result<String> {
             let next = block_frame("evil-dup", bombs::honest(7, 101, &records));
             let mut first = adv.welcomed(7, vec![lane("evil-dup", 7, 1, 200)]).await?;
             first.send_data(&block).await?;
-            let second = adv.welcomed(7, vec![lane("evil-dup", 7, 1, 200)]).await?;
-            second.send_data(&block).await?;
+            let mut second = adv
+                .session(&hello(7, vec![lane("evil-dup", 7, 1, 200)]))
+                .await?;
+            let welcome = second.welcome(WAIT).await?;
+            let mark = welcome.lanes.first().map_or(0, |(_, _, l)| l.durable_seq);
+            // The newer session resumes as an agent would: the block ending at the hub's
+            // mark goes on the control stream (the junction check), the rest as data.
+            match mark {
+                0 => second.send_data(&block).await?,
+                100 => second.send_control(&block).await?,
+                other => bail!("the hub's mark after one block is {other}"),
+            }
             second.send_data(&next).await?;
             let _ = first.send_data(&next).await;
             let ending = first.ending(WAIT).await?;
+            let acked = tokio::time::timeout(WAIT, async {
+                loop {
+                    if let Frame::Ack { durable_seq, .. } = second.next_frame().await? {
+                        if durable_seq >= 200 {
+                            return Ok::<_, anyhow::Error>(durable_seq);
+                        }
+                    }
+                }
+            })
+            .await
+            .context("the newer session got no Ack for seq 200")??;
             second.conn.close(0u32.into(), b"done");
             Ok(Outcome {
-                note: "two sessions, blocks 1..=200 from both".into(),
+                note: format!(
+                    "two sessions, blocks 1..=200 from both; mark {mark} at the \
+                     second Hello, acked {acked}"
+                ),
                 endings: vec![ending],
             })
         },
@@ -685,6 +709,10 @@ fn duplicate_sessions(s: &mut Suite) -> Result<String> {
         .map(|r| r.seq)
         .collect();
     let n = seqs.len();
+    ensure!(
+        n == 200,
+        "{n} records of {id} stored, not the 200 acknowledged"
+    );
     seqs.sort_unstable();
     seqs.dedup();
     ensure!(seqs.len() == n, "a seq of {id} is stored twice");
