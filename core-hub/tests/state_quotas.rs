@@ -409,7 +409,9 @@ async fn session(run: &Running, device: &str, streams: &[&str], blocks: u64) -> 
         if progressed {
             continue;
         }
+        // The control stream first: the hub's Error frame arrives just before it closes.
         tokio::select! {
+            biased;
             read = ctl_rx.read(&mut buf) => match read? {
                 Some(n) => {
                     frames.push(&buf[..n]);
