@@ -9,8 +9,9 @@
 //!   NDJSON, one committed record per line in hub offset order (see
 //!   [`crate::read::write_ndjson_line`]). The response header `x-tributary-next-offset` is the
 //!   `from` of the next page; an empty page means the reader is caught up. `limit` defaults to
-//!   10000 and is capped at 100000. Served by [`crate::streams::api`], with the segment,
-//!   cut and reader-group routes.
+//!   10000 and is capped at 100000; a page also stops before `read.page_bytes_max` of decoded
+//!   records (never empty), and `follow=true` is capped by `read.follows_max` (503, JSON).
+//!   Served by [`crate::streams::api`], with the segment, cut and reader-group routes.
 //! - `GET /v1/devices`: JSON list of devices: last contact, marks, fence, backlog, gaps.
 //! - `POST /v1/devices/{id}/retire` (`?undo=true` reverses it): takes a scrapped device out
 //!   of every completeness answer, watermark and gauge ([`crate::completeness`]).

@@ -7,6 +7,11 @@
 //! `/metrics`), its seqs reach the hub as a gap (`GET /v1/devices`), and every other record
 //! arrives exactly once, in order. Restarting the agent, then the hub, sends the block again
 //! never: the hub's refusal counter stays at one and later records keep flowing.
+//!
+//! Mutation check: with the agent's test-only switch `TRIBUTARY_TEST_EDGE_RESEND_REFUSED=1`
+//! (`fault-injection` builds), refusals are taken as transient, as before the quarantine
+//! existed; the same scenario then shows the defect the first test guards against: the hub
+//! refuses the block again and again and the lane behind it never moves.
 
 use std::time::Duration;
 
@@ -155,6 +160,40 @@ fn a_block_refused_for_good_is_quarantined_once_and_the_lane_moves_on() -> Resul
         "a new hub process refused nothing"
     );
     assert_eq!(cluster::fetch_metric(spec.http, QUARANTINED)?, 0.0);
+    agent.kill9()?;
+    Ok(())
+}
+
+#[test]
+fn without_the_quarantine_the_block_is_resent_and_the_lane_stalls() -> Result<()> {
+    let root = tempfile::Builder::new()
+        .prefix("trb-refused-mut-")
+        .tempdir()?;
+    let pki = Pki::init(root.path().join("pki"))?;
+    let mut hub_spec = HubSpec::new(root.path());
+    hub_spec.extra_toml = "[ingest]\nblock_decoded_bytes_max = \"64KiB\"\n".into();
+    let _hub = hub_spec.start(&pki)?;
+    let cert = pki.issue("dev-1", None)?;
+    let mut spec = AgentSpec::new(root.path(), "dev-1", cert, Some(hub_spec.quic));
+    spec.env
+        .push(("TRIBUTARY_TEST_EDGE_RESEND_REFUSED".into(), "1".into()));
+    let mut agent = spec.start()?;
+    post(spec.http, &batch(0, 5, 16))?;
+    post(spec.http, &batch(1, 40, 4096))?;
+    for b in 2..12 {
+        post(spec.http, &batch(b, 10, 16))?;
+    }
+    // A build whose agent ignored the switch would quarantine at once and never get here.
+    wait_until(WAIT, "the hub to refuse the same block three times", || {
+        cluster::fetch_metric(hub_spec.http, REFUSED).unwrap_or(0.0) >= 3.0
+    })?;
+    assert_eq!(cluster::fetch_metric(spec.http, QUARANTINED)?, 0.0);
+    let seqs = hub_seqs(hub_spec.http)?;
+    assert_eq!(
+        seqs,
+        (1..=5).collect::<Vec<u64>>(),
+        "the lane is stuck behind the block"
+    );
     agent.kill9()?;
     Ok(())
 }

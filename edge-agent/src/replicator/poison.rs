@@ -31,7 +31,30 @@ pub(super) struct Poison {
 
 /// Whether `code` refuses a block for good: sending it again cannot succeed.
 pub(super) fn permanent(code: ErrorCode) -> bool {
-    matches!(code, ErrorCode::DecodedTooLarge | ErrorCode::BadBlock)
+    !resend_refused() && matches!(code, ErrorCode::DecodedTooLarge | ErrorCode::BadBlock)
+}
+
+/// Test-only mutation switch (`fault-injection` builds only; nothing reads it otherwise):
+/// with `TRIBUTARY_TEST_EDGE_RESEND_REFUSED=1` every refusal is taken as transient, as before
+/// this module existed, so `tests/tests/refused_block.rs` can show its checks catch an agent
+/// that resends a refused block forever.
+fn resend_refused() -> bool {
+    #[cfg(feature = "fault-injection")]
+    {
+        const RESEND_REFUSED_ENV: &str = "TRIBUTARY_TEST_EDGE_RESEND_REFUSED";
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| {
+            let on = std::env::var_os(RESEND_REFUSED_ENV).is_some_and(|v| v == "1");
+            if on {
+                tracing::error!("{RESEND_REFUSED_ENV}=1: REFUSED BLOCKS ARE RESENT FOREVER (test-only mutation switch)");
+            }
+            on
+        })
+    }
+    #[cfg(not(feature = "fault-injection"))]
+    {
+        false
+    }
 }
 
 /// The stream a refusal names: `stream S: ...`.
