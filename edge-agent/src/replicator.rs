@@ -53,7 +53,8 @@ impl Refused {
         self.streams.contains_key(stream)
     }
 
-    /// Records the stream an `UNAUTHORIZED_STREAM` message names; returns it if it is new.
+    /// Records the stream an `UNAUTHORIZED_STREAM` or `QUOTA_EXCEEDED` message names (the hub
+    /// names the stream first in both); returns it if it is new.
     fn note(&mut self, message: &str) -> Option<String> {
         let stream = refused_stream(message)?;
         if self.contains(&stream) {
@@ -64,7 +65,7 @@ impl Refused {
     }
 }
 
-/// The stream an `UNAUTHORIZED_STREAM` message names: the first word between backticks.
+/// The stream a refusal's message names: the first word between backticks.
 fn refused_stream(message: &str) -> Option<String> {
     let (_, rest) = message.split_once('`')?;
     let (name, _) = rest.split_once('`')?;
@@ -575,7 +576,10 @@ async fn session(
                         return Ok(SessionEnd::StorageFull);
                     }
                     if reason.by_peer
-                        && reason.code == ErrorCode::UnauthorizedStream
+                        && matches!(
+                            reason.code,
+                            ErrorCode::UnauthorizedStream | ErrorCode::QuotaExceeded
+                        )
                         && let Some(stream) = refused.note(&reason.message)
                     {
                         status.streams_refused.fetch_add(1, Ordering::Relaxed);

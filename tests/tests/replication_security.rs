@@ -221,6 +221,64 @@ fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
     Ok(())
 }
 
+#[test]
+fn a_stream_past_the_device_quota_is_left_out_and_the_admitted_one_flows() -> Result<()> {
+    let root = tempfile::Builder::new()
+        .prefix("trb-sec-quota-")
+        .tempdir()?;
+    let (pki, hub_spec, hub) = hub(root.path(), "[ingest]\nstreams_per_device_max = 1\n")?;
+    let cert = pki.issue("dev-1", None)?;
+    let mut spec = AgentSpec::new(root.path(), "dev-1", cert, Some(hub_spec.quic));
+    spec.streams = vec![STREAM.into(), "other".into()];
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-1", spec.http);
+    let mut ledger = Ledger::new();
+    // `other` takes the device's one stream first.
+    ingest(&producer, &mut ledger, "other", &batch("admitted", 0, 300))?;
+    wait_until(WAIT, "the admitted stream to be acknowledged", || {
+        cluster::status(spec.http)
+            .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 300)
+            .unwrap_or(false)
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    ingest(&producer, &mut ledger, STREAM, &batch("over-quota", 0, 300))?;
+    wait_until(WAIT, "the agent to leave the over-quota stream out", || {
+        cluster::fetch_metric(spec.http, "tributary_edge_link_streams_refused_total").unwrap_or(0.0)
+            >= 1.0
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    // The admitted stream keeps flowing after the refusal.
+    ingest(
+        &producer,
+        &mut ledger,
+        "other",
+        &batch("admitted", 300, 300),
+    )?;
+    wait_until(
+        WAIT,
+        "the admitted stream to be acknowledged in full",
+        || {
+            cluster::status(spec.http)
+                .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 600)
+                .unwrap_or(false)
+        },
+    )
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    let quota = cluster::fetch_metric(hub_spec.http, "tributary_hub_quota_refused_total")?;
+    assert!(quota >= 1.0, "the hub did not count a quota refusal");
+    assert!(
+        cluster::read_stream(hub_spec.http, STREAM)?.is_empty(),
+        "the over-quota stream reached the hub"
+    );
+    assert_eq!(
+        cluster::read_stream(hub_spec.http, "other")?.len(),
+        600,
+        "the admitted stream holds every record once"
+    );
+    agent.kill9()?;
+    Ok(())
+}
+
 // ---- the hand-made client ----
 
 /// A session opened with `cert`, announcing one lane; returns after the hub's Welcome.
