@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::ConnCtx;
 use super::commit::{Charged, Done, commit, error_code};
-use crate::ingest::{BacklogReport, Hub};
+use crate::ingest::{BacklogReport, Hub, IngestError};
 
 /// Acts on one receiver event. Returns the code and message to close with when the session
 /// is over.
@@ -193,8 +193,16 @@ fn record_backlog(
             oldest_unsent_ts: e.backlog.oldest_unsent_ts,
             last_seq,
         };
-        if let Err(err) = ctx.hub.record_backlog(device, &e.stream, report) {
-            tracing::warn!(%device, stream = %e.stream, error = %err, "recording backlog");
+        match ctx.hub.record_backlog(device, &e.stream, report) {
+            Ok(()) => {}
+            // Quota refusals are counted and logged once per device and limit by ingest; the
+            // device repeats its backlog every period, so a line here would repeat too.
+            Err(err @ IngestError::QuotaExceeded { .. }) => {
+                tracing::debug!(%device, stream = %e.stream, error = %err, "backlog refused");
+            }
+            Err(err) => {
+                tracing::warn!(%device, stream = %e.stream, error = %err, "recording backlog");
+            }
         }
     }
 }
