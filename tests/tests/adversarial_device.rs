@@ -325,7 +325,8 @@ impl Suite {
         }
         let metric_after = self.metric(expect.metric).unwrap_or(f64::NAN);
         let refused = outcome.endings.len() as f64;
-        if !(metric_after >= metric_before + refused.min(1.0)) {
+        let counted = metric_after >= metric_before + refused.min(1.0);
+        if !counted {
             failures.push(format!(
                 "{} went {metric_before} -> {metric_after} for {refused} refused connections",
                 expect.metric
@@ -683,10 +684,10 @@ fn duplicate_sessions(s: &mut Suite) -> Result<String> {
             let ending = first.ending(WAIT).await?;
             let acked = tokio::time::timeout(WAIT, async {
                 loop {
-                    if let Frame::Ack { durable_seq, .. } = second.next_frame().await? {
-                        if durable_seq >= 200 {
-                            return Ok::<_, anyhow::Error>(durable_seq);
-                        }
+                    if let Frame::Ack { durable_seq, .. } = second.next_frame().await?
+                        && durable_seq >= 200
+                    {
+                        return Ok::<_, anyhow::Error>(durable_seq);
                     }
                 }
             })
