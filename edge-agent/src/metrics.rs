@@ -195,7 +195,9 @@ impl Metrics {
             | AppendError::TooManyFields { .. }
             | AppendError::Unsealable { .. } => 3,
             AppendError::Closed => 4,
-            AppendError::UnknownStream(_) | AppendError::EmptyBatch => 5,
+            AppendError::UnknownStream(_)
+            | AppendError::EmptyBatch
+            | AppendError::BadKey { .. } => 5,
         };
         if let Some(c) = self.streams.get(stream) {
             c.errors[reason].fetch_add(1, Ordering::Relaxed);

@@ -3,7 +3,8 @@
 //! - `ingest.fields_per_record_max` trips with an error naming the record and the limit, for
 //!   NDJSON, line protocol, MQTT JSON and line payloads, and a filter that adds fields; nothing
 //!   of the refused batch is stored and the next valid batch gets the next seqs;
-//! - producers cannot set `_` fields (reserved for the agent's own sources);
+//! - producers cannot set `_` fields (reserved for the agent's own sources), nor send a key the
+//!   hub would refuse (empty, `.` or `..` segments, control characters);
 //! - with `block_version = 2`, one request with more distinct field names than a columnar block
 //!   holds is sealed as several blocks and the log stays writable; a backlog of 70,000 distinct
 //!   field names re-blocks by cutting blocks. Turning the cut off (the `fault-injection` switch)
@@ -160,6 +161,37 @@ async fn the_field_limit_refuses_a_whole_request_and_the_next_one_succeeds() {
     let r = s.post("telemetry", LP, line_protocol(3, 5)).await;
     assert_eq!(json(&r)["first_seq"], 2, "{}", r.text());
     assert_eq!(s.stored("telemetry").len(), 2);
+}
+
+#[tokio::test]
+async fn a_key_the_hub_would_refuse_is_refused_at_ingest_alone() {
+    // The hub refuses a whole block holding such a key, which would stall the stream; the
+    // agent applies the same rule (`sync::record::key_problem`) to each request instead.
+    let s = start("").await;
+    for bad in ["a//b", "/a", "a/", "dev1/../dev2/x", "a/./b"] {
+        let body = format!("{{\"key\":{bad:?},\"ts\":1,\"fields\":{{\"v\":1}}}}\n");
+        let r = s.post("telemetry", NDJSON, body).await;
+        assert_refused(&r, 400, &[bad, "which the hub refuses", "segments"]);
+    }
+    let r = s
+        .post(
+            "telemetry",
+            NDJSON,
+            "{\"key\":\"a\\u0000b\",\"ts\":1,\"fields\":{\"v\":1}}\n".into(),
+        )
+        .await;
+    assert_refused(&r, 400, &["control characters"]);
+    assert!(
+        s.stored("telemetry").is_empty(),
+        "nothing of a refused request is stored"
+    );
+    let r = s.post("telemetry", NDJSON, ndjson_line(1, "f", 1)).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        json(&r)["first_seq"],
+        1,
+        "the next valid batch gets the next seq"
+    );
 }
 
 #[tokio::test]

@@ -95,6 +95,30 @@ impl Record {
     }
 }
 
+/// Why `key` is not an acceptable routing key, or `None` if it is. The agent refuses such a
+/// record at ingest and the hub refuses a block holding one, with the same rule on both sides.
+///
+/// A key is a `/`-separated path of segments (`truck-0042/engine`) that can be spelled only one
+/// way: it is not empty, has no empty segment (`a//b`, a `/` at either end), no `.` or `..`
+/// segment, and holds no NUL or other control character. So keys that only look alike
+/// (`dev1/x` and `dev1//x`, or `dev1/../dev2/x`) never reach a stream, a topic or a file name.
+pub fn key_problem(key: &str) -> Option<&'static str> {
+    if key.is_empty() {
+        return Some("the key is empty");
+    }
+    if key.chars().any(char::is_control) {
+        return Some("keys may not hold NUL or control characters");
+    }
+    for seg in key.split('/') {
+        match seg {
+            "" => return Some("keys may not have empty segments (`//`, or `/` at either end)"),
+            "." | ".." => return Some("keys may not have `.` or `..` segments"),
+            _ => {}
+        }
+    }
+    None
+}
+
 /// Where a record came from: the agent stamps these, the hub deduplicates on them.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Origin {

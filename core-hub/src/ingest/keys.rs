@@ -8,27 +8,13 @@
 //! a leading or trailing `/`), a `.` or `..` segment, or a NUL or other control character is
 //! refused, so `dev1/../dev2/x` never reaches a stream, a topic template or a file name, and
 //! the device-prefix rule compares the first segment exactly (`dev1x/…` is not `dev1/…`).
+//! The rule itself ([`key_problem`]) lives in the sync crate: the agent applies it at ingest,
+//! so a producer's bad key is refused there and never stalls a stream at the hub.
 
 use super::{Hub, IngestError};
 use sync::record::Record;
 
-/// Why a key is not acceptable, or `None` if it is.
-pub fn key_problem(key: &str) -> Option<&'static str> {
-    if key.is_empty() {
-        return Some("the key is empty");
-    }
-    if key.chars().any(char::is_control) {
-        return Some("keys may not hold NUL or control characters");
-    }
-    for seg in key.split('/') {
-        match seg {
-            "" => return Some("keys may not have empty segments (`//`, or `/` at either end)"),
-            "." | ".." => return Some("keys may not have `.` or `..` segments"),
-            _ => {}
-        }
-    }
-    None
-}
+pub use sync::record::key_problem;
 
 /// Whether a valid key's first segment is exactly `device`.
 pub fn key_in_device(key: &str, device: &str) -> bool {

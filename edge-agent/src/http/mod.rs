@@ -369,7 +369,9 @@ fn body_error(e: &BodyError) -> Response {
 fn append_error(e: &AppendError) -> Response {
     match e {
         AppendError::UnknownStream(_) => error(StatusCode::NOT_FOUND, e.to_string()),
-        AppendError::EmptyBatch => error(StatusCode::BAD_REQUEST, e.to_string()),
+        AppendError::EmptyBatch | AppendError::BadKey { .. } => {
+            error(StatusCode::BAD_REQUEST, e.to_string())
+        }
         AppendError::RecordTooLarge { .. }
         | AppendError::TooManyFields { .. }
         | AppendError::Unsealable { .. } => error(StatusCode::PAYLOAD_TOO_LARGE, e.to_string()),

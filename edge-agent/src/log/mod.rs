@@ -203,6 +203,12 @@ pub enum AppendError {
     },
     #[error("record {index} of the batch cannot be sealed: {why}")]
     Unsealable { index: usize, why: String },
+    #[error("record {index} of the batch has the key {key:?}, which the hub refuses: {why}")]
+    BadKey {
+        index: usize,
+        key: String,
+        why: &'static str,
+    },
     #[error("disk budget reached (on_full = block): retry after {retry_after:?}")]
     Full { retry_after: Duration },
     #[error("storage failed while writing this batch: {0}")]
@@ -217,8 +223,18 @@ pub enum AppendError {
 
 /// Whether record `index` of a batch can be stored: at most `fields_max` fields (not counting
 /// up to [`AGENT_FIELDS_MAX`] of the agent's own `_` fields), and a key and field names within
-/// the block format's maxima. What [`LogHandle::append`] checks for every record.
+/// the block format's maxima, and a key the hub accepts ([`sync::record::key_problem`]: a
+/// bad key would have the hub refuse the whole block, so it is refused here, alone). What
+/// [`LogHandle::append`] checks for every record.
 pub fn sealable(index: usize, r: &Record, fields_max: usize) -> Result<(), AppendError> {
+    if let Some(why) = sync::record::key_problem(&r.key) {
+        return Err(AppendError::BadKey {
+            index,
+            // A hostile key could be huge; the error only needs to identify it.
+            key: r.key.chars().take(120).collect(),
+            why,
+        });
+    }
     let own = r.fields.iter().filter(|(n, _)| n.starts_with('_')).count();
     let fields = r.fields.len() - own;
     if fields > fields_max || own > AGENT_FIELDS_MAX {

@@ -518,10 +518,12 @@ impl Writer {
                 Err(
                     e @ (AppendError::RecordTooLarge { .. }
                     | AppendError::TooManyFields { .. }
-                    | AppendError::Unsealable { .. }),
+                    | AppendError::Unsealable { .. }
+                    | AppendError::BadKey { .. }),
                 ) => {
-                    // One message can never be stored (too large, or over the field limit
-                    // after the stream's filters): store the others one by one, count the rest.
+                    // One message can never be stored (too large, over the field limit after
+                    // the stream's filters, or a key the hub refuses, as a topic with an empty
+                    // level gives): store the others one by one, count the rest.
                     warn!(stream = %self.stream, error = %e, "mqtt: a batch holds an oversize record; storing message by message");
                     return self.write_each(records).await;
                 }
