@@ -28,14 +28,15 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::json;
-use sync::protocol::{ErrorCode, Frame};
+use sync::protocol::frame::Hello;
+use sync::protocol::{ErrorCode, Frame, GapMarker, GapReason};
 use tributary_tests::adversary::{
     self, Adversary, Ending, RssSampler, block_frame, bombs, hello, lane,
 };
 use tributary_tests::cluster::{self, AgentSpec, HubSpec, Pki};
 use tributary_tests::http;
 use tributary_tests::ledger::{Ledger, ObservedRecord, PostOutcome, Producer, SentRecord};
-use tributary_tests::procs::Proc;
+use tributary_tests::procs::{self, Proc};
 
 /// The honest devices' stream.
 const STREAM: &str = "telemetry";
@@ -734,6 +735,154 @@ fn decoded_too_large() -> Expect {
     }
 }
 
+fn decode_bomb_understated_raw_len(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("inflate")?;
+    let bomb = bombs::understated_raw_len(7, scale(256 << 20, 1 << 30) as u64);
+    s.run(
+        "decode bomb: header understates the inflated body (4 KiB said, 256 MiB of zstd)",
+        bad_block(),
+        |stop| resend_until_stopped(adv, "evil", 7, bomb, stop),
+    )
+}
+
+fn decode_bomb_understated_body_len(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("bodylen")?;
+    let bomb = bombs::understated_body_len(7, &bombs::records(500, "lie"));
+    s.run(
+        "decode bomb: header understates the sealed body",
+        bad_block(),
+        |stop| resend_until_stopped(adv, "evil", 7, bomb, stop),
+    )
+}
+
+fn gap_to_u64_max(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("gap")?;
+    s.run(
+        "gap to u64::MAX",
+        Expect {
+            codes: &[ErrorCode::ProtocolViolation],
+            metric: "tributary_hub_sessions_ended_total{code=\"PROTOCOL_VIOLATION\"}",
+        },
+        |stop| async move {
+            let gap = Frame::Gap {
+                stream: "evil".into(),
+                epoch: 7,
+                gap: GapMarker {
+                    first_seq: 1,
+                    last_seq: u64::MAX,
+                    reason: GapReason::DiskFull,
+                    count: 1,
+                },
+            }
+            .encode();
+            let mut endings = Vec::new();
+            while endings.is_empty() || !stop.load(Ordering::Relaxed) {
+                let mut session = adv.welcomed(7, vec![lane("evil", 7, 1, 1)]).await?;
+                session.send_data(&gap).await?;
+                endings.push(session.ending(WAIT).await?);
+            }
+            Ok(Outcome {
+                note: format!("{} gap frames", endings.len()),
+                endings,
+            })
+        },
+    )
+}
+
+fn stream_flood_hello(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("hello-lanes")?;
+    s.run(
+        "stream flood: 4096 lanes of distinct streams in one Hello",
+        Expect {
+            codes: &[ErrorCode::LimitExceeded],
+            metric: "tributary_hub_sessions_ended_total{code=\"LIMIT_EXCEEDED\"}",
+        },
+        |stop| async move {
+            let lanes = (0..4096)
+                .map(|i| lane(&format!("flood-{i}"), 7, 1, 1))
+                .collect();
+            let hello: Hello = hello(7, lanes);
+            let mut endings = Vec::new();
+            while endings.is_empty() || !stop.load(Ordering::Relaxed) {
+                let mut session = adv.session(&hello).await?;
+                endings.push(session.ending(WAIT).await?);
+            }
+            Ok(Outcome {
+                note: format!("{} Hellos", endings.len()),
+                endings,
+            })
+        },
+    )
+}
+
+fn column_flood(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("columns")?;
+    let id = adv.cert.id.clone();
+    let hub = s.hub_http();
+    let blocks = scale(100, 1_000);
+    s.run(
+        "column flood: every block brings 500 new field names to one stream",
+        quota_exceeded(),
+        move |_stop| async move {
+            let mut session = adv.welcomed(7, vec![lane("evil-columns", 7, 1, 1)]).await?;
+            let mut sent = 0;
+            for b in 0..blocks {
+                let record = bombs::wide_record(&format!("c{b}_"), 500);
+                let block = bombs::honest(7, b as u64 + 1, &[record]);
+                if session
+                    .send_data(&block_frame("evil-columns", block))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+                sent += 1;
+            }
+            let ending = session.ending(WAIT).await?;
+            // What the quota let in is tiered while memory is still sampled: a chunk of a
+            // stream this wide is the expensive part.
+            let tiered = tokio::task::spawn_blocking(move || wait_tiered(hub, &id, "evil-columns"))
+                .await??;
+            Ok(Outcome {
+                note: format!("{sent} blocks of 500 new columns; {tiered} seqs tiered"),
+                endings: vec![ending],
+            })
+        },
+    )
+}
+
+fn bad_block() -> Expect {
+    Expect {
+        codes: &[ErrorCode::BadBlock],
+        metric: "tributary_hub_sessions_ended_total{code=\"BAD_BLOCK\"}",
+    }
+}
+
+/// Waits until every lane `device` has on `stream` is tiered; returns the seqs tiered.
+fn wait_tiered(hub: SocketAddr, device: &str, stream: &str) -> Result<u64> {
+    let mut tiered = 0;
+    procs::wait_until(WAIT, "the attacker's stream to be tiered", || {
+        let Ok(list) = http::get(hub, "/v1/devices").and_then(|r| r.json()) else {
+            return false;
+        };
+        let marks = list
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|d| d["id"] == device)
+            .flat_map(|d| d["marks"].as_array().cloned().unwrap_or_default())
+            .filter(|m| m["stream"] == stream)
+            .collect::<Vec<_>>();
+        let done = !marks.is_empty()
+            && marks
+                .iter()
+                .all(|m| m["durable_seq"].as_u64() == m["tiered_seq"].as_u64());
+        tiered = marks.iter().filter_map(|m| m["tiered_seq"].as_u64()).sum();
+        done && tiered > 0
+    })?;
+    Ok(tiered)
+}
+
 fn quota_exceeded() -> Expect {
     Expect {
         codes: &[ErrorCode::QuotaExceeded],
@@ -747,6 +896,17 @@ fn an_adversarial_device_cannot_hurt_the_hub_or_the_honest_devices() -> Result<(
         ("decode_bomb_long_key", decode_bomb_long_key),
         ("decode_bomb_field_names", decode_bomb_field_names),
         ("decode_bomb_long_string", decode_bomb_long_string),
+        (
+            "decode_bomb_understated_raw_len",
+            decode_bomb_understated_raw_len,
+        ),
+        (
+            "decode_bomb_understated_body_len",
+            decode_bomb_understated_body_len,
+        ),
+        ("gap_to_u64_max", gap_to_u64_max),
+        ("stream_flood_hello", stream_flood_hello),
+        ("column_flood", column_flood),
         ("epoch_flood", epoch_flood),
         ("field_flood_one_block", field_flood_one_block),
         ("connection_flood", connection_flood),

@@ -46,7 +46,12 @@ pub(super) async fn connection(ctx: ConnCtx, handshake: Handshake) -> Result<(),
         Err(msg) => {
             tracing::warn!(%device, reason = %msg, "refusing a connection");
             ConnStats::bump(&ctx.hub.stats().connections.refused);
-            close_with(&conn, ErrorCode::LimitExceeded, &msg);
+            close_with(
+                &ctx.hub.stats().connections,
+                &conn,
+                ErrorCode::LimitExceeded,
+                &msg,
+            );
             return Ok(());
         }
     };
@@ -55,7 +60,7 @@ pub(super) async fn connection(ctx: ConnCtx, handshake: Handshake) -> Result<(),
         return Ok(());
     };
     if let Some((code, msg)) = gate(&ctx, &device, &leaf) {
-        refuse(&conn, &mut ctl_tx, code, &msg).await;
+        refuse(&ctx.hub.stats().connections, &conn, &mut ctl_tx, code, &msg).await;
         return Ok(());
     }
     tracing::info!(%device, remote = %conn.remote_address(), "device connected");
@@ -81,13 +86,13 @@ async fn control_stream(
         _ = tokio::time::sleep_until(hello_by) => {
             tracing::warn!(%device, "no control stream within ingest.hello_timeout; closing");
             ConnStats::bump(&stats.hello_timeouts);
-            close_with(conn, ErrorCode::HelloTimeout, "no control stream within the Hello deadline");
+            close_with(stats, conn, ErrorCode::HelloTimeout, "no control stream within the Hello deadline");
             Ok(None)
         }
         _ = slot.superseded.notified() => {
             tracing::info!(%device, "superseded before its session started; closing");
             ConnStats::bump(&stats.superseded);
-            close_with(conn, ErrorCode::Superseded, "a newer connection of this device took its place");
+            close_with(stats, conn, ErrorCode::Superseded, "a newer connection of this device took its place");
             Ok(None)
         }
     }
@@ -275,7 +280,7 @@ impl Session {
         }
         let _ = self.ctl_tx.finish();
         let _ = tokio::time::timeout(Duration::from_secs(2), self.ctl_tx.stopped()).await;
-        close_with(&self.conn, code, &msg);
+        close_with(&self.ctx.hub.stats().connections, &self.conn, code, &msg);
         let stats = self.ctx.hub.stats();
         match code {
             ErrorCode::Revoked => ConnStats::bump(&stats.revocation.sessions_closed),
@@ -448,7 +453,10 @@ async fn sleep_until(deadline: Option<tokio::time::Instant>) {
 }
 
 /// Closes the QUIC connection with a protocol error code as its application code.
-fn close_with(conn: &quinn::Connection, code: ErrorCode, msg: &str) {
+/// Closes a connection with `code`, counted in `tributary_hub_sessions_ended_total`: every
+/// close with a code goes through here.
+fn close_with(stats: &ConnStats, conn: &quinn::Connection, code: ErrorCode, msg: &str) {
+    stats.ended(code);
     conn.close(
         quinn::VarInt::from_u32(u32::from(code.to_u16())),
         msg.as_bytes(),
@@ -458,6 +466,7 @@ fn close_with(conn: &quinn::Connection, code: ErrorCode, msg: &str) {
 /// Ends a connection before its session starts: an error frame on the control stream (which
 /// the agent's protocol machine reports with its code), then the connection close.
 async fn refuse(
+    stats: &ConnStats,
     conn: &quinn::Connection,
     ctl_tx: &mut quinn::SendStream,
     code: ErrorCode,
@@ -467,5 +476,5 @@ async fn refuse(
     let _ = ctl_tx.write_all(&frame).await;
     let _ = ctl_tx.finish();
     let _ = tokio::time::timeout(Duration::from_secs(2), ctl_tx.stopped()).await;
-    close_with(conn, code, msg);
+    close_with(stats, conn, code, msg);
 }

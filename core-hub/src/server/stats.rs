@@ -1,9 +1,16 @@
 //! Counters of the per-connection limits, exported on `/metrics` (names documented in
 //! docs/security.md, so the adversarial suites can assert them).
 
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use sync::protocol::ErrorCode;
+
 use crate::metrics::{counter, gauge};
+
+/// Wire codes counted one by one in `tributary_hub_sessions_ended_total`; higher (unknown)
+/// codes share the last slot.
+const ENDED_CODES: usize = 32;
 
 /// What the connection limits did, since start.
 #[derive(Debug, Default)]
@@ -24,11 +31,47 @@ pub struct ConnStats {
     pub retries: AtomicU64,
     /// Handshakes in progress now.
     pub handshakes: AtomicU64,
+    /// Connections and sessions the hub ended with an error code, by wire code: every
+    /// refusal, the receiver's own (a bad block, a protocol violation, a limit) included.
+    pub ended: [AtomicU64; ENDED_CODES],
 }
 
 impl ConnStats {
     pub(super) fn bump(c: &AtomicU64) {
         c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a connection or session the hub ended with `code`.
+    pub(super) fn ended(&self, code: ErrorCode) {
+        let i = usize::from(code.to_u16()).min(ENDED_CODES - 1);
+        Self::bump(&self.ended[i]);
+    }
+}
+
+/// `BadBlock` as the docs spell codes: `BAD_BLOCK`.
+fn code_label(code: ErrorCode) -> String {
+    let mut out = String::new();
+    for (i, c) in format!("{code:?}").chars().enumerate() {
+        if c.is_ascii_uppercase() && i > 0 {
+            out.push('_');
+        }
+        out.push(c.to_ascii_uppercase());
+    }
+    out
+}
+
+fn ended_metrics(out: &mut String, c: &ConnStats) {
+    let name = "tributary_hub_sessions_ended_total";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Connections and sessions the hub ended with an error code, by code.\n# TYPE {name} counter"
+    );
+    for (i, n) in c.ended.iter().enumerate().skip(1) {
+        let n = n.load(Ordering::Relaxed);
+        if n > 0 {
+            let code = code_label(ErrorCode::from_u16(i as u16));
+            let _ = writeln!(out, "{name}{{code=\"{code}\"}} {n}");
+        }
     }
 }
 
@@ -75,6 +118,7 @@ pub fn connection_metrics(out: &mut String, c: &ConnStats) {
     for (name, help, v) in families {
         counter(out, name, help, load(v));
     }
+    ended_metrics(out, c);
     gauge(
         out,
         "tributary_hub_quic_handshakes_in_progress",
