@@ -558,7 +558,10 @@ impl Catalog {
         let c = self.r();
         let mut st = c.prepare("SELECT device, stream FROM backlog")?;
         let rows = st.query_map([], |r| {
-            Ok((r.get::<_, i64>(0)? as DeviceId, r.get::<_, i64>(1)? as StreamId))
+            Ok((
+                r.get::<_, i64>(0)? as DeviceId,
+                r.get::<_, i64>(1)? as StreamId,
+            ))
         })?;
         Ok(rows.collect::<Result<_, _>>()?)
     }

@@ -729,7 +729,8 @@ impl Hub {
         let streams = catalog.streams()?;
         let offsets = streams.iter().map(|s| (s.id, s.next_offset)).collect();
         // Before the writer starts, so the readable ends it loads are the committed ends.
-        let streams_mgr = crate::streams::StreamManager::open(catalog.clone(), &cfg.streams, &cfg.read)?;
+        let streams_mgr =
+            crate::streams::StreamManager::open(catalog.clone(), &cfg.streams, &cfg.read)?;
         let writer_cfg = wal::WriterConfig {
             segment_bytes_max: cfg.wal.segment_bytes_max,
             group_commit_linger: cfg.wal.group_commit_linger,

@@ -996,7 +996,8 @@ pub(crate) fn chunk_records(
             }
             // Quarantined blocks (damaged, or not decodable within the limits) are not served
             // from tier 1 and are not tiered either: their offsets stay a hole.
-            if crate::scrub::is_quarantined(hub, row) || !append_block(hub, row, ch, seg, &mut out)? {
+            if crate::scrub::is_quarantined(hub, row) || !append_block(hub, row, ch, seg, &mut out)?
+            {
                 let end = (row.hub_offset_base + row.count()).min(ch.end_offset);
                 skipped += end.saturating_sub(row.hub_offset_base.max(ch.first_offset));
             }
