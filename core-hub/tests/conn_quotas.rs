@@ -20,12 +20,12 @@
 
 mod common;
 
+use common::quic::{Running, connect};
+
 use anyhow::{Context, Result, bail, ensure};
-use core_hub::config::TlsPaths;
 use core_hub::server::Mutation;
 use core_hub::{Hub, HubConfig};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant as StdInstant};
 use sync::block::{VERSION_ROWS, encode_block};
 use sync::protocol::{
@@ -40,67 +40,6 @@ const RECORDS_PER_BLOCK: u64 = 20;
 const IN_FLIGHT_BLOCKS: u64 = 4;
 /// Only bounds a broken build's wait.
 const WAIT: Duration = Duration::from_secs(20);
-
-/// A hub with its QUIC server, in a temp dir with a fresh PKI.
-struct Running {
-    _dir: tempfile::TempDir,
-    pki: PathBuf,
-    hub: Arc<Hub>,
-    quic: std::net::SocketAddr,
-    _stop: watch::Sender<bool>,
-}
-
-async fn start(mutation: Mutation, edit: impl FnOnce(&mut HubConfig)) -> Result<Running> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_test_writer()
-        .try_init();
-    let dir = tempfile::tempdir()?;
-    let pki = dir.path().join("pki");
-    core_hub::pki::init(&pki, &[], false)?;
-    let cfg = common::config(&dir.path().join("hub"), |c: &mut HubConfig| {
-        c.listen.quic = "127.0.0.1:0".parse().unwrap();
-        c.tls = Some(TlsPaths::new(
-            pki.join("ca.pem"),
-            pki.join("hub.pem"),
-            pki.join("hub.key"),
-        ));
-        edit(c);
-    });
-    let hub = Hub::open(&cfg)?;
-    let (stop, stop_rx) = watch::channel(false);
-    let (server, _task) = match mutation {
-        Mutation::None => core_hub::server::start(&cfg, hub.clone(), stop_rx).await?,
-        m => core_hub::server::start_with_mutation(&cfg, hub.clone(), stop_rx, m).await?,
-    };
-    Ok(Running {
-        _dir: dir,
-        pki,
-        hub,
-        quic: server.local_addr,
-        _stop: stop,
-    })
-}
-
-/// Issues a certificate for `device`; returns its directory.
-fn issue(pki: &Path, device: &str) -> Result<PathBuf> {
-    let out = pki.with_file_name(format!("cert-{device}"));
-    core_hub::pki::issue(pki, device, &out)?;
-    Ok(out)
-}
-
-async fn connect(quic: std::net::SocketAddr, cert: &Path) -> Result<quinn::Connection> {
-    let tls = edge_agent::link::TlsPaths {
-        ca: cert.join("ca.pem"),
-        cert: cert.join("device.pem"),
-        key: cert.join("device.key"),
-    };
-    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
-    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
-    Ok(endpoint.connect(quic, "localhost")?.await?)
-}
 
 /// How a device's session ended, as the device saw it.
 #[derive(Debug)]
@@ -280,7 +219,7 @@ fn small_hub(c: &mut HubConfig) {
 /// One certificate connects six times: each connection supersedes the one before with
 /// `SUPERSEDED`, and two other devices still get into the three-connection hub and ship.
 async fn supersede_scenario(run: &Running) -> Result<()> {
-    let cert = issue(&run.pki, "dev-1")?;
+    let cert = common::quic::issue(&run.pki, "dev-1")?.0;
     let mut old = ingesting(run, "dev-1", &cert).await?;
     for round in 1..=5u64 {
         let conn = connect(run.quic, &cert).await?;
@@ -299,7 +238,7 @@ async fn supersede_scenario(run: &Running) -> Result<()> {
     }
     // Three slots in all; dev-1 holds one, so two honest devices get the other two.
     for name in ["dev-2", "dev-3"] {
-        let cert = issue(&run.pki, name)?;
+        let cert = common::quic::issue(&run.pki, name)?.0;
         let s = ingesting(run, name, &cert).await?;
         assert!(!s.task.is_finished(), "{name}'s session ended");
     }
@@ -313,13 +252,13 @@ async fn supersede_scenario(run: &Running) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_connection_supersedes_the_devices_oldest() -> Result<()> {
-    let run = start(Mutation::None, small_hub).await?;
+    let run = common::quic::start(Mutation::None, small_hub).await?;
     supersede_scenario(&run).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutation_without_supersede_one_certificate_fills_the_hub() -> Result<()> {
-    let run = start(Mutation::NoSupersede, small_hub).await?;
+    let run = common::quic::start(Mutation::NoSupersede, small_hub).await?;
     let err = supersede_scenario(&run).await;
     println!("without supersede: {err:?}");
     assert!(
@@ -335,17 +274,17 @@ async fn mutation_without_supersede_one_certificate_fills_the_hub() -> Result<()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_without_a_timely_hello_are_closed() -> Result<()> {
-    let run = start(Mutation::None, |c| {
+    let run = common::quic::start(Mutation::None, |c| {
         c.ingest.conn.hello_timeout = Duration::from_millis(300);
     })
     .await?;
-    let cert = issue(&run.pki, "dev-1")?;
+    let cert = common::quic::issue(&run.pki, "dev-1")?.0;
     // No control stream at all.
     let silent = connect(run.quic, &cert).await?;
     let got = tokio::time::timeout(WAIT, close_code(&silent)).await?;
     assert_eq!(got, code(ErrorCode::HelloTimeout));
     // A control stream with half a Hello: a length prefix, then nothing more.
-    let other = issue(&run.pki, "dev-2")?;
+    let other = common::quic::issue(&run.pki, "dev-2")?.0;
     let half = connect(run.quic, &other).await?;
     let (mut tx, _rx) = half.open_bi().await?;
     tx.write_all(&[200, 0, 0, 0, 1, 2]).await?;
@@ -356,7 +295,7 @@ async fn connections_without_a_timely_hello_are_closed() -> Result<()> {
         2
     );
     // An honest device sends its Hello at once and is served.
-    let honest = issue(&run.pki, "dev-3")?;
+    let honest = common::quic::issue(&run.pki, "dev-3")?.0;
     let mut s = ingesting(&run, "dev-3", &honest).await?;
     s.acked_blocks(20).await?;
     assert!(!s.task.is_finished());
@@ -365,12 +304,12 @@ async fn connections_without_a_timely_hello_are_closed() -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_streams_beyond_blocks_in_flight_wait_for_credit() -> Result<()> {
-    let run = start(Mutation::None, |c| {
+    let run = common::quic::start(Mutation::None, |c| {
         c.ingest.conn.blocks_in_flight_max = 2;
         c.ingest.conn.hello_timeout = Duration::from_secs(60);
     })
     .await?;
-    let cert = issue(&run.pki, "dev-1")?;
+    let cert = common::quic::issue(&run.pki, "dev-1")?.0;
     let conn = connect(run.quic, &cert).await?;
     // The start of a Hello opens the session (quinn shows a stream once it carries data).
     let (mut ctl_tx, _ctl_rx) = conn.open_bi().await?;
@@ -394,7 +333,7 @@ async fn data_streams_beyond_blocks_in_flight_wait_for_credit() -> Result<()> {
         "a third data stream was opened past the limit"
     );
     // An honest device, with the same limit, keeps being acknowledged.
-    let honest = issue(&run.pki, "dev-2")?;
+    let honest = common::quic::issue(&run.pki, "dev-2")?.0;
     let mut s = ingesting(&run, "dev-2", &honest).await?;
     s.acked_blocks(30).await?;
     assert!(!s.task.is_finished());
@@ -404,7 +343,7 @@ async fn data_streams_beyond_blocks_in_flight_wait_for_credit() -> Result<()> {
 /// With the ingest budget spent, a device's data streams wait before they are read (counted),
 /// nothing of them commits; once the budget frees they commit.
 async fn budget_scenario(run: &Running) -> Result<()> {
-    let cert = issue(&run.pki, "dev-1")?;
+    let cert = common::quic::issue(&run.pki, "dev-1")?.0;
     let conn = connect(run.quic, &cert).await?;
     let mut s = run_device("dev-1", 1, conn, 10);
     s.acked_blocks(10).await?;
@@ -436,13 +375,13 @@ async fn budget_scenario(run: &Running) -> Result<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_streams_are_charged_to_the_budget_before_they_are_read() -> Result<()> {
-    let run = start(Mutation::None, |_| {}).await?;
+    let run = common::quic::start(Mutation::None, |_| {}).await?;
     budget_scenario(&run).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mutation_with_uncharged_reads_nothing_waits_for_the_budget() -> Result<()> {
-    let run = start(Mutation::UnchargedReads, |_| {}).await?;
+    let run = common::quic::start(Mutation::UnchargedReads, |_| {}).await?;
     let err = budget_scenario(&run).await;
     println!("uncharged reads: {err:?}");
     assert!(err.is_err(), "the budget scenario passed without its guard");
@@ -451,11 +390,11 @@ async fn mutation_with_uncharged_reads_nothing_waits_for_the_budget() -> Result<
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_new_address_is_validated_by_retry_when_asked() -> Result<()> {
-    let run = start(Mutation::None, |c| {
+    let run = common::quic::start(Mutation::None, |c| {
         c.ingest.conn.retry_above_handshakes = 0;
     })
     .await?;
-    let cert = issue(&run.pki, "dev-1")?;
+    let cert = common::quic::issue(&run.pki, "dev-1")?.0;
     let mut s = ingesting(&run, "dev-1", &cert).await?;
     s.acked_blocks(20).await?;
     assert!(metric(&run.hub, "tributary_hub_quic_retries_total") >= 1);

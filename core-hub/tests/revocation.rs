@@ -15,12 +15,12 @@
 
 mod common;
 
+use common::quic::{Running, connect, issue};
+
 use anyhow::{Context, Result, bail, ensure};
-use core_hub::config::TlsPaths;
+use core_hub::Hub;
 use core_hub::server::Mutation;
-use core_hub::{Hub, HubConfig};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant as StdInstant};
 use sync::block::{VERSION_ROWS, encode_block};
 use sync::protocol::{
@@ -37,57 +37,12 @@ const IN_FLIGHT_BLOCKS: u64 = 4;
 /// Generous: the hub polls the list every 250 ms; this only bounds a broken build's wait.
 const WAIT: Duration = Duration::from_secs(20);
 
-/// A hub with its QUIC server, in a temp dir with a fresh PKI.
-struct Running {
-    _dir: tempfile::TempDir,
-    pki: PathBuf,
-    hub: Arc<Hub>,
-    quic: std::net::SocketAddr,
-    _stop: watch::Sender<bool>,
-}
-
 async fn start() -> Result<Running> {
     start_with(Mutation::None).await
 }
 
 async fn start_with(mutation: Mutation) -> Result<Running> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_test_writer()
-        .try_init();
-    let dir = tempfile::tempdir()?;
-    let pki = dir.path().join("pki");
-    core_hub::pki::init(&pki, &[], false)?;
-    let cfg = common::config(&dir.path().join("hub"), |c: &mut HubConfig| {
-        c.listen.quic = "127.0.0.1:0".parse().unwrap();
-        c.tls = Some(TlsPaths::new(
-            pki.join("ca.pem"),
-            pki.join("hub.pem"),
-            pki.join("hub.key"),
-        ));
-    });
-    let hub = Hub::open(&cfg)?;
-    let (stop, stop_rx) = watch::channel(false);
-    let (server, _task) = match mutation {
-        Mutation::None => core_hub::server::start(&cfg, hub.clone(), stop_rx).await?,
-        m => core_hub::server::start_with_mutation(&cfg, hub.clone(), stop_rx, m).await?,
-    };
-    Ok(Running {
-        _dir: dir,
-        pki,
-        hub,
-        quic: server.local_addr,
-        _stop: stop,
-    })
-}
-
-/// Issues a certificate for `device`; returns its directory and serial.
-fn issue(pki: &Path, device: &str) -> Result<(PathBuf, String)> {
-    let out = pki.with_file_name(format!("cert-{device}"));
-    let issued = core_hub::pki::issue(pki, device, &out)?;
-    Ok((out, issued.serial))
+    common::quic::start(mutation, |_| {}).await
 }
 
 /// `openssl x509 -text` style: uppercase pairs between colons.
@@ -110,17 +65,6 @@ fn core_hub_cli(args: &[&str]) -> Result<std::process::Output> {
         .args(args)
         .env("NO_COLOR", "1")
         .output()?)
-}
-
-async fn connect(quic: std::net::SocketAddr, cert: &Path) -> Result<quinn::Connection> {
-    let tls = edge_agent::link::TlsPaths {
-        ca: cert.join("ca.pem"),
-        cert: cert.join("device.pem"),
-        key: cert.join("device.key"),
-    };
-    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
-    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
-    Ok(endpoint.connect(quic, "localhost")?.await?)
 }
 
 /// How a device's session ended, as the device saw it.

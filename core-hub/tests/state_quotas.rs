@@ -13,14 +13,15 @@
 
 mod common;
 
+use common::quic::Running;
+use core_hub::server::Mutation;
+
 use anyhow::{Context, Result, bail, ensure};
 use common::{block, read_all, records};
-use core_hub::config::TlsPaths;
 use core_hub::ingest::BacklogReport;
 use core_hub::ingest::quotas::Limit;
 use core_hub::{Hub, HubConfig, IngestError};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 use std::time::{Duration, Instant as StdInstant};
 use sync::block::{VERSION_COLUMNAR, VERSION_ROWS, encode_block};
 use sync::protocol::{
@@ -28,7 +29,6 @@ use sync::protocol::{
     TransmitKind,
 };
 use sync::record::Value;
-use tokio::sync::watch;
 
 /// Small limits, so each trips within a few blocks.
 fn small(dir: &Path) -> HubConfig {
@@ -276,52 +276,20 @@ async fn metrics_list_a_bounded_number_of_devices() -> Result<()> {
 const WAIT: Duration = Duration::from_secs(20);
 const RECORDS_PER_BLOCK: u64 = 10;
 
-struct Running {
-    _dir: tempfile::TempDir,
-    pki: PathBuf,
-    hub: Arc<Hub>,
-    quic: std::net::SocketAddr,
-    _stop: watch::Sender<bool>,
-}
-
 async fn start(streams_per_device_max: u32) -> Result<Running> {
-    let dir = tempfile::tempdir()?;
-    let pki = dir.path().join("pki");
-    core_hub::pki::init(&pki, &[], false)?;
-    let cfg = common::config(&dir.path().join("hub"), |c: &mut HubConfig| {
-        c.listen.quic = "127.0.0.1:0".parse().unwrap();
-        c.tls = Some(TlsPaths::new(
-            pki.join("ca.pem"),
-            pki.join("hub.pem"),
-            pki.join("hub.key"),
-        ));
+    common::quic::start(Mutation::None, |c| {
         c.ingest.state.streams_per_device_max = streams_per_device_max;
-    });
-    let hub = Hub::open(&cfg)?;
-    let (stop, stop_rx) = watch::channel(false);
-    let (server, _task) = core_hub::server::start(&cfg, hub.clone(), stop_rx).await?;
-    Ok(Running {
-        _dir: dir,
-        pki,
-        hub,
-        quic: server.local_addr,
-        _stop: stop,
     })
+    .await
 }
 
+/// Connects as `device`, issuing its certificate on first use.
 async fn connect(run: &Running, device: &str) -> Result<quinn::Connection> {
-    let out = run.pki.with_file_name(format!("cert-{device}"));
-    if !out.exists() {
-        core_hub::pki::issue(&run.pki, device, &out)?;
+    let cert = run.pki.with_file_name(format!("cert-{device}"));
+    if !cert.exists() {
+        common::quic::issue(&run.pki, device)?;
     }
-    let tls = edge_agent::link::TlsPaths {
-        ca: out.join("ca.pem"),
-        cert: out.join("device.pem"),
-        key: out.join("device.key"),
-    };
-    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
-    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
-    Ok(endpoint.connect(run.quic, "localhost")?.await?)
+    common::quic::connect(run.quic, &cert).await
 }
 
 /// How a session ended: the code and message of the hub's Error frame, if any.

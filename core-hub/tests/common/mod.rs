@@ -1,6 +1,8 @@
 //! Shared helpers for the hub's integration tests: records, blocks and a hub in a temp dir.
 #![allow(dead_code)]
 
+pub mod quic;
+
 use core_hub::{Hub, HubConfig};
 use std::sync::Arc;
 use sync::block::{VERSION_ROWS, encode_block};
