@@ -332,7 +332,20 @@ async fn run_serves_the_api_and_stops_on_sigterm() {
         .await
         .expect("the hub did not come up");
     let target = ApiTarget::parse(&format!("http://127.0.0.1:{port}"), None).unwrap();
-    assert_eq!(client::get(&target, "/healthz").await.unwrap().status, 200);
+    // The API listens before tier 2 is open; /healthz says ready (200) once it is.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let status = client::get(&target, "/healthz").await.unwrap().status;
+        if status == 200 {
+            break;
+        }
+        assert_eq!(status, 503, "/healthz before the hub is ready");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the hub never became ready"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     let out = tokio::process::Command::new(bin)
         .args(["read", "nothing-yet", "--config", config.to_str().unwrap()])
         .output()
