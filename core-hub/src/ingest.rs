@@ -210,8 +210,21 @@ impl IngestError {
 }
 
 impl From<CatalogError> for IngestError {
+    /// SQLite's `SQLITE_FULL` (the catalog could not grow its log) is the hub's full disk,
+    /// which clears by itself: the device keeps its data and retries (`STORAGE_FULL`).
     fn from(e: CatalogError) -> Self {
-        IngestError::Catalog(e.to_string())
+        let full = std::error::Error::source(&e)
+            .and_then(|s| s.downcast_ref::<rusqlite::Error>())
+            .and_then(rusqlite::Error::sqlite_error_code)
+            .is_some_and(|c| c == rusqlite::ErrorCode::DiskFull);
+        if full {
+            IngestError::Unavailable(CommitError::DiskFull {
+                path: std::path::PathBuf::from("the catalog"),
+                detail: e.to_string(),
+            })
+        } else {
+            IngestError::Catalog(e.to_string())
+        }
     }
 }
 

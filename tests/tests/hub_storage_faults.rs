@@ -312,6 +312,19 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
     // Round two, with large incompressible records: the WAL write itself now hits ENOSPC
     // (round one may hit it in the catalog commit first, when a small block still fits the
     // WAL file's last page). Both paths must roll back and resume.
+    // One blob record first, while there is space: the stream registers its new field name
+    // in the catalog before it writes a block, and that write would meet the full disk first.
+    ingest(
+        &producer,
+        &mut ledger,
+        "telemetry",
+        &blob_batch("field", 9_000, 1),
+    )?;
+    wait_until(WAIT, "the first blob record to be acknowledged", || {
+        cluster::status(agent_spec.http)
+            .map(|st| cluster::unacked(&st) == 0)
+            .unwrap_or(false)
+    })?;
     let filled = fill(&filler)?;
     eprintln!("filled the hub's tmpfs again with {filled} bytes");
     ingest(
@@ -322,6 +335,12 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
     )?;
     wait_until(WAIT, "the hub to refuse ingest again (healthz 503)", || {
         http::get(hub_spec.http, "/healthz").is_ok_and(|r| r.status == 503)
+    })
+    .with_context(|| {
+        let health = http::get(hub_spec.http, "/healthz")
+            .map(|r| r.text())
+            .unwrap_or_default();
+        format!("healthz: {health}\nhub: {}", hub.log_tail(30))
     })?;
     let health = http::get(hub_spec.http, "/healthz")?.text();
     ensure!(
@@ -338,7 +357,7 @@ fn hub_disk_full_refuses_ingest_keeps_data_and_resumes_without_restart() -> Resu
         &filler,
         &mut ledger,
         &batch("after2", 5_100, 500),
-        5_600,
+        5_601,
         storage_full_round_one,
     )?;
 
