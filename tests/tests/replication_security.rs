@@ -79,6 +79,23 @@ fn hub(root: &Path, extra_toml: &str) -> Result<(Pki, HubSpec, Proc)> {
     Ok((pki, spec, proc))
 }
 
+/// Waits until the agent reports `stream` acknowledged up to `seq`; the logs on a timeout.
+fn wait_acked(
+    spec: &AgentSpec,
+    hub: &Proc,
+    agent: &Proc,
+    stream: &str,
+    seq: u64,
+    what: &str,
+) -> Result<()> {
+    wait_until(WAIT, what, || {
+        cluster::status(spec.http)
+            .map(|st| cluster::stream_u64(&st, stream, "acked_seq") >= seq)
+            .unwrap_or(false)
+    })
+    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))
+}
+
 #[test]
 fn a_certificate_from_another_ca_is_rejected() -> Result<()> {
     let root = tempfile::Builder::new().prefix("trb-sec-ca-").tempdir()?;
@@ -186,16 +203,14 @@ fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
     // written after it are both acknowledged and stored.
     ingest(&producer, &mut ledger, "other", &batch("allowed", 300, 300))?;
     ingest(&producer, &mut ledger, STREAM, &batch("forbidden", 300, 50))?;
-    wait_until(
-        WAIT,
+    wait_acked(
+        &spec,
+        &hub,
+        &agent,
+        "other",
+        600,
         "the allowed stream to be acknowledged in full",
-        || {
-            cluster::status(spec.http)
-                .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 600)
-                .unwrap_or(false)
-        },
-    )
-    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    )?;
     let status = cluster::status(spec.http)?;
     assert_eq!(
         cluster::stream_u64(&status, STREAM, "acked_seq"),
@@ -235,12 +250,14 @@ fn a_stream_past_the_device_quota_is_left_out_and_the_admitted_one_flows() -> Re
     let mut ledger = Ledger::new();
     // `other` takes the device's one stream first.
     ingest(&producer, &mut ledger, "other", &batch("admitted", 0, 300))?;
-    wait_until(WAIT, "the admitted stream to be acknowledged", || {
-        cluster::status(spec.http)
-            .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 300)
-            .unwrap_or(false)
-    })
-    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    wait_acked(
+        &spec,
+        &hub,
+        &agent,
+        "other",
+        300,
+        "the admitted stream to be acknowledged",
+    )?;
     ingest(&producer, &mut ledger, STREAM, &batch("over-quota", 0, 300))?;
     wait_until(WAIT, "the agent to leave the over-quota stream out", || {
         cluster::fetch_metric(spec.http, "tributary_edge_link_streams_refused_total").unwrap_or(0.0)
@@ -254,16 +271,14 @@ fn a_stream_past_the_device_quota_is_left_out_and_the_admitted_one_flows() -> Re
         "other",
         &batch("admitted", 300, 300),
     )?;
-    wait_until(
-        WAIT,
+    wait_acked(
+        &spec,
+        &hub,
+        &agent,
+        "other",
+        600,
         "the admitted stream to be acknowledged in full",
-        || {
-            cluster::status(spec.http)
-                .map(|st| cluster::stream_u64(&st, "other", "acked_seq") >= 600)
-                .unwrap_or(false)
-        },
-    )
-    .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
+    )?;
     let quota = cluster::fetch_metric(hub_spec.http, "tributary_hub_quota_refused_total")?;
     assert!(quota >= 1.0, "the hub did not count a quota refusal");
     assert!(
