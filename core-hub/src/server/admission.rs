@@ -8,35 +8,115 @@
 //! share of the hub's connection capacity. A connection that superseded another waits (up to
 //! the admission wait) for the slot the old one frees; any other connection at the hub's
 //! capacity is refused with `LIMIT_EXCEEDED` at once.
+//!
+//! # Receive windows
+//!
+//! What quinn may buffer for a connection is its QUIC receive window (connection-level flow
+//! control: bytes received and not yet read by the hub). Every connection's window is reserved
+//! from the ingest budget for its lifetime, so the windows of all connections together never
+//! exceed `ingest.memory_bytes_max`:
+//! - the handshake advertises only [`WINDOW_FLOOR_BYTES`], which is part of
+//!   [`CONNECTION_COST_BYTES`]: a connection that is refused, or not admitted yet, can never
+//!   have more than the floor in flight, and a connection that does not fit its cost (and so
+//!   its floor) is refused with `LIMIT_EXCEEDED`;
+//! - once admitted, a connection is raised towards the full window (the receiver's block
+//!   window plus 1 MiB for control frames) with what is free now, without waiting, of both the
+//!   budget and the windows' share ([`WINDOWS_BUDGET_SHARE`]): the first connections of an
+//!   idle hub get the full window, later ones less, down to the floor
+//!   (`tributary_hub_ingest_windows_reduced_total`). The share keeps the windows from
+//!   crowding out the blocks' part of the budget.
+//!
+//! The receiver's block window (what the agent may have in flight, in the Welcome) is the
+//! connection's QUIC window less the control frames' headroom: the hub reads one data stream
+//! at a time, and bytes the agent sent on later streams must never use up the credit of the
+//! stream being read. `tributary_hub_ingest_window_reserved_bytes` is the sum of the windows
+//! of live connections; it is released when a connection ends.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use rustls::pki_types::CertificateDer;
 use tokio::sync::{Notify, OwnedSemaphorePermit};
 
 use super::{ConnCtx, ConnStats};
+use crate::ingest::{Hub, MEMORY_PERMIT_BYTES};
 use crate::pki;
 
-/// What an idle, established connection costs the hub (see the module docs), charged to the
-/// ingest budget for the connection's lifetime.
-pub const CONNECTION_COST_BYTES: u64 = 128 << 10;
-/// The share of the ingest budget connections may hold together, in quarters: 3/4.
+/// The QUIC receive window every admitted connection is sure of (see the module docs).
+pub const WINDOW_FLOOR_BYTES: u64 = 128 << 10;
+/// What an idle, established connection holds besides its window: its quinn and TLS state,
+/// the protocol receiver and the driver's buffers (measured at 109–115 KiB).
+const CONNECTION_STATE_BYTES: u64 = 128 << 10;
+/// What a connection reserves of the ingest budget for its lifetime before its window is
+/// raised: its state and the window floor.
+pub const CONNECTION_COST_BYTES: u64 = CONNECTION_STATE_BYTES + WINDOW_FLOOR_BYTES;
+/// The share of the ingest budget connections' costs may hold together, in quarters: 3/4.
 pub const CONNECTIONS_BUDGET_SHARE: (u64, u64) = (3, 4);
+/// The share of the ingest budget that receive windows above the floor may hold together:
+/// 1/8. With the connections' share, blocks always keep at least the last 1/8.
+pub const WINDOWS_BUDGET_SHARE: (u64, u64) = (1, 8);
 /// How long a new connection waits for its share of the budget before it is refused.
 const CONNECTION_ADMIT_WAIT: Duration = Duration::from_secs(5);
 
-/// A connection's reservation: its slot among connections and its bytes of the ingest budget.
+/// A connection's reservation: its slot among connections, its bytes of the ingest budget
+/// and its receive window above the floor; dropping it releases all of them.
 pub(super) struct ConnectionCharge {
+    // Dropped first: the gauge never counts a window whose bytes were released.
+    _window: WindowGrant,
     _slot: OwnedSemaphorePermit,
     _memory: OwnedSemaphorePermit,
+    _raise: Option<Raise>,
+}
+
+/// A connection's receive window, counted in `tributary_hub_ingest_window_reserved_bytes`
+/// while it lives.
+struct WindowGrant {
+    hub: Arc<Hub>,
+    bytes: u64,
+}
+
+/// A window's reservation above the floor: of the windows' share and of the ingest budget.
+type Raise = (OwnedSemaphorePermit, OwnedSemaphorePermit);
+
+/// The block window the receiver advertises on a connection whose QUIC receive window is
+/// `window`: all of it but the control frames' headroom (1 MiB, or half a small window). The
+/// agent then never has more in flight than the QUIC window holds, beyond the one block it
+/// may always send: bytes on streams the hub is not reading yet can never use up the credit
+/// the stream it is reading needs.
+fn block_window(window: u64) -> u64 {
+    window - (1 << 20).min(window / 2)
+}
+
+impl WindowGrant {
+    fn new(hub: &Arc<Hub>, bytes: u64) -> WindowGrant {
+        let stats = &hub.stats().connections;
+        stats
+            .window_reserved_bytes
+            .fetch_add(bytes, Ordering::Relaxed);
+        WindowGrant {
+            hub: hub.clone(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for WindowGrant {
+    fn drop(&mut self) {
+        let stats = &self.hub.stats().connections;
+        stats
+            .window_reserved_bytes
+            .fetch_sub(self.bytes, Ordering::Relaxed);
+    }
 }
 
 /// Charges a new connection to the ingest budget, waiting a little when it is spent; with
-/// `wait_for_slot` (it superseded a connection that is closing) it waits for a slot too.
+/// `wait_for_slot` (it superseded a connection that is closing) it waits for a slot too. Then
+/// raises its receive window with what the budget has free (see the module docs).
 pub(super) async fn admit_connection(
-    ctx: &ConnCtx,
+    ctx: &mut ConnCtx,
+    conn: &quinn::Connection,
     wait_for_slot: bool,
 ) -> Result<ConnectionCharge, String> {
     let full = || {
@@ -53,7 +133,7 @@ pub(super) async fn admit_connection(
             .map_err(|_| full())?
             .map_err(|_| full())?,
     };
-    let permits = CONNECTION_COST_BYTES.div_ceil(crate::ingest::MEMORY_PERMIT_BYTES) as u32;
+    let permits = CONNECTION_COST_BYTES.div_ceil(MEMORY_PERMIT_BYTES) as u32;
     let memory = tokio::time::timeout(
         CONNECTION_ADMIT_WAIT,
         ctx.hub.memory().clone().acquire_many_owned(permits),
@@ -61,10 +141,55 @@ pub(super) async fn admit_connection(
     .await
     .map_err(|_| "the ingest memory budget is spent; retry later".to_string())?
     .map_err(|_| "the ingest budget is closed".to_string())?;
+    let (raise, window) = match ctx.mutation.unreserved_windows() {
+        // The test-only mutation: the full window, reserved nowhere.
+        true => (None, full_window(ctx)),
+        false => raise_window(ctx),
+    };
+    assert!(window >= WINDOW_FLOOR_BYTES, "a window below the floor");
+    if window < full_window(ctx) {
+        ConnStats::bump(&ctx.hub.stats().connections.windows_reduced);
+    }
+    let window_var = quinn::VarInt::from_u64(window).unwrap_or(quinn::VarInt::MAX);
+    conn.set_receive_window(window_var);
+    ctx.receiver_cfg.window_bytes = block_window(window);
     Ok(ConnectionCharge {
+        _window: WindowGrant::new(&ctx.hub, window),
         _slot: slot,
         _memory: memory,
+        _raise: raise,
     })
+}
+
+/// The receive window a connection gets with the budget to spare: the receiver's block
+/// window plus 1 MiB for control frames.
+pub(super) fn full_window(ctx: &ConnCtx) -> u64 {
+    (ctx.receiver_cfg.window_bytes + (1 << 20)).max(WINDOW_FLOOR_BYTES)
+}
+
+/// The window above the floor a new connection gets: as much of the rest of its full window
+/// as both the windows' share and the ingest budget have free now, never waiting. Returns
+/// the reservation and the whole window.
+fn raise_window(ctx: &ConnCtx) -> (Option<Raise>, u64) {
+    let want = (full_window(ctx) - WINDOW_FLOOR_BYTES) / MEMORY_PERMIT_BYTES;
+    let free = ctx
+        .windows
+        .available_permits()
+        .min(ctx.hub.memory().available_permits()) as u64;
+    let n = want.min(free) as u32;
+    if n == 0 {
+        return (None, WINDOW_FLOOR_BYTES);
+    }
+    let share = ctx.windows.clone().try_acquire_many_owned(n);
+    let memory = ctx.hub.memory().clone().try_acquire_many_owned(n);
+    match (share, memory) {
+        (Ok(share), Ok(memory)) => (
+            Some((share, memory)),
+            WINDOW_FLOOR_BYTES + u64::from(n) * MEMORY_PERMIT_BYTES,
+        ),
+        // Another connection or a block took it meanwhile: the floor, which is reserved.
+        _ => (None, WINDOW_FLOOR_BYTES),
+    }
 }
 
 /// The device id and the leaf certificate (for revocation checks) the handshake verified.
@@ -177,7 +302,8 @@ pub(super) fn validate_or_retry(ctx: &ConnCtx, incoming: quinn::Incoming) -> Opt
     let stats = &ctx.hub.stats().connections;
     let busy = stats.handshakes.load(std::sync::atomic::Ordering::Relaxed)
         >= u64::from(ctx.quotas.retry_above_handshakes);
-    let incoming = if busy && !incoming.remote_address_validated() && incoming.may_retry() {
+    let retry = busy && ctx.mutation.retries();
+    let incoming = if retry && !incoming.remote_address_validated() && incoming.may_retry() {
         match incoming.retry() {
             Ok(()) => {
                 ConnStats::bump(&stats.retries);

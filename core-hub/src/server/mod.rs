@@ -33,16 +33,17 @@
 //!
 //! Every established connection reserves [`CONNECTION_COST_BYTES`] from the global ingest
 //! budget (`ingest.memory_bytes_max`) for its lifetime: its quinn and TLS state, the protocol
-//! receiver and the driver's buffers, measured at 109–115 KiB idle. Connections together may
-//! hold at most [`CONNECTIONS_BUDGET_SHARE`] of the budget, so blocks always keep the rest; a
-//! device that would exceed it is refused (`LIMIT_EXCEEDED`) and retries with its backoff.
-//! The hub's memory is therefore `ingest.memory_bytes_max` plus a fixed overhead (runtime,
-//! SQLite, WAL writer) for any number of devices. Idle connections hold no receive buffers
-//! (quinn allocates them as data arrives, and the control stream is read chunk by chunk), so
-//! the flow-control windows bound only what an active connection has in flight; those bytes,
-//! at most one receive window per connection, are the part the budget does not cover
-//! (docs/security.md, "Devices: connections"). Per-device slots, deadlines and blocks in
-//! flight are in `admission` and `session`.
+//! receiver and the driver's buffers (measured at 109–115 KiB idle), and the floor of its
+//! QUIC receive window ([`WINDOW_FLOOR_BYTES`]). Connections together may hold at most
+//! [`CONNECTIONS_BUDGET_SHARE`] of the budget; a device that would exceed it is refused
+//! (`LIMIT_EXCEEDED`) and retries with its backoff. The receive window above the floor is
+//! reserved from the budget too, from what is free when the connection is admitted and
+//! within [`WINDOWS_BUDGET_SHARE`], so blocks always keep the rest (`admission`, "Receive
+//! windows"). Everything quinn may buffer for a connection is within its window, so the
+//! hub's memory is `ingest.memory_bytes_max` plus a fixed overhead (runtime, SQLite, WAL
+//! writer) for any number of devices, busy or idle (docs/security.md, "Devices:
+//! connections"). Per-device slots, deadlines and blocks in flight are in `admission` and
+//! `session`.
 //!
 //! # Refused streams
 //!
@@ -80,7 +81,9 @@ use crate::config::{ConnectionQuotas, HubConfig};
 use crate::ingest::Hub;
 use crate::pki::{self, SharedRevocations};
 
-pub use admission::{CONNECTION_COST_BYTES, CONNECTIONS_BUDGET_SHARE};
+pub use admission::{
+    CONNECTION_COST_BYTES, CONNECTIONS_BUDGET_SHARE, WINDOW_FLOOR_BYTES, WINDOWS_BUDGET_SHARE,
+};
 pub use data::DECODE_AHEAD;
 pub use stats::{ConnStats, connection_metrics};
 
@@ -108,8 +111,9 @@ pub enum ServeError {
 /// Flow-control settings for device connections.
 ///
 /// The per-connection receive window is the receiver's advertised block window (32 MiB) plus
-/// headroom for control frames; the global ingest memory budget in `[ingest]` bounds what all
-/// connections together may hold decoded, so windows only bound bytes on the wire.
+/// headroom for control frames. The hub's listener advertises only the floor during the
+/// handshake and raises each admitted connection's window with what it reserved of the ingest
+/// budget (`admission`, "Receive windows").
 pub fn transport_config(window_bytes: u64) -> quinn::TransportConfig {
     let mut t = quinn::TransportConfig::default();
     let window = u32::try_from(window_bytes + (1 << 20)).unwrap_or(u32::MAX);
@@ -155,6 +159,12 @@ pub enum Mutation {
     /// Data streams are read and decoded without charging the ingest budget.
     #[cfg(feature = "fault-injection")]
     UnchargedReads,
+    /// Every connection gets the full receive window, reserved nowhere.
+    #[cfg(feature = "fault-injection")]
+    UnreservedWindows,
+    /// No QUIC Retry, whatever the handshake load.
+    #[cfg(feature = "fault-injection")]
+    NoRetry,
 }
 
 /// Binds the QUIC listener and serves devices until `shutdown` flips to true.
@@ -204,6 +214,10 @@ async fn start_mutated(
     // buffering its blocks (the session loop stops taking streams at the same bound).
     let blocks_max = cfg.ingest.conn.blocks_in_flight_max;
     transport.max_concurrent_uni_streams(quinn::VarInt::from_u32(blocks_max));
+    // Until a connection is admitted and its window reserved, it may send only the floor.
+    if !mutation.unreserved_windows() {
+        transport.receive_window(quinn::VarInt::from_u32(WINDOW_FLOOR_BYTES as u32));
+    }
     server_cfg.transport_config(Arc::new(transport));
     let socket = udp_socket(cfg.listen.quic)?;
     let runtime =
@@ -222,6 +236,13 @@ async fn start_mutated(
         addr: cfg.listen.quic,
         source,
     })?;
+    let (num, den) = WINDOWS_BUDGET_SHARE;
+    let windows_share = cfg.ingest.memory_bytes_max / den * num;
+    let windows = Arc::new(Semaphore::new(
+        usize::try_from(windows_share / crate::ingest::MEMORY_PERMIT_BYTES)
+            .unwrap_or(usize::MAX)
+            .min(Semaphore::MAX_PERMITS),
+    ));
     let (revoke_tx, revoke_rx) = watch::channel(0u64);
     let (num, den) = CONNECTIONS_BUDGET_SHARE;
     let conn_share = cfg.ingest.memory_bytes_max / den * num;
@@ -249,6 +270,7 @@ async fn start_mutated(
         revoke_rx: revoke_rx.clone(),
         receiver_cfg: receiver_cfg.clone(),
         connections: connections.clone(),
+        windows,
         slots: admission::DeviceSlots::new(cfg.ingest.conn.connections_per_device_max),
         quotas: cfg.ingest.conn,
         data,
@@ -328,6 +350,8 @@ struct ConnCtx {
     receiver_cfg: ReceiverConfig,
     /// One permit per connection the budget share allows.
     connections: Arc<Semaphore>,
+    /// The windows' share of the budget, in permits of `MEMORY_PERMIT_BYTES`.
+    windows: Arc<Semaphore>,
     /// Every device's live connections.
     slots: Arc<admission::DeviceSlots>,
     quotas: ConnectionQuotas,
@@ -342,6 +366,22 @@ impl Mutation {
     fn supersedes(self) -> bool {
         #[cfg(feature = "fault-injection")]
         if self == Mutation::NoSupersede {
+            return false;
+        }
+        true
+    }
+
+    fn unreserved_windows(self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self == Mutation::UnreservedWindows {
+            return true;
+        }
+        false
+    }
+
+    fn retries(self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        if self == Mutation::NoRetry {
             return false;
         }
         true

@@ -31,6 +31,10 @@ pub struct ConnStats {
     pub retries: AtomicU64,
     /// Handshakes in progress now.
     pub handshakes: AtomicU64,
+    /// The QUIC receive windows of live connections together, reserved from the ingest budget.
+    pub window_reserved_bytes: AtomicU64,
+    /// Connections admitted with less than the full receive window (the budget was short).
+    pub windows_reduced: AtomicU64,
     /// Connections and sessions the hub ended with an error code, by wire code: every
     /// refusal, the receiver's own (a bad block, a protocol violation, a limit) included.
     pub ended: [AtomicU64; ENDED_CODES],
@@ -78,7 +82,7 @@ fn ended_metrics(out: &mut String, c: &ConnStats) {
 /// Writes the connection-limit families.
 pub fn connection_metrics(out: &mut String, c: &ConnStats) {
     let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
-    let families: [(&str, &str, &AtomicU64); 7] = [
+    let families: [(&str, &str, &AtomicU64); 8] = [
         (
             "tributary_hub_connections_superseded_total",
             "Connections closed with SUPERSEDED because a newer connection of the same device took their place.",
@@ -114,6 +118,11 @@ pub fn connection_metrics(out: &mut String, c: &ConnStats) {
             "QUIC Retry packets sent to validate client addresses under handshake load.",
             &c.retries,
         ),
+        (
+            "tributary_hub_ingest_windows_reduced_total",
+            "Connections admitted with less than the full QUIC receive window because the ingest budget was short.",
+            &c.windows_reduced,
+        ),
     ];
     for (name, help, v) in families {
         counter(out, name, help, load(v));
@@ -124,5 +133,11 @@ pub fn connection_metrics(out: &mut String, c: &ConnStats) {
         "tributary_hub_quic_handshakes_in_progress",
         "QUIC handshakes in progress now.",
         load(&c.handshakes),
+    );
+    gauge(
+        out,
+        "tributary_hub_ingest_window_reserved_bytes",
+        "QUIC receive windows of live connections, reserved from ingest.memory_bytes_max.",
+        load(&c.window_reserved_bytes),
     );
 }
