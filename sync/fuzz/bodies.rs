@@ -267,6 +267,7 @@ impl<'a> Input<'a> {
             version_max,
             current_epoch,
             lanes,
+            capabilities: 0,
         })
     }
 
@@ -873,7 +874,9 @@ impl Edge {
                     );
                     self.mint(tx, now, epoch_min, rekey);
                 }
-                SenderEvent::Established { .. } => {}
+                SenderEvent::Established { .. }
+                | SenderEvent::StreamRefused { .. }
+                | SenderEvent::StreamRetrying { .. } => {}
                 SenderEvent::Closed(_) => self.closed = true,
             }
         }

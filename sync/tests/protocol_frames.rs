@@ -63,6 +63,7 @@ fn samples() -> Vec<(&'static str, Frame)> {
                 version_max: 1,
                 current_epoch: 7,
                 lanes: vec![lane()],
+                capabilities: 0,
             }),
         ),
         (
@@ -299,6 +300,7 @@ fn unsupported_version_is_refused_with_its_code() {
         version_max: 3,
         current_epoch: 1,
         lanes: vec![],
+        capabilities: 0,
     };
     rx.handle_frame(now, &Frame::Hello(hello).encode());
     let t = rx.poll_transmit().expect("error frame");

@@ -824,7 +824,9 @@ impl World {
                 );
                 self.disconnect();
             }
-            SenderEvent::Established { .. } => {}
+            SenderEvent::Established { .. }
+            | SenderEvent::StreamRefused { .. }
+            | SenderEvent::StreamRetrying { .. } => {}
         }
     }
 

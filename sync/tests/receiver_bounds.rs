@@ -46,6 +46,7 @@ fn hello(lane: LaneAnnounce) -> Vec<u8> {
         version_max: 1,
         current_epoch: EPOCH,
         lanes: vec![lane],
+        capabilities: 0,
     })
     .encode()
 }

@@ -95,6 +95,7 @@ pub fn hello(current_epoch: u64, lanes: Vec<LaneAnnounce>) -> Hello {
         version_max: PROTOCOL_VERSION,
         current_epoch,
         lanes,
+        capabilities: 0,
     }
 }
 

@@ -326,6 +326,7 @@ impl RawSession {
             version_max: PROTOCOL_VERSION,
             current_epoch: lane.epoch,
             lanes: vec![lane],
+            capabilities: 0,
         });
         control.write_all(&hello.encode()).await?;
         let mut session = RawSession {

@@ -12,8 +12,10 @@
 //!
 //! Two frames have a layout frozen across all protocol versions, because they are read before
 //! a version is agreed: [`Hello`] (its fixed prefix: magic and version range) and
-//! [`ErrorFrame`]. A Hello may carry trailing bytes after the version-1 body; they are
-//! reserved for extensions and ignored. Every other frame must be consumed exactly.
+//! [`ErrorFrame`]. A Hello may carry trailing bytes after the version-1 body: extensions.
+//! The first is the edge's [`capability`] bits (a varint, written only when non-zero); any
+//! later or undecodable extension bytes are ignored. Every other frame must be consumed
+//! exactly.
 
 use crate::varint::{self, ReadError, Reader};
 use thiserror::Error;
@@ -46,6 +48,18 @@ pub mod frame_type {
     pub const PING: u8 = 0x07;
     pub const VERDICT: u8 = 0x08;
     pub const ERROR: u8 = 0x09;
+    pub const STREAM_REFUSED: u8 = 0x0a;
+}
+
+/// Capability bits an edge announces in its Hello (the first Hello extension). A hub sends a
+/// frame type only to an edge that announced the bit for it, so an older agent never gets a
+/// frame it cannot decode. Bits are never reused.
+pub mod capability {
+    /// The edge understands [`super::Frame::StreamRefused`]: the hub refuses one stream
+    /// without closing the session.
+    pub const STREAM_REFUSED: u64 = 1;
+    /// Every bit this build understands.
+    pub const ALL: u64 = STREAM_REFUSED;
 }
 
 /// Numbered error codes carried by [`ErrorFrame`]. A code is never reused for another meaning.
@@ -246,6 +260,8 @@ pub struct Hello {
     /// The epoch the edge writes new data into.
     pub current_epoch: u64,
     pub lanes: Vec<LaneAnnounce>,
+    /// [`capability`] bits; 0 for an edge that sends no extension.
+    pub capabilities: u64,
 }
 
 /// The hub's answer for one lane.
@@ -286,6 +302,23 @@ pub struct ErrorFrame {
     pub message: String,
 }
 
+/// The hub refuses one stream of the session (not on the device's allow-list, a per-device
+/// quota, a key the device may not write). Sent only to an edge that announced
+/// [`capability::STREAM_REFUSED`]; the session and every other stream carry on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamRefused {
+    pub stream: String,
+    /// The lane whose block was refused (0 when refused at the handshake); the refusal covers
+    /// every lane of the stream.
+    pub epoch: u64,
+    /// `UNAUTHORIZED_STREAM` or `QUOTA_EXCEEDED` so far; any code is carried.
+    pub code: ErrorCode,
+    /// The edge offers the stream again on the same session after this long.
+    pub retry_after_ms: u64,
+    /// For logs and status; at most [`ERROR_MESSAGE_BYTES_MAX`] bytes, lossy UTF-8.
+    pub message: String,
+}
+
 /// A decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
@@ -317,6 +350,7 @@ pub enum Frame {
         matched_through: u64,
     },
     Error(ErrorFrame),
+    StreamRefused(StreamRefused),
 }
 
 /// Why bytes are not a valid frame. Decoding never panics.
@@ -356,6 +390,7 @@ impl Frame {
             Frame::Ping => PING,
             Frame::Verdict { .. } => VERDICT,
             Frame::Error(_) => ERROR,
+            Frame::StreamRefused(_) => STREAM_REFUSED,
         }
     }
 
@@ -416,6 +451,14 @@ impl Frame {
                 let msg = truncate_utf8(&e.message, ERROR_MESSAGE_BYTES_MAX);
                 varint::put_bytes(out, msg.as_bytes());
             }
+            Frame::StreamRefused(r) => {
+                varint::put_bytes(out, r.stream.as_bytes());
+                varint::put_u64(out, r.epoch);
+                out.extend_from_slice(&r.code.to_u16().to_le_bytes());
+                varint::put_u64(out, r.retry_after_ms);
+                let msg = truncate_utf8(&r.message, ERROR_MESSAGE_BYTES_MAX);
+                varint::put_bytes(out, msg.as_bytes());
+            }
         }
     }
 
@@ -474,6 +517,7 @@ fn type_name(t: u8) -> &'static str {
         PING => "Ping",
         VERDICT => "Verdict",
         ERROR => "Error",
+        STREAM_REFUSED => "StreamRefused",
         _ => "unknown",
     }
 }
@@ -524,6 +568,7 @@ fn decode_body(t: u8, payload: &[u8]) -> Result<Frame, FrameError> {
             }
         }
         ERROR => return decode_error(&mut r).map_err(bad),
+        STREAM_REFUSED => Frame::StreamRefused(decode_refused(&mut r).map_err(bad)?),
         other => return Err(FrameError::UnknownType(other)),
     };
     if r.remaining() != 0 {
@@ -552,6 +597,9 @@ fn encode_hello(h: &Hello, out: &mut Vec<u8>) {
         for g in &l.gaps {
             put_gap(out, g);
         }
+    }
+    if h.capabilities != 0 {
+        varint::put_u64(out, h.capabilities);
     }
 }
 
@@ -583,12 +631,19 @@ fn decode_hello(r: &mut Reader<'_>) -> Result<Frame, ReadError> {
             gaps,
         });
     }
-    // Trailing bytes are extensions from newer versions: ignored by design.
+    // The first extension is the capability bits; anything after it (or an extension this
+    // build cannot read) comes from a newer version and is ignored by design.
+    let capabilities = if r.remaining() > 0 {
+        r.u64().unwrap_or(0)
+    } else {
+        0
+    };
     Ok(Frame::Hello(Hello {
         version_min,
         version_max,
         current_epoch,
         lanes,
+        capabilities,
     }))
 }
 
@@ -688,6 +743,27 @@ fn decode_error(r: &mut Reader<'_>) -> Result<Frame, ReadError> {
     // A peer's message is only for logs: replace invalid UTF-8 rather than refuse the frame.
     let message = String::from_utf8_lossy(raw).into_owned();
     Ok(Frame::Error(ErrorFrame { code, message }))
+}
+
+fn decode_refused(r: &mut Reader<'_>) -> Result<StreamRefused, ReadError> {
+    let (stream, epoch) = lane_key(r)?;
+    let code = ErrorCode::from_u16(u16::from_le_bytes(r.take(2)?.try_into().expect("2 bytes")));
+    let retry_after_ms = r.u64()?;
+    let at = r.offset();
+    let raw = r.bytes()?;
+    if raw.len() > ERROR_MESSAGE_BYTES_MAX {
+        return Err(ReadError {
+            offset: at,
+            what: "refusal message too long",
+        });
+    }
+    Ok(StreamRefused {
+        stream,
+        epoch,
+        code,
+        retry_after_ms,
+        message: String::from_utf8_lossy(raw).into_owned(),
+    })
 }
 
 fn put_gap(out: &mut Vec<u8>, g: &GapMarker) {
@@ -848,13 +924,82 @@ mod tests {
     #[test]
     fn every_error_code_round_trips_and_numbers_are_unique() {
         let mut seen = std::collections::HashSet::new();
-        for n in 1..=14u16 {
+        for n in 1..=18u16 {
             let c = ErrorCode::from_u16(n);
             assert!(!matches!(c, ErrorCode::Unknown(_)), "{n}");
             assert_eq!(c.to_u16(), n);
             assert!(seen.insert(c));
         }
         assert_eq!(ErrorCode::from_u16(999), ErrorCode::Unknown(999));
+    }
+
+    #[test]
+    fn stream_refused_round_trips_and_rejects_bad_input() {
+        let r = StreamRefused {
+            stream: "status".into(),
+            epoch: 3,
+            code: ErrorCode::QuotaExceeded,
+            retry_after_ms: 30_000,
+            message: "stream `status` refused: it would exceed ingest.streams_per_device_max = 1"
+                .into(),
+        };
+        let f = Frame::StreamRefused(r.clone());
+        let bytes = f.encode();
+        assert_eq!(bytes[LEN_PREFIX], frame_type::STREAM_REFUSED);
+        assert_eq!(Frame::decode(&bytes, 1 << 20), Ok(f.clone()));
+        assert_eq!(f.name(), "StreamRefused");
+        // Every truncation is an error, never a panic.
+        for cut in LEN_PREFIX + 1..bytes.len() {
+            let mut t = bytes[..cut].to_vec();
+            let len = (cut - LEN_PREFIX) as u32;
+            t[..LEN_PREFIX].copy_from_slice(&len.to_le_bytes());
+            assert!(Frame::decode(&t, 1 << 20).is_err(), "cut at {cut}");
+        }
+        // An invalid stream name is refused.
+        let bad = Frame::StreamRefused(StreamRefused {
+            stream: "a/b".into(),
+            ..r.clone()
+        });
+        assert!(matches!(
+            Frame::decode(&bad.encode(), 1 << 20),
+            Err(FrameError::Malformed { .. })
+        ));
+        // A long message is cut to the limit on encode.
+        let long = Frame::StreamRefused(StreamRefused {
+            message: "x".repeat(5000),
+            ..r
+        });
+        match Frame::decode(&long.encode(), 1 << 20) {
+            Ok(Frame::StreamRefused(d)) => assert_eq!(d.message.len(), ERROR_MESSAGE_BYTES_MAX),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn hello_capabilities_are_an_optional_extension() {
+        let hello = |capabilities| Hello {
+            version_min: 1,
+            version_max: 1,
+            current_epoch: 2,
+            lanes: Vec::new(),
+            capabilities,
+        };
+        // Without capabilities the Hello is byte for byte the version-1 body.
+        let plain = Frame::Hello(hello(0)).encode();
+        let with = Frame::Hello(hello(capability::STREAM_REFUSED)).encode();
+        assert_eq!(with.len(), plain.len() + 1);
+        assert_eq!(with[LEN_PREFIX..plain.len()], plain[LEN_PREFIX..]);
+        assert_eq!(
+            Frame::decode(&with, 1 << 20),
+            Ok(Frame::Hello(hello(capability::STREAM_REFUSED)))
+        );
+        assert_eq!(Frame::decode(&plain, 1 << 20), Ok(Frame::Hello(hello(0))));
+        // Later extensions, or an unreadable one, are ignored.
+        let mut more = with.clone();
+        more.extend_from_slice(&[0xff, 0xff]);
+        let len = (more.len() - LEN_PREFIX) as u32;
+        more[..LEN_PREFIX].copy_from_slice(&len.to_le_bytes());
+        assert!(matches!(Frame::decode(&more, 1 << 20), Ok(Frame::Hello(_))));
     }
 
     #[test]

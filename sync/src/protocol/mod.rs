@@ -31,11 +31,11 @@ pub mod sender;
 pub use checksum::RangeChecksum;
 pub use frame::{
     Backlog, BacklogEntry, ErrorCode, Frame, FrameBuffer, FrameError, GapMarker, GapReason,
-    LaneAnnounce, PROTOCOL_VERSION,
+    LaneAnnounce, PROTOCOL_VERSION, StreamRefused,
 };
 pub use receiver::{
     CommitItem, DecodedBlock, LaneMarks, Marks, MarksQuery, Receiver, ReceiverConfig,
-    ReceiverEvent, ReceiverStats, block_error_code,
+    ReceiverEvent, ReceiverStats, Refusal, block_error_code,
 };
 pub use sender::{OfferError, Rekey, Sender, SenderConfig, SenderEvent};
 

@@ -22,6 +22,9 @@ use crate::block::{self, BlockHeader, DecodeLimits};
 use crate::record::Record;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
+mod refusal;
+pub use refusal::Refusal;
+
 /// The highest seq a lane may use: 2^63 - 2, so that every seq and the one after it fit the
 /// hub catalog's signed 64-bit integers and `seq + 1` never wraps. A Block or Gap frame (or a
 /// Hello lane) reaching past it is refused with `PROTOCOL_VIOLATION`: at a million records a
@@ -178,6 +181,10 @@ pub struct ReceiverStats {
     pub records_unverified: u64,
     /// The most block bytes held at once (reorder buffer plus uncommitted).
     pub held_bytes_peak: u64,
+    /// StreamRefused frames sent.
+    pub streams_refused: u64,
+    /// Block and gap frames of a refused stream dropped unacknowledged.
+    pub refused_items_dropped: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -345,8 +352,11 @@ struct Lane {
     /// Items waiting, by first seq, and whether each is parked (see [`Receiver::park`]).
     /// Keyed by (first seq, arrival number): parked duplicates may share a first seq.
     reorder: BTreeMap<(u64, u64), (Item, bool)>,
-    /// Commits handed out and not yet durable: (last_seq, bytes).
-    pending: VecDeque<(u64, u64)>,
+    /// Commits handed out and not yet outcome-known: (last_seq, bytes, still counted as
+    /// held). A refusal stops counting them at once (see [`Receiver::refuse_stream`]).
+    pending: VecDeque<(u64, u64, bool)>,
+    /// The stream is refused: nothing of this lane is committed until the refusal lapses.
+    refused: bool,
     ack_dirty: bool,
     behind: Option<Behind>,
     /// `checksums_from` of the last lookup: a refill must ask for later ones.
@@ -372,6 +382,7 @@ impl Lane {
             carry: None,
             reorder: BTreeMap::new(),
             pending: VecDeque::new(),
+            refused: false,
             ack_dirty: false,
             behind: None,
             fetched_from: 0,
@@ -480,6 +491,10 @@ pub struct Receiver {
     transmits: VecDeque<Transmit>,
     events: VecDeque<ReceiverEvent>,
     stats: ReceiverStats,
+    /// The edge's Hello capability bits.
+    capabilities: u64,
+    /// Refused streams, until when.
+    refused: HashMap<String, Instant>,
 }
 
 impl Receiver {
@@ -506,6 +521,8 @@ impl Receiver {
             transmits: VecDeque::new(),
             events: VecDeque::new(),
             stats: ReceiverStats::default(),
+            capabilities: 0,
+            refused: HashMap::new(),
         }
     }
 
@@ -643,6 +660,7 @@ impl Receiver {
             return self.close(self.now, ErrorCode::LimitExceeded, &msg);
         }
         self.current_epoch = h.current_epoch;
+        self.capabilities = h.capabilities;
         let mut query = Vec::with_capacity(h.lanes.len());
         for a in h.lanes {
             if a.last_seq > SEQ_MAX || a.acked_seq > SEQ_MAX {
@@ -823,6 +841,10 @@ impl Receiver {
             let msg = format!("{stream}/{epoch}: seqs {first}..={last} reach past {SEQ_MAX}");
             return self.close(self.now, ErrorCode::ProtocolViolation, &msg);
         }
+        if self.drops_refused(&stream, epoch) {
+            self.stats.refused_items_dropped += 1;
+            return;
+        }
         let i = match self.index.get(&(stream.clone(), epoch)) {
             Some(&i) => i,
             None => {
@@ -998,7 +1020,7 @@ impl Receiver {
             checksum: None,
         };
         lane.remember(stored, self.config.checksum_ranges_max);
-        lane.pending.push_back((clipped.last_seq, 0));
+        lane.pending.push_back((clipped.last_seq, 0, true));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(0);
         self.stats.gaps_committed += 1;
@@ -1099,7 +1121,7 @@ impl Receiver {
             self.config.checksum_ranges_max,
         );
         lane.pending
-            .push_back((header.last_seq(), block.len() as u64));
+            .push_back((header.last_seq(), block.len() as u64, true));
         let (stream, epoch) = (lane.stream.clone(), lane.epoch);
         self.add_held(block.len() as u64);
         self.stats.blocks_committed += 1;
@@ -1276,11 +1298,14 @@ impl Receiver {
             lane.mark = durable_seq;
             lane.ack_dirty = true;
         }
-        while let Some(&(last, bytes)) = lane.pending.front() {
+        while let Some(&(last, bytes, counted)) = lane.pending.front() {
             if last > durable_seq {
                 break;
             }
             lane.pending.pop_front();
+            if !counted {
+                continue;
+            }
             // Only this machine's own bookkeeping can break this.
             assert!(
                 self.held_items > 0 && self.held_bytes >= bytes,
@@ -1292,6 +1317,7 @@ impl Receiver {
             self.held_items -= 1;
         }
         self.set_tiered(i, tiered_seq);
+        self.rewind_if_settled(i);
         self.flush_acks();
     }
 

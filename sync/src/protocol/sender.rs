@@ -23,6 +23,8 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use thiserror::Error;
 
+mod refusal;
+
 /// Limits and timers of a sender.
 #[derive(Debug, Clone)]
 pub struct SenderConfig {
@@ -39,6 +41,8 @@ pub struct SenderConfig {
     /// How often a Backlog frame is sent while connected.
     pub backlog_interval: Duration,
     pub timeouts: Timeouts,
+    /// [`frame::capability`] bits announced in the Hello (all this build knows by default).
+    pub capabilities: u64,
 }
 
 impl Default for SenderConfig {
@@ -52,6 +56,7 @@ impl Default for SenderConfig {
             queue_bytes_max: 8 << 20,
             backlog_interval: Duration::from_secs(10),
             timeouts: Timeouts::default(),
+            capabilities: frame::capability::ALL,
         }
     }
 }
@@ -90,6 +95,18 @@ pub enum SenderEvent {
     /// epoch `>= epoch_min`, move the `rekey` records into it first, then write new data to it,
     /// and call [`Sender::epoch_minted`]. Seqs of the old epochs are never reused.
     MintEpoch { epoch_min: u64, rekey: Vec<Rekey> },
+    /// The hub refused `stream` for now (`code`: `UNAUTHORIZED_STREAM`, `QUOTA_EXCEEDED`);
+    /// its records stay in the log and the sender offers it again after `retry_after`, on this
+    /// session. Show it; nothing to persist.
+    StreamRefused {
+        stream: String,
+        epoch: u64,
+        code: ErrorCode,
+        retry_after: Duration,
+        message: String,
+    },
+    /// A refused stream's retry time came: it is being offered again.
+    StreamRetrying { stream: String },
     /// The session is over; flush pending transmits, close, reconnect with backoff.
     Closed(CloseReason),
 }
@@ -165,6 +182,12 @@ struct Lane {
     exhausted_at: Option<u64>,
     durable: u64,
     tiered: u64,
+    /// Where the Welcome said to resume.
+    resume_from: u64,
+    /// An Ack for this lane arrived in this session (the hub's junction check is done).
+    acked_in_session: bool,
+    /// The hub refused the stream: nothing is queued or sent until then.
+    refused_until: Option<Instant>,
 }
 
 impl Lane {
@@ -189,6 +212,9 @@ impl Lane {
             exhausted_at: None,
             durable: 0,
             tiered: 0,
+            resume_from: first.max(1),
+            acked_in_session: false,
+            refused_until: None,
         }
     }
 
@@ -405,6 +431,8 @@ pub struct Sender {
     mint_emitted: bool,
     /// Round-robin start among lanes of equal priority.
     rr: usize,
+    /// Streams the hub refused, until when (lanes opened meanwhile start refused).
+    refused: HashMap<String, Instant>,
 }
 
 impl Sender {
@@ -438,6 +466,7 @@ impl Sender {
             next_backlog: None,
             mint_emitted: false,
             rr: 0,
+            refused: HashMap::new(),
         };
         for a in &lanes {
             if !frame::valid_stream_name(&a.stream) {
@@ -464,6 +493,7 @@ impl Sender {
             version_max: s.config.version_max,
             current_epoch,
             lanes,
+            capabilities: s.config.capabilities,
         };
         s.push_control(Frame::Hello(hello));
         Ok(s)
@@ -542,6 +572,11 @@ impl Sender {
                     matched_through,
                 },
             ) => self.on_verdict(&stream, epoch, matched_through),
+            (Phase::Established, Frame::StreamRefused(r))
+                if self.config.capabilities & frame::capability::STREAM_REFUSED != 0 =>
+            {
+                self.on_refused(r)
+            }
             (phase, f) => {
                 let msg = format!("unexpected {} frame in state {phase:?}", f.name());
                 self.close(self.now, ErrorCode::ProtocolViolation, &msg);
@@ -595,6 +630,7 @@ impl Sender {
         lane.hub_mark = lw.durable_seq;
         lane.hub_tiered = lw.tiered_seq;
         lane.cursor = lw.resume_from.clamp(1, lw.durable_seq.saturating_add(1));
+        lane.resume_from = lane.cursor;
         if lw.durable_seq > lane.announced_last {
             lane.mode = Mode::Behind {
                 limit: lane.announced_last,
@@ -612,6 +648,7 @@ impl Sender {
             return;
         };
         let lane = &mut self.lanes[i];
+        lane.acked_in_session = true;
         while let Some(&(last, bytes, counted)) = lane.inflight.front() {
             if last > durable_seq {
                 break;
@@ -761,7 +798,8 @@ impl Sender {
         }
         let in_line = h.first_seq <= lane.cursor && lane.cursor <= h.last_seq();
         let room = lane.queue_bytes + block.len() as u64 <= self.config.queue_bytes_max;
-        if lane.mode == Mode::Normal && !lane.want_outstanding && in_line && room {
+        let open = lane.refused_until.is_none();
+        if lane.mode == Mode::Normal && !lane.want_outstanding && in_line && room && open {
             self.enqueue_block(i, block)?;
         }
         self.pump();
@@ -777,13 +815,15 @@ impl Sender {
         } else {
             Mode::Pending
         };
-        self.add_lane(
+        let i = self.add_lane(
             stream.to_owned(),
             epoch,
             first_seq,
             first_seq.saturating_sub(1),
             mode,
-        )
+        );
+        self.lanes[i].refused_until = self.refused.get(stream).copied();
+        i
     }
 
     /// Records a gap marker written while connected (for example a disk-budget drop).
@@ -834,6 +874,13 @@ impl Sender {
         };
         let lane = &mut self.lanes[i];
         lane.want_outstanding = false;
+        if lane.refused_until.is_some() {
+            // Read before the refusal: what the log answered is dropped, and read again
+            // from the mark once the refusal lapses.
+            self.lift_refusals();
+            self.pump();
+            return Ok(());
+        }
         if blocks.is_empty() {
             lane.exhausted_at = Some(lane.held_last);
             // Comparing a lane the hub is ahead of must finish: what the log cannot supply,
@@ -892,6 +939,9 @@ impl Sender {
         }
         for i in 0..self.lanes.len() {
             let lane = &mut self.lanes[i];
+            if lane.refused_until.is_some() {
+                continue;
+            }
             if matches!(lane.mode, Mode::Normal | Mode::Behind { verdict: None, .. }) {
                 lane.queue_covering_gaps();
             }
@@ -1004,6 +1054,9 @@ impl Sender {
             let msg = format!("nothing received for {:?}", self.config.timeouts.idle);
             return self.close(now, ErrorCode::IdleTimeout, &msg);
         }
+        if self.lift_refusals() {
+            self.pump();
+        }
         if self.next_backlog.is_some_and(|t| now >= t) {
             self.next_backlog = Some(now + self.config.backlog_interval);
             self.push_control(Frame::Backlog(self.backlog_entries()));
@@ -1034,6 +1087,7 @@ impl Sender {
             .live
             .idle_deadline()
             .min(self.live.keepalive_deadline());
+        let t = self.next_refusal_lapse().map_or(t, |r| r.min(t));
         Some(self.next_backlog.map_or(t, |b| b.min(t)))
     }
 
