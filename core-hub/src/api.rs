@@ -18,8 +18,8 @@
 //! - `GET /v1/streams/{s}`: one stream: records, ingest rates, the segment graph with its rates
 //!   and policy ([`crate::streams::api::segments_info`]), and its completeness summary.
 //! - `GET /v1/streams/{s}/completeness?from=&to=`: `complete` | `owed` | `complete_with_gaps`
-//!   for event times `[from, to]` (RFC 3339 UTC or ns; `from` defaults to the beginning, `to`
-//!   is required). See `docs/completeness.md`.
+//!   for event times `[from, to)`, half-open as everywhere (RFC 3339 or ns; `from` defaults to
+//!   the beginning, `to` is required). See `docs/completeness.md`.
 //! - `GET /`: the operator status page ([`crate::status`]).
 //!
 //! Tokens (`Authorization: Bearer <token>`), checked before a byte of a body is read:
@@ -35,6 +35,7 @@
 //! With no token configured at all, everything is open to clients that pass the Host/Origin
 //! check ([`crate::http_limits::check_host`]): a web page cannot post here across origins.
 
+use crate::api_error::{self, codes, error};
 use crate::completeness::{CompletenessConfig, CompletenessError, Tracker, parse_time};
 use crate::config::HttpConfig;
 use crate::http_limits::{self, HttpGuard, bearer_matches};
@@ -145,7 +146,7 @@ pub fn router_with(
 /// The limits and counters of the API server configured by `http`; pass the same guard to
 /// [`router_for`] and [`serve_with`].
 pub fn guard(http: &HttpConfig) -> Arc<HttpGuard> {
-    HttpGuard::new(http.limits.clone(), http_limits::text_error)
+    HttpGuard::new(http.limits.clone(), api_error::guard_error)
 }
 
 /// Builds the router: tokens from `http`, limits and counters from `guard`.
@@ -175,11 +176,17 @@ pub fn router_for(
         .route("/v1/devices", get(devices));
     let admin = Router::new().route("/v1/devices/{device}/retire", post(retire));
     let scrape = Router::new().route("/metrics", get(metrics));
-    Router::new()
-        .route("/healthz", get(healthz))
+    // Every error of these routes leaves as JSON ([`api_error`]); `/healthz` stays the
+    // probes' plain `ok` or reason.
+    let api = Router::new()
         .merge(protect(scrape, &state, Role::Metrics))
         .merge(protect(reader, &state, Role::Reader))
         .merge(protect(admin, &state, Role::Admin))
+        .fallback(no_route)
+        .layer(middleware::from_fn(api_error::json_errors));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .merge(api)
         .layer(middleware::from_fn_with_state(
             guard,
             http_limits::check_host,
@@ -221,6 +228,31 @@ pub async fn serve_with(
     http_limits::serve(listener, router, guard, shutdown).await
 }
 
+/// How long shutdown waits for the HTTP responses still open once every follow response
+/// was ended: a client that takes nothing does not hold the hub (and its `hub.lock`) longer.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The HTTP API's part of a shutdown, once the server's own shutdown future resolved: ends
+/// every follow response with its shutdown line ([`crate::streams::api::shutdown_line`]), then
+/// waits up to [`SHUTDOWN_GRACE`] for the server to finish its connections.
+pub async fn shut_down(
+    hub: &Hub,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+) -> std::io::Result<()> {
+    hub.streams().read_state().shut_down();
+    match tokio::time::timeout(SHUTDOWN_GRACE, server).await {
+        Ok(Ok(done)) => done,
+        Ok(Err(join)) => Err(std::io::Error::other(join)),
+        Err(_) => {
+            tracing::warn!(
+                grace_s = SHUTDOWN_GRACE.as_secs(),
+                "HTTP responses still open after the shutdown grace; closing them"
+            );
+            Ok(())
+        }
+    }
+}
+
 async fn require_token(
     State((st, role)): State<(AppState, Role)>,
     req: Request,
@@ -234,25 +266,29 @@ async fn require_token(
         Err(r) => r,
     };
     st.guard.stats.unauthorized();
-    let (status, msg) = match refusal {
+    let (status, code, msg) = match refusal {
         Refusal::NoAdminToken => (
             StatusCode::FORBIDDEN,
-            "this is a mutation, and no admin token is configured: set http.admin_tokens\n",
+            codes::ADMIN_TOKEN_NOT_CONFIGURED,
+            "this is a mutation, and no admin token is configured: set http.admin_tokens",
         ),
         Refusal::Token(Role::Admin) => (
             StatusCode::UNAUTHORIZED,
-            "an admin bearer token is required\n",
+            codes::ADMIN_TOKEN_REQUIRED,
+            "an admin bearer token (http.admin_tokens) is required",
         ),
         Refusal::Token(Role::Metrics) => (
             StatusCode::UNAUTHORIZED,
-            "a metrics (or reader) bearer token is required\n",
+            codes::METRICS_TOKEN_REQUIRED,
+            "a metrics (or reader) bearer token is required",
         ),
         Refusal::Token(Role::Reader) => (
             StatusCode::UNAUTHORIZED,
-            "a reader bearer token is required\n",
+            codes::TOKEN_REQUIRED,
+            "a reader bearer token (http.reader_tokens) is required",
         ),
     };
-    let mut resp = (status, msg).into_response();
+    let mut resp = error(status, code, msg);
     resp.headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     resp.headers_mut()
@@ -333,6 +369,8 @@ pub struct DeviceInfo {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct MarkInfo {
     pub stream: String,
+    /// 16 hex digits ([`sync::epoch`]).
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub durable_seq: u64,
     pub tiered_seq: u64,
@@ -353,6 +391,8 @@ pub struct BacklogInfo {
 #[derive(Debug, Serialize, Deserialize)]
 pub struct GapInfo {
     pub stream: String,
+    /// 16 hex digits ([`sync::epoch`]).
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub first_seq: u64,
     pub last_seq: u64,
@@ -408,8 +448,17 @@ fn device_list(hub: &Hub) -> Result<Vec<DeviceInfo>, crate::catalog::CatalogErro
 }
 
 fn internal(msg: String) -> Response {
-    tracing::error!(error = %msg, "HTTP API error");
-    (StatusCode::INTERNAL_SERVER_ERROR, format!("{msg}\n")).into_response()
+    api_error::internal(msg)
+}
+
+/// An unknown route: JSON like every other API error.
+async fn no_route(req: Request) -> Response {
+    let what = format!("{} {}", req.method(), req.uri().path());
+    error(
+        StatusCode::NOT_FOUND,
+        codes::NOT_FOUND,
+        format!("no such route: {what}"),
+    )
 }
 
 async fn status_page(State(st): State<AppState>) -> Response {
@@ -460,11 +509,11 @@ async fn stream_detail(State(st): State<AppState>, Path(stream): Path<String>) -
     let s = stream.clone();
     match tokio::task::spawn_blocking(move || stream_detail_of(&hub, &tracker, &s)).await {
         Ok(Some(d)) => axum::Json(d).into_response(),
-        Ok(None) => (
+        Ok(None) => error(
             StatusCode::NOT_FOUND,
-            format!("unknown stream `{stream}`\n"),
-        )
-            .into_response(),
+            codes::UNKNOWN_STREAM,
+            format!("unknown stream `{stream}`"),
+        ),
         Err(e) => internal(e.to_string()),
     }
 }
@@ -480,7 +529,7 @@ async fn completeness_route(
     Path(stream): Path<String>,
     Query(q): Query<RangeQuery>,
 ) -> Response {
-    let bad = |msg: String| (StatusCode::BAD_REQUEST, format!("{msg}\n")).into_response();
+    let bad = |msg: String| error(StatusCode::BAD_REQUEST, codes::BAD_TIME, msg);
     let from = match q.from.as_deref().map(parse_time).transpose() {
         Ok(v) => v.unwrap_or(i64::MIN),
         Err(e) => return bad(format!("from: {e}")),
@@ -491,11 +540,20 @@ async fn completeness_route(
         None => return bad("`to` is required (RFC 3339 or ns since the Unix epoch)".into()),
     };
     let (hub, tracker) = (st.hub.clone(), st.tracker.clone());
-    match tokio::task::spawn_blocking(move || tracker.query(&hub, &stream, from, to)).await {
+    // The window is half-open, `[from, to)`, as for export and read; the tracker's is
+    // inclusive, so it is asked about `[from, to - 1]` (times are integer ns).
+    let ask = move || {
+        let mut answer = tracker.query(&hub, &stream, from, to.saturating_sub(1))?;
+        answer.to_ns = to;
+        Ok(answer)
+    };
+    match tokio::task::spawn_blocking(ask).await {
         Ok(Ok(answer)) => axum::Json(answer).into_response(),
-        Ok(Err(CompletenessError::UnknownStream(s))) => {
-            (StatusCode::NOT_FOUND, format!("unknown stream `{s}`\n")).into_response()
-        }
+        Ok(Err(CompletenessError::UnknownStream(s))) => error(
+            StatusCode::NOT_FOUND,
+            codes::UNKNOWN_STREAM,
+            format!("unknown stream `{s}`"),
+        ),
         Ok(Err(e @ (CompletenessError::BadTime(_) | CompletenessError::EmptyRange))) => {
             bad(e.to_string())
         }
@@ -531,11 +589,11 @@ async fn retire(
             tracing::info!(%device, retired, "device retirement changed");
             axum::Json(RetireAnswer { device, retired }).into_response()
         }
-        Ok(Ok(false)) => (
+        Ok(Ok(false)) => error(
             StatusCode::NOT_FOUND,
-            format!("unknown device `{device}`\n"),
-        )
-            .into_response(),
+            codes::UNKNOWN_DEVICE,
+            format!("unknown device `{device}`"),
+        ),
         Ok(Err(e)) => internal(e.to_string()),
         Err(e) => internal(e.to_string()),
     }

@@ -18,6 +18,7 @@
 //! - [`demo`]: `core-hub demo`, a hub and simulated edges with flaky links, verified end to end.
 
 pub mod api;
+pub mod api_error;
 pub mod catalog;
 pub mod client;
 pub mod completeness;
@@ -25,6 +26,7 @@ pub mod config;
 pub mod demo;
 pub mod http_limits;
 pub mod ingest;
+pub mod logging;
 pub mod metrics;
 pub mod pki;
 pub mod poison;

@@ -163,6 +163,9 @@ pub struct ReadState {
     pub follow_buffered_bytes: std::sync::atomic::AtomicU64,
     /// Pages cut short by `read.page_bytes_max`.
     pub pages_cut_by_bytes: std::sync::atomic::AtomicU64,
+    /// `true` once the hub is shutting down: every follow response then ends with its
+    /// shutdown line (`crate::streams::api`), so the HTTP server's drain is bounded.
+    shutting_down: tokio::sync::watch::Sender<bool>,
 }
 
 impl ReadState {
@@ -171,6 +174,17 @@ impl ReadState {
             config,
             ..ReadState::default()
         }
+    }
+
+    /// Ends every follow response, open or opened from now on.
+    pub fn shut_down(&self) {
+        self.shutting_down.send_replace(true);
+    }
+
+    /// Resolves to `true` once [`ReadState::shut_down`] was called (a follow response selects
+    /// on it beside its waits).
+    pub fn shutdown_signal(&self) -> tokio::sync::watch::Receiver<bool> {
+        self.shutting_down.subscribe()
     }
 }
 
@@ -699,6 +713,7 @@ pub fn load_block(hub: &Hub, row: &BlockRow) -> Result<Arc<DecodedBlock>, ReadEr
 #[derive(Serialize)]
 struct Line<'a> {
     device: &'a str,
+    #[serde(with = "sync::epoch::serde_hex")]
     epoch: u64,
     seq: u64,
     key: &'a str,
@@ -768,7 +783,7 @@ mod tests {
         assert_eq!(
             text,
             concat!(
-                r#"{"device":"d1","epoch":2,"seq":3,"key":"k/1","ts":-4,"#,
+                r#"{"device":"d1","epoch":"0000000000000002","seq":3,"key":"k/1","ts":-4,"#,
                 r#""fields":{"z":1.5,"a":-7,"b":true,"s":"x\"y","raw":[0,255],"nan":null},"offset":9,"ingest_ts":10,"segment":4}"#,
                 "\n"
             )

@@ -7,6 +7,7 @@ pub mod filters;
 pub mod http;
 pub mod link;
 pub mod log;
+pub mod logging;
 pub mod metrics;
 pub mod notify;
 pub mod replicator;

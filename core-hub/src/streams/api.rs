@@ -29,6 +29,7 @@
 use super::SegmentId;
 use super::group::{DEFAULT_SESSION_TIMEOUT, GroupError};
 use super::reader::{Start, StreamReader};
+use crate::api_error::{codes, error, error_with, internal};
 use crate::ingest::Hub;
 use crate::read::{PageLimit, ReadError, write_ndjson_line};
 use axum::Router;
@@ -86,27 +87,38 @@ fn text(status: StatusCode, msg: impl std::fmt::Display) -> Response {
 
 fn read_error(e: ReadError) -> Response {
     match e {
-        ReadError::UnknownStream(s) => text(StatusCode::NOT_FOUND, format!("unknown stream `{s}`")),
-        ReadError::Cut(c) => text(StatusCode::BAD_REQUEST, format!("bad stream cut: {c}")),
-        other => {
-            tracing::error!(error = %other, "HTTP API read error");
-            text(StatusCode::INTERNAL_SERVER_ERROR, other)
-        }
+        ReadError::UnknownStream(s) => error(
+            StatusCode::NOT_FOUND,
+            codes::UNKNOWN_STREAM,
+            format!("unknown stream `{s}`"),
+        ),
+        ReadError::Cut(c) => error(
+            StatusCode::BAD_REQUEST,
+            codes::BAD_CUT,
+            format!("bad stream cut: {c}"),
+        ),
+        other => internal(other),
     }
 }
 
 fn group_error(e: GroupError) -> Response {
     match e {
-        GroupError::UnknownGroup(_) => text(StatusCode::NOT_FOUND, e),
-        GroupError::ReaderGone(_) => text(StatusCode::CONFLICT, e),
-        GroupError::BadName(_) => text(StatusCode::BAD_REQUEST, e),
+        GroupError::UnknownGroup(_) => error(StatusCode::NOT_FOUND, codes::UNKNOWN_GROUP, e),
+        GroupError::ReaderGone(_) => error(StatusCode::CONFLICT, codes::READER_GONE, e),
+        GroupError::BadName(_) => error(StatusCode::BAD_REQUEST, codes::BAD_NAME, e),
         GroupError::Read(r) => read_error(r),
-        GroupError::Catalog(_) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        GroupError::Catalog(_) => internal(e),
     }
 }
 
 fn parse_start(from: Option<&str>) -> Result<Start, Response> {
-    Start::parse(from.unwrap_or("start")).map_err(|e| text(StatusCode::BAD_REQUEST, e))
+    Start::parse(from.unwrap_or("start")).map_err(|e| {
+        error(
+            StatusCode::BAD_REQUEST,
+            codes::BAD_REQUEST,
+            format!("from: {e}"),
+        )
+    })
 }
 
 fn ndjson(body: Vec<u8>) -> Response {
@@ -143,7 +155,7 @@ async fn records(
     let mut reader = match opened {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => return read_error(e),
-        Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => return internal(e),
     };
     if let Some(slot) = slot {
         return follow_response(reader, limit, slot);
@@ -159,7 +171,7 @@ async fn records(
     let (records, next, cut) = match page {
         Ok(Ok(p)) => p,
         Ok(Err(e)) => return read_error(e),
-        Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => return internal(e),
     };
     let mut body = Vec::with_capacity(records.len() * 160);
     for r in &records {
@@ -196,12 +208,12 @@ impl FollowSlot {
             follows_max = max,
             "follow request refused: read.follows_max follow responses are open"
         );
-        let body = serde_json::json!({
-            "error": format!("too many follow readers: {max} are open (read.follows_max)"),
-            "limit": "read.follows_max",
-            "max": max,
-        });
-        let mut resp = (StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response();
+        let mut resp = error_with(
+            StatusCode::SERVICE_UNAVAILABLE,
+            codes::FOLLOWS_MAX,
+            format!("too many follow readers: {max} are open (read.follows_max)"),
+            serde_json::json!({ "limit": "read.follows_max", "max": max }),
+        );
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
         Err(resp)
@@ -249,6 +261,9 @@ struct OutboxState {
     queue: std::collections::VecDeque<Queued>,
     /// `Some(None)`: ended normally; `Some(Some(why))`: ended with an error for the client.
     end: Option<Option<String>>,
+    /// The last line of a follow ended by the hub's shutdown ([`shutdown_line`]), sent after
+    /// the queue; it is a few bytes, outside the client's buffer bound.
+    tail: Option<Vec<u8>>,
     gone: bool,
 }
 
@@ -260,6 +275,12 @@ impl Outbox {
     fn push(&self, q: Queued) {
         self.lock().queue.push_back(q);
         self.ready.notify_one();
+    }
+
+    /// Ends the follow normally, with `line` as its last line after what is queued.
+    fn end_with_line(&self, line: Vec<u8>) {
+        self.lock().tail = Some(line);
+        self.end(None);
     }
 
     /// Ends the follow; `failed` drops whatever is still queued and fails the response.
@@ -296,7 +317,7 @@ impl Outbox {
                     }
                     Some(None) => {
                         st.end = Some(None);
-                        return None;
+                        return st.tail.take().map(Ok);
                     }
                     None => {}
                 }
@@ -317,6 +338,22 @@ impl Drop for BodyEnd {
         drop(st);
         self.0.gone.notify_one();
     }
+}
+
+/// The last line of a follow response the hub ended because it is shutting down, so that a
+/// client can tell it from a lost connection and resume at `next_offset` (a `from=`):
+/// `{"end":"hub_shutting_down","code":"HUB_SHUTTING_DOWN","error":..,"next_offset":N}`.
+/// Record lines never carry `end`.
+pub fn shutdown_line(next_offset: u64) -> Vec<u8> {
+    let line = serde_json::json!({
+        "end": "hub_shutting_down",
+        "code": codes::HUB_SHUTTING_DOWN,
+        "error": "the hub is shutting down; reconnect and resume from next_offset",
+        "next_offset": next_offset,
+    });
+    let mut out = serde_json::to_vec(&line).expect("a JSON value serializes");
+    out.push(b'\n');
+    out
 }
 
 /// Streams records as they commit until the client goes away (or `limit` records). At most
@@ -351,15 +388,23 @@ async fn follow_task(
         usize::try_from(cfg.follow_buffer_bytes_max).unwrap_or(usize::MAX >> 4),
     ));
     let chunk_bytes = (cfg.follow_buffer_bytes_max / FOLLOW_CHUNKS_BUFFERED).max(1);
+    let mut shutdown = hub.streams().read_state().shutdown_signal();
     let mut left = limit.unwrap_or(usize::MAX);
     while left > 0 {
         if outbox.is_gone() {
             return;
         }
+        if *shutdown.borrow() {
+            return outbox.end_with_line(shutdown_line(reader.position()));
+        }
         if !reader.has_more() {
-            reader.wait(Duration::from_secs(1)).await;
+            tokio::select! {
+                _ = reader.wait(Duration::from_secs(1)) => {}
+                _ = shutdown.changed() => {}
+            }
             continue;
         }
+        let before = reader.position();
         let page = PageLimit {
             records: left.min(FOLLOW_CHUNK),
             bytes: Some(chunk_bytes),
@@ -384,7 +429,14 @@ async fn follow_task(
             write_ndjson_line(r, &mut chunk);
         }
         drop(records);
-        match queue_chunk(&hub, &buffer, chunk, &outbox, &cfg, reader.stream()).await {
+        let queued = tokio::select! {
+            q = queue_chunk(&hub, &buffer, chunk, &outbox, &cfg, reader.stream()) => q,
+            // Not queued: the client resumes at its first record.
+            _ = shutdown.wait_for(|s| *s) => {
+                return outbox.end_with_line(shutdown_line(before));
+            }
+        };
+        match queued {
             Some(q) => outbox.push(q),
             None => return,
         }
@@ -493,7 +545,7 @@ async fn segments(State(hub): State<Arc<Hub>>, Path(stream): Path<String>) -> Re
     match tokio::task::spawn_blocking(move || segments_info(&hub, &stream)).await {
         Ok(Ok(info)) => axum::Json(info).into_response(),
         Ok(Err(e)) => read_error(e),
-        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => internal(e),
     }
 }
 
@@ -521,7 +573,7 @@ async fn cut(
     let m = hub.streams();
     let snap = match m.snapshot(sid) {
         Ok(s) => s,
-        Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => return internal(e),
     };
     let cut = match q.group {
         Some(g) => match m.groups().cut(sid, &g, &snap.graph) {
@@ -575,7 +627,7 @@ async fn group_create(
         Ok(Ok((_, true))) => text(StatusCode::CREATED, "created"),
         Ok(Ok((_, false))) => text(StatusCode::OK, "exists"),
         Ok(Err(resp)) => resp,
-        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => internal(e),
     }
 }
 
@@ -588,7 +640,7 @@ async fn group_status(
     };
     let snap = match hub.streams().snapshot(sid) {
         Ok(s) => s,
-        Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => return internal(e),
     };
     match hub.streams().groups().status(sid, &group, &snap.graph) {
         Ok(s) => axum::Json(s).into_response(),
@@ -634,7 +686,13 @@ async fn group_poll(
         session_timeout_ms: q.session_timeout_ms,
     };
     let checkpoint = match q.checkpoint.as_deref().map(parse_positions) {
-        Some(None) => return text(StatusCode::BAD_REQUEST, "checkpoint must be S:O,S:O"),
+        Some(None) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                codes::BAD_REQUEST,
+                "checkpoint must be S:O,S:O",
+            );
+        }
         Some(Some(p)) => Some(p),
         None => None,
     };
@@ -655,7 +713,7 @@ async fn group_poll(
     let reader = match joined {
         Ok(Ok(r)) => r,
         Ok(Err(resp)) => return resp,
-        Err(e) => return text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => return internal(e),
     };
     let max = q
         .max
@@ -688,7 +746,11 @@ async fn group_checkpoint(
     Query(q): Query<CheckpointQuery>,
 ) -> Response {
     let Some(positions) = parse_positions(&q.positions) else {
-        return text(StatusCode::BAD_REQUEST, "positions must be S:O,S:O");
+        return error(
+            StatusCode::BAD_REQUEST,
+            codes::BAD_REQUEST,
+            "positions must be S:O,S:O",
+        );
     };
     let r = tokio::task::spawn_blocking(move || {
         let sid = hub
@@ -705,7 +767,7 @@ async fn group_checkpoint(
     match r {
         Ok(Ok(())) => text(StatusCode::OK, "ok"),
         Ok(Err(resp)) => resp,
-        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, e),
+        Err(e) => internal(e),
     }
 }
 
