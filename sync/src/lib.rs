@@ -11,6 +11,7 @@
 pub mod block;
 pub mod columnar;
 pub mod decoded;
+pub mod epoch;
 pub mod fuzzing;
 pub mod parse;
 pub mod protocol;
