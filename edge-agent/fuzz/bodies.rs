@@ -230,6 +230,7 @@ pub fn mqtt_map(data: &[u8]) {
             TsUnit::Ns,
             TsUnit::Rfc3339,
         ][usize::from((selector >> 1) & 7) % 5],
+        ts_invalid_receive_time: selector & 0x40 != 0,
         client_id: None,
         qos: 1,
         dedupe_window: 16,

@@ -267,8 +267,12 @@ pub struct MqttSourceConfig {
     pub topic_template: Option<String>,
     /// `ts_field`: the JSON field holding the event time; `None`: the receive time.
     pub ts_field: Option<String>,
-    /// `ts_unit`: how `ts_field` is written; default `ms`.
+    /// `ts_unit`: how a number in `ts_field` is written; default `ms`. A string there is
+    /// always RFC 3339 with its zone.
     pub ts_unit: TsUnit,
+    /// `ts_invalid = "receive_time"`: a missing or unreadable `ts_field` gets the receive time
+    /// (counted); the default `"reject"` refuses the message as a bad payload.
+    pub ts_invalid_receive_time: bool,
     /// `client_id`: the MQTT client id; default derived from the data directory (stable across
     /// restarts, which the persistent session needs).
     pub client_id: Option<String>,
@@ -573,6 +577,7 @@ struct RawSource {
     topic_template: Option<String>,
     ts_field: Option<String>,
     ts_unit: Option<String>,
+    ts_invalid: Option<String>,
     client_id: Option<String>,
     qos: Option<String>,
     dedupe_window: Option<String>,
@@ -953,6 +958,16 @@ impl RawSource {
                     topic_template: self.topic_template.filter(|t| !t.is_empty()),
                     ts_field: self.ts_field.filter(|t| !t.is_empty()),
                     ts_unit,
+                    ts_invalid_receive_time: match self.ts_invalid.as_deref().unwrap_or("reject") {
+                        "reject" => false,
+                        "receive_time" => true,
+                        other => {
+                            return Err(ConfigError::invalid(
+                                key("ts_invalid"),
+                                format!("expected reject | receive_time, found {other:?}"),
+                            ));
+                        }
+                    },
                     client_id: self.client_id.filter(|t| !t.is_empty()),
                     qos,
                     dedupe_window,

@@ -267,6 +267,7 @@ fn mqtt_cfg(format: PayloadFormat) -> MqttSourceConfig {
         topic_template: None,
         ts_field: None,
         ts_unit: TsUnit::Ms,
+        ts_invalid_receive_time: false,
         client_id: None,
         qos: 1,
         dedupe_window: 16,

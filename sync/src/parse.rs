@@ -21,9 +21,12 @@ pub mod json;
 pub mod line;
 
 pub use crate::decoded::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
-pub use json::{WriteError, parse_ndjson, parse_ndjson_with, write_ndjson, write_ndjson_line};
+pub use json::{
+    WriteError, parse_json_fields, parse_ndjson, parse_ndjson_with, write_ndjson, write_ndjson_line,
+};
 pub use line::{LineRecord, parse_line_protocol};
 
+use crate::time::{TimeUnit, format_rfc3339, likely_unit, parse_epoch_number};
 use serde::Serialize;
 use thiserror::Error;
 
@@ -46,6 +49,13 @@ pub struct ParseOptions {
     /// The most fields one record may carry; the parser refuses the input at the first field
     /// over it, without building the rest. The agent sets its `ingest.fields_per_record_max`.
     pub fields_max: usize,
+    /// The unit of integer timestamps (HTTP's `precision`, as in Influx's write API);
+    /// nanoseconds by default. RFC 3339 strings (NDJSON) carry their own.
+    pub ts_unit: TimeUnit,
+    /// The clock, when integer timestamps are checked against their unit: one that is
+    /// implausible in `ts_unit` but plausible in another ([`crate::time::likely_unit`]) is an
+    /// error naming that unit, so a millisecond value is never stored as 1970.
+    pub plausible_at: Option<i64>,
 }
 
 impl Default for ParseOptions {
@@ -53,6 +63,8 @@ impl Default for ParseOptions {
         ParseOptions {
             default_ts: None,
             fields_max: FIELDS_MAX,
+            ts_unit: TimeUnit::Ns,
+            plausible_at: None,
         }
     }
 }
@@ -129,5 +141,37 @@ fn too_many_fields(line_no: usize, column: usize, max: usize) -> ParseError {
         column,
         expected: format!("at most {max} fields in a record"),
         found: format!("field number {}", max + 1),
+    }
+}
+
+/// An integer timestamp in `opts.ts_unit` as nanoseconds, or what to say about it: the
+/// (expected, found) of a [`ParseError`]. See [`ParseOptions::plausible_at`].
+fn epoch_ts(value: i64, opts: &ParseOptions) -> Result<i64, (String, String)> {
+    let unit = opts.ts_unit;
+    let ns = parse_epoch_number(value, unit).map_err(|e| {
+        (
+            format!("a timestamp in {unit} (the precision)"),
+            e.to_string(),
+        )
+    })?;
+    let Some(now) = opts.plausible_at else {
+        return Ok(ns);
+    };
+    match likely_unit(value, unit, now) {
+        None => Ok(ns),
+        Some(likely) => {
+            let as_likely = parse_epoch_number(value, likely).map_or(0, |v| v);
+            Err((
+                format!(
+                    "a timestamp in {unit} (the precision): this one looks like {likely}, \
+                     send it with precision={likely}"
+                ),
+                format!(
+                    "{value}, which in {unit} is {} and in {likely} {}",
+                    format_rfc3339(ns),
+                    format_rfc3339(as_likely)
+                ),
+            ))
+        }
     }
 }

@@ -5,8 +5,10 @@
 //! a change in typing or in an error position shows up as a one-line diff.
 
 use sync::parse::{
-    FIELDS_MAX, LINE_BYTES_MAX, ParseOptions, parse_ndjson, parse_ndjson_with, write_ndjson,
+    FIELDS_MAX, LINE_BYTES_MAX, ParseOptions, parse_json_fields, parse_line_protocol, parse_ndjson,
+    parse_ndjson_with, write_ndjson,
 };
+use sync::time::TimeUnit;
 use sync::{Record, Value};
 
 fn render_value(v: &Value) -> String {
@@ -154,11 +156,11 @@ fn errors_name_line_column_expected_and_found() {
                 "{ok}\n{ok}\n{}",
                 r#"{"key":"k","ts":"abc","fields":{"a":1}}"#
             ),
-            r#"line 3, column 17: expected a number for "ts", found "abc""#,
+            r#"line 3, column 17: expected an RFC 3339 time for "ts" such as "2025-12-01T12:00:00.5+01:00" (premature end of input), found "abc""#,
         ),
         (
             r#"{"key":"k","fields":{"a":1}}"#.into(),
-            r#"line 1, column 28: expected a "ts" member (nanoseconds since the Unix epoch), found }"#,
+            r#"line 1, column 28: expected a "ts" member (an integer in the precision, or an RFC 3339 string), found }"#,
         ),
         (
             r#"{"ts":1,"fields":{"a":1}}"#.into(),
@@ -170,16 +172,14 @@ fn errors_name_line_column_expected_and_found() {
         ),
         (
             r#"{"key":"k","ts":1,"fields":{"gps":{"lat":1}}}"#.into(),
-            r#"line 1, column 35: expected a number, string, bool or {"$bytes":"<base64>"} for field "gps" (nested objects must be flattened), found an object"#,
+            // Nested objects and arrays flatten; null is no field (the MQTT mapping too).
+            "k @1 gps.lat=1i",
         ),
         (
             r#"{"key":"k","ts":1,"fields":{"v":[1,2]}}"#.into(),
-            r#"line 1, column 33: expected a number, string, bool or {"$bytes":"<base64>"} for field "v", found an array"#,
+            "k @1 v.0=1i v.1=2i",
         ),
-        (
-            r#"{"key":"k","ts":1,"fields":{"v":null}}"#.into(),
-            r#"line 1, column 33: expected a number, string, bool or {"$bytes":"<base64>"} for field "v", found null"#,
-        ),
+        (r#"{"key":"k","ts":1,"fields":{"v":null}}"#.into(), "k @1 "),
         (
             r#"{"key":"k","ts":1,"fields":{"a":1,"a":2}}"#.into(),
             r#"line 1, column 35: expected a field name not already used in this record, found "a""#,
@@ -202,11 +202,11 @@ fn errors_name_line_column_expected_and_found() {
         ),
         (
             r#"{"key":"k","ts":1.5,"fields":{"a":1}}"#.into(),
-            r#"line 1, column 17: expected an integer number of nanoseconds for "ts", found 1.5"#,
+            r#"line 1, column 17: expected an integer (in the precision, ns by default) or an RFC 3339 string for "ts", found 1.5"#,
         ),
         (
             r#"{"key":"k","ts":99999999999999999999,"fields":{"a":1}}"#.into(),
-            r#"line 1, column 17: expected nanoseconds within the i64 range for "ts", found 99999999999999999999"#,
+            r#"line 1, column 17: expected an integer within the i64 range for "ts", found 99999999999999999999"#,
         ),
         (
             r#"{"key":"k","ts":1,"fields":{"a":012}}"#.into(),
@@ -299,7 +299,7 @@ fn errors_name_line_column_expected_and_found() {
         (
             // Columns count characters, not bytes.
             r#"{"key":"ééé","ts":"x","fields":{"a":1}}"#.into(),
-            r#"line 1, column 19: expected a number for "ts", found "x""#,
+            r#"line 1, column 19: expected an RFC 3339 time for "ts" such as "2025-12-01T12:00:00.5+01:00" (premature end of input), found "x""#,
         ),
         (
             format!(
@@ -365,15 +365,16 @@ fn limits_are_named_errors() {
 
 #[test]
 fn error_serialises_as_json() {
-    let e = parse_ndjson(r#"{"key":"k","ts":"abc","fields":{"a":1}}"#).unwrap_err();
+    let e = parse_ndjson(r#"{"key":"k","ts":true,"fields":{"a":1}}"#).unwrap_err();
     let json = e.to_json();
     assert_eq!(json["line"], 1);
     assert_eq!(json["column"], 17);
-    assert_eq!(json["expected"], r#"a number for "ts""#);
-    assert_eq!(json["found"], r#""abc""#);
+    let expected = r#"an integer (in the precision, ns by default) or an RFC 3339 string for "ts""#;
+    assert_eq!(json["expected"], expected);
+    assert_eq!(json["found"], "true");
     assert_eq!(
         json["error"],
-        r#"line 1, column 17: expected a number for "ts", found "abc""#
+        format!("line 1, column 17: expected {expected}, found true")
     );
     let derived = serde_json::to_value(&e).unwrap();
     assert_eq!(derived["column"], 17);
@@ -466,4 +467,95 @@ fn the_field_limit_comes_from_the_options() {
     let lp = "m,t=a a=1,b=2,c=3 1\n";
     let e = sync::parse::parse_line_protocol(lp, &opts).unwrap_err();
     assert_eq!(e.expected, "at most 2 fields in a record");
+}
+
+/// 2025-12-01T12:00:00Z in nanoseconds.
+const NOON_NS: i64 = 1_764_590_400_000_000_000;
+
+#[test]
+fn ts_as_rfc3339_with_an_offset_is_the_right_instant() {
+    let hour = 3_600_000_000_000;
+    let cases = [
+        ("2025-12-01T12:00:00Z", NOON_NS),
+        ("2025-12-01T12:00:00+01:00", NOON_NS - hour),
+        ("2025-12-01T12:00:00.5+01:00", NOON_NS - hour + 500_000_000),
+        ("2025-12-01T07:00:00.000001-05:00", NOON_NS + 1_000),
+    ];
+    for (text, want) in cases {
+        let line = format!(r#"{{"key":"k","ts":"{text}","fields":{{"a":1}}}}"#);
+        assert_eq!(parse_ndjson(&line).unwrap()[0].ts, want, "{text}");
+    }
+    let e = parse_ndjson(r#"{"key":"k","ts":"2025-12-01T12:00:00","fields":{}}"#).unwrap_err();
+    assert!(e.expected.contains("add Z for UTC"), "{e}");
+}
+
+#[test]
+fn integer_ts_follows_the_precision_and_an_implausible_unit_is_named() {
+    let ms = NOON_NS / 1_000_000;
+    let line = format!(r#"{{"key":"k","ts":{ms},"fields":{{"a":1}}}}"#);
+    let opts = |unit, check: bool| ParseOptions {
+        ts_unit: unit,
+        plausible_at: check.then_some(NOON_NS),
+        ..ParseOptions::default()
+    };
+    let got = parse_ndjson_with(&line, &opts(TimeUnit::Ms, true)).unwrap();
+    assert_eq!(got[0].ts, NOON_NS, "precision=ms scales to nanoseconds");
+    let e = parse_ndjson_with(&line, &opts(TimeUnit::Ns, true)).unwrap_err();
+    assert_eq!((e.line, e.column), (1, 17));
+    assert!(e.expected.contains("looks like ms"), "{e}");
+    assert!(e.expected.contains("precision=ms"), "{e}");
+    assert!(e.found.contains("1970-01-01T00:29:24"), "{e}");
+    // Without the check (the parser alone), the integer is taken as given.
+    assert_eq!(
+        parse_ndjson_with(&line, &opts(TimeUnit::Ns, false)).unwrap()[0].ts,
+        ms
+    );
+    // A value implausible in every unit is stored as given: the check names units, it does
+    // not judge clocks.
+    let small = r#"{"key":"k","ts":5,"fields":{"a":1}}"#;
+    assert_eq!(
+        parse_ndjson_with(small, &opts(TimeUnit::Ns, true)).unwrap()[0].ts,
+        5
+    );
+    let lp = format!("m,d=a x=1 {ms}\n");
+    let e = parse_line_protocol(&lp, &opts(TimeUnit::Ns, true)).unwrap_err();
+    assert_eq!(e.column, 11, "{e}");
+    assert!(e.expected.contains("precision=ms"), "{e}");
+    let lines = parse_line_protocol(&lp, &opts(TimeUnit::Ms, true)).unwrap();
+    assert_eq!(lines[0].record.ts, NOON_NS);
+}
+
+#[test]
+fn http_and_mqtt_json_share_one_field_mapping() {
+    let doc = r#"{"t":21.5,"gps":{"lat":1.5,"fix":{"ok":true}},"xyz":[1,null,{"k":"v"}],"gone":null,"e":[],"b":{"$bytes":"AAE="}}"#;
+    let want = "gps.lat=1.5 gps.fix.ok=true xyz.0=1i xyz.2.k=\"v\" t=21.5 b=0x0001";
+    let line = format!(r#"{{"key":"k","ts":1,"fields":{doc}}}"#);
+    let record = &parse_ndjson(&line).unwrap()[0];
+    let mut got: Vec<String> = record
+        .fields
+        .iter()
+        .map(|(n, v)| format!("{n}={}", render_value(v)))
+        .collect();
+    let mqtt = parse_json_fields(&doc.replace(',', ",\n  "), FIELDS_MAX).unwrap();
+    assert_eq!(
+        mqtt, record.fields,
+        "a pretty-printed payload maps the same"
+    );
+    got.sort();
+    let mut want: Vec<&str> = want.split(' ').collect();
+    want.sort();
+    assert_eq!(got, want);
+    let e = parse_json_fields(r#"{"a":{"b":1},"a.b":2}"#, FIELDS_MAX).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains(r#"not already used in this record, found "a.b""#),
+        "{e}"
+    );
+    assert!(parse_json_fields("[1]", FIELDS_MAX).is_err());
+    assert!(parse_json_fields(r#"{"$bytes":"AA=="}"#, FIELDS_MAX).is_err());
+    let deep = format!("{}1{}", r#"{"a":"#.repeat(200), "}".repeat(200));
+    let e = parse_json_fields(&format!("{{\"x\":{deep}}}"), FIELDS_MAX).unwrap_err();
+    assert!(e.expected.contains("levels of nested"), "{e}");
+    let e = parse_json_fields(r#"{"a":[1,2,3]}"#, 2).unwrap_err();
+    assert!(e.expected.contains("at most 2 fields"), "{e}");
 }

@@ -23,6 +23,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use sync::Record;
 use sync::parse::{ParseError, ParseOptions, parse_line_protocol, parse_ndjson_with};
+use sync::time::TimeUnit;
 
 use crate::config::StreamConfig;
 use crate::filters::Pipeline;
@@ -111,7 +112,20 @@ impl Ingest {
         ParseOptions {
             default_ts: Some(default_ts),
             fields_max: self.log.config().fields_per_record_max,
+            ..ParseOptions::default()
         }
+    }
+
+    /// How an HTTP request's body is parsed, from its query string: `precision=ns|us|ms|s`
+    /// gives the unit of integer timestamps (nanoseconds by default, as in Influx's write
+    /// API), and an integer implausible in that unit but plausible in another is refused
+    /// naming the likely unit. `now` is the receive time. Unknown parameters are ignored, as
+    /// Influx clients send their own (`db`, `org`, `bucket`).
+    pub fn request_options(&self, query: Option<&str>, now: i64) -> Result<ParseOptions, String> {
+        let mut opts = self.parse_options(now);
+        opts.plausible_at = Some(now);
+        opts.ts_unit = request_precision(query)?;
+        Ok(opts)
     }
 
     /// The source of `stream` when it is a derived stream.
@@ -302,6 +316,7 @@ pub fn parse_body(
     let opts = ParseOptions {
         default_ts: Some(default_ts),
         fields_max: crate::log::FIELDS_PER_RECORD_DEFAULT,
+        ..ParseOptions::default()
     };
     parse_body_with(format, stream, body, &opts)
 }
@@ -396,19 +411,27 @@ pub fn now_ns() -> i64 {
     i64::try_from(d.as_nanos()).unwrap_or(i64::MAX)
 }
 
-/// How far ahead of the agent's clock an event time may be before it counts as implausible.
-pub const TS_FUTURE_SLACK_NS: i64 = 86_400_000_000_000;
+/// The `precision` of a request's query string: the unit of its integer timestamps.
+pub fn request_precision(query: Option<&str>) -> Result<TimeUnit, String> {
+    let value = query
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|kv| kv.split_once('='))
+        .filter(|(k, _)| *k == "precision")
+        .map(|(_, v)| v)
+        .next_back();
+    match value {
+        None => Ok(TimeUnit::Ns),
+        Some(v) => TimeUnit::parse(v).map_err(|e| format!("query parameter precision: {e}")),
+    }
+}
 
 /// Event time is stored as given; sequence order, never time, decides order and dedupe. A time
-/// before this binary was built, or more than a day ahead of the clock, is counted on
-/// `/metrics` so that a device with a bad clock is visible.
+/// outside the plausible window ([`sync::time::plausible`]: before 2000-01-01 or more than a
+/// day ahead of the clock) is counted on `/metrics` so that a device with a bad clock is
+/// visible; honest backfill of old data is not.
 pub fn implausible_ts(ts: i64, now_ns: i64) -> bool {
-    let built_ns = crate::link::BUILD_UNIX
-        .parse::<i64>()
-        .unwrap_or(0)
-        .saturating_mul(1_000_000_000);
-    // A clock behind the build time is itself wrong; judge the future against the later of the two.
-    ts < built_ns || ts > now_ns.max(built_ns).saturating_add(TS_FUTURE_SLACK_NS)
+    !sync::time::plausible(ts, now_ns)
 }
 
 #[cfg(test)]
@@ -452,5 +475,32 @@ mod tests {
         assert_eq!(e.position(), Some((3, 1)), "{e}");
         let recs = parse_body(BodyFormat::LineProtocol, "s", b"s,dev=a x=1 5\n", 0).unwrap();
         assert_eq!(recs[0].key, "a");
+    }
+
+    #[test]
+    fn precision_from_the_query_string() {
+        assert_eq!(request_precision(None), Ok(TimeUnit::Ns));
+        assert_eq!(
+            request_precision(Some("db=x&precision=ms")),
+            Ok(TimeUnit::Ms)
+        );
+        assert_eq!(request_precision(Some("precision=s")), Ok(TimeUnit::S));
+        let e = request_precision(Some("precision=h")).unwrap_err();
+        assert!(
+            e.contains("precision") && e.contains("ns, us, ms or s"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn implausible_is_a_window_not_the_build_date() {
+        let now = 1_764_590_400_000_000_000;
+        // Backfill from 2001 is honest, whenever the binary was built.
+        assert!(!implausible_ts(1_000_000_000_000_000_000, now));
+        assert!(
+            implausible_ts(1_764_590_400_000, now),
+            "ms read as ns: 1970"
+        );
+        assert!(implausible_ts(now + 2 * 86_400_000_000_000, now));
     }
 }

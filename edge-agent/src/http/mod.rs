@@ -214,6 +214,7 @@ fn error(status: StatusCode, message: impl Into<String>) -> Response {
 async fn post_records(
     State(app): State<Arc<AppState>>,
     Path(stream): Path<String>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
@@ -269,10 +270,13 @@ async fn post_records(
         }
         Err(e) => return error(e.status(), e.body_text()),
     };
+    let opts = match app.ingest.request_options(query.as_deref(), now_ns()) {
+        Ok(o) => o,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+    };
     if let Some(key) = headers.get("idempotency-key") {
-        return post_idempotent(&app, &stream, key, content_type, format, &body).await;
+        return post_idempotent(&app, &stream, key, content_type, format, &body, &opts).await;
     }
-    let opts = app.ingest.parse_options(now_ns());
     let records = match ingest::parse_body_with(format, &stream, &body, &opts) {
         Ok(r) => r,
         Err(e) => return body_error(&e),
@@ -298,6 +302,7 @@ async fn post_idempotent(
     content_type: &str,
     format: BodyFormat,
     body: &[u8],
+    opts: &sync::parse::ParseOptions,
 ) -> Response {
     use ingest::{IdempotencyError, IdempotentStart};
     let failed = |e: IdempotencyError| match e {
@@ -318,8 +323,7 @@ async fn post_idempotent(
         Err(e) => return failed(e),
         Ok(IdempotentStart::Replay(answer)) => answer,
         Ok(IdempotentStart::Claimed(claim)) => {
-            let opts = app.ingest.parse_options(now_ns());
-            let records = match ingest::parse_body_with(format, stream, body, &opts) {
+            let records = match ingest::parse_body_with(format, stream, body, opts) {
                 Ok(r) => r,
                 Err(e) => return body_error(&e),
             };

@@ -739,6 +739,8 @@ pub struct Mapper {
     template: Option<Vec<TemplateLevel>>,
     ts_field: Option<String>,
     ts_unit: TsUnit,
+    /// `ts_invalid = "receive_time"`: see [`MqttSourceConfig`].
+    ts_invalid_receive_time: bool,
     stats: Arc<MqttStats>,
     /// `ingest.fields_per_record_max`: a payload over it is refused as a bad payload.
     fields_max: usize,
@@ -767,6 +769,7 @@ impl Mapper {
             template,
             ts_field: cfg.ts_field.clone(),
             ts_unit: cfg.ts_unit,
+            ts_invalid_receive_time: cfg.ts_invalid_receive_time,
             stats,
             fields_max: crate::log::FIELDS_PER_RECORD_DEFAULT,
         }
@@ -843,18 +846,25 @@ impl Mapper {
             .fields;
         let mut ts = received_ns;
         if let Some(name) = &self.ts_field {
-            match fields.iter().position(|(n, _)| n == name) {
-                Some(i) => {
-                    let (_, v) = fields.remove(i);
-                    match to_ns(&v, self.ts_unit) {
-                        Some(t) => ts = t,
-                        None => {
-                            self.stats.bad_timestamps.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                }
-                None => {
+            let found = fields
+                .iter()
+                .position(|(n, _)| n == name)
+                .map(|i| fields.remove(i).1);
+            let read = match &found {
+                Some(v) => to_ns(v, self.ts_unit, received_ns),
+                None => Err(format!("no field {name:?} (ts_field)")),
+            };
+            match read {
+                Ok(t) => ts = t,
+                Err(why) => {
                     self.stats.bad_timestamps.fetch_add(1, Ordering::Relaxed);
+                    if !self.ts_invalid_receive_time {
+                        return Err(format!(
+                            "event time: {why} (set ts_invalid = \"receive_time\" to store \
+                             such messages at their receive time)"
+                        ));
+                    }
+                    debug!(topic = %p.topic, error = %why, "mqtt: receive time used");
                 }
             }
         }
@@ -877,6 +887,8 @@ impl Mapper {
         let opts = ParseOptions {
             default_ts: Some(received_ns),
             fields_max: self.fields_max,
+            plausible_at: Some(received_ns),
+            ..ParseOptions::default()
         };
         let lines = parse_line_protocol(text, &opts).map_err(|e| e.to_string())?;
         if lines.is_empty() {
@@ -910,27 +922,42 @@ fn set_field(fields: &mut Vec<(String, Value)>, name: &str, value: Value) {
     }
 }
 
-/// A timestamp value in `unit` as nanoseconds since the epoch; `None` when it cannot be one.
-pub fn to_ns(v: &Value, unit: TsUnit) -> Option<i64> {
-    let scale: i64 = match unit {
-        TsUnit::S => 1_000_000_000,
-        TsUnit::Ms => 1_000_000,
-        TsUnit::Us => 1_000,
-        TsUnit::Ns => 1,
+/// A timestamp value as nanoseconds since the epoch, by the agent's one time parser
+/// ([`sync::time`]): a string is RFC 3339 with `Z` or a numeric offset (whatever `unit`), a
+/// number is in `unit`. A number implausible in `unit` but plausible in another, judged at
+/// `now`, is an error naming that unit, as over HTTP.
+pub fn to_ns(v: &Value, unit: TsUnit, now: i64) -> Result<i64, String> {
+    use sync::time::{TimeUnit, likely_unit, parse_epoch_f64, parse_epoch_number, parse_rfc3339};
+    let unit = match unit {
+        TsUnit::S => TimeUnit::S,
+        TsUnit::Ms => TimeUnit::Ms,
+        TsUnit::Us => TimeUnit::Us,
+        TsUnit::Ns => TimeUnit::Ns,
         TsUnit::Rfc3339 => {
-            let Value::Str(s) = v else { return None };
-            let t = humantime::parse_rfc3339_weak(s).ok()?;
-            let d = t.duration_since(std::time::UNIX_EPOCH).ok()?;
-            return i64::try_from(d.as_nanos()).ok();
+            let Value::Str(s) = v else {
+                return Err(format!(
+                    "expected an RFC 3339 string (ts_unit = \"rfc3339\"), found {v:?}"
+                ));
+            };
+            return parse_rfc3339(s).map_err(|e| e.to_string());
         }
     };
     match v {
-        Value::I64(i) => i.checked_mul(scale),
-        Value::F64(f) if f.is_finite() => {
-            let ns = f * scale as f64;
-            (ns.abs() < 9.2e18).then_some(ns as i64)
+        Value::Str(s) => parse_rfc3339(s).map_err(|e| e.to_string()),
+        Value::I64(i) => {
+            let ns = parse_epoch_number(*i, unit).map_err(|e| e.to_string())?;
+            match likely_unit(*i, unit, now) {
+                Some(likely) => Err(format!(
+                    "{i} in {unit} (ts_unit) is {}: it looks like {likely}, set ts_unit = \"{likely}\"",
+                    sync::time::format_rfc3339(ns)
+                )),
+                None => Ok(ns),
+            }
         }
-        _ => None,
+        Value::F64(f) => parse_epoch_f64(*f, unit).map_err(|e| e.to_string()),
+        other => Err(format!(
+            "expected a number or an RFC 3339 string, found {other:?}"
+        )),
     }
 }
 
@@ -947,6 +974,7 @@ mod tests {
             topic_template: Some("sensors/{device}/{sensor}".into()),
             ts_field: Some("ts".into()),
             ts_unit: TsUnit::Ms,
+            ts_invalid_receive_time: false,
             client_id: None,
             qos: 1,
             dedupe_window: 16,
@@ -971,24 +999,59 @@ mod tests {
         assert_eq!(r.key, "dev7/temp");
         assert_eq!(r.ts, 1_500_000_000);
         let names: Vec<&str> = r.fields.iter().map(|(n, _)| n.as_str()).collect();
-        // serde_json's map keeps keys sorted, so fields come in name order.
+        // The payload's order, flattened as over HTTP; null is no field.
         assert_eq!(
             names,
-            ["arr", "n.a", "n.b.c", "v", TOPIC_FIELD, DIGEST_FIELD]
+            [
+                "v",
+                "n.a",
+                "n.b.c",
+                "arr.0",
+                "arr.1",
+                TOPIC_FIELD,
+                DIGEST_FIELD
+            ]
         );
-        assert_eq!(r.fields[4].1, Value::Str("sensors/dev7/temp".into()));
-        // A topic off the template keeps the whole topic as the key; a missing ts gets the
-        // receive time; both are counted.
-        m.map(&publish("other/x", r#"{"v":1}"#), 42, 9, &mut out);
+        assert_eq!(r.fields[5].1, Value::Str("sensors/dev7/temp".into()));
+        // A topic off the template keeps the whole topic as the key (counted). A missing or
+        // unreadable ts refuses the message (counted twice: bad timestamp, bad payload).
+        m.map(&publish("other/x", r#"{"ts":7,"v":1}"#), 42, 9, &mut out);
         assert_eq!(out[1].key, "other/x");
-        assert_eq!(out[1].ts, 42);
         assert_eq!(m.stats.topic_mismatches.load(Ordering::Relaxed), 1);
-        assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 1);
+        for no_time in [r#"{"v":1}"#, r#"{"ts":"noon","v":1}"#] {
+            m.map(&publish("sensors/a/b", no_time), 42, 9, &mut out);
+        }
+        assert_eq!(out.len(), 2, "never silently stored at the receive time");
+        assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 2);
         for bad in ["[1]", "{", "\u{1}"] {
             m.map(&publish("sensors/a/b", bad), 0, 0, &mut out);
         }
         assert_eq!(out.len(), 2);
-        assert_eq!(m.stats.bad_payloads.load(Ordering::Relaxed), 3);
+        assert_eq!(m.stats.bad_payloads.load(Ordering::Relaxed), 5);
+        // ts_invalid = "receive_time" stores them at the receive time, still counted.
+        let mut c = cfg(PayloadFormat::Json);
+        c.ts_invalid_receive_time = true;
+        let m = Mapper::new(&c, Arc::default());
+        m.map(&publish("sensors/a/b", r#"{"v":1}"#), 42, 9, &mut out);
+        assert_eq!(out[2].ts, 42);
+        assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn offsets_are_honoured() {
+        let mut c = cfg(PayloadFormat::Json);
+        c.ts_unit = TsUnit::Rfc3339;
+        let m = Mapper::new(&c, Arc::default());
+        let mut out = Vec::new();
+        for ts in ["2025-12-01T12:00:00+01:00", "2025-12-01T12:00:00.5+01:00"] {
+            let payload = format!(r#"{{"ts":"{ts}","v":1}}"#);
+            m.map(&publish("sensors/a/b", &payload), 42, 9, &mut out);
+        }
+        let noon_ns = 1_764_590_400_000_000_000;
+        let hour = 3_600_000_000_000;
+        assert_eq!(out[0].ts, noon_ns - hour);
+        assert_eq!(out[1].ts, noon_ns - hour + 500_000_000);
+        assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -1010,19 +1073,29 @@ mod tests {
 
     #[test]
     fn timestamps() {
-        assert_eq!(to_ns(&Value::I64(2), TsUnit::S), Some(2_000_000_000));
-        assert_eq!(to_ns(&Value::F64(1.5), TsUnit::S), Some(1_500_000_000));
-        assert_eq!(to_ns(&Value::I64(7), TsUnit::Us), Some(7_000));
-        assert_eq!(to_ns(&Value::I64(i64::MAX), TsUnit::S), None);
-        assert_eq!(to_ns(&Value::Str("x".into()), TsUnit::Ms), None);
+        let now = 1_764_590_400_000_000_000;
+        assert_eq!(to_ns(&Value::I64(2), TsUnit::S, now), Ok(2_000_000_000));
+        assert_eq!(to_ns(&Value::F64(1.5), TsUnit::S, now), Ok(1_500_000_000));
+        assert_eq!(to_ns(&Value::I64(7), TsUnit::Us, now), Ok(7_000));
+        assert!(to_ns(&Value::I64(i64::MAX), TsUnit::S, now).is_err());
+        assert!(to_ns(&Value::Str("x".into()), TsUnit::Ms, now).is_err());
+        // A string is RFC 3339 whatever the unit, its offset honoured.
+        let s = Value::Str("2025-12-01T13:00:00+01:00".into());
+        assert_eq!(to_ns(&s, TsUnit::Ms, now), Ok(now));
+        assert_eq!(to_ns(&s, TsUnit::Rfc3339, now), Ok(now));
+        assert!(to_ns(&Value::I64(1), TsUnit::Rfc3339, now).is_err());
         assert_eq!(
             to_ns(
                 &Value::Str("1970-01-01T00:00:01.5Z".into()),
-                TsUnit::Rfc3339
+                TsUnit::Rfc3339,
+                now
             ),
-            Some(1_500_000_000)
+            Ok(1_500_000_000)
         );
-        assert_eq!(to_ns(&Value::F64(f64::NAN), TsUnit::Ns), None);
+        assert!(to_ns(&Value::F64(f64::NAN), TsUnit::Ns, now).is_err());
+        // Seconds sent where ms are configured: refused, naming the unit.
+        let e = to_ns(&Value::I64(now / 1_000_000_000), TsUnit::Ms, now).unwrap_err();
+        assert!(e.contains("looks like s"), "{e}");
     }
 
     #[test]

@@ -2,26 +2,38 @@
 //!
 //! Each non-blank line is exactly one object with these members, in any order:
 //! - `"key"`: a non-empty string, the routing key;
-//! - `"ts"`: an integer, nanoseconds since the Unix epoch. It may be absent or `null`, in which
-//!   case [`ParseOptions::default_ts`] applies; without one that is an error;
+//! - `"ts"`: an integer in [`ParseOptions::ts_unit`] (nanoseconds unless the request's
+//!   `precision` says otherwise), or an RFC 3339 string with `Z` or a numeric offset and any
+//!   fraction (`"2025-12-01T12:00:00.5+01:00"`, read by [`crate::time::parse_rfc3339`]). It may
+//!   be absent or `null`, in which case [`ParseOptions::default_ts`] applies; without one that
+//!   is an error. An integer implausible in its unit but plausible in another is refused
+//!   naming that unit when [`ParseOptions::plausible_at`] is set;
 //! - `"fields"`: an object, possibly empty (a record may be a bare event). Each value is:
 //!   - an integer (no fraction, no exponent) within the i64 range: [`Value::I64`];
 //!   - any other number: [`Value::F64`], parsed with correct rounding, so `71.28` becomes the
 //!     f64 nearest to 71.28. Numbers that overflow to infinity are refused;
 //!   - `true` or `false`: [`Value::Bool`];
 //!   - a string: [`Value::Str`];
-//!   - `{"$bytes":"<standard base64, padding optional>"}`: [`Value::Bytes`].
+//!   - `{"$bytes":"<standard base64, padding optional>"}`: [`Value::Bytes`];
+//!   - `null`: no field (as if the member were absent);
+//!   - a nested object: its members become fields named `parent.child`, at any depth up to
+//!     [`NESTING_MAX`] (`{"gps":{"lat":1.5}}` gives `gps.lat`);
+//!   - an array: flattened by index, `name.0`, `name.1`, ... (`{"xyz":[1,2]}` gives `xyz.0`
+//!     and `xyz.1`; `null` elements are skipped but keep their index; an empty array is no
+//!     field).
 //!
-//! Anything else is an error that names the field: `null`, arrays, and nested objects
-//! (flattening those is the MQTT mapper's job). Unknown top-level members, duplicate members and
-//! duplicate field names are errors too, so a typo never loses data silently. Blank lines and a
-//! `\r` before the `\n` are accepted.
+//! Flattened names obey the same limits as written ones. Unknown top-level members, duplicate
+//! members and duplicate field names (also once flattened: `{"a":{"b":1},"a.b":2}`) are
+//! errors, so a typo never loses data silently. Blank lines and a `\r` before the `\n` are
+//! accepted. MQTT JSON payloads are read by the same code ([`parse_json_fields`]), so HTTP
+//! and MQTT map one document to the same fields.
 //!
 //! This is a small hand-written parser rather than serde because errors must point at the exact
 //! line and column of the offending token, and field order must be kept.
 
 use super::{
-    FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX, column, line_too_long, shorten, too_long, too_many_fields,
+    FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX, column, epoch_ts, line_too_long, shorten, too_long,
+    too_many_fields,
 };
 use super::{LINE_BYTES_MAX, ParseError, ParseOptions};
 use crate::record::{Record, Value};
@@ -56,6 +68,57 @@ pub fn parse_ndjson_with(input: &str, opts: &ParseOptions) -> Result<Vec<Record>
         );
     }
     Ok(records)
+}
+
+/// The deepest nesting of objects and arrays inside `"fields"` (serde_json's own limit).
+pub const NESTING_MAX: usize = 128;
+
+/// The fields of one record as they are read: the dotted name of the value being read, and
+/// the names so far, so that a duplicate costs one lookup, not a scan of the record.
+#[derive(Default)]
+struct Fields {
+    path: String,
+    list: Vec<(String, Value)>,
+    names: std::collections::HashSet<String>,
+}
+
+impl Fields {
+    /// Appends `name` to the path; returns the path's length before, to truncate back to.
+    fn enter(&mut self, name: &str) -> usize {
+        let before = self.path.len();
+        if before > 0 {
+            self.path.push('.');
+        }
+        self.path.push_str(name);
+        before
+    }
+}
+
+/// Parses one JSON object (an MQTT payload) into fields by the same rules as an NDJSON
+/// record's `"fields"`: the one mapping for both (see the module docs). Whitespace, newlines
+/// included, may surround any token; errors point at line 1 and the character offset.
+pub fn parse_json_fields(
+    payload: &str,
+    fields_max: usize,
+) -> Result<Vec<(String, Value)>, ParseError> {
+    let mut p = LineParser {
+        s: payload,
+        b: payload.as_bytes(),
+        pos: 0,
+        line_no: 1,
+        fields_max,
+    };
+    p.ws();
+    if p.peek() != Some(b'{') || p.at_bytes_object() {
+        return Err(p.err_at(p.pos, "a JSON object"));
+    }
+    let mut out = Fields::default();
+    p.object(&mut out, 0)?;
+    p.ws();
+    if p.pos != p.b.len() {
+        return Err(p.err_at(p.pos, "the end of the payload after the object"));
+    }
+    Ok(out.list)
 }
 
 /// A parsed JSON number.
@@ -106,7 +169,7 @@ impl LineParser<'_> {
                 self.ws();
                 match slot {
                     0 => key = Some(self.key_value()?),
-                    1 => ts = self.ts_value()?,
+                    1 => ts = self.ts_value(opts)?,
                     _ => fields = Some(self.fields()?),
                 }
                 self.ws();
@@ -128,7 +191,7 @@ impl LineParser<'_> {
         let ts = ts.or(opts.default_ts).ok_or_else(|| {
             self.err_at(
                 close_at,
-                r#"a "ts" member (nanoseconds since the Unix epoch)"#,
+                r#"a "ts" member (an integer in the precision, or an RFC 3339 string)"#,
             )
         })?;
         let fields = fields.ok_or_else(|| self.err_at(close_at, r#"a "fields" member"#))?;
@@ -150,35 +213,47 @@ impl LineParser<'_> {
         Ok(key)
     }
 
-    /// `None` means `null`: the default timestamp applies.
-    fn ts_value(&mut self) -> Result<Option<i64>, ParseError> {
+    /// `None` means `null`: the default timestamp applies. An integer is in
+    /// [`ParseOptions::ts_unit`]; a string is RFC 3339 with its zone ([`crate::time`]).
+    fn ts_value(&mut self, opts: &ParseOptions) -> Result<Option<i64>, ParseError> {
         let at = self.pos;
         if self.eat_word("null") {
             return Ok(None);
         }
+        if self.peek() == Some(b'"') {
+            let text = self.string(TS_EXPECTED)?;
+            return crate::time::parse_rfc3339(&text)
+                .map(Some)
+                .map_err(|e| self.err_at(at, rfc3339_expected(&e)));
+        }
         match self.number()? {
-            Some(Num::Int(v)) => Ok(Some(v)),
+            Some(Num::Int(v)) => epoch_ts(v, opts)
+                .map(Some)
+                .map_err(|(expected, found)| self.err_found(at, expected, found)),
             Some(Num::IntOutOfRange) => {
-                Err(self.err_at(at, r#"nanoseconds within the i64 range for "ts""#))
+                Err(self.err_at(at, r#"an integer within the i64 range for "ts""#))
             }
-            Some(Num::Float(_)) => {
-                Err(self.err_at(at, r#"an integer number of nanoseconds for "ts""#))
-            }
-            None => Err(self.err_at(at, r#"a number for "ts""#)),
+            Some(Num::Float(_)) => Err(self.err_at(at, TS_EXPECTED)),
+            None => Err(self.err_at(at, TS_EXPECTED)),
         }
     }
 
     fn fields(&mut self) -> Result<Vec<(String, Value)>, ParseError> {
-        let at = self.pos;
-        if !self.eat(b'{') {
-            return Err(self.err_at(at, r#"an object for "fields""#));
+        if self.peek() != Some(b'{') {
+            return Err(self.err_at(self.pos, r#"an object for "fields""#));
         }
+        let mut out = Fields::default();
+        self.object(&mut out, 0)?;
+        Ok(out.list)
+    }
+
+    /// The object at `pos`, its members stored as fields under `out.path` (see the module
+    /// docs: nested objects and arrays flatten into dotted names, `null` is no field).
+    fn object(&mut self, out: &mut Fields, depth: usize) -> Result<(), ParseError> {
+        self.pos += 1;
         self.ws();
-        let mut fields: Vec<(String, Value)> = Vec::new();
-        // Names seen so far, so that a duplicate costs one lookup, not a scan of the record.
-        let mut names = std::collections::HashSet::new();
         if self.eat(b'}') {
-            return Ok(fields);
+            return Ok(());
         }
         loop {
             self.ws();
@@ -187,30 +262,91 @@ impl LineParser<'_> {
             if name.is_empty() {
                 return Err(self.err_at(name_at, "a non-empty field name"));
             }
-            if let Some(expected) = too_long("a field name", name.len(), FIELD_NAME_BYTES_MAX) {
+            let before = out.enter(&name);
+            if let Some(expected) = too_long("a field name", out.path.len(), FIELD_NAME_BYTES_MAX) {
                 return Err(self.err_at(name_at, expected));
-            }
-            if fields.len() == self.fields_max {
-                let at = column(self.s, name_at);
-                return Err(too_many_fields(self.line_no, at, self.fields_max));
-            }
-            if !names.insert(name.clone()) {
-                return Err(self.err_at(name_at, "a field name not already used in this record"));
             }
             self.ws();
             self.expect(b':', "':' after the field name")?;
             self.ws();
-            let value = self.field_value(&name)?;
-            fields.push((name, value));
+            self.member(out, name_at, depth)?;
+            out.path.truncate(before);
             self.ws();
             if self.eat(b',') {
                 continue;
             }
             if self.eat(b'}') {
-                return Ok(fields);
+                return Ok(());
             }
             return Err(self.err_at(self.pos, r#"',' or '}' in "fields""#));
         }
+    }
+
+    /// The array at `pos`: element `i` is stored under `out.path.i`.
+    fn array(&mut self, out: &mut Fields, depth: usize) -> Result<(), ParseError> {
+        self.pos += 1;
+        self.ws();
+        if self.eat(b']') {
+            return Ok(());
+        }
+        for index in 0usize.. {
+            self.ws();
+            let at = self.pos;
+            let before = out.enter(&index.to_string());
+            if let Some(expected) = too_long("a field name", out.path.len(), FIELD_NAME_BYTES_MAX) {
+                return Err(self.err_at(at, expected));
+            }
+            self.member(out, at, depth)?;
+            out.path.truncate(before);
+            self.ws();
+            if self.eat(b']') {
+                break;
+            }
+            if !self.eat(b',') {
+                return Err(self.err_at(self.pos, "',' or ']' in an array"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The value at `pos` of the field `out.path`, whose name starts at `name_at`.
+    fn member(&mut self, out: &mut Fields, name_at: usize, depth: usize) -> Result<(), ParseError> {
+        let nested = match self.peek() {
+            Some(b'{') => !self.at_bytes_object(),
+            Some(b'[') => true,
+            _ => false,
+        };
+        if nested {
+            if depth == NESTING_MAX {
+                let expected = format!("at most {NESTING_MAX} levels of nested objects and arrays");
+                return Err(self.err_at(self.pos, expected));
+            }
+            return if self.peek() == Some(b'[') {
+                self.array(out, depth + 1)
+            } else {
+                self.object(out, depth + 1)
+            };
+        }
+        if self.eat_word("null") {
+            return Ok(());
+        }
+        let value = self.field_value(&out.path)?;
+        if out.list.len() == self.fields_max {
+            let at = column(self.s, name_at);
+            return Err(too_many_fields(self.line_no, at, self.fields_max));
+        }
+        if !out.names.insert(out.path.clone()) {
+            let expected = "a field name not already used in this record";
+            return Err(self.err_found(name_at, expected, shorten(&format!("{:?}", out.path))));
+        }
+        out.list.push((out.path.clone(), value));
+        Ok(())
+    }
+
+    /// Whether the object at `pos` is `{"$bytes":..}`.
+    fn at_bytes_object(&self) -> bool {
+        let rest = self.s[self.pos + 1..].trim_start_matches([' ', '\t', '\r', '\n']);
+        rest.starts_with("\"$bytes\"")
     }
 
     fn field_value(&mut self, name: &str) -> Result<Value, ParseError> {
@@ -415,8 +551,9 @@ impl LineParser<'_> {
         self.b.get(self.pos).copied()
     }
 
+    /// Blanks; a newline only occurs in a whole-payload parse ([`parse_json_fields`]).
     fn ws(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r')) {
+        while matches!(self.peek(), Some(b' ' | b'\t' | b'\r' | b'\n')) {
             self.pos += 1;
         }
     }
@@ -478,6 +615,25 @@ impl LineParser<'_> {
 }
 
 /// What a field value may be, for error messages.
+/// What a `"ts"` string should have been, and why this one is not.
+fn rfc3339_expected(e: &crate::time::TimeError) -> String {
+    use crate::time::TimeError;
+    match e {
+        TimeError::NoZone(_) => {
+            r#"an RFC 3339 time with a zone for "ts" (add Z for UTC or an offset such as +01:00)"#
+                .to_owned()
+        }
+        TimeError::BadRfc3339 { reason, .. } => {
+            format!(r#"an RFC 3339 time for "ts" such as "2025-12-01T12:00:00.5+01:00" ({reason})"#)
+        }
+        other => format!(r#"an RFC 3339 time for "ts" ({other})"#),
+    }
+}
+
+/// What a `"ts"` member may hold.
+const TS_EXPECTED: &str =
+    r#"an integer (in the precision, ns by default) or an RFC 3339 string for "ts""#;
+
 fn scalar_expected(name: &str) -> String {
     format!(r#"a number, string, bool or {{"$bytes":"<base64>"}} for field "{name}""#)
 }

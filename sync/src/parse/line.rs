@@ -10,7 +10,8 @@
 //!   `1.5`, `12`, `1e3` -> [`Value::F64`] (refused if it overflows to infinity); `"s"` ->
 //!   [`Value::Str`]; `t`/`true`/`F`/... -> [`Value::Bool`]. Line protocol has no bytes type.
 //!   A repeated field name is an error;
-//! - the timestamp: nanoseconds (the only precision accepted); when absent,
+//! - the timestamp: an integer in [`ParseOptions::ts_unit`] (nanoseconds unless the request's
+//!   `precision` says otherwise), checked against [`ParseOptions::plausible_at`]; when absent,
 //!   [`ParseOptions::default_ts`] applies, and without one that is an error.
 //!
 //! Blank lines and `#` comment lines are skipped; a `\r` before the `\n` is accepted. The crate
@@ -20,7 +21,7 @@
 
 use super::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use super::{LINE_BYTES_MAX, ParseError, ParseOptions, TAGS_MAX};
-use super::{column, line_too_long, shorten, too_long, too_many_fields};
+use super::{column, epoch_ts, line_too_long, shorten, too_long, too_many_fields};
 use crate::record::{Record, Value};
 use influxdb_line_protocol::{self as lp, EscapedStr, FieldValue, ParsedLine};
 
@@ -144,12 +145,18 @@ impl<'a> Line<'a> {
             }
             fields.push((String::from(name), self.value(name, value)?));
         }
-        let ts = p.timestamp.or(opts.default_ts).ok_or_else(|| {
-            self.err_at(
-                self.s.trim_end().len(),
-                "a timestamp in nanoseconds after the fields",
-            )
-        })?;
+        let end = self.s.trim_end().len();
+        let ts = match p.timestamp {
+            Some(v) => epoch_ts(v, opts).map_err(|(expected, found)| ParseError {
+                line: self.line_no,
+                column: column(self.s, timestamp_offset(self.s)),
+                expected,
+                found,
+            })?,
+            None => opts
+                .default_ts
+                .ok_or_else(|| self.err_at(end, "a timestamp in nanoseconds after the fields"))?,
+        };
         Ok(LineRecord {
             measurement,
             record: Record { key, ts, fields },
@@ -336,4 +343,10 @@ fn found_at(line: &str, at: usize) -> String {
         end += 1;
     }
     shorten(&rest[..end])
+}
+
+/// Byte offset of the timestamp: the last blank-separated token of the line.
+fn timestamp_offset(line: &str) -> usize {
+    let t = line.trim_end();
+    t.rfind([' ', '\t']).map_or(0, |i| i + 1)
 }
