@@ -104,9 +104,8 @@ impl RawCompleteness {
 pub enum CompletenessError {
     #[error("unknown stream `{0}`")]
     UnknownStream(String),
-    #[error(
-        "`{0}` is not a time: use RFC 3339 in UTC (2026-11-29T10:00:00Z) or ns since the Unix epoch"
-    )]
+    /// The time parser's message: what was given and the forms accepted.
+    #[error("{0}")]
     BadTime(String),
     #[error("`from` is after `to`")]
     EmptyRange,
@@ -120,18 +119,15 @@ impl From<rusqlite::Error> for CompletenessError {
     }
 }
 
-/// Parses a query time: RFC 3339 (UTC, `Z` optional) or integer ns since the Unix epoch.
+/// Parses a query time with the one time parser ([`sync::time`]): RFC 3339 with `Z` or a
+/// numeric offset (`2025-11-29T01:00:00+01:00`), `now` or a relative time (`-1h`), an epoch
+/// number with a unit (`1764374400s`), or a bare integer as ns since the Unix epoch.
 pub fn parse_time(s: &str) -> Result<i64, CompletenessError> {
-    let s = s.trim();
-    if let Ok(ns) = s.parse::<i64>() {
-        return Ok(ns);
-    }
-    let t = humantime::parse_rfc3339_weak(s).map_err(|_| CompletenessError::BadTime(s.into()))?;
-    let ns = t
+    let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)
-        .map_err(|_| CompletenessError::BadTime(s.into()))?
-        .as_nanos();
-    i64::try_from(ns).map_err(|_| CompletenessError::BadTime(s.into()))
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX));
+    sync::time::parse_instant_with(s, now, Some(sync::time::TimeUnit::Ns))
+        .map_err(|e| CompletenessError::BadTime(e.to_string()))
 }
 
 /// Formats ns since the Unix epoch as RFC 3339 (UTC).
@@ -574,10 +570,27 @@ mod tests {
             parse_time("2025-11-29T00:00:00.5Z").unwrap(),
             1_764_374_400_500_000_000
         );
-        assert!(matches!(
-            parse_time("yesterday"),
-            Err(CompletenessError::BadTime(_))
-        ));
+        // The offset is honoured: 01:00 at +01:00 is midnight UTC.
+        assert_eq!(
+            parse_time("2025-11-29T01:00:00+01:00").unwrap(),
+            1_764_374_400_000_000_000
+        );
+        assert_eq!(
+            parse_time("2025-11-28T19:00:00.5-05:00").unwrap(),
+            1_764_374_400_500_000_000
+        );
+        assert_eq!(
+            parse_time("1764374400s").unwrap(),
+            1_764_374_400_000_000_000
+        );
+        let before = parse_time("now").unwrap();
+        let hour_ago = parse_time("-1h").unwrap();
+        assert!(before - hour_ago >= 3_600_000_000_000 - 1_000_000_000);
+        let e = parse_time("yesterday").unwrap_err();
+        assert!(matches!(e, CompletenessError::BadTime(_)));
+        assert!(e.to_string().contains("RFC 3339"), "{e}");
+        let e = parse_time("2025-11-29T00:00:00").unwrap_err();
+        assert!(e.to_string().contains("add Z for UTC"), "{e}");
         assert_eq!(
             format_time(1_764_374_400_000_000_000),
             "2025-11-29T00:00:00.000Z"
