@@ -31,8 +31,13 @@ pub const DEFAULT_BODY_BYTES_MAX: usize = 16 << 20;
 pub const DEFAULT_FSYNC: &str = "interval:10ms";
 /// The disk budget unless configured.
 pub const DEFAULT_DISK_BYTES_MAX: u64 = 2 << 30;
-/// The segment roll size unless configured.
+/// The largest segment roll size derived from the budget (the size unless configured).
 pub const DEFAULT_SEGMENT_BYTES_MAX: u64 = 64 << 20;
+/// Sealed segments the disk budget must hold beyond one active segment per stream: the log can
+/// drop only sealed, durable segments, so with fewer the budget could not be kept.
+pub const BUDGET_SPARE_SEGMENTS: u64 = 2;
+/// The smallest `storage.segment_bytes_max` (the log refuses smaller).
+pub const SEGMENT_BYTES_MIN: u64 = 1024;
 
 /// A configuration problem, naming the key at fault.
 #[derive(Debug, Error)]
@@ -86,10 +91,16 @@ pub struct EdgeConfig {
     /// The local streams, in the order they were declared.
     pub streams: Vec<StreamConfig>,
     pub sources: Vec<SourceConfig>,
+    /// `log.format`: how the agent's own diagnostics are written (`crate::logging`), not the
+    /// record log.
+    pub log_format: crate::logging::LogFormat,
 }
 
 /// How long an agent waits before reconnecting to a hub whose storage was full.
 pub const DEFAULT_STORAGE_FULL_RETRY: Duration = Duration::from_secs(5);
+
+/// How long the link may be down before `/readyz` answers 503.
+pub const DEFAULT_LINK_DOWN_UNREADY_AFTER: Duration = Duration::from_secs(300);
 
 /// `[hub]`: where the hub listens for devices.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -105,6 +116,9 @@ pub struct HubConfig {
     pub storage_full_retry: Duration,
     /// `bandwidth_bytes_per_s`: a cap on block bytes sent per second; default none.
     pub bandwidth_bytes_per_s: Option<u64>,
+    /// `link_down_unready_after`: how long the link may be down (not up, counted from when it
+    /// was last up, or from start) before `/readyz` answers 503; default 5 min.
+    pub link_down_unready_after: Duration,
 }
 
 /// `[tls]`: PEM files written by `core-hub pki issue`.
@@ -204,6 +218,10 @@ pub struct StreamConfig {
     /// records are kept after every derived stream has consumed them (default 1h). Replicated
     /// streams are freed by the hub's acknowledgements instead.
     pub retention: Duration,
+    /// `idle_close_after`: how long after its end (and after its key's last record) the clock
+    /// closes a quiet key's open `downsample` interval or `window` (default: the stage's
+    /// interval; `"off"`: only a later record closes it). See `crate::filters::idle`.
+    pub idle_close: crate::filters::IdleClose,
 }
 
 impl StreamConfig {
@@ -360,6 +378,7 @@ impl EdgeConfig {
         base: &Path,
         env: Option<HashMap<String, String>>,
     ) -> Result<Self, ConfigError> {
+        let from_env = EnvKeys::collect(env.as_ref());
         let environment = config::Environment::with_prefix(ENV_PREFIX)
             .prefix_separator(ENV_SEPARATOR)
             .separator(ENV_SEPARATOR)
@@ -370,8 +389,8 @@ impl EdgeConfig {
             .add_source(environment)
             .build()
             .and_then(|c| c.try_deserialize())
-            .map_err(from_config_error)?;
-        raw.into_typed(base)
+            .map_err(|e| from_env.annotate(from_config_error(e)))?;
+        raw.into_typed(base).map_err(|e| from_env.annotate(e))
     }
 
     /// The local log's configuration for this agent.
@@ -397,6 +416,40 @@ impl EdgeConfig {
     /// Looks a stream up by name.
     pub fn stream(&self, name: &str) -> Option<&StreamConfig> {
         self.streams.iter().find(|s| s.name == name)
+    }
+}
+
+/// The keys the environment set (dotted, lowercase, as the `config` crate reads them), each
+/// with the variable that set it, so an error names the variable the operator has to fix.
+struct EnvKeys(HashMap<String, String>);
+
+impl EnvKeys {
+    fn collect(env: Option<&HashMap<String, String>>) -> EnvKeys {
+        let vars: Vec<String> = match env {
+            Some(m) => m.keys().cloned().collect(),
+            None => std::env::vars_os()
+                .filter_map(|(k, _)| k.into_string().ok())
+                .collect(),
+        };
+        let prefix = format!("{ENV_PREFIX}{ENV_SEPARATOR}").to_lowercase();
+        let keys = vars.into_iter().filter_map(|var| {
+            let rest = var.to_lowercase().strip_prefix(&prefix)?.to_owned();
+            Some((rest.replace(ENV_SEPARATOR, "."), var))
+        });
+        EnvKeys(keys.collect())
+    }
+
+    fn annotate(&self, e: ConfigError) -> ConfigError {
+        match e {
+            ConfigError::Invalid { key, message } => match self.0.get(&key) {
+                Some(var) => ConfigError::Invalid {
+                    message: format!("{message} (set by the environment variable {var})"),
+                    key,
+                },
+                None => ConfigError::Invalid { key, message },
+            },
+            other => other,
+        }
     }
 }
 
@@ -487,6 +540,8 @@ struct RawConfig {
     streams: Vec<RawStream>,
     #[serde(default)]
     sources: Vec<RawSource>,
+    #[serde(default)]
+    log: crate::logging::RawLog,
 }
 
 #[derive(Debug, Deserialize)]
@@ -497,6 +552,7 @@ struct RawHub {
     backoff_max: Option<String>,
     storage_full_retry: Option<String>,
     bandwidth_bytes_per_s: Option<String>,
+    link_down_unready_after: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -550,6 +606,7 @@ struct RawStream {
     source_stream: Option<String>,
     replicate: Option<String>,
     retention: Option<String>,
+    idle_close_after: Option<String>,
 }
 
 /// One `filters` entry: `{ kind = "where", expr = "temp > 3" }` and so on (see `docs/filters.md`).
@@ -618,10 +675,14 @@ impl RawConfig {
             hub,
             tls,
             http: self.http.into_typed()?,
-            storage: self.storage.into_typed()?,
+            storage: self.storage.into_typed(streams.len())?,
             ingest: self.ingest.into_typed()?,
             streams,
             sources,
+            log_format: self
+                .log
+                .parse()
+                .map_err(|m| ConfigError::invalid("log.format", m))?,
         })
     }
 }
@@ -669,12 +730,23 @@ impl RawHub {
             },
             None => None,
         };
+        let link_down_unready_after = match self.link_down_unready_after {
+            Some(s) => parse_duration("hub.link_down_unready_after", &s)?,
+            None => DEFAULT_LINK_DOWN_UNREADY_AFTER,
+        };
+        if link_down_unready_after.is_zero() {
+            return Err(ConfigError::invalid(
+                "hub.link_down_unready_after",
+                "must be above zero, such as 5m",
+            ));
+        }
         Ok(HubConfig {
             addr,
             server_name,
             backoff_max,
             storage_full_retry,
             bandwidth_bytes_per_s,
+            link_down_unready_after,
         })
     }
 }
@@ -781,7 +853,13 @@ impl RawIngest {
 }
 
 impl RawStorage {
-    fn into_typed(self) -> Result<StorageConfig, ConfigError> {
+    /// `streams`: how many streams the log holds (each has an active segment of its own).
+    fn into_typed(self, streams: usize) -> Result<StorageConfig, ConfigError> {
+        let disk_bytes_max = bytes_or(
+            "storage.disk_bytes_max",
+            self.disk_bytes_max,
+            DEFAULT_DISK_BYTES_MAX,
+        )?;
         let d = LogConfig::default();
         let fsync = parse_fsync(
             "storage.fsync",
@@ -799,17 +877,9 @@ impl RawStorage {
         };
         Ok(StorageConfig {
             fsync,
-            disk_bytes_max: bytes_or(
-                "storage.disk_bytes_max",
-                self.disk_bytes_max,
-                DEFAULT_DISK_BYTES_MAX,
-            )?,
+            disk_bytes_max,
             on_full,
-            segment_bytes_max: bytes_or(
-                "storage.segment_bytes_max",
-                self.segment_bytes_max,
-                DEFAULT_SEGMENT_BYTES_MAX,
-            )?,
+            segment_bytes_max: segment_bytes(self.segment_bytes_max, disk_bytes_max, streams)?,
             block_records_max: count_or(
                 "storage.block_records_max",
                 self.block_records_max,
@@ -1179,6 +1249,10 @@ fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> 
             ));
         }
         let source_stream = s.source_stream.filter(|t| !t.trim().is_empty());
+        let idle_close = idle_close(
+            &format!("streams[{i}].idle_close_after"),
+            s.idle_close_after,
+        )?;
         streams.push(StreamConfig {
             name,
             priority,
@@ -1186,6 +1260,7 @@ fn streams_typed(raw: Vec<RawStream>) -> Result<Vec<StreamConfig>, ConfigError> 
             source_stream,
             replicate,
             retention,
+            idle_close,
         });
     }
     // Derived streams: the source is another declared stream, and not itself derived (so there
@@ -1449,6 +1524,88 @@ pub fn parse_bytes(key: &str, s: &str) -> Result<u64, ConfigError> {
         _ => return Err(bad()),
     };
     n.checked_mul(multiplier).ok_or_else(bad)
+}
+
+/// `idle_close_after`: a duration, or `off`.
+fn idle_close(key: &str, v: Option<String>) -> Result<crate::filters::IdleClose, ConfigError> {
+    use crate::filters::IdleClose;
+    match v.as_deref().map(str::trim) {
+        None => Ok(IdleClose::Interval),
+        Some("off") => Ok(IdleClose::Off),
+        Some(d) => {
+            let d = parse_duration(key, d)?;
+            Ok(IdleClose::AfterNs(
+                i64::try_from(d.as_nanos()).unwrap_or(i64::MAX),
+            ))
+        }
+    }
+}
+
+/// `storage.segment_bytes_max`: as configured, if the budget holds one active segment per
+/// stream plus [`BUDGET_SPARE_SEGMENTS`] of it; else derived from the budget (half of that
+/// share, at most [`DEFAULT_SEGMENT_BYTES_MAX`]). A budget too small for either is refused,
+/// naming both keys and the minimum.
+fn segment_bytes(raw: Option<String>, budget: u64, streams: usize) -> Result<u64, ConfigError> {
+    let slots = streams.max(1) as u64 + BUDGET_SPARE_SEGMENTS;
+    let per = if streams == 1 { "stream" } else { "streams" };
+    let Some(raw) = raw else {
+        let derived = (budget / (2 * slots)).min(DEFAULT_SEGMENT_BYTES_MAX);
+        if derived < SEGMENT_BYTES_MIN {
+            let min = 2 * slots * SEGMENT_BYTES_MIN;
+            return Err(ConfigError::invalid(
+                "storage.disk_bytes_max",
+                format!(
+                    "{} is too small for {streams} {per}: storage.segment_bytes_max is derived \
+                     from the budget and would fall below {}; raise storage.disk_bytes_max to \
+                     at least {}",
+                    size(budget),
+                    size(SEGMENT_BYTES_MIN),
+                    size(min)
+                ),
+            ));
+        }
+        return Ok(derived);
+    };
+    let seg = bytes_or("storage.segment_bytes_max", Some(raw), 0)?;
+    if seg < SEGMENT_BYTES_MIN {
+        return Err(ConfigError::invalid(
+            "storage.segment_bytes_max",
+            format!(
+                "{} is below the minimum of {}",
+                size(seg),
+                size(SEGMENT_BYTES_MIN)
+            ),
+        ));
+    }
+    let min = seg.saturating_mul(slots);
+    if budget < min {
+        return Err(ConfigError::invalid(
+            "storage.disk_bytes_max",
+            format!(
+                "{} cannot hold the log with storage.segment_bytes_max = {} and {streams} {per}: \
+                 it needs one active segment per stream plus {BUDGET_SPARE_SEGMENTS} to drop, at \
+                 least {}; raise storage.disk_bytes_max to {}, lower storage.segment_bytes_max \
+                 to at most {}, or leave storage.segment_bytes_max out to derive it from the budget",
+                size(budget),
+                size(seg),
+                size(min),
+                size(min),
+                size((budget / slots).max(1)),
+            ),
+        ));
+    }
+    Ok(seg)
+}
+
+/// A byte size as written in the config: `64MiB` when exact, else bytes.
+fn size(n: u64) -> String {
+    match n {
+        0 => "0".into(),
+        n if n % (1 << 30) == 0 => format!("{}GiB", n >> 30),
+        n if n % (1 << 20) == 0 => format!("{}MiB", n >> 20),
+        n if n % (1 << 10) == 0 => format!("{}KiB", n >> 10),
+        n => format!("{n} bytes"),
+    }
 }
 
 fn bytes_or(key: &str, v: Option<String>, default: u64) -> Result<u64, ConfigError> {

@@ -6,6 +6,10 @@
 //! plain atomics fixed at start-up: the set of streams does not change while the agent runs.
 //! Filter pipelines register their [`FilterStats`] (records in, out and dropped per stage;
 //! missing fields, type mismatches and late records per stream).
+//! A `replicate = false` stream owes the hub nothing: it has no backlog and no replication lag,
+//! so `tributary_edge_backlog_bytes`, `tributary_edge_backlog_blocks` and
+//! `tributary_edge_oldest_unsent_age_seconds` carry no sample for it (an alert on them never
+//! fires for it), and `tributary_edge_stream_replicated` is 0 for it, 1 for the others.
 //! The text is rendered by hand: a few dozen lines, and it keeps the exporter stack (and its
 //! HTTP listener and crypto defaults) out of the edge binary.
 
@@ -39,6 +43,8 @@ pub struct Metrics {
     http: [AtomicU64; HTTP_CODES.len()],
     /// Each filtered stream's pipeline counters, registered when its pipeline is compiled.
     filters: std::sync::Mutex<Vec<(String, Arc<FilterStats>)>>,
+    /// Streams kept on the device (`replicate = false`): no backlog, no lag.
+    local: std::collections::HashSet<String>,
 }
 
 #[derive(Debug, Default)]
@@ -59,7 +65,20 @@ impl Metrics {
                 .collect(),
             http: Default::default(),
             filters: std::sync::Mutex::default(),
+            local: Default::default(),
         }
+    }
+
+    /// Marks `streams` as kept on the device (`replicate = false`): they report no backlog and
+    /// no replication lag, on `/metrics` and in the status report.
+    pub fn with_local_streams<'a>(mut self, streams: impl IntoIterator<Item = &'a str>) -> Self {
+        self.local = streams.into_iter().map(str::to_owned).collect();
+        self
+    }
+
+    /// True for a stream kept on the device (`replicate = false`).
+    pub fn is_local(&self, stream: &str) -> bool {
+        self.local.contains(stream)
     }
 
     /// Shows `stats` on `/metrics` and `/v1/status` as the filter pipeline of `stream`.
@@ -263,6 +282,12 @@ impl Metrics {
 
     fn render_streams(&self, m: &mut Writer<'_>, status: &LogStatus, now_ns: i64) {
         type Get = fn(&crate::log::StreamStatus, i64) -> f64;
+        // Families about what the hub is owed: no sample for a local stream.
+        const OWED: [&str; 3] = [
+            "tributary_edge_backlog_bytes",
+            "tributary_edge_backlog_blocks",
+            "tributary_edge_oldest_unsent_age_seconds",
+        ];
         let families: [(&str, &str, &str, Get); 11] = [
             (
                 "tributary_edge_backlog_bytes",
@@ -334,8 +359,21 @@ impl Metrics {
         for (name, kind, help, get) in families {
             m.family(name, kind, help);
             for s in &status.streams {
+                if OWED.contains(&name) && self.is_local(&s.stream) {
+                    continue;
+                }
                 m.sample(name, &[("stream", &s.stream)], get(s, now_ns));
             }
+        }
+        let name = "tributary_edge_stream_replicated";
+        m.family(
+            name,
+            "gauge",
+            "1 for a stream replicated to the hub, 0 for one kept on the device (replicate = false).",
+        );
+        for s in &status.streams {
+            let replicated = if self.is_local(&s.stream) { 0.0 } else { 1.0 };
+            m.sample(name, &[("stream", &s.stream)], replicated);
         }
     }
 
@@ -504,6 +542,7 @@ mod tests {
             oldest_unsent_ts: Some(1_000_000_000),
             dropped_records: 5,
             dropped_blocks: 1,
+            dropped_gaps: 1,
             quarantined_blocks: 0,
         }
     }
@@ -559,6 +598,49 @@ mod tests {
                 assert!(announced.contains(name), "{name} has no TYPE line");
             }
         }
+    }
+
+    #[test]
+    fn a_local_stream_has_no_backlog_or_lag_samples() {
+        let m = Metrics::new(["telemetry", "raw"]).with_local_streams(["raw"]);
+        let status = LogStatus {
+            epoch: 7,
+            streams: vec![stream("telemetry"), stream("raw")],
+            disk_bytes: 99,
+            poisoned: None,
+        };
+        let limits = Limits {
+            disk_bytes_max: 1000,
+        };
+        let text = m.render(&status, &limits, 3_500_000_000);
+        let has = |line: &str| text.lines().any(|l| l == line);
+        for owed in [
+            "tributary_edge_backlog_bytes",
+            "tributary_edge_backlog_blocks",
+            "tributary_edge_oldest_unsent_age_seconds",
+        ] {
+            assert!(
+                !text
+                    .lines()
+                    .any(|l| l.starts_with(&format!("{owed}{{stream=\"raw\"}}"))),
+                "{owed} sampled for a local stream:\n{text}"
+            );
+            assert!(
+                text.lines()
+                    .any(|l| l.starts_with(&format!("{owed}{{stream=\"telemetry\"}}"))),
+                "{owed} missing for the replicated stream:\n{text}"
+            );
+        }
+        assert!(
+            has("tributary_edge_stream_replicated{stream=\"raw\"} 0"),
+            "{text}"
+        );
+        assert!(
+            has("tributary_edge_stream_replicated{stream=\"telemetry\"} 1"),
+            "{text}"
+        );
+        // What the local stream holds is still shown.
+        assert!(has("tributary_edge_segments{stream=\"raw\"} 1"), "{text}");
     }
 
     #[test]

@@ -8,11 +8,11 @@
 //! the established state, and it never gives up: a stalled link is always visible in
 //! [`LinkStatus`] and on `/metrics`.
 //!
-//! A stream the hub refuses (`UNAUTHORIZED_STREAM`, the stream named between backticks in the
-//! message) is left out of the following sessions for [`REFUSED_STREAM_RETRY`], and the
-//! reconnect is immediate: one refused stream must not starve the device's allowed streams.
-//! Its records stay in the local log, and it is offered again after the retry period (the
-//! hub's allow-list may have changed).
+//! A stream the hub refuses (not on its allow-list, a per-device quota, a forbidden key) comes
+//! as a StreamRefused frame with its code and retry time: the session and the device's other
+//! streams carry on, the refused stream's records stay in the local log, and the sender offers
+//! it again on the same session once the retry time has passed (the hub's allow-list may have
+//! changed). `/metrics` lists each refused stream with its code while it is refused.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -31,45 +31,24 @@ use crate::log::{self as locallog, LogHandle};
 
 mod poison;
 
-/// How long a stream the hub refused stays out of the sessions before it is offered again.
-pub const REFUSED_STREAM_RETRY: Duration = Duration::from_secs(600);
+mod reconnect;
+mod refused;
 
-/// Streams left out of every session: those the hub refused, with when (see
-/// [`REFUSED_STREAM_RETRY`]), and those configured to stay on the device.
+pub use refused::RefusedStream;
+
+/// Streams left out of every session: those configured to stay on the device. (A stream the
+/// hub refuses is announced as usual: leaving a stream the hub holds out of the Hello would
+/// look like a data directory restored without it, and mint a new epoch.)
 #[derive(Debug, Default)]
 struct Refused {
-    streams: std::collections::HashMap<String, StdInstant>,
     /// `replicate = false` streams: never announced, never shipped.
     local_only: std::collections::HashSet<String>,
 }
 
 impl Refused {
     fn contains(&mut self, stream: &str) -> bool {
-        if self.local_only.contains(stream) {
-            return true;
-        }
-        self.streams
-            .retain(|_, at| at.elapsed() < REFUSED_STREAM_RETRY);
-        self.streams.contains_key(stream)
+        self.local_only.contains(stream)
     }
-
-    /// Records the stream an `UNAUTHORIZED_STREAM` or `QUOTA_EXCEEDED` message names (the hub
-    /// names the stream first in both); returns it if it is new.
-    fn note(&mut self, message: &str) -> Option<String> {
-        let stream = refused_stream(message)?;
-        if self.contains(&stream) {
-            return None;
-        }
-        self.streams.insert(stream.clone(), StdInstant::now());
-        Some(stream)
-    }
-}
-
-/// The stream a refusal's message names: the first word between backticks.
-fn refused_stream(message: &str) -> Option<String> {
-    let (_, rest) = message.split_once('`')?;
-    let (name, _) = rest.split_once('`')?;
-    (!name.is_empty()).then(|| name.to_owned())
 }
 
 /// How the replicator reaches its hub.
@@ -132,21 +111,16 @@ pub struct LinkStatus {
     pub epochs_minted: AtomicU64,
     /// Streams the hub refused (each refusal counted once per retry period).
     pub streams_refused: AtomicU64,
+    /// The streams the hub refuses right now, with code, reason and next retry.
+    refused_now: Mutex<std::collections::BTreeMap<String, RefusedStream>>,
     /// Sessions the hub ended because its storage was full.
     pub storage_full: AtomicU64,
     /// Blocks the hub refused for good, quarantined and reported as gaps.
     pub blocks_quarantined: AtomicU64,
 }
 
-/// What the link is doing right now.
-#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
-pub struct LinkState {
-    /// `not configured`, `connecting`, `up` or `down`.
-    pub state: String,
-    pub last_error: Option<String>,
-    /// Unix ms of the last state change.
-    pub since_ms: u64,
-}
+/// What the link is doing right now: state, last error, since when, next retry.
+pub use crate::http::status::LinkRecord as LinkState;
 
 impl Default for LinkStatus {
     fn default() -> Self {
@@ -160,6 +134,7 @@ impl Default for LinkStatus {
             bytes_sent: AtomicU64::new(0),
             epochs_minted: AtomicU64::new(0),
             streams_refused: AtomicU64::new(0),
+            refused_now: Mutex::default(),
             storage_full: AtomicU64::new(0),
             blocks_quarantined: AtomicU64::new(0),
         }
@@ -179,18 +154,21 @@ impl LinkStatus {
     }
 
     fn set(&self, state: &str, error: Option<String>) {
-        let since_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let mut s = self.state.lock().expect("link state lock");
-        s.state = state.to_owned();
-        if error.is_some() || state == "up" {
-            s.last_error = error;
-        }
-        s.since_ms = since_ms;
-        drop(s);
+        let now = crate::http::status::now_ms();
+        self.state
+            .lock()
+            .expect("link state lock")
+            .record(state, error, now);
         self.up_tx.send_replace(state == "up");
+    }
+
+    /// The next connection attempt is due in `delay` (shown by `/v1/status`).
+    pub fn retry_in(&self, delay: Duration) {
+        let now = crate::http::status::now_ms();
+        self.state
+            .lock()
+            .expect("link state lock")
+            .retry_in(delay, now);
     }
 
     /// The link's counters in Prometheus text format, for the agent's `/metrics`.
@@ -231,7 +209,7 @@ impl LinkStatus {
             ),
             (
                 "tributary_edge_link_streams_refused_total",
-                "Streams the hub refused (not on the device's allow-list); left out for a while.",
+                "Streams the hub refused (allow-list, quota, forbidden key), once per refusal; offered again after the hub's retry time.",
                 &self.streams_refused,
             ),
             (
@@ -260,6 +238,7 @@ impl LinkStatus {
                 value.load(Ordering::Relaxed)
             );
         }
+        refused::render(&mut out, &self.refused_streams());
         out
     }
 
@@ -336,10 +315,18 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
         ..Refused::default()
     };
     let mut poison = poison::Poison::default();
+    // Fast attempts left after a session that lived (see `reconnect`).
+    let mut fast_left = 0u32;
     loop {
         status.set("connecting", None);
         status.connects.fetch_add(1, Ordering::Relaxed);
+        let deadline = match fast_left {
+            0 => reconnect::connect_timeout(backoff.attempt),
+            _ => reconnect::CONNECT_TIMEOUT_FIRST,
+        };
+        let lived_before = status.sessions_established.load(Ordering::Relaxed);
         let outcome = session(
+            deadline,
             &cfg,
             &endpoint,
             &log,
@@ -353,7 +340,12 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
         let delay = match outcome {
             Ok(SessionEnd::Reset) => {
                 backoff.reset();
+                fast_left = reconnect::FAST_RETRIES;
                 backoff.next_delay()
+            }
+            Ok(SessionEnd::Failed) if fast_left > 0 => {
+                fast_left -= 1;
+                backoff.jittered(reconnect::FAST_RETRY)
             }
             Ok(SessionEnd::Failed) => backoff.next_delay(),
             Ok(SessionEnd::StorageFull) => {
@@ -365,12 +357,24 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
             Err(e) => {
                 tracing::warn!(error = %e, "replication session ended");
                 status.set("down", Some(e));
-                backoff.next_delay()
+                // A session that lived and then broke (a hub killed or restarted) starts the
+                // attempts over, fast.
+                if status.sessions_established.load(Ordering::Relaxed) > lived_before {
+                    backoff.reset();
+                    fast_left = reconnect::FAST_RETRIES;
+                }
+                if fast_left > 0 {
+                    fast_left -= 1;
+                    backoff.jittered(reconnect::FAST_RETRY)
+                } else {
+                    backoff.next_delay()
+                }
             }
         };
         if status.state().state != "down" {
             status.set("down", None);
         }
+        status.retry_in(delay);
         tokio::time::sleep(delay).await;
     }
 }
@@ -443,6 +447,7 @@ fn gap_marker(g: &locallog::Gap) -> GapMarker {
 
 /// One connection. Returns how it ended, which sets the wait before the next one.
 async fn session(
+    connect_timeout: Duration,
     cfg: &ReplicatorConfig,
     endpoint: &quinn::Endpoint,
     log: &LogHandle,
@@ -457,13 +462,20 @@ async fn session(
     let connecting = endpoint
         .connect_with(client, addr, &cfg.server_name)
         .map_err(|e| format!("connecting to {addr}: {e}"))?;
-    let conn = connecting
-        .await
-        .map_err(|e| format!("connecting to {addr}: {e}"))?;
-    let (mut ctl_tx, mut ctl_rx) = conn
-        .open_bi()
-        .await
-        .map_err(|e| format!("opening control stream: {e}"))?;
+    let handshake = async {
+        let conn = connecting
+            .await
+            .map_err(|e| format!("connecting to {addr}: {e}"))?;
+        let (ctl_tx, ctl_rx) = conn
+            .open_bi()
+            .await
+            .map_err(|e| format!("opening control stream: {e}"))?;
+        Ok::<_, String>((conn, ctl_tx, ctl_rx))
+    };
+    let (conn, mut ctl_tx, mut ctl_rx) =
+        tokio::time::timeout(connect_timeout, handshake)
+            .await
+            .map_err(|_| format!("connecting to {addr}: no answer within {connect_timeout:?}"))??;
     let mut sender = Sender::new(
         cfg.sender.clone(),
         log.epoch(),
@@ -539,6 +551,7 @@ async fn session(
                 } => {
                     log.set_acked(&stream, epoch, durable_seq, tiered_seq)
                         .map_err(|e| e.to_string())?;
+                    status.stream_shipping(&stream);
                 }
                 SenderEvent::MintEpoch { epoch_min, rekey } => {
                     let epoch = mint(log, epoch_min, &rekey).await?;
@@ -549,6 +562,16 @@ async fn session(
                         "hub is ahead of this data directory; minted a new epoch"
                     );
                     sender.epoch_minted(now_of(clock), epoch);
+                }
+                SenderEvent::StreamRefused {
+                    stream,
+                    code,
+                    retry_after,
+                    message,
+                    ..
+                } => status.stream_refused(&stream, code, retry_after, &message),
+                SenderEvent::StreamRetrying { stream } => {
+                    tracing::info!(%stream, "offering a refused stream to the hub again");
                 }
                 SenderEvent::Closed(reason) => {
                     let _ = ctl_tx.finish();
@@ -574,22 +597,6 @@ async fn session(
                         tracing::warn!("{msg}");
                         status.set("down", Some(msg));
                         return Ok(SessionEnd::StorageFull);
-                    }
-                    if reason.by_peer
-                        && matches!(
-                            reason.code,
-                            ErrorCode::UnauthorizedStream | ErrorCode::QuotaExceeded
-                        )
-                        && let Some(stream) = refused.note(&reason.message)
-                    {
-                        status.streams_refused.fetch_add(1, Ordering::Relaxed);
-                        let msg = format!(
-                            "hub refused stream {stream} ({}); leaving it out for {:?}",
-                            reason.message, REFUSED_STREAM_RETRY
-                        );
-                        tracing::error!(%stream, "{msg}");
-                        status.set("down", Some(msg));
-                        return Ok(SessionEnd::Reset);
                     }
                     if reason.by_peer
                         && poison::permanent(reason.code)
@@ -908,24 +915,6 @@ mod tests {
     }
 
     #[test]
-    fn refused_streams_are_named_by_the_hub_message() {
-        assert_eq!(
-            refused_stream("device may not write stream `secret`").as_deref(),
-            Some("secret")
-        );
-        assert_eq!(
-            refused_stream("invalid stream name `../x`: use [A-Za-z0-9_.-]{1,64}").as_deref(),
-            Some("../x")
-        );
-        assert_eq!(refused_stream("no name here"), None);
-        assert_eq!(refused_stream("empty ``"), None);
-        let mut r = Refused::default();
-        assert_eq!(r.note("stream `a`").as_deref(), Some("a"));
-        assert_eq!(r.note("stream `a`"), None, "counted once per retry period");
-        assert!(r.contains("a") && !r.contains("b"));
-    }
-
-    #[test]
     fn local_only_streams_are_always_left_out() {
         let mut r = Refused {
             local_only: ["raw".to_string()].into_iter().collect(),
@@ -935,9 +924,10 @@ mod tests {
             r.contains("raw"),
             "a replicate = false stream is never offered"
         );
-        assert!(!r.contains("filtered"));
-        assert_eq!(r.note("stream `filtered`").as_deref(), Some("filtered"));
-        assert!(r.contains("raw") && r.contains("filtered"));
+        assert!(
+            !r.contains("filtered"),
+            "a refused stream is still announced"
+        );
     }
 
     #[test]

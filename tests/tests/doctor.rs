@@ -238,3 +238,85 @@ fn healthy_agent_without_hub_passes() {
     assert!(ok, "{text}");
     assert!(text.contains("all checks passed"), "{text}");
 }
+
+/// A config for `device`'s files (its own `ca.pem`) pointing at the hub at `hub`.
+fn hub_config(dir: &Path, name: &str, device: &Path, hub: std::net::SocketAddr) -> PathBuf {
+    let path = dir.join(format!("{name}.toml"));
+    let text = format!(
+        "data_dir = {data:?}\n\
+         [tls]\nca = {ca:?}\ncert = {cert:?}\nkey = {key:?}\n\
+         [hub]\naddr = \"{hub}\"\nserver_name = \"localhost\"\n\
+         [http]\nlisten = \"127.0.0.1:{http}\"\n\
+         [[streams]]\nname = \"telemetry\"\n",
+        data = dir.join(format!("{name}-data")).display().to_string(),
+        ca = device.join("ca.pem").display().to_string(),
+        cert = device.join("device.pem").display().to_string(),
+        key = device.join("device.key").display().to_string(),
+        http = ports::tcp(),
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// The mutation switch that brings back the old hub check (a finished TLS handshake counts as
+/// accepted). Read only by builds with the `fault-injection` feature.
+const HANDSHAKE_ONLY: (&str, &str) = ("TRIBUTARY_DOCTOR_HANDSHAKE_ONLY", "1");
+
+/// Under TLS 1.3 the client finishes its handshake before the hub judges its certificate, so
+/// only the hub's answer to a Hello proves acceptance. Against a real hub: a good certificate
+/// passes (exit 0); a revoked one and one from another CA fail, named, with their fix.
+#[test]
+fn the_hub_check_waits_for_the_hubs_verdict() {
+    use tributary_tests::cluster::{HubSpec, Pki};
+    let dir = tempfile::tempdir().unwrap();
+    let fleet = Pki::init(dir.path().join("pki")).unwrap();
+    let good = fleet.issue("dev-good", None).unwrap();
+    let revoked = fleet.issue("dev-revoked", None).unwrap();
+    fleet.revoke("dev-revoked").unwrap();
+    let other_ca = pki(&dir.path().join("other"), "dev-good");
+    let hub_spec = HubSpec::new(dir.path());
+    let _hub = hub_spec.start(&fleet).unwrap();
+
+    let cfg = hub_config(dir.path(), "good", &good.dir, hub_spec.quic);
+    let (ok, text) = doctor(&cfg, &[]);
+    let line = finding(&text, "hub");
+    assert!(ok, "a good certificate must pass:\n{text}");
+    assert!(
+        line.starts_with("ok") && line.contains("accepted"),
+        "{line}"
+    );
+
+    let cfg = hub_config(dir.path(), "revoked", &revoked.dir, hub_spec.quic);
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(!ok, "a revoked certificate must fail:\n{text}");
+    // Locally the certificate is fine: only the hub knows it is revoked.
+    assert!(finding(&text, "certificate").starts_with("ok"), "{text}");
+    let line = finding(&text, "hub");
+    assert!(
+        line.starts_with("FAIL") && line.contains("revoked"),
+        "{line}"
+    );
+    assert!(
+        line.contains("fix:") && line.contains("pki issue"),
+        "{line}"
+    );
+
+    let cfg = hub_config(dir.path(), "other-ca", &other_ca, hub_spec.quic);
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(!ok, "a certificate from another CA must fail:\n{text}");
+    assert!(finding(&text, "certificate").starts_with("ok"), "{text}");
+    let line = finding(&text, "hub");
+    assert!(line.starts_with("FAIL") && line.contains("CA"), "{line}");
+    assert!(line.contains("fleet CA") && line.contains("fix:"), "{line}");
+
+    // Mutation check: the old check (handshake only) passes the revoked certificate, which is
+    // what the assertions above catch.
+    let cfg = hub_config(dir.path(), "revoked-mutant", &revoked.dir, hub_spec.quic);
+    let (ok, text) = doctor(&cfg, &[HANDSHAKE_ONLY]);
+    assert!(
+        !text.contains("revoked"),
+        "the handshake-only switch was ignored: build the agent with the fault-injection \
+         feature (`cargo build --workspace --all-targets`):\n{text}"
+    );
+    assert!(ok, "the handshake-only check should have passed:\n{text}");
+}

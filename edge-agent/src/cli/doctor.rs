@@ -4,7 +4,8 @@
 //! Each check prints one line, `ok`, `warn` or `FAIL`, with its finding and, when it is not
 //! ok, the fix. The command exits non-zero when any check failed, so provisioning scripts can
 //! gate on it. Checks that need the network (broker, hub) connect for real, with a short
-//! deadline.
+//! deadline. The hub check passes only once the hub answered a Hello with a Welcome
+//! (`doctor/hub.rs`): a finished TLS handshake alone proves nothing under TLS 1.3.
 //!
 //! For tests, `TRIBUTARY_DOCTOR_NOW_UNIX` replaces the wall clock (seconds since the epoch):
 //! this is how a board that booted at 1970 is reproduced. Only builds with the
@@ -18,6 +19,13 @@ use edge_agent::config::{EdgeConfig, SourceConfig};
 use edge_agent::link::{self, TlsPaths};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, UnixTime};
+
+use self::hub::Verdict;
+
+mod hub;
+
+/// How long the hub check waits for the handshake, and then for the hub's verdict on the Hello.
+const HUB_WAIT: Duration = Duration::from_secs(5);
 
 /// The outcome of one check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -283,33 +291,56 @@ async fn check_hub(r: &mut Report, cfg: &EdgeConfig) {
         cert: tls.cert.clone(),
         key: tls.key.clone(),
     };
-    let result = async {
-        let addr = tokio::net::lookup_host(&hub.addr)
-            .await
-            .map_err(|e| format!("resolving {}: {e}", hub.addr))?
-            .next()
-            .ok_or_else(|| format!("{} resolves to no address", hub.addr))?;
-        let client = link::client_config(&paths).map_err(|e| e.to_string())?;
-        let endpoint = link::client_endpoint("0.0.0.0:0".parse().expect("literal"))
-            .map_err(|e| e.to_string())?;
-        let connecting = endpoint
-            .connect_with(client, addr, &hub.server_name)
-            .map_err(|e| e.to_string())?;
-        let conn = tokio::time::timeout(Duration::from_secs(5), connecting)
-            .await
-            .map_err(|_| format!("no answer from {addr} within 5 s"))?
-            .map_err(|e| e.to_string())?;
-        conn.close(0u32.into(), b"doctor");
-        Ok::<_, String>(addr)
-    }
-    .await;
-    match result {
-        Ok(addr) => r.line(Level::Ok, "hub", &format!("{} ({addr}) completed a mutual-TLS handshake", hub.addr), None),
-        Err(e) => r.line(
+    let addr = match tokio::net::lookup_host(&hub.addr)
+        .await
+        .map(|mut a| a.next())
+    {
+        Ok(Some(addr)) => addr,
+        Ok(None) => {
+            return hub_fail(
+                r,
+                &hub.addr,
+                &format!("{} resolves to no address", hub.addr),
+            );
+        }
+        Err(e) => return hub_fail(r, &hub.addr, &format!("resolving {}: {e}", hub.addr)),
+    };
+    match hub::probe(addr, &hub.server_name, &paths, HUB_WAIT).await {
+        Verdict::Accepted { version } => r.line(
+            Level::Ok,
+            "hub",
+            &format!(
+                "{} ({addr}) accepted this device (mutual TLS and a protocol version {version} session)",
+                hub.addr
+            ),
+            None,
+        ),
+        Verdict::Busy { reason } => r.line(
+            Level::Warn,
+            "hub",
+            &format!("{} ({addr}) accepted this device, but {reason}", hub.addr),
+            Some("nothing to change on this device: the agent keeps its data and retries"),
+        ),
+        Verdict::Refused { reason, fix } => r.line(
             Level::Fail,
             "hub",
-            &format!("cannot connect to the hub at {}: {e}", hub.addr),
-            Some("check hub.addr and the network path (UDP must pass), that hub.server_name matches the hub certificate, and that the device certificate is from the hub's CA and not revoked"),
+            &format!("{} ({addr}): {reason}", hub.addr),
+            Some(fix),
+        ),
+        Verdict::Unreachable { reason, fix } => r.line(
+            Level::Fail,
+            "hub",
+            &format!("cannot connect to the hub at {}: {reason}", hub.addr),
+            Some(fix),
         ),
     }
+}
+
+fn hub_fail(r: &mut Report, addr: &str, why: &str) {
+    r.line(
+        Level::Fail,
+        "hub",
+        &format!("cannot connect to the hub at {addr}: {why}"),
+        Some("check hub.addr (host:port) and the device's DNS"),
+    );
 }

@@ -1,6 +1,7 @@
 //! `edge-agent status`: asks the running agent for `/v1/status` and prints streams, backlog
 //! bytes and segments, the oldest unsent record's age, the last acknowledged seq, link state
-//! and dropped counts. `--json` prints the report as the agent sent it.
+//! (with its reason, since when and the next retry), the MQTT sources' connections and the
+//! dropped counts (kept across restarts). `--json` prints the report as the agent sent it.
 
 use std::fmt::Write as _;
 use std::path::Path;
@@ -41,7 +42,10 @@ pub fn render(r: &StatusReport, url: &str) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "agent     {url}");
     let _ = writeln!(out, "epoch     {:016x}", r.epoch);
-    let _ = writeln!(out, "link      {}", r.link.label());
+    let _ = writeln!(out, "link      {}", link_line(r));
+    for src in &r.sources {
+        let _ = writeln!(out, "source    {}", source_line(src));
+    }
     let _ = writeln!(
         out,
         "storage   fsync {}, on_full {}, disk {} of {}",
@@ -100,6 +104,43 @@ pub fn render(r: &StatusReport, url: &str) -> String {
         let _ = writeln!(out, "{}", cells.join("  ").trim_end());
     }
     out
+}
+
+/// `up since ...`, or `down since ... (12m 5s): reason; next retry in 3s (...)`.
+fn link_line(r: &StatusReport) -> String {
+    let mut line = r.link.label().to_owned();
+    let Some(d) = &r.link_detail else {
+        return line;
+    };
+    if d.state == "connecting" {
+        line.push_str(" (connecting)");
+    }
+    if let (Some(since), Some(secs)) = (&d.since, d.since_s) {
+        let _ = write!(line, " since {since} ({})", age(secs));
+    }
+    if let Some(reason) = &d.reason {
+        let _ = write!(line, ": {reason}");
+    }
+    if let (Some(at), Some(secs)) = (&d.next_retry, d.next_retry_in_s) {
+        let _ = write!(line, "; next retry in {} ({at})", age(secs.ceil()));
+    }
+    line
+}
+
+/// `mqtt sources[0] mqtt://host:1883 -> telemetry: connected since ..., 120 messages`.
+fn source_line(s: &edge_agent::http::status::SourceReport) -> String {
+    let mut line = format!(
+        "{} #{} {} -> {}: {}",
+        s.kind, s.source, s.broker, s.stream, s.state
+    );
+    if let Some(since) = &s.since {
+        let _ = write!(line, " since {since}");
+    }
+    let _ = write!(line, ", {} messages received", s.messages_received);
+    if let Some(e) = &s.last_error {
+        let _ = write!(line, "; last error: {e}");
+    }
+    line
 }
 
 /// Bytes in binary units.

@@ -18,8 +18,12 @@
 //!   refused (400). Every 503 says in `"may_be_stored"` whether the batch may have been stored
 //!   (storage failed during the write): then retry with the same key after the agent restarted.
 //!   Retention and limits: `idempotency.rs`.
-//! - `GET /healthz`: `ok`, or 503 with the reason (the log is poisoned, or an MQTT source's
-//!   subscriptions are not all granted yet).
+//! - `GET /healthz` (liveness): `ok`, or 503 with the reason (the log is poisoned, or an MQTT
+//!   source's subscriptions are not all granted yet). A link down does not fail it: restarting
+//!   the agent cannot bring a hub back.
+//! - `GET /readyz` (readiness): what `/healthz` checks, and also 503 once the link to the hub
+//!   has been down longer than `hub.link_down_unready_after`, naming the reason
+//!   ([`status::readiness`]).
 //! - `GET /metrics`: Prometheus text.
 //! - `GET /v1/status`: [`StatusReport`] as JSON.
 //!
@@ -76,12 +80,18 @@ pub struct AppState {
     pub replication: std::sync::OnceLock<Arc<crate::replicator::LinkStatus>>,
     /// Readiness and counters of the configured sources (MQTT).
     pub sources: Arc<crate::sources::SourcesState>,
+    /// `hub.link_down_unready_after`; `None` without a `[hub]`.
+    link_down_unready_after: Option<Duration>,
 }
 
 impl AppState {
     /// State for an agent configured by `cfg`, appending to `log`.
     pub fn new(cfg: &EdgeConfig, log: LogHandle) -> Arc<Self> {
-        let metrics = Arc::new(Metrics::new(cfg.streams.iter().map(|s| s.name.as_str())));
+        let local = cfg.streams.iter().filter(|s| !s.replicate);
+        let metrics = Arc::new(
+            Metrics::new(cfg.streams.iter().map(|s| s.name.as_str()))
+                .with_local_streams(local.map(|s| s.name.as_str())),
+        );
         let link = if cfg.hub.is_some() {
             LinkState::Down
         } else {
@@ -102,6 +112,7 @@ impl AppState {
             link: RwLock::new(link),
             replication: std::sync::OnceLock::new(),
             sources: Arc::new(crate::sources::SourcesState::new(cfg)),
+            link_down_unready_after: cfg.hub.as_ref().map(|h| h.link_down_unready_after),
         })
     }
 
@@ -115,8 +126,12 @@ impl AppState {
             &self.on_full,
             self.limits.disk_bytes_max,
             now_ns(),
-        );
+        )
+        .with_local_streams(|s| self.ingest.metrics().is_local(s));
         report.filters = self.ingest.metrics().filter_reports();
+        let now = status::now_ms();
+        report.link_detail = self.replication.get().map(|l| l.state().detail(now));
+        report.sources = self.sources.reports();
         report
     }
 
@@ -164,6 +179,7 @@ fn finish(protected: Router<Arc<AppState>>, app: Arc<AppState>) -> Router {
     let guard = app.guard.clone();
     protected
         .route("/healthz", get(get_healthz))
+        .route("/readyz", get(get_readyz))
         .route("/metrics", get(get_metrics))
         .layer(DefaultBodyLimit::max(app.body_bytes_max))
         .layer(middleware::from_fn_with_state(guard, limits::check_host))
@@ -452,6 +468,22 @@ async fn get_healthz(State(app): State<Arc<AppState>>) -> Response {
         Some(why) => (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("poisoned: the local log refuses writes after a storage failure: {why}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn get_readyz(State(app): State<Arc<AppState>>) -> Response {
+    let health = get_healthz(State(app.clone())).await;
+    if health.status() != StatusCode::OK {
+        return health;
+    }
+    let link = app.replication.get().map(|l| l.state());
+    match status::readiness(link.as_ref(), app.link_down_unready_after, status::now_ms()) {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
         )
             .into_response(),
     }

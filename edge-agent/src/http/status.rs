@@ -1,6 +1,15 @@
 //! The agent's status as `GET /v1/status` serves it and `edge-agent status` prints it.
 //!
 //! One serde type on both ends, so the CLI and the endpoint can never disagree about a field.
+//!
+//! - `link` is one word (`up`, `down`, `not configured`); `link_detail` says why, since when
+//!   and when the next attempt is due. The replicator records its transitions in a
+//!   [`LinkRecord`], the type both are built from.
+//! - Dropped counts come from the log's gap markers, which are durable: they survive restarts.
+//! - `sources` shows each MQTT source's connection: broker, state, last error, since when and
+//!   messages received.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 
@@ -28,12 +37,185 @@ impl LinkState {
     }
 }
 
+/// What the replicator last recorded about the link (`LinkStatus` keeps it under a lock).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct LinkRecord {
+    /// `not configured`, `connecting`, `up` or `down`.
+    pub state: String,
+    /// The last failure: the connection error, or the hub's close code and message. Kept
+    /// through reconnect attempts; cleared when a session is established.
+    pub last_error: Option<String>,
+    /// Unix ms of the last state change.
+    pub since_ms: u64,
+    /// Unix ms since the link is up, or since it is not (last up, or the first attempt).
+    pub condition_since_ms: u64,
+    /// Unix ms when the next connection attempt is due, while waiting for it.
+    pub next_retry_ms: Option<u64>,
+}
+
+impl LinkRecord {
+    /// Records a transition to `state`; `error` replaces the last error when set (and going
+    /// up clears it).
+    pub fn record(&mut self, state: &str, error: Option<String>, now_ms: u64) {
+        let was_up = self.state == "up";
+        let is_up = state == "up";
+        if self.state.is_empty() || was_up != is_up {
+            self.condition_since_ms = now_ms;
+        }
+        if error.is_some() || is_up {
+            self.last_error = error;
+        }
+        self.state = state.to_owned();
+        self.since_ms = now_ms;
+        self.next_retry_ms = None;
+    }
+
+    /// The next attempt is due in `delay`.
+    pub fn retry_in(&mut self, delay: Duration, now_ms: u64) {
+        self.next_retry_ms = Some(now_ms.saturating_add(delay.as_millis() as u64));
+    }
+
+    /// How long the link has not been up at `now_ms` (None while up or not configured).
+    pub fn down_for(&self, now_ms: u64) -> Option<Duration> {
+        match self.state.as_str() {
+            "up" | "not configured" | "" => None,
+            _ => Some(Duration::from_millis(
+                now_ms.saturating_sub(self.condition_since_ms),
+            )),
+        }
+    }
+
+    /// The report's view at `now_ms`.
+    pub fn detail(&self, now_ms: u64) -> LinkDetail {
+        let known = |ms: u64| (ms > 0).then(|| rfc3339_ms(ms));
+        LinkDetail {
+            state: self.state.clone(),
+            reason: self.last_error.as_deref().map(explain),
+            since: known(self.condition_since_ms),
+            since_s: (self.condition_since_ms > 0)
+                .then(|| now_ms.saturating_sub(self.condition_since_ms) as f64 / 1e3),
+            next_retry: self.next_retry_ms.map(rfc3339_ms),
+            next_retry_in_s: self
+                .next_retry_ms
+                .map(|at| at.saturating_sub(now_ms) as f64 / 1e3),
+        }
+    }
+}
+
+/// The link beyond its one word: why, since when, and when the next attempt is.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LinkDetail {
+    /// `connecting`, `up`, `down` or `not configured`.
+    pub state: String,
+    /// The last failure (connection error, or the hub's close code and message); none once
+    /// a session is established.
+    pub reason: Option<String>,
+    /// RFC 3339: since when the link is up, or since when it is not (when it was last up, or
+    /// when the agent first tried).
+    pub since: Option<String>,
+    /// Seconds since `since`.
+    pub since_s: Option<f64>,
+    /// RFC 3339: when the next connection attempt is due, while the agent waits for it.
+    pub next_retry: Option<String>,
+    pub next_retry_in_s: Option<f64>,
+}
+
+/// One MQTT source's connection, for the report.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SourceReport {
+    /// Its index among the MQTT sources (`source` label on `/metrics`).
+    pub source: usize,
+    pub kind: String,
+    /// `host:port` of the broker.
+    pub broker: String,
+    pub stream: String,
+    /// `connecting`, `connected` (every subscription granted), `subscribing` or
+    /// `disconnected`.
+    pub state: String,
+    pub last_error: Option<String>,
+    /// RFC 3339 of the last state change.
+    pub since: Option<String>,
+    /// PUBLISH packets received since the agent started.
+    pub messages_received: u64,
+    pub records: u64,
+}
+
+/// A link error with the TLS alert it carries named: quinn reports the hub's verdict on the
+/// device certificate only as "the cryptographic handshake failed: error 44".
+pub fn explain(error: &str) -> String {
+    const MARK: &str = "the cryptographic handshake failed: error ";
+    let Some(at) = error.find(MARK) else {
+        return error.to_owned();
+    };
+    let digits: String = error[at + MARK.len()..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
+    let what = match digits.parse::<u8>() {
+        Ok(42) => "the hub refused the device certificate (bad certificate)",
+        Ok(44) => "the hub refused the device certificate: it is revoked",
+        Ok(45) => "the hub refused the device certificate: expired or not yet valid",
+        Ok(46) => "the hub refused the device certificate (certificate unknown)",
+        Ok(48) => {
+            "the hub refused the device certificate: not signed by the hub's fleet CA (unknown CA)"
+        }
+        _ => return error.to_owned(),
+    };
+    format!("{what}; TLS alert {digits} ({error})")
+}
+
+/// Whether the link lets the agent count as ready: `Err` with the reason once it has been
+/// down longer than `limit`. Without a `[hub]` (`limit` or `link` absent) it always is.
+pub fn readiness(
+    link: Option<&LinkRecord>,
+    limit: Option<Duration>,
+    now_ms: u64,
+) -> Result<(), String> {
+    let (Some(link), Some(limit)) = (link, limit) else {
+        return Ok(());
+    };
+    let Some(down) = link.down_for(now_ms) else {
+        return Ok(());
+    };
+    if down <= limit {
+        return Ok(());
+    }
+    let reason = link
+        .last_error
+        .as_deref()
+        .unwrap_or("no error recorded yet");
+    Err(format!(
+        "the link to the hub has been down for {}s (since {}, over hub.link_down_unready_after = {}): {reason}",
+        down.as_secs(),
+        rfc3339_ms(link.condition_since_ms),
+        humantime::format_duration(limit),
+    ))
+}
+
+/// Unix ms now, from the wall clock.
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Unix ms as RFC 3339 in UTC, to the millisecond.
+pub fn rfc3339_ms(ms: u64) -> String {
+    humantime::format_rfc3339_millis(UNIX_EPOCH + Duration::from_millis(ms)).to_string()
+}
+
 /// The whole agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
     /// The current epoch.
     pub epoch: u64,
     pub link: LinkState,
+    /// Why, since when, next retry (absent from older agents).
+    #[serde(default)]
+    pub link_detail: Option<LinkDetail>,
+    /// The MQTT sources' connections (absent from older agents).
+    #[serde(default)]
+    pub sources: Vec<SourceReport>,
     /// The fsync policy, as written in the config (`interval:10ms`).
     pub fsync: String,
     /// `drop-oldest` or `block`.
@@ -68,9 +250,23 @@ pub struct StreamReport {
     pub oldest_unsent_ts: Option<i64>,
     /// Seconds since that event time.
     pub oldest_unsent_age_s: Option<f64>,
+    /// Records the disk budget dropped, over the data directory's life (from its gap
+    /// markers, so a restart keeps them).
     pub dropped_records: u64,
+    /// Blocks dropped since the agent started (block counts are not kept in the markers).
     pub dropped_blocks: u64,
+    /// Gap markers of dropped records (one per contiguous run), over the data directory's life.
+    #[serde(default)]
+    pub dropped_gaps: u64,
     pub quarantined_blocks: u64,
+    /// False for a stream kept on the device (`replicate = false`): it owes the hub nothing,
+    /// so its backlog is 0 and it has no oldest unsent record (absent from older agents).
+    #[serde(default = "replicated")]
+    pub replicate: bool,
+}
+
+fn replicated() -> bool {
+    true
 }
 
 impl StatusReport {
@@ -100,12 +296,16 @@ impl StatusReport {
                 oldest_unsent_age_s: oldest_unsent_age_s(s.oldest_unsent_ts, now_ns),
                 dropped_records: s.dropped_records,
                 dropped_blocks: s.dropped_blocks,
+                dropped_gaps: s.dropped_gaps,
                 quarantined_blocks: s.quarantined_blocks,
+                replicate: true,
             })
             .collect();
         StatusReport {
             epoch: status.epoch,
             link,
+            link_detail: None,
+            sources: Vec::new(),
             fsync: fsync.to_owned(),
             on_full: on_full.to_owned(),
             disk_bytes: status.disk_bytes,
@@ -114,5 +314,60 @@ impl StatusReport {
             streams,
             filters: Vec::new(),
         }
+    }
+}
+
+impl StatusReport {
+    /// Marks the streams for which `is_local` holds as kept on the device: no backlog and no
+    /// replication lag (what they hold still shows in `segments` and `disk_bytes`).
+    pub fn with_local_streams(mut self, is_local: impl Fn(&str) -> bool) -> Self {
+        for s in self.streams.iter_mut().filter(|s| is_local(&s.stream)) {
+            s.replicate = false;
+            s.backlog_bytes = 0;
+            s.backlog_blocks = 0;
+            s.oldest_unsent_ts = None;
+            s.oldest_unsent_age_s = None;
+        }
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn down_since_counts_from_the_last_up_and_survives_retries() {
+        let mut l = LinkRecord::default();
+        l.record("connecting", None, 1_000);
+        assert_eq!(l.condition_since_ms, 1_000);
+        l.record("up", None, 2_000);
+        assert_eq!(l.down_for(5_000), None);
+        l.record("down", Some("connection lost: timed out".into()), 9_000);
+        l.retry_in(Duration::from_millis(1_500), 9_000);
+        assert_eq!(l.next_retry_ms, Some(10_500));
+        l.record("connecting", None, 10_500);
+        l.record("down", None, 12_000);
+        // Since the link went down, not since the last attempt; the reason is kept.
+        assert_eq!(l.condition_since_ms, 9_000);
+        assert_eq!(l.down_for(12_000), Some(Duration::from_secs(3)));
+        let d = l.detail(12_000);
+        assert_eq!(d.reason.as_deref(), Some("connection lost: timed out"));
+        assert_eq!(d.since.as_deref(), Some("1970-01-01T00:00:09.000Z"));
+        assert_eq!(d.next_retry, None);
+        assert!(readiness(Some(&l), Some(Duration::from_secs(2)), 12_000).is_err());
+        assert!(readiness(Some(&l), Some(Duration::from_secs(5)), 12_000).is_ok());
+        l.record("up", None, 13_000);
+        assert_eq!(l.last_error, None);
+        assert!(readiness(Some(&l), Some(Duration::from_secs(2)), 99_000).is_ok());
+    }
+
+    #[test]
+    fn tls_alerts_are_named() {
+        let e = "connecting to 127.0.0.1:7400: the cryptographic handshake failed: error 44";
+        assert!(explain(e).contains("revoked"), "{}", explain(e));
+        let e = "control stream: the cryptographic handshake failed: error 48: x";
+        assert!(explain(e).contains("unknown CA"), "{}", explain(e));
+        assert_eq!(explain("timed out"), "timed out");
     }
 }

@@ -63,8 +63,13 @@ pub struct StreamStatus {
     pub segments: usize,
     /// Event time of the oldest unacknowledged record (min ts of the first unacked block).
     pub oldest_unsent_ts: Option<i64>,
+    /// Records dropped by the disk budget over the data directory's life: the sum of the
+    /// `Dropped` gap markers, which are durable, so a restart keeps the count.
     pub dropped_records: u64,
+    /// Blocks dropped since open (the markers keep runs of records, not blocks).
     pub dropped_blocks: u64,
+    /// `Dropped` gap markers (one per contiguous run of dropped records).
+    pub dropped_gaps: u64,
     pub quarantined_blocks: u64,
 }
 
@@ -389,6 +394,7 @@ fn stream_status(name: &str, epoch: u64, st: &StreamIndex) -> StreamStatus {
             oldest = Some(oldest.map_or(b.min_ts, |o| o.min(b.min_ts)));
         }
     }
+    let dropped = st.gaps.iter().filter(|g| g.reason == GapReason::Dropped);
     StreamStatus {
         stream: name.to_string(),
         epoch,
@@ -400,8 +406,9 @@ fn stream_status(name: &str, epoch: u64, st: &StreamIndex) -> StreamStatus {
         backlog_blocks,
         segments: st.segments.len(),
         oldest_unsent_ts: oldest,
-        dropped_records: st.dropped_records,
+        dropped_records: dropped.clone().map(|g| g.records).sum(),
         dropped_blocks: st.dropped_blocks,
+        dropped_gaps: dropped.count() as u64,
         quarantined_blocks: st.quarantined_blocks,
     }
 }

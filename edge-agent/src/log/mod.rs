@@ -56,12 +56,16 @@
 //!   prefix; among streams the one with the oldest event time), never an active one and never
 //!   one holding blocks not yet durable, after writing and fsyncing their exact seq ranges as
 //!   `Dropped` gap markers. If power is lost between the marker and the delete, recovery
-//!   finishes the delete. Usage stays within the budget plus the active segment (one per
-//!   stream, and a segment's worth while a single oversized batch is being written).
+//!   finishes the delete. Usage stays within the budget when the budget holds one active
+//!   segment per stream (which cannot be dropped) plus two sealed ones: `crate::config` refuses
+//!   a smaller budget (`BUDGET_SPARE_SEGMENTS`) and derives the segment size from the budget
+//!   unless it is configured. Below that, or while writes not yet fsynced span more than a
+//!   segment, usage can pass the budget by up to the active segments.
 //!   [`OnFull::Block`] answers [`AppendError::Full`] at once when a batch would not fit (a
 //!   conservative check on uncompressed sizes); nothing stored is touched.
-//! - **Counters** in [`LogStatus`] (`dropped_*`, `quarantined_blocks`) count since open, like
-//!   Prometheus counters; the gap markers themselves are permanent.
+//! - **Counters** in [`LogStatus`]: `dropped_records` and `dropped_gaps` are summed from the
+//!   `Dropped` gap markers, which are permanent, so they survive restarts; `dropped_blocks`
+//!   and `quarantined_blocks` count since open.
 //! - **Retention.** A segment is deleted once the hub's `tiered_seq` covers its every block
 //!   ([`LogHandle::set_acked`]); `durable_seq` alone frees nothing. Records moved to a newer
 //!   epoch by [`LogHandle::mint_epoch_rekey`] count as covered once their copy is durable; the

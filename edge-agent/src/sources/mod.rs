@@ -10,8 +10,8 @@ pub mod mqtt;
 pub mod sensors;
 
 use std::fmt::Write as _;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
 
@@ -25,20 +25,51 @@ pub struct SourcesState {
     /// connection.
     mqtt_ready: Vec<AtomicBool>,
     mqtt_stats: Vec<Arc<mqtt::MqttStats>>,
+    /// One connection record per MQTT source, in config order, for `/v1/status`.
+    mqtt_conn: Vec<Mutex<MqttConn>>,
+}
+
+/// What `/v1/status` shows of one MQTT source's connection.
+#[derive(Debug, Default)]
+struct MqttConn {
+    broker: String,
+    stream: String,
+    /// Subscribed on the current connection.
+    ready: bool,
+    /// Why the last connection ended (kept until the next one is subscribed).
+    last_error: Option<String>,
+    /// Unix ms of the last change.
+    since_ms: u64,
 }
 
 impl SourcesState {
     /// State for the sources `cfg` declares, none of them ready yet.
     pub fn new(cfg: &EdgeConfig) -> Self {
-        let n = cfg
+        let mqtt: Vec<_> = cfg
             .sources
             .iter()
-            .filter(|s| matches!(s, SourceConfig::Mqtt(_)))
-            .count();
+            .filter_map(|s| match s {
+                SourceConfig::Mqtt(m) => Some(m),
+                _ => None,
+            })
+            .collect();
+        let n = mqtt.len();
+        let started = crate::http::status::now_ms();
         SourcesState {
             mqtt_ready: (0..n).map(|_| AtomicBool::new(false)).collect(),
             mqtt_stats: (0..n)
                 .map(|_| Arc::new(mqtt::MqttStats::default()))
+                .collect(),
+            mqtt_conn: mqtt
+                .iter()
+                .map(|m| {
+                    Mutex::new(MqttConn {
+                        broker: m.url.clone(),
+                        stream: m.stream.clone(),
+                        since_ms: started,
+                        ..MqttConn::default()
+                    })
+                })
                 .collect(),
         }
     }
@@ -71,6 +102,56 @@ impl SourcesState {
         if let Some(r) = self.mqtt_ready.get(index) {
             r.store(ready, Ordering::Release);
         }
+        if let Some(c) = self.mqtt_conn.get(index) {
+            let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+            if c.ready != ready {
+                c.ready = ready;
+                c.since_ms = crate::http::status::now_ms();
+            }
+            if ready {
+                c.last_error = None;
+            }
+        }
+    }
+
+    /// The `index`-th MQTT source lost its connection (or never got one) because of `why`.
+    pub(crate) fn mqtt_lost(&self, index: usize, why: &str) {
+        self.set_mqtt_ready(index, false);
+        if let Some(c) = self.mqtt_conn.get(index) {
+            let mut c = c.lock().unwrap_or_else(|e| e.into_inner());
+            if c.last_error.is_none() {
+                c.since_ms = crate::http::status::now_ms();
+            }
+            c.last_error = Some(why.to_owned());
+        }
+    }
+
+    /// Each MQTT source's connection, for `/v1/status`.
+    pub fn reports(&self) -> Vec<crate::http::status::SourceReport> {
+        self.mqtt_conn
+            .iter()
+            .zip(&self.mqtt_stats)
+            .enumerate()
+            .map(|(i, (c, stats))| {
+                let c = c.lock().unwrap_or_else(|e| e.into_inner());
+                let state = match (c.ready, &c.last_error) {
+                    (true, _) => "connected",
+                    (false, Some(_)) => "disconnected",
+                    (false, None) => "connecting",
+                };
+                crate::http::status::SourceReport {
+                    source: i,
+                    kind: "mqtt".into(),
+                    broker: c.broker.clone(),
+                    stream: c.stream.clone(),
+                    state: state.into(),
+                    last_error: c.last_error.clone(),
+                    since: Some(crate::http::status::rfc3339_ms(c.since_ms)),
+                    messages_received: stats.received.load(Ordering::Relaxed),
+                    records: stats.records.load(Ordering::Relaxed),
+                }
+            })
+            .collect()
     }
 
     /// The counters of the `index`-th MQTT source.

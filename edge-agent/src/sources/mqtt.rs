@@ -326,6 +326,7 @@ impl MqttSource {
                     return;
                 }
                 Connection::Lost { was_up, why } => {
+                    self.state.mqtt_lost(self.index, &why);
                     if was_up {
                         backoff = Duration::from_millis(100);
                     }
@@ -406,10 +407,10 @@ impl MqttSource {
                         .map(|(_, f)| f.path.as_str())
                         .collect();
                     if refused.is_empty() {
-                        info!(source = self.index, topics = ?self.cfg.topics, "mqtt subscriptions granted");
+                        info!(source = self.index, topics = %crate::logging::List(&self.cfg.topics), "mqtt subscriptions granted");
                         self.state.set_mqtt_ready(self.index, true);
                     } else {
-                        error!(source = self.index, refused = ?refused, "the broker refused subscriptions: check its ACLs");
+                        error!(source = self.index, refused = %crate::logging::List(&refused), "the broker refused subscriptions: check its ACLs");
                     }
                 }
                 Event::Outgoing(Outgoing::Subscribe(_)) => requests_sent = true,
