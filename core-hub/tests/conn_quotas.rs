@@ -13,10 +13,18 @@
 //!   spent, blocks wait (nothing is committed), and flow again once it frees.
 //! - `ingest.retry_above_handshakes = 0`: every new address is validated by a QUIC Retry, and
 //!   devices still connect.
+//! - Receive windows: with a small budget and many connections, the windows reserved
+//!   (`tributary_hub_ingest_window_reserved_bytes`) never exceed the budget, later connections
+//!   get smaller windows and still ship, and every window is released when its connection
+//!   ends.
+//! - A handshake flood with `ingest.retry_above_handshakes = 4`: Initials replayed from many
+//!   UDP sockets that never continue hold at most four handshakes, every other new address
+//!   gets a Retry, and honest devices connecting through the flood still ingest.
 //!
 //! In each, `/metrics` counts the limit and an honest device keeps being acknowledged.
 //! Mutation checks (`core_hub::server::Mutation`, feature `fault-injection`): without the
-//! supersede, or without the read charge, the scenario that guards it fails.
+//! supersede, the read charge, the window reservation or the Retry, the scenario that guards
+//! it fails.
 
 mod common;
 
@@ -26,6 +34,7 @@ use anyhow::{Context, Result, bail, ensure};
 use core_hub::server::Mutation;
 use core_hub::{Hub, HubConfig};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant as StdInstant};
 use sync::block::{VERSION_ROWS, encode_block};
 use sync::protocol::{
@@ -121,6 +130,8 @@ async fn device(
                     });
                 }
                 SenderEvent::Established { .. } => {}
+                SenderEvent::StreamRefused { stream, .. } => bail!("stream {stream} refused"),
+                SenderEvent::StreamRetrying { .. } => {}
                 SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
             }
         }
@@ -209,8 +220,8 @@ async fn ingesting(run: &Running, name: &str, cert: &Path) -> Result<Session> {
     Ok(s)
 }
 
-/// An ingest budget that allows three connections: 3/4 of it over 128 KiB each.
-const SMALL_HUB_MEMORY_BYTES: u64 = 512 << 10;
+/// An ingest budget that allows three connections: 3/4 of it over their cost each.
+const SMALL_HUB_MEMORY_BYTES: u64 = 4 * core_hub::server::CONNECTION_COST_BYTES;
 
 fn small_hub(c: &mut HubConfig) {
     c.ingest.memory_bytes_max = SMALL_HUB_MEMORY_BYTES;
@@ -347,9 +358,12 @@ async fn budget_scenario(run: &Running) -> Result<()> {
     let conn = connect(run.quic, &cert).await?;
     let mut s = run_device("dev-1", 1, conn, 10);
     s.acked_blocks(10).await?;
-    // Every commit is durable: only the connection's own charge is held. Take the rest.
+    // Every commit is durable: only the connection's own charge (its cost and its window
+    // above the floor) is held. Take the rest.
     let hub = run.hub.clone();
-    let connection_only = core_hub::server::CONNECTION_COST_BYTES;
+    let window = metric(&hub, "tributary_hub_ingest_window_reserved_bytes");
+    let connection_only =
+        core_hub::server::CONNECTION_COST_BYTES + window - core_hub::server::WINDOW_FLOOR_BYTES;
     wait_for("commits to release their charge", WAIT, || {
         hub.memory_in_use_bytes() <= connection_only
     })
@@ -402,5 +416,251 @@ async fn every_new_address_is_validated_by_retry_when_asked() -> Result<()> {
         metric(&run.hub, "tributary_hub_quic_handshakes_in_progress"),
         0
     );
+    Ok(())
+}
+
+/// The budget of the window scenario: its windows' share (1/8, 2 MiB) is less than one full
+/// window (the receiver's 4 MiB block window + 1 MiB), so connections get smaller windows.
+const WINDOW_HUB_MEMORY_BYTES: u64 = 16 << 20;
+/// Connections of the window scenario, each its own device.
+const WINDOW_DEVICES: usize = 12;
+
+/// Samples the reserved windows every few milliseconds until `stop`; returns their peak.
+fn sample_windows(hub: Arc<Hub>, stop: watch::Receiver<bool>) -> tokio::task::JoinHandle<u64> {
+    tokio::spawn(async move {
+        let mut peak = 0;
+        while !*stop.borrow() {
+            peak = peak.max(metric(&hub, "tributary_hub_ingest_window_reserved_bytes"));
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        peak
+    })
+}
+
+/// [`WINDOW_DEVICES`] devices connect to a hub with a small budget and ship as fast as their
+/// windows let them: the windows reserved never exceed the budget (nor what the budget has
+/// charged), later connections get reduced windows and still ship, and closing every
+/// connection releases every window and every byte.
+async fn window_scenario(run: &Running) -> Result<()> {
+    let (stop_tx, stop) = watch::channel(false);
+    let sampler = sample_windows(run.hub.clone(), stop);
+    let mut sessions = Vec::new();
+    for i in 0..WINDOW_DEVICES {
+        let name = format!("dev-{i}");
+        let cert = common::quic::issue(&run.pki, &name)?.0;
+        let conn = connect(run.quic, &cert).await?;
+        sessions.push((conn.clone(), run_device(&name, 1, conn, u64::MAX)));
+    }
+    for (_, s) in &mut sessions {
+        s.acked_blocks(10).await?;
+    }
+    let hub = run.hub.clone();
+    let reserved = metric(&hub, "tributary_hub_ingest_window_reserved_bytes");
+    ensure!(
+        reserved <= hub.memory_in_use_bytes(),
+        "{reserved} bytes of windows but only {} bytes charged to the budget",
+        hub.memory_in_use_bytes()
+    );
+    let reduced = metric(&hub, "tributary_hub_ingest_windows_reduced_total");
+    ensure!(
+        reduced >= WINDOW_DEVICES as u64 - 1,
+        "only {reduced} of {WINDOW_DEVICES} connections got a reduced window"
+    );
+    for (conn, s) in sessions {
+        conn.close(0u32.into(), b"done");
+        let _ = s.task.await;
+    }
+    wait_for("every window to be released", WAIT, || {
+        metric(&hub, "tributary_hub_ingest_window_reserved_bytes") == 0
+            && hub.memory_in_use_bytes() == 0
+    })
+    .await?;
+    stop_tx.send_replace(true);
+    let peak = sampler.await?;
+    ensure!(
+        peak <= WINDOW_HUB_MEMORY_BYTES,
+        "the windows reserved peaked at {peak} bytes, above the {WINDOW_HUB_MEMORY_BYTES}-byte budget"
+    );
+    ensure!(peak > 0, "no window was ever reserved");
+    println!("windows: peak {peak} bytes reserved, {reduced} reduced");
+    Ok(())
+}
+
+fn window_hub(c: &mut HubConfig) {
+    c.ingest.memory_bytes_max = WINDOW_HUB_MEMORY_BYTES;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn receive_windows_are_reserved_from_the_budget_and_released() -> Result<()> {
+    let run = common::quic::start(Mutation::None, window_hub).await?;
+    window_scenario(&run).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_with_unreserved_windows_they_exceed_the_budget() -> Result<()> {
+    let run = common::quic::start(Mutation::UnreservedWindows, window_hub).await?;
+    let err = window_scenario(&run).await;
+    println!("unreserved windows: {err:?}");
+    assert!(err.is_err(), "the window scenario passed without its guard");
+    Ok(())
+}
+
+/// Handshakes in progress from which the flood scenario's hub sends Retries.
+const RETRY_ABOVE: u64 = 4;
+/// Clients that send an Initial and never continue.
+const STALLED: usize = 32;
+/// Honest devices connecting through the flood.
+const HONEST: usize = 6;
+
+/// QUIC v1 long-header packet types (bits 4-5 of the first byte, not header-protected; the
+/// fixed bit may be greased, so it is not looked at).
+const LONG_HEADER: u8 = 0x80;
+const INITIAL: u8 = 0;
+const RETRY: u8 = 3;
+
+/// The long-header packet type of a datagram, `None` for a short header.
+fn long_type(datagram: &[u8]) -> Option<u8> {
+    let b = *datagram.first()?;
+    (b & LONG_HEADER != 0).then_some((b >> 4) & 0x03)
+}
+
+/// `n` distinct client Initials (first datagrams of real quinn clients, with `cert`), caught
+/// by a socket that never answers.
+async fn captured_initials(cert: &Path, n: usize) -> Result<Vec<Vec<u8>>> {
+    let trap = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+    let tls = edge_agent::link::TlsPaths {
+        ca: cert.join("ca.pem"),
+        cert: cert.join("device.pem"),
+        key: cert.join("device.key"),
+    };
+    let mut endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
+    endpoint.set_default_client_config(edge_agent::link::client_config(&tls)?);
+    let to = trap.local_addr()?;
+    let _connecting: Vec<_> = (0..n)
+        .map(|_| endpoint.connect(to, "localhost"))
+        .collect::<Result<_, _>>()?;
+    let mut initials: Vec<Vec<u8>> = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    while initials.len() < n {
+        let len = tokio::time::timeout(WAIT, trap.recv(&mut buf)).await??;
+        let d = &buf[..len];
+        ensure!(long_type(d) == Some(INITIAL), "not a QUIC Initial");
+        // Byte 5 is the destination connection id's length; a retransmission repeats it.
+        let dcid = |p: &[u8]| p[6..6 + p[5] as usize].to_vec();
+        if !initials.iter().any(|i| dcid(i) == dcid(d)) {
+            initials.push(d.to_vec());
+        }
+    }
+    endpoint.close(0u32.into(), b"captured");
+    Ok(initials)
+}
+
+/// Replays `initial` from a fresh UDP socket (a client that never continues) and returns the
+/// type bits of the hub's first answer.
+async fn replay(
+    hub: std::net::SocketAddr,
+    initial: Vec<u8>,
+) -> Result<(u8, tokio::net::UdpSocket)> {
+    let sock = tokio::net::UdpSocket::bind("127.0.0.1:0").await?;
+    sock.send_to(&initial, hub).await?;
+    let mut buf = vec![0u8; 1 << 16];
+    let (len, _) = tokio::time::timeout(WAIT, sock.recv_from(&mut buf))
+        .await
+        .context("the hub did not answer a replayed Initial")??;
+    let kind = long_type(&buf[..len]).context("a short-header answer to an Initial")?;
+    Ok((kind, sock))
+}
+
+/// A flood of [`STALLED`] Initials that never continue, each from its own socket, then
+/// [`HONEST`] devices connecting at once through it, each from its own endpoint: at most
+/// [`RETRY_ABOVE`] stalled clients get handshake state, every other gets a Retry (counted),
+/// the handshakes in progress stay bounded, and every honest device ingests.
+async fn handshake_flood_scenario(run: &Running) -> Result<()> {
+    let stalled_cert = common::quic::issue(&run.pki, "stalled")?.0;
+    let initials = captured_initials(&stalled_cert, STALLED).await?;
+    let replays: Vec<_> = initials
+        .into_iter()
+        .map(|i| tokio::spawn(replay(run.quic, i)))
+        .collect();
+    let (mut stateful, mut retried, mut held) = (0, 0, Vec::new());
+    for r in replays {
+        let (kind, sock) = r.await??;
+        match kind {
+            INITIAL => stateful += 1,
+            RETRY => retried += 1,
+            other => bail!("the hub answered an Initial with long-header type {other}"),
+        }
+        held.push(sock);
+    }
+    let (stop_tx, stop) = watch::channel(false);
+    let hub = run.hub.clone();
+    let peak_handshakes = tokio::spawn(async move {
+        let mut peak = 0;
+        while !*stop.borrow() {
+            peak = peak.max(metric(&hub, "tributary_hub_quic_handshakes_in_progress"));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        peak
+    });
+    // Honest devices connect all at once, each from its own endpoint (common::quic::connect).
+    let quic = run.quic;
+    let mut connecting = Vec::new();
+    for i in 0..HONEST {
+        let name = format!("honest-{i}");
+        let cert = common::quic::issue(&run.pki, &name)?.0;
+        connecting.push(tokio::spawn(async move {
+            let conn = connect(quic, &cert).await?;
+            Ok::<_, anyhow::Error>((name, conn))
+        }));
+    }
+    let mut sessions = Vec::new();
+    for c in connecting {
+        let (name, conn) = c.await??;
+        sessions.push(run_device(&name, 1, conn, u64::MAX));
+    }
+    for s in &mut sessions {
+        s.acked_blocks(10).await?;
+    }
+    stop_tx.send_replace(true);
+    let peak = peak_handshakes.await?;
+    let retries = metric(&run.hub, "tributary_hub_quic_retries_total");
+    println!(
+        "handshake flood: {stateful} stalled with state, {retried} retried; {retries} Retries \
+         in all; peak {peak} handshakes in progress"
+    );
+    ensure!(
+        stateful as u64 <= RETRY_ABOVE,
+        "{stateful} stalled clients got handshake state, above retry_above_handshakes {RETRY_ABOVE}"
+    );
+    ensure!(
+        retries >= (STALLED as u64 - RETRY_ABOVE) + HONEST as u64,
+        "{retries} Retries for {STALLED} stalled clients and {HONEST} honest devices"
+    );
+    // The stalled handshakes plus the honest ones (validated, let through): bounded.
+    ensure!(
+        peak <= RETRY_ABOVE + HONEST as u64,
+        "{peak} handshakes in progress at once"
+    );
+    drop(held);
+    Ok(())
+}
+
+fn flood_hub(c: &mut HubConfig) {
+    c.ingest.conn.retry_above_handshakes = RETRY_ABOVE as u32;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_flood_is_met_with_retries_and_devices_still_connect() -> Result<()> {
+    let run = common::quic::start(Mutation::None, flood_hub).await?;
+    handshake_flood_scenario(&run).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_without_retry_a_handshake_flood_holds_state() -> Result<()> {
+    let run = common::quic::start(Mutation::NoRetry, flood_hub).await?;
+    let err = handshake_flood_scenario(&run).await;
+    println!("without retry: {err:?}");
+    assert!(err.is_err(), "the flood scenario passed without its guard");
+    assert_eq!(metric(&run.hub, "tributary_hub_quic_retries_total"), 0);
     Ok(())
 }
