@@ -721,6 +721,38 @@ impl HubConfig {
     }
 }
 
+/// Where a local tier 2 sits relative to the data directory, when that is a risk: a lost disk
+/// then takes tier 1 and tier 2 with it, so tier 2 is no backup (`core-hub run` logs a warning).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier2Placement {
+    /// `tier2.url` is a directory inside `data_dir` (the default `file://{data_dir}/tier2`).
+    InsideDataDir,
+    /// A directory elsewhere, but on the filesystem that holds `data_dir`.
+    SameFilesystem,
+}
+
+impl HubConfig {
+    /// `Some` when tier 2 is a local directory inside `data_dir` or on its filesystem; `None`
+    /// for S3 and for a directory on another filesystem. Paths that do not exist yet are judged
+    /// by their nearest existing ancestor, as that is where they will be created.
+    pub fn tier2_placement(&self) -> Option<Tier2Placement> {
+        use std::os::unix::fs::MetadataExt as _;
+        let dir = Path::new(self.tier2.url.strip_prefix("file://")?);
+        if dir.starts_with(&self.data_dir) {
+            return Some(Tier2Placement::InsideDataDir);
+        }
+        let device = |p: &Path| {
+            p.ancestors()
+                .find_map(|a| std::fs::metadata(a).ok())
+                .map(|m| m.dev())
+        };
+        match (device(dir), device(&self.data_dir)) {
+            (Some(a), Some(b)) if a == b => Some(Tier2Placement::SameFilesystem),
+            _ => None,
+        }
+    }
+}
+
 fn parse_addr(key: &str, s: &str) -> Result<SocketAddr, ConfigError> {
     s.parse().map_err(|_| {
         ConfigError::key(
@@ -1404,6 +1436,25 @@ fn parse_duration(key: &str, s: &str) -> Result<Duration, ConfigError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tier2_placement_flags_a_tier2_a_lost_disk_takes_along() {
+        let root = tempfile::tempdir().unwrap();
+        let data = root.path().join("data");
+        let with = |tier2: Option<String>| {
+            let mut text = format!("data_dir = {:?}\n", data.display().to_string());
+            if let Some(url) = tier2 {
+                text.push_str(&format!("[tier2]\nurl = {url:?}\n"));
+            }
+            HubConfig::from_toml(&text).unwrap().tier2_placement()
+        };
+        assert_eq!(with(None), Some(Tier2Placement::InsideDataDir));
+        let beside = format!("file://{}", root.path().join("tier2").display());
+        assert_eq!(with(Some(beside)), Some(Tier2Placement::SameFilesystem));
+        assert_eq!(with(Some("s3://bucket/prefix".into())), None);
+        // /proc is its own filesystem on every Linux: a stand-in for another disk.
+        assert_eq!(with(Some("file:///proc/tier2".into())), None);
+    }
 
     #[test]
     fn tier2_keys_parse() {

@@ -754,6 +754,32 @@ impl RevocationList {
         });
     }
 
+    /// Every device revoked as a whole, with why: listed alone, or named by a line that does
+    /// not parse (which revokes the device rather than fail open).
+    pub fn device_reasons(&self) -> HashMap<String, String> {
+        let mut out: HashMap<String, String> = self
+            .devices
+            .iter()
+            .map(|d| {
+                let why = "revoked: the revocation list names the device (`core-hub pki revoke`), \
+                           so the hub refuses its certificates at the handshake";
+                (d.clone(), why.to_string())
+            })
+            .collect();
+        for p in &self.problems {
+            if let RevocationProblem::Invalid {
+                text,
+                device_revoked: true,
+                ..
+            } = p
+            {
+                let device = text.split_whitespace().next().unwrap_or_default();
+                out.insert(device.to_string(), format!("revoked: revocation list {p}"));
+            }
+        }
+        out
+    }
+
     /// Whether every certificate of `device_id` is revoked.
     pub fn is_revoked(&self, device_id: &str) -> bool {
         self.devices.contains(device_id)
@@ -803,6 +829,8 @@ pub struct RevocationStats {
     pub load_failures: AtomicU64,
     /// Live sessions closed because their certificate became revoked.
     pub sessions_closed: AtomicU64,
+    /// Devices the list in force revokes as a whole, each with why, for the status page.
+    pub revoked_devices: RwLock<HashMap<String, String>>,
 }
 
 impl RevocationStats {
@@ -819,6 +847,14 @@ impl RevocationStats {
         self.entries.store(list.len() as u64, Ordering::Relaxed);
         self.invalid.store(count(false), Ordering::Relaxed);
         self.unmatched.store(count(true), Ordering::Relaxed);
+        let reasons = list.device_reasons();
+        *self.revoked_devices.write().unwrap_or_else(|e| e.into_inner()) = reasons;
+    }
+
+    /// Why `device` is revoked as a whole, when the list in force revokes it.
+    pub fn revoked_reason(&self, device: &str) -> Option<String> {
+        let map = self.revoked_devices.read().unwrap_or_else(|e| e.into_inner());
+        map.get(device).cloned()
     }
 }
 

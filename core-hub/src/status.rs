@@ -14,6 +14,9 @@
 //! (`devices`, `device-{name}`, `stream-{name}`) are stable so tests and scripts can find
 //! things.
 
+#[path = "status_devices.rs"]
+mod devices;
+
 use crate::completeness::{StreamSummary, Tracker, format_time};
 use crate::ingest::Hub;
 use rusqlite::params;
@@ -166,7 +169,8 @@ td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left;font-size:14px}
 th{background:#f0f0f0}
 .ok{color:#11772d;font-weight:600}.bad{color:#b00020;font-weight:600}.dim{color:#777}
 section.stream{border-top:2px solid #ddd;margin-top:1.5em}
-svg{border:1px solid #ccc;background:#fafafa}";
+svg{border:1px solid #ccc;background:#fafafa}
+td.why{max-width:42em}details{margin:.5em 0 1em}summary{cursor:pointer}";
 
 /// Renders the page.
 pub fn render(hub: &Hub, tracker: &Tracker) -> String {
@@ -209,53 +213,12 @@ pub fn render(hub: &Hub, tracker: &Tracker) -> String {
         esc(&format_time(now))
     );
 
-    h.push_str("<h2>Devices</h2>\n<table id=devices><thead><tr><th>Device</th><th>State</th><th>Last seen</th>\
-        <th>Event-time lag</th><th>Backlog</th><th>Oldest unsent</th><th>Acked seqs</th></tr></thead><tbody>\n");
-    for d in &devices {
-        let state = if d.retired {
-            "<span class=dim>retired</span>".to_string()
-        } else if let Some(r) = &d.fence_reason {
-            format!("<span class=bad title=\"{}\">fenced</span>", esc(r))
-        } else if d.last_contact_ns.is_some_and(|t| now - t <= offline_after) {
-            "<span class=ok>connected</span>".to_string()
-        } else {
-            "<span class=bad>offline</span>".to_string()
-        };
-        let backlog = cat.backlog_of(d.id).unwrap_or_default();
-        let (blocks, size) = backlog
-            .iter()
-            .fold((0u64, 0u64), |(b, s), r| (b + r.blocks, s + r.bytes));
-        let oldest = backlog
-            .iter()
-            .filter(|r| r.blocks > 0 || r.bytes > 0)
-            .filter_map(|r| r.oldest_unsent_ts)
-            .min();
-        let marks = cat.marks_of(d.id).unwrap_or_default();
-        let acked: Vec<String> = marks
-            .iter()
-            .map(|m| {
-                let s = hub.stream_name(m.stream).unwrap_or_default();
-                format!("{}@{}: {}", esc(&s), m.epoch, m.durable_seq)
-            })
-            .collect();
-        let lag = newest
-            .get(d.name.as_str())
-            .map_or("&mdash;".to_string(), |&t| span(now - t));
-        let _ = writeln!(
-            h,
-            "<tr id=\"device-{}\"><td class=name>{}</td><td>{state}</td><td>{}</td><td>{lag}</td>\
-             <td>{blocks} blocks, {}</td><td>{}</td><td>{}</td></tr>",
-            slug(&d.name),
-            esc(&d.name),
-            ago(now, d.last_contact_ns),
-            bytes(size),
-            time_cell(oldest),
-            acked.join("<br>")
-        );
-    }
-    h.push_str("</tbody></table>\n<h2>Streams</h2>\n");
+    let gaps = devices::gaps_by_device(hub, &devices);
+    let views = devices::classify(hub, &devices, &gaps, now, offline_after);
+    devices::section(&mut h, hub, &views, &newest, now);
+    h.push_str("<h2>Streams</h2>\n");
     for (s, sum) in &summaries {
-        stream_section(&mut h, hub, s, sum.as_ref(), now);
+        stream_section(&mut h, hub, s, sum.as_ref(), &gaps, now);
     }
     h.push_str("</body></html>\n");
     h
@@ -266,6 +229,7 @@ fn stream_section(
     hub: &Hub,
     s: &crate::catalog::StreamRow,
     sum: Option<&StreamSummary>,
+    gaps: &HashMap<String, Vec<crate::catalog::GapRow>>,
     now: i64,
 ) {
     let rates = stream_rates(hub, &s.name);
@@ -305,12 +269,27 @@ fn stream_section(
     );
     for d in &sum.devices {
         let behind = d.complete_through_ns < now - 60_000_000_000;
+        // Records its agent dropped never arrive: such a device is not complete, whatever
+        // its watermark says.
+        let lost = gaps
+            .get(&d.device)
+            .and_then(|g| devices::gap_summary(hub, g, Some(s.id)));
+        let through = match &lost {
+            Some(why) => format!(
+                "incomplete: {} (settled to {})",
+                esc(why),
+                time_cell(Some(d.complete_through_ns))
+            ),
+            None => time_cell(Some(d.complete_through_ns)),
+        };
         let _ = writeln!(
             h,
-            "<tr><td>{}</td><td class={}>{}</td><td>{}</td><td>{}</td><td>{} blocks, {}</td><td>{}</td></tr>",
+            "<tr id=\"completeness-{}-{}\"><td>{}</td><td class={}>{}</td><td>{}</td><td>{}</td><td>{} blocks, {}</td><td>{}</td></tr>",
+            slug(&s.name),
+            slug(&d.device),
             esc(&d.device),
-            if behind { "bad" } else { "ok" },
-            time_cell(Some(d.complete_through_ns)),
+            if behind || lost.is_some() { "bad" } else { "ok" },
+            through,
             time_cell(d.max_event_ts),
             ago(now, d.last_ingest_ns),
             d.backlog_blocks,

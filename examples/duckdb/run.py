@@ -6,10 +6,11 @@ import sys
 
 import duckdb
 
-sql = (pathlib.Path(__file__).parent / "queries.sql").read_text()
+text = (pathlib.Path(__file__).parent / "queries.sql").read_text()
+# Comments first (they may hold a `;`), then one statement per `;`.
+sql = "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("--"))
 con = duckdb.connect()
-for statement in (s.strip() for s in sql.split(";")):
-    body = "\n".join(l for l in statement.splitlines() if not l.lstrip().startswith("--")).strip()
+for body in (s.strip() for s in sql.split(";")):
     if not body:
         continue
     if body.startswith("SET VARIABLE tier2") and len(sys.argv) > 1:
