@@ -407,7 +407,7 @@ impl Metrics {
         m.family(
             "tributary_edge_implausible_ts_records_total",
             "counter",
-            "Records stored with an implausible event time: before this binary was built, or more than a day ahead of the clock. Stored as given.",
+            "Records stored with an implausible event time: before 2000-01-01, or more than a day ahead of the clock (or of the build time, when the clock is behind it). Stored as given.",
         );
         for s in &names {
             m.sample(

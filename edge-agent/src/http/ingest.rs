@@ -429,9 +429,15 @@ pub fn request_precision(query: Option<&str>) -> Result<TimeUnit, String> {
 /// Event time is stored as given; sequence order, never time, decides order and dedupe. A time
 /// outside the plausible window ([`sync::time::plausible`]: before 2000-01-01 or more than a
 /// day ahead of the clock) is counted on `/metrics` so that a device with a bad clock is
-/// visible; honest backfill of old data is not.
+/// visible; honest backfill of old data is not. A clock behind the build time is itself
+/// wrong (a board without an RTC boots at 1970), so the future is judged from the later of
+/// the two; the build time is never a lower bound for event times.
 pub fn implausible_ts(ts: i64, now_ns: i64) -> bool {
-    !sync::time::plausible(ts, now_ns)
+    let built_ns = crate::link::BUILD_UNIX
+        .parse::<i64>()
+        .unwrap_or(0)
+        .saturating_mul(1_000_000_000);
+    !sync::time::plausible(ts, now_ns.max(built_ns))
 }
 
 #[cfg(test)]
@@ -501,6 +507,9 @@ mod tests {
             implausible_ts(1_764_590_400_000, now),
             "ms read as ns: 1970"
         );
-        assert!(implausible_ts(now + 2 * 86_400_000_000_000, now));
+        let far = now.max(1_000_000_000 * crate::link::BUILD_UNIX.parse::<i64>().unwrap());
+        assert!(implausible_ts(far + 2 * 86_400_000_000_000, now));
+        // A clock at 1970 does not make today's event times implausible.
+        assert!(!implausible_ts(far, 86_400_000_000_000));
     }
 }

@@ -194,7 +194,7 @@ impl SourcesState {
             ),
             (
                 "bad_timestamps",
-                "ts_field missing or unreadable: receive time used",
+                "ts_field missing or unreadable (refused, or stored at the receive time with ts_invalid = \"receive_time\")",
                 |s| s.bad_timestamps.load(Ordering::Relaxed),
             ),
         ];
