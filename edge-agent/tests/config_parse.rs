@@ -402,7 +402,7 @@ fn environment_overrides_scalar_keys() {
     let env = [
         ("TRIBUTARY_EDGE__HUB__ADDR", "127.0.0.1:7400"),
         ("TRIBUTARY_EDGE__STORAGE__FSYNC", "always"),
-        ("TRIBUTARY_EDGE__STORAGE__DISK_BYTES_MAX", "64MiB"),
+        ("TRIBUTARY_EDGE__STORAGE__DISK_BYTES_MAX", "512MiB"),
         ("TRIBUTARY_EDGE__STORAGE__BLOCK_RECORDS_MAX", "7"),
         ("TRIBUTARY_EDGE__HTTP__LISTEN", "127.0.0.1:9999"),
         ("TRIBUTARY_EDGE__DATA_DIR", "/tmp/elsewhere"),
@@ -416,7 +416,7 @@ fn environment_overrides_scalar_keys() {
         "keys not overridden keep the file's value"
     );
     assert_eq!(c.storage.fsync, FsyncPolicy::Always);
-    assert_eq!(c.storage.disk_bytes_max, 64 << 20);
+    assert_eq!(c.storage.disk_bytes_max, 512 << 20);
     assert_eq!(c.storage.block_records_max, 7);
     assert_eq!(c.http.listen, "127.0.0.1:9999".parse().unwrap());
     assert_eq!(c.data_dir, Path::new("/tmp/elsewhere"));

@@ -51,6 +51,7 @@ fn streams() -> Vec<StreamConfig> {
         source_stream: None,
         replicate: true,
         retention: Duration::from_secs(3600),
+        idle_close: Default::default(),
     };
     vec![
         plain(STREAM, Vec::new()),

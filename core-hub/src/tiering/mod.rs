@@ -1015,7 +1015,22 @@ pub(crate) fn chunk_records(
             ),
         });
     }
+    for r in &mut out {
+        r.fields.retain(|(name, _)| is_tiered_field(name));
+    }
     Ok(out)
+}
+
+/// Internal fields (names starting with `_`, the edge agent's own) that become tier-2 columns:
+/// `_topic`, the MQTT topic a record came from, is data a query may group by and republish
+/// honours. Every other internal field (`_mqtt_digest`, `_idempotency`) is the agent's
+/// duplicate-detection bookkeeping, meaningless at the hub, and is left out of the Parquet
+/// files (`docs/format/parquet.md`).
+pub const TIERED_INTERNAL_FIELDS: [&str; 1] = ["_topic"];
+
+/// True when a field of this name becomes a tier-2 column.
+pub fn is_tiered_field(name: &str) -> bool {
+    !name.starts_with('_') || TIERED_INTERNAL_FIELDS.contains(&name)
 }
 
 /// Appends the records of `row` that `ch` holds; false when the block does not decode within

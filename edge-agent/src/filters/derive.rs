@@ -369,8 +369,9 @@ impl Runner {
         retention: Option<Arc<SourceRetention>>,
     ) -> Result<Runner, DeriveError> {
         let source = stream.source_stream.clone().unwrap_or_default();
-        let mut pipeline =
-            Pipeline::compile(&stream.filters).map_err(|e| DeriveError::Compile {
+        let mut pipeline = Pipeline::compile(&stream.filters)
+            .map(|p| p.with_idle_close(stream.idle_close))
+            .map_err(|e| DeriveError::Compile {
                 stream: stream.name.clone(),
                 message: e.to_string(),
             })?;
@@ -400,12 +401,12 @@ impl Runner {
                     Ok(()) => resolved,
                     Err(e) => {
                         tracing::warn!(stream = %stream.name, error = %e, "derived: pipeline state not restored (filters changed?): open windows start empty");
-                        pipeline = Pipeline::compile(&stream.filters).map_err(|e| {
-                            DeriveError::Compile {
+                        pipeline = Pipeline::compile(&stream.filters)
+                            .map(|p| p.with_idle_close(stream.idle_close))
+                            .map_err(|e| DeriveError::Compile {
                                 stream: stream.name.clone(),
                                 message: e.to_string(),
-                            }
-                        })?;
+                            })?;
                         Committed {
                             pos: resolved.pos,
                             state: pipeline.snapshot(),
@@ -556,6 +557,27 @@ impl Runner {
             count: out.len() as u64,
             digest: batch_digest(&out),
             tail_before: tail(self.ingest.log(), &self.derived),
+        self.store(out, next).await?;
+        Ok(true)
+    }
+
+    /// Closes the intervals of quiet keys (`super::idle`) and stores what they emit like a
+    /// step's outputs, at the current position: the pending entry carries the state with
+    /// those intervals closed, so after a crash they are either stored and closed, or open
+    /// again and closed by a later tick. `Ok(false)` when nothing was due.
+    pub async fn close_idle(&mut self) -> Result<bool, StepError> {
+        let out = self.pipeline.close_idle();
+        let out = self.storable(out);
+        if out.is_empty() {
+            return Ok(false);
+        }
+        self.store(out, self.pos).await?;
+        Ok(true)
+    }
+
+    /// Appends `out`, the outputs of the source records up to `next`, as one batch behind a
+    /// pending entry (see the module docs), then commits `next`.
+    async fn store(&mut self, out: Vec<Record>, next: Pos) -> Result<(), StepError> {
         };
         self.persist(Progress {
             committed: self.committed.clone(),
@@ -583,7 +605,7 @@ impl Runner {
         if let Some(r) = &self.retention {
             r.update(&self.derived, self.pos);
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Writes the in-memory position as committed when it moved without output.
@@ -627,7 +649,13 @@ impl Runner {
                     }
                     continue;
                 }
-                Ok(false) => {}
+                Ok(false) => match self.close_idle().await {
+                    Ok(_) => {}
+                    Err(StepError::Closed) => return,
+                    Err(StepError::Derive(e)) => {
+                        tracing::warn!(stream = %self.derived, error = %e, "derived: closing idle intervals failed; retrying");
+                    }
+                },
                 Err(StepError::Closed) => return,
                 Err(StepError::Derive(e)) => {
                     // A read or progress failure: nothing was appended for this chunk; retry.
@@ -645,7 +673,7 @@ impl Runner {
             }
             tokio::select! {
                 changed = durable.changed() => if changed.is_err() { return },
-                () = tokio::time::sleep(PERSIST_EVERY) => {}
+                () = tokio::time::sleep(PERSIST_EVERY.min(super::idle::IDLE_TICK)) => {}
             }
         }
     }
@@ -685,6 +713,7 @@ pub async fn spawn_all(cfg: &EdgeConfig, ingest: Ingest) -> Vec<tokio::task::Joi
             continue;
         }
         let consumers: Vec<String> = cfg
+    let mut handles = vec![tokio::spawn(close_idle_plain(ingest.clone()))];
             .streams
             .iter()
             .filter(|d| d.source_stream.as_deref() == Some(s.name.as_str()))
@@ -702,7 +731,6 @@ pub async fn spawn_all(cfg: &EdgeConfig, ingest: Ingest) -> Vec<tokio::task::Joi
             );
         }
     }
-    let mut handles = Vec::new();
     for s in cfg.streams.iter().filter(|s| s.is_derived()) {
         let r = s
             .source_stream
@@ -722,4 +750,17 @@ pub async fn spawn_all(cfg: &EdgeConfig, ingest: Ingest) -> Vec<tokio::task::Joi
         }
     }
     handles
+}
+
+/// Closes the idle intervals of plain streams' pipelines once per [`super::idle::IDLE_TICK`]
+/// until the log shuts down (derived streams' runners close their own).
+async fn close_idle_plain(ingest: Ingest) {
+    let mut tick = tokio::time::interval(super::idle::IDLE_TICK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if ingest.close_idle_intervals().await.is_err() {
+            return;
+        }
+    }
 }

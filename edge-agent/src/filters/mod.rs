@@ -7,8 +7,19 @@
 //! tree of closures; no text is interpreted per record.
 //!
 //! Time is event time (`Record::ts`). A window (or downsampling interval) of a key closes when a
-//! record of that key with a later window arrives; records older than the key's open window are
-//! late, counted and dropped, so a closed window is never emitted twice.
+//! record of that key with a later window arrives, or, for a key that went quiet, by the clock
+//! ([`idle`]: once its end plus `idle_close_after` has passed and the key sent nothing for that
+//! long). Records older than the key's open window, or for a window the clock closed, are late,
+//! counted and dropped, so a closed window is never emitted twice.
+//!
+//! **Internal fields.** Fields whose name starts with `_` are the agent's own (`_topic`,
+//! `_mqtt_digest`, `_idempotency`; producers cannot send them). No stage ever aggregates one: a
+//! `window` on a `_` field is refused at compile time, and `downsample` in `mean` mode never
+//! averages them. An aggregated record (a `mean` interval, a window) carries the fields of
+//! [`CARRIED_FIELDS`] (the source's identity: `_topic`) from the last record it summarises, and
+//! drops every other internal field: a digest or key tag names one message or batch, not a
+//! summary of many. `downsample` in `last` mode passes its record as it was, internal fields
+//! included (they belong to that one record).
 //!
 //! Bad data never panics: a missing field or a field of the wrong type is counted in
 //! [`FilterStats`] and the record is handled as documented on each stage.
@@ -21,7 +32,10 @@
 //! the stages' state across restarts for the runner. See `docs/filters.md`.
 
 pub mod derive;
+pub mod idle;
 pub mod predicate;
+
+pub use idle::{Clock, IdleClose};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,6 +43,26 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use sync::{Record, Value};
 use thiserror::Error;
+
+/// The prefix of the agent's internal field names.
+pub const INTERNAL_PREFIX: char = '_';
+
+/// Internal fields an aggregated record carries from the last record it summarises: they
+/// identify where the data came from (the MQTT topic), which a summary still shares.
+pub const CARRIED_FIELDS: [&str; 1] = ["_topic"];
+
+/// True for the agent's own fields (`_topic`, `_mqtt_digest`, `_idempotency`, ...).
+pub fn is_internal(name: &str) -> bool {
+    name.starts_with(INTERNAL_PREFIX)
+}
+
+/// The internal fields of `r` that an aggregate of it carries ([`CARRIED_FIELDS`]).
+fn carried(r: &Record) -> impl Iterator<Item = (String, Value)> + '_ {
+    r.fields
+        .iter()
+        .filter(|(n, _)| CARRIED_FIELDS.contains(&n.as_str()))
+        .cloned()
+}
 
 /// Counters shared by a pipeline's stages.
 #[derive(Debug, Default)]
@@ -163,13 +197,17 @@ pub enum RestoreError {
 type Json = serde_json::Value;
 
 trait Stage: Send + Sync {
-    fn process(&mut self, r: Record, out: &mut Vec<Record>, stats: &FilterStats);
+    /// Takes one record that reached the stage at processing time `now` (ns).
+    fn process(&mut self, r: Record, now: i64, out: &mut Vec<Record>, stats: &FilterStats);
+    /// Closes the intervals of quiet keys that are due at `now` ([`idle`]).
+    fn close_idle(&mut self, _now: i64, _idle: IdleClose, _out: &mut Vec<Record>) {}
     /// The stage's state, for [`Pipeline::snapshot`]; `null` for stateless stages.
     fn snapshot(&self) -> Json {
         Json::Null
     }
-    /// Replaces the stage's state with a snapshot's.
-    fn restore(&mut self, _state: &Json) -> Result<(), String> {
+    /// Replaces the stage's state with a snapshot's; `now` counts as the last arrival of
+    /// every restored open interval.
+    fn restore(&mut self, _state: &Json, _now: i64) -> Result<(), String> {
         Ok(())
     }
 }
@@ -182,6 +220,8 @@ pub struct Pipeline {
     stats: Arc<FilterStats>,
     buf: Vec<Record>,
     next: Vec<Record>,
+    idle: IdleClose,
+    clock: Clock,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -220,6 +260,7 @@ impl Pipeline {
                         interval: *interval_ns,
                         mode: *mode,
                         open: HashMap::new(),
+                        closed: HashMap::new(),
                     })
                 }
                 StageSpec::Window {
@@ -232,6 +273,12 @@ impl Pipeline {
                             "window needs a positive interval and at least one aggregate".into(),
                         ));
                     }
+                    if is_internal(field) {
+                        return Err(bad(format!(
+                            "window field {field:?} is one of the agent's internal fields \
+                             (names starting with `_`), which are never aggregated"
+                        )));
+                    }
                     Box::new(Window {
                         interval: *interval_ns,
                         names: aggs
@@ -241,6 +288,7 @@ impl Pipeline {
                         field: field.clone(),
                         aggs: aggs.clone(),
                         open: HashMap::new(),
+                        closed: HashMap::new(),
                     })
                 }
                 StageSpec::Project(keep) => Box::new(Project(keep.clone())),
@@ -262,7 +310,48 @@ impl Pipeline {
             stats: Arc::new(stats),
             buf: Vec::new(),
             next: Vec::new(),
+            idle: IdleClose::default(),
+            clock: idle::wall_clock(),
         })
+    }
+
+    /// Sets when the clock closes the intervals of quiet keys (default: after each stage's
+    /// interval).
+    pub fn with_idle_close(mut self, idle: IdleClose) -> Self {
+        self.idle = idle;
+        self
+    }
+
+    /// Replaces the processing-time clock (the wall clock by default), for tests.
+    pub fn with_clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Closes the intervals of quiet keys that are due now ([`idle`]) and runs what they emit
+    /// through the stages after theirs, returning what comes out. Deterministic for a given
+    /// state and clock: due keys close in key order.
+    pub fn close_idle(&mut self) -> Vec<Record> {
+        let now = (self.clock)();
+        let mut out = Vec::new();
+        for i in 0..self.stages.len() {
+            let mut emitted = Vec::new();
+            self.stages[i].close_idle(now, self.idle, &mut emitted);
+            if emitted.is_empty() {
+                continue;
+            }
+            self.stats.stages[i]
+                .output
+                .fetch_add(emitted.len() as u64, Ordering::Relaxed);
+            self.buf.clear();
+            self.buf.extend(emitted);
+            if i + 1 == self.stages.len() {
+                out.append(&mut self.buf);
+            } else {
+                self.feed(i + 1, now, &mut out);
+            }
+        }
+        out
     }
 
     /// True when the pipeline has no stages: records pass unchanged.
@@ -280,9 +369,10 @@ impl Pipeline {
         if self.stages.is_empty() {
             return records;
         }
+        let now = (self.clock)();
         let mut out = Vec::new();
         for r in records {
-            self.push(r, &mut out);
+            self.push_at(r, now, &mut out);
         }
         out
     }
@@ -318,9 +408,10 @@ impl Pipeline {
                 stage: 0,
                 message: "expected one state per stage".into(),
             })?;
+        let now = (self.clock)();
         for (i, (stage, state)) in self.stages.iter_mut().zip(states).enumerate() {
             stage
-                .restore(state)
+                .restore(state, now)
                 .map_err(|message| RestoreError::Malformed { stage: i, message })?;
         }
         Ok(())
@@ -333,14 +424,28 @@ impl Pipeline {
 
     /// Runs one record through every stage, appending what comes out to `out`.
     pub fn push(&mut self, r: Record, out: &mut Vec<Record>) {
+        let now = (self.clock)();
+        self.push_at(r, now, out);
+    }
+
+    fn push_at(&mut self, r: Record, now: i64, out: &mut Vec<Record>) {
         if self.stages.is_empty() {
             out.push(r);
             return;
         }
         self.buf.clear();
         self.buf.push(r);
+        self.feed(0, now, out);
+    }
+
+    /// Runs the records in `buf` through stages `from..`, appending what comes out of the last
+    /// one to `out`.
+    fn feed(&mut self, from: usize, now: i64, out: &mut Vec<Record>) {
         let last = self.stages.len() - 1;
-        for (i, stage) in self.stages.iter_mut().enumerate() {
+        for i in from..=last {
+            if self.buf.is_empty() {
+                return;
+            }
             let target = if i == last { &mut *out } else { &mut self.next };
             let before = target.len();
             let counters = &self.stats.stages[i];
@@ -348,16 +453,13 @@ impl Pipeline {
                 .input
                 .fetch_add(self.buf.len() as u64, Ordering::Relaxed);
             for r in self.buf.drain(..) {
-                stage.process(r, target, &self.stats);
+                self.stages[i].process(r, now, target, &self.stats);
             }
             counters
                 .output
                 .fetch_add((target.len() - before) as u64, Ordering::Relaxed);
             if i != last {
                 std::mem::swap(&mut self.buf, &mut self.next);
-            }
-            if self.buf.is_empty() && i != last {
-                return;
             }
         }
     }
@@ -388,7 +490,7 @@ fn window_start(ts: i64, interval: i64) -> i64 {
 struct Where(predicate::Predicate);
 
 impl Stage for Where {
-    fn process(&mut self, r: Record, out: &mut Vec<Record>, stats: &FilterStats) {
+    fn process(&mut self, r: Record, _now: i64, out: &mut Vec<Record>, stats: &FilterStats) {
         if self.0.eval(&r, stats) {
             out.push(r);
         }
@@ -402,7 +504,7 @@ struct Deadband {
 }
 
 impl Stage for Deadband {
-    fn process(&mut self, r: Record, out: &mut Vec<Record>, stats: &FilterStats) {
+    fn process(&mut self, r: Record, _now: i64, out: &mut Vec<Record>, stats: &FilterStats) {
         let Some(v) = numeric(&r, &self.field, stats) else {
             out.push(r);
             return;
@@ -429,7 +531,7 @@ impl Stage for Deadband {
         )
     }
 
-    fn restore(&mut self, state: &Json) -> Result<(), String> {
+    fn restore(&mut self, state: &Json, _now: i64) -> Result<(), String> {
         self.last.clear();
         for e in array(state)? {
             self.last
@@ -443,32 +545,44 @@ struct OpenInterval {
     start: i64,
     last: Record,
     sums: Vec<(String, f64, u64)>,
+    /// Processing time of the interval's last record ([`idle`]).
+    seen: i64,
 }
 
 struct Downsample {
     interval: i64,
     mode: DownsampleMode,
     open: HashMap<String, OpenInterval>,
+    /// Per key without an open interval: the start of the last one the clock closed.
+    closed: HashMap<String, i64>,
 }
 
 impl Downsample {
     fn emit(&self, o: OpenInterval, out: &mut Vec<Record>) {
         match self.mode {
             DownsampleMode::Last => out.push(o.last),
-            DownsampleMode::Mean => out.push(Record {
-                key: o.last.key,
-                ts: o.start,
-                fields: o
+            DownsampleMode::Mean => {
+                let mut fields: Vec<(String, Value)> = o
                     .sums
                     .into_iter()
                     .map(|(n, s, c)| (n, Value::F64(s / c as f64)))
-                    .collect(),
-            }),
+                    .collect();
+                fields.extend(carried(&o.last));
+                out.push(Record {
+                    key: o.last.key,
+                    ts: o.start,
+                    fields,
+                })
+            }
         }
     }
 
+    /// Adds `r`'s numeric fields to the interval's sums; internal fields are never averaged.
     fn add(sums: &mut Vec<(String, f64, u64)>, r: &Record) {
         for (name, v) in &r.fields {
+            if is_internal(name) {
+                continue;
+            }
             let x = match v {
                 Value::F64(x) => *x,
                 Value::I64(x) => *x as f64,
@@ -486,8 +600,17 @@ impl Downsample {
 }
 
 impl Stage for Downsample {
-    fn process(&mut self, r: Record, out: &mut Vec<Record>, stats: &FilterStats) {
+    fn process(&mut self, r: Record, now: i64, out: &mut Vec<Record>, stats: &FilterStats) {
         let start = window_start(r.ts, self.interval);
+        if closed_by_clock(
+            &mut self.closed,
+            &r.key,
+            start,
+            self.open.contains_key(&r.key),
+        ) {
+            stats.late_records.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let current = self.open.get(&r.key).map(|o| o.start);
         match current {
             Some(s) if start < s => {
@@ -497,6 +620,7 @@ impl Stage for Downsample {
                 if let Some(o) = self.open.get_mut(&r.key) {
                     Downsample::add(&mut o.sums, &r);
                     o.last = r;
+                    o.seen = now;
                 }
             }
             _ => {
@@ -506,11 +630,30 @@ impl Stage for Downsample {
                     start,
                     last: r,
                     sums,
+                    seen: now,
                 };
                 if let Some(closed) = self.open.insert(new.last.key.clone(), new) {
                     self.emit(closed, out);
                 }
             }
+        }
+    }
+
+    fn close_idle(&mut self, now: i64, idle: IdleClose, out: &mut Vec<Record>) {
+        let Some(after) = idle.after_ns(self.interval) else {
+            return;
+        };
+        let mut due: Vec<String> = self
+            .open
+            .iter()
+            .filter(|(_, o)| idle::due(o.start, self.interval, o.seen, after, now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        due.sort();
+        for key in due {
+            let o = self.open.remove(&key).expect("a due interval is open");
+            self.closed.insert(key, o.start);
+            self.emit(o, out);
         }
     }
 
@@ -526,13 +669,19 @@ impl Stage for Downsample {
                         .collect();
                     serde_json::json!([o.start, record_to_json(&o.last), sums])
                 })
+                .chain(closed_to_json(&self.closed))
                 .collect(),
         )
     }
 
-    fn restore(&mut self, state: &Json) -> Result<(), String> {
+    fn restore(&mut self, state: &Json, now: i64) -> Result<(), String> {
         self.open.clear();
+        self.closed.clear();
         for e in array(state)? {
+            if let Some((key, start)) = closed_from_json(e)? {
+                self.closed.insert(key, start);
+                continue;
+            }
             let start = i64_at(e, 0)?;
             let last = record_from_json(e.get(1).ok_or("missing record")?)?;
             let mut sums = Vec::new();
@@ -543,14 +692,21 @@ impl Stage for Downsample {
                     u64_at(s, 2)?,
                 ));
             }
-            self.open
-                .insert(last.key.clone(), OpenInterval { start, last, sums });
+            self.open.insert(
+                last.key.clone(),
+                OpenInterval {
+                    start,
+                    last,
+                    sums,
+                    seen: now,
+                },
+            );
         }
         Ok(())
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 struct WindowState {
     start: i64,
     count: u64,
@@ -558,6 +714,10 @@ struct WindowState {
     max: f64,
     sum: f64,
     last: f64,
+    /// [`CARRIED_FIELDS`] of the window's last record.
+    carried: Vec<(String, Value)>,
+    /// Processing time of the window's last record ([`idle`]).
+    seen: i64,
 }
 
 struct Window {
@@ -566,11 +726,13 @@ struct Window {
     aggs: Vec<Agg>,
     names: Vec<String>,
     open: HashMap<String, WindowState>,
+    /// Per key without an open window: the start of the last one the clock closed.
+    closed: HashMap<String, i64>,
 }
 
 impl Window {
     fn emit(&self, key: String, w: WindowState, out: &mut Vec<Record>) {
-        let fields = self
+        let mut fields: Vec<(String, Value)> = self
             .aggs
             .iter()
             .zip(&self.names)
@@ -585,6 +747,7 @@ impl Window {
                 (n.clone(), v)
             })
             .collect();
+        fields.extend(w.carried);
         out.push(Record {
             key,
             ts: w.start,
@@ -594,11 +757,20 @@ impl Window {
 }
 
 impl Stage for Window {
-    fn process(&mut self, r: Record, out: &mut Vec<Record>, stats: &FilterStats) {
+    fn process(&mut self, r: Record, now: i64, out: &mut Vec<Record>, stats: &FilterStats) {
         let Some(v) = numeric(&r, &self.field, stats) else {
             return;
         };
         let start = window_start(r.ts, self.interval);
+        if closed_by_clock(
+            &mut self.closed,
+            &r.key,
+            start,
+            self.open.contains_key(&r.key),
+        ) {
+            stats.late_records.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
         let fresh = WindowState {
             start,
             count: 1,
@@ -606,6 +778,8 @@ impl Stage for Window {
             max: v,
             sum: v,
             last: v,
+            carried: carried(&r).collect(),
+            seen: now,
         };
         match self.open.get_mut(&r.key) {
             Some(w) if start < w.start => {
@@ -617,6 +791,8 @@ impl Stage for Window {
                 w.max = w.max.max(v);
                 w.sum += v;
                 w.last = v;
+                w.carried = fresh.carried;
+                w.seen = now;
             }
             Some(w) => {
                 let closed = std::mem::replace(w, fresh);
@@ -625,6 +801,24 @@ impl Stage for Window {
             None => {
                 self.open.insert(r.key, fresh);
             }
+        }
+    }
+
+    fn close_idle(&mut self, now: i64, idle: IdleClose, out: &mut Vec<Record>) {
+        let Some(after) = idle.after_ns(self.interval) else {
+            return;
+        };
+        let mut due: Vec<String> = self
+            .open
+            .iter()
+            .filter(|(_, w)| idle::due(w.start, self.interval, w.seen, after, now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        due.sort();
+        for key in due {
+            let w = self.open.remove(&key).expect("a due window is open");
+            self.closed.insert(key.clone(), w.start);
+            self.emit(key, w, out);
         }
     }
 
@@ -640,16 +834,23 @@ impl Stage for Window {
                         w.min.to_bits(),
                         w.max.to_bits(),
                         w.sum.to_bits(),
-                        w.last.to_bits()
+                        w.last.to_bits(),
+                        w.carried.iter().map(field_to_json).collect::<Vec<_>>()
                     ])
                 })
+                .chain(closed_to_json(&self.closed))
                 .collect(),
         )
     }
 
-    fn restore(&mut self, state: &Json) -> Result<(), String> {
+    fn restore(&mut self, state: &Json, now: i64) -> Result<(), String> {
         self.open.clear();
+        self.closed.clear();
         for e in array(state)? {
+            if let Some((key, start)) = closed_from_json(e)? {
+                self.closed.insert(key, start);
+                continue;
+            }
             let bits = |i| u64_at(e, i).map(f64::from_bits);
             self.open.insert(
                 str_at(e, 0)?.to_owned(),
@@ -660,6 +861,15 @@ impl Stage for Window {
                     max: bits(4)?,
                     sum: bits(5)?,
                     last: bits(6)?,
+                    // Absent from snapshots taken before windows carried fields.
+                    carried: match e.get(7) {
+                        Some(c) => array(c)?
+                            .iter()
+                            .map(field_from_json)
+                            .collect::<Result<_, _>>()?,
+                        None => Vec::new(),
+                    },
+                    seen: now,
                 },
             );
         }
@@ -667,10 +877,40 @@ impl Stage for Window {
     }
 }
 
+/// True when `start` is at or before the interval the clock last closed for `key` (which
+/// has no open interval): the record is late. A later interval forgets the mark, since the
+/// interval it opens is the reference from then on.
+fn closed_by_clock(closed: &mut HashMap<String, i64>, key: &str, start: i64, open: bool) -> bool {
+    if open {
+        return false;
+    }
+    match closed.get(key) {
+        Some(c) if start <= *c => true,
+        Some(_) => {
+            closed.remove(key);
+            false
+        }
+        None => false,
+    }
+}
+
+/// Clock-closed marks as snapshot entries `[key, start]` (two elements, unlike open entries).
+fn closed_to_json(closed: &HashMap<String, i64>) -> impl Iterator<Item = Json> + '_ {
+    closed.iter().map(|(k, s)| serde_json::json!([k, s]))
+}
+
+/// A clock-closed mark, when `e` is one.
+fn closed_from_json(e: &Json) -> Result<Option<(String, i64)>, String> {
+    match e.as_array() {
+        Some(a) if a.len() == 2 => Ok(Some((str_at(e, 0)?.to_owned(), i64_at(e, 1)?))),
+        _ => Ok(None),
+    }
+}
+
 struct Project(Vec<(String, Option<String>)>);
 
 impl Stage for Project {
-    fn process(&mut self, mut r: Record, out: &mut Vec<Record>, _stats: &FilterStats) {
+    fn process(&mut self, mut r: Record, _now: i64, out: &mut Vec<Record>, _stats: &FilterStats) {
         let mut fields = Vec::with_capacity(self.0.len());
         for (name, rename) in &self.0 {
             if let Some(i) = r.fields.iter().position(|(n, _)| n == name) {
@@ -723,41 +963,47 @@ fn i64_at(v: &Json, i: usize) -> Result<i64, String> {
 
 /// A record as `[key, ts, [[name, tag, value], ...]]`.
 pub(crate) fn record_to_json(r: &Record) -> Json {
-    let fields: Vec<Json> = r
-        .fields
-        .iter()
-        .map(|(n, v)| match v {
-            Value::F64(x) => serde_json::json!([n, "f", x.to_bits()]),
-            Value::I64(x) => serde_json::json!([n, "i", x]),
-            Value::Bool(x) => serde_json::json!([n, "b", x]),
-            Value::Str(x) => serde_json::json!([n, "s", x]),
-            Value::Bytes(x) => serde_json::json!([n, "x", x]),
-        })
-        .collect();
+    let fields: Vec<Json> = r.fields.iter().map(field_to_json).collect();
     serde_json::json!([r.key, r.ts, fields])
+}
+
+/// A field as `[name, tag, value]`.
+fn field_to_json((n, v): &(String, Value)) -> Json {
+    match v {
+        Value::F64(x) => serde_json::json!([n, "f", x.to_bits()]),
+        Value::I64(x) => serde_json::json!([n, "i", x]),
+        Value::Bool(x) => serde_json::json!([n, "b", x]),
+        Value::Str(x) => serde_json::json!([n, "s", x]),
+        Value::Bytes(x) => serde_json::json!([n, "x", x]),
+    }
+}
+
+/// The inverse of [`field_to_json`].
+fn field_from_json(f: &Json) -> Result<(String, Value), String> {
+    let name = str_at(f, 0)?.to_owned();
+    let value = match str_at(f, 1)? {
+        "f" => Value::F64(f64::from_bits(u64_at(f, 2)?)),
+        "i" => Value::I64(i64_at(f, 2)?),
+        "b" => Value::Bool(f.get(2).and_then(Json::as_bool).ok_or("expected a bool")?),
+        "s" => Value::Str(str_at(f, 2)?.to_owned()),
+        "x" => Value::Bytes(
+            array(f.get(2).ok_or("missing bytes")?)?
+                .iter()
+                .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
+                .collect::<Option<Vec<u8>>>()
+                .ok_or("expected bytes")?,
+        ),
+        other => return Err(format!("unknown value tag {other:?}")),
+    };
+    Ok((name, value))
 }
 
 /// The inverse of [`record_to_json`].
 pub(crate) fn record_from_json(v: &Json) -> Result<Record, String> {
-    let mut fields = Vec::new();
-    for f in array(v.get(2).ok_or("missing fields")?)? {
-        let name = str_at(f, 0)?.to_owned();
-        let value = match str_at(f, 1)? {
-            "f" => Value::F64(f64::from_bits(u64_at(f, 2)?)),
-            "i" => Value::I64(i64_at(f, 2)?),
-            "b" => Value::Bool(f.get(2).and_then(Json::as_bool).ok_or("expected a bool")?),
-            "s" => Value::Str(str_at(f, 2)?.to_owned()),
-            "x" => Value::Bytes(
-                array(f.get(2).ok_or("missing bytes")?)?
-                    .iter()
-                    .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
-                    .collect::<Option<Vec<u8>>>()
-                    .ok_or("expected bytes")?,
-            ),
-            other => return Err(format!("unknown value tag {other:?}")),
-        };
-        fields.push((name, value));
-    }
+    let fields = array(v.get(2).ok_or("missing fields")?)?
+        .iter()
+        .map(field_from_json)
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(Record {
         key: str_at(v, 0)?.to_owned(),
         ts: i64_at(v, 1)?,

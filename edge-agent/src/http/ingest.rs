@@ -93,7 +93,7 @@ impl Ingest {
             if s.filters.is_empty() {
                 continue;
             }
-            match Pipeline::compile(&s.filters) {
+            match Pipeline::compile(&s.filters).map(|p| p.with_idle_close(s.idle_close)) {
                 Ok(p) => {
                     ingest.metrics.register_filter(&s.name, p.stats().clone());
                     pipelines.insert(s.name.clone(), Mutex::new(p));
@@ -150,6 +150,27 @@ impl Ingest {
             return Ok(self.filtered_out_ack(stream));
         }
         self.append_counted(stream, records).await
+    }
+
+    /// Closes the intervals of quiet keys in every plain stream's pipeline
+    /// (`crate::filters::idle`) and appends what they emit. `Err(Closed)` once the log is
+    /// shut down; another failure is logged, and those outputs are lost like any open window
+    /// of a plain stream at a restart.
+    pub async fn close_idle_intervals(&self) -> Result<(), AppendError> {
+        for (stream, p) in self.pipelines.iter() {
+            let out = p.lock().unwrap_or_else(|e| e.into_inner()).close_idle();
+            if out.is_empty() {
+                continue;
+            }
+            match self.append_counted(stream, out).await {
+                Ok(_) => {}
+                Err(AppendError::Closed) => return Err(AppendError::Closed),
+                Err(e) => {
+                    tracing::warn!(%stream, error = %e, "filters: idle intervals could not be stored")
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `records` after `stream`'s filters (unchanged for a stream without them).
