@@ -23,14 +23,20 @@
 //! - `GET /`: the operator status page ([`crate::status`]).
 //!
 //! Tokens (`Authorization: Bearer <token>`), checked before a byte of a body is read:
-//! - `http.reader_tokens`: every `/v1/` read route, the reader-group routes, and `/` (which also
-//!   takes `?token=` so that a browser can open it). An admin token also reads.
+//! - `http.reader_tokens`: every `/v1/` read route, the reader-group routes, and the status
+//!   page's data. `GET /` without any token answers a sign-in page that shows nothing of the
+//!   fleet ([`crate::status::login`]): it keeps the token in the tab's `sessionStorage` and
+//!   fetches `/` with it. `/` also takes `?token=` (kept for scripts; it ends up in browser
+//!   history). An admin token also reads.
 //! - `http.admin_tokens`: mutations (`POST /v1/devices/{id}/retire`). Once any reader or admin
 //!   token is configured, a mutation needs an admin token: without one configured, mutations are
 //!   refused (403) rather than left to the reader tokens.
 //! - `http.metrics_token`: `/metrics` (an admin token also works). Without it, `/metrics` needs a
 //!   reader token when reader tokens are set (it names every device), and is open otherwise.
 //! - `/healthz` is always open.
+//!
+//! Every error is a JSON body `{"error": .., "code": ..}` ([`crate::api_error`]); `/healthz`
+//! stays plain text for probes.
 //!
 //! With no token configured at all, everything is open to clients that pass the Host/Origin
 //! check ([`crate::http_limits::check_host`]): a web page cannot post here across origins.
@@ -167,7 +173,6 @@ pub fn router_for(
         guard: guard.clone(),
     };
     let reader = Router::new()
-        .route("/", get(status_page))
         .route("/v1/streams", get(streams))
         .merge(crate::streams::api::routes(state.hub.clone()))
         .merge(crate::republish::api::routes(state.hub.clone()))
@@ -178,7 +183,13 @@ pub fn router_for(
     let scrape = Router::new().route("/metrics", get(metrics));
     // Every error of these routes leaves as JSON ([`api_error`]); `/healthz` stays the
     // probes' plain `ok` or reason.
+    // The status page checks its token itself: without one it is the sign-in page.
+    let page = Router::new().route("/", get(status_entry)).route(
+        "/status-login.js",
+        get(|| async { crate::status::login::script() }),
+    );
     let api = Router::new()
+        .merge(page)
         .merge(protect(scrape, &state, Role::Metrics))
         .merge(protect(reader, &state, Role::Reader))
         .merge(protect(admin, &state, Role::Admin))
@@ -258,13 +269,14 @@ async fn require_token(
     req: Request,
     next: Next,
 ) -> Response {
-    let query = (req.uri().path() == "/")
-        .then(|| req.uri().query())
-        .flatten();
-    let refusal = match st.tokens.check(role, req.headers(), query) {
-        Ok(()) => return next.run(req).await,
-        Err(r) => r,
-    };
+    match st.tokens.check(role, req.headers(), None) {
+        Ok(()) => next.run(req).await,
+        Err(r) => refused(&st, r),
+    }
+}
+
+/// The answer to a request refused for its token.
+fn refused(st: &AppState, refusal: Refusal) -> Response {
     st.guard.stats.unauthorized();
     let (status, code, msg) = match refusal {
         Refusal::NoAdminToken => (
@@ -461,7 +473,21 @@ async fn no_route(req: Request) -> Response {
     )
 }
 
-async fn status_page(State(st): State<AppState>) -> Response {
+/// `GET /`: the status page for a reader token (header, or `?token=`); without any token
+/// while tokens are set, the sign-in page ([`crate::status::login`]); a wrong bearer token
+/// is refused (401), so the sign-in page's script can tell.
+async fn status_entry(State(st): State<AppState>, req: Request) -> Response {
+    match st
+        .tokens
+        .check(Role::Reader, req.headers(), req.uri().query())
+    {
+        Ok(()) => status_page(st).await,
+        Err(r) if req.headers().contains_key(header::AUTHORIZATION) => refused(&st, r),
+        Err(_) => crate::status::login::page(),
+    }
+}
+
+async fn status_page(st: AppState) -> Response {
     let (hub, tracker) = (st.hub.clone(), st.tracker.clone());
     match tokio::task::spawn_blocking(move || crate::status::render(&hub, &tracker)).await {
         Ok(html) => axum::response::Html(html).into_response(),

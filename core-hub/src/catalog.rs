@@ -99,10 +99,13 @@ CREATE TABLE IF NOT EXISTS backlog (
     PRIMARY KEY (device, stream)
 ) WITHOUT ROWID;
 -- the field names (columns) each stream holds, registered at ingest before a block with a
--- new one is queued (ingest.columns_per_stream_max is checked against it)
+-- new one is queued (ingest.columns_per_stream_max is checked against it), and the device
+-- that brought each (ingest.columns_per_device_max; NULL for fields registered before it was
+-- recorded, see `add_field_origin`)
 CREATE TABLE IF NOT EXISTS stream_fields (
     stream INTEGER NOT NULL,
     field TEXT NOT NULL,
+    device INTEGER,
     PRIMARY KEY (stream, field)
 ) WITHOUT ROWID;
 INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', 1);
@@ -232,11 +235,25 @@ fn open_conn(path: &Path) -> Result<Connection, CatalogError> {
     Ok(conn)
 }
 
+/// A catalog from before fields recorded their device gets the column (empty for old rows).
+fn add_field_origin(c: &Connection) -> Result<(), CatalogError> {
+    let has: bool = c.query_row(
+        "SELECT EXISTS (SELECT 1 FROM pragma_table_info('stream_fields') WHERE name = 'device')",
+        [],
+        |r| r.get(0),
+    )?;
+    if !has {
+        c.execute("ALTER TABLE stream_fields ADD COLUMN device INTEGER", [])?;
+    }
+    Ok(())
+}
+
 impl Catalog {
     /// Opens (creating if needed) the catalog at `path`.
     pub fn open(path: &Path) -> Result<Catalog, CatalogError> {
         let write = open_conn(path)?;
         write.execute_batch(SCHEMA)?;
+        add_field_origin(&write)?;
         let read = open_conn(path)?;
         Ok(Catalog {
             write: Mutex::new(write),
@@ -566,25 +583,32 @@ impl Catalog {
         Ok(rows.collect::<Result<_, _>>()?)
     }
 
-    /// Registers field names of `stream` (those already registered are ignored).
-    pub fn register_fields(&self, stream: StreamId, fields: &[&str]) -> Result<(), CatalogError> {
+    /// Registers field names `device` brought to `stream` (those already registered are
+    /// ignored: a field belongs to the device that brought it first).
+    pub fn register_fields(
+        &self,
+        stream: StreamId,
+        device: DeviceId,
+        fields: &[&str],
+    ) -> Result<(), CatalogError> {
         let mut c = self.w();
         let tx = c.transaction()?;
         {
             let mut st = tx.prepare_cached(
-                "INSERT OR IGNORE INTO stream_fields (stream, field) VALUES (?1, ?2)",
+                "INSERT OR IGNORE INTO stream_fields (stream, field, device) VALUES (?1, ?2, ?3)",
             )?;
             for f in fields {
-                st.execute(rusqlite::params![i64::from(stream), f])?;
+                st.execute(rusqlite::params![i64::from(stream), f, i64::from(device)])?;
             }
         }
         tx.commit()?;
         Ok(())
     }
 
-    /// Every registered `(stream, field)`. A catalog from before the registry existed gets it
-    /// filled from tier 2's field registry first (the fields already tiered).
-    pub fn stream_fields(&self) -> Result<Vec<(StreamId, String)>, CatalogError> {
+    /// Every registered `(stream, field, device that brought it)`. A catalog from before the
+    /// registry existed gets it filled from tier 2's field registry first (the fields already
+    /// tiered, of no device).
+    pub fn stream_fields(&self) -> Result<Vec<(StreamId, String, Option<DeviceId>)>, CatalogError> {
         {
             let c = self.w();
             let tiered: bool = c.query_row(
@@ -600,9 +624,20 @@ impl Catalog {
             }
         }
         let c = self.r();
-        let mut st = c.prepare("SELECT stream, field FROM stream_fields")?;
-        let rows = st.query_map([], |r| Ok((r.get::<_, i64>(0)? as StreamId, r.get(1)?)))?;
+        let mut st = c.prepare("SELECT stream, field, device FROM stream_fields")?;
+        let rows = st.query_map([], |r| {
+            let device = r.get::<_, Option<i64>>(2)?.map(|d| d as DeviceId);
+            Ok((r.get::<_, i64>(0)? as StreamId, r.get(1)?, device))
+        })?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// How many gaps every device reported, together (seeds `tributary_hub_gaps_total` at
+    /// start, so the counter does not read 0 after a restart).
+    pub fn gaps_count(&self) -> Result<u64, CatalogError> {
+        let c = self.r();
+        let n: i64 = c.query_row("SELECT count(*) FROM gaps", [], |r| r.get(0))?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     /// The gaps a device reported.

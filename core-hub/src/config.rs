@@ -26,7 +26,17 @@ pub enum ConfigError {
     Read(String),
     #[error("config key `{key}`: {problem}")]
     Key { key: String, problem: String },
+    /// A key whose value came from the environment variable `var`.
+    #[error("config key `{key}` (set by the environment variable {var}): {problem}")]
+    Env {
+        key: String,
+        var: String,
+        problem: String,
+    },
 }
+
+#[path = "config_errors.rs"]
+mod errors;
 
 impl ConfigError {
     fn key(key: impl Into<String>, problem: impl Into<String>) -> Self {
@@ -57,6 +67,8 @@ pub struct HubConfig {
     pub read: ReadConfig,
     /// `[metrics]`: how many devices `/metrics` lists by name.
     pub metrics: MetricsConfig,
+    /// `log.format`: text lines (the default) or JSON lines (see `crate::logging`).
+    pub log: crate::logging::LogFormat,
 }
 
 /// Where the hub listens.
@@ -189,6 +201,9 @@ pub struct ConnectionQuotas {
     /// Handshakes in progress at or above which a new, unvalidated client address gets a QUIC
     /// Retry; 0 sends every new address one.
     pub retry_above_handshakes: u32,
+    /// `ingest.stream_refusal_retry`: how long a stream the hub refused (allow-list, quota,
+    /// forbidden key) stays refused before the agent offers it again on the same session.
+    pub stream_refusal_retry: Duration,
 }
 
 impl Default for ConnectionQuotas {
@@ -199,6 +214,7 @@ impl Default for ConnectionQuotas {
             control_idle_timeout: Duration::from_secs(30),
             blocks_in_flight_max: 32,
             retry_above_handshakes: 64,
+            stream_refusal_retry: Duration::from_secs(30),
         }
     }
 }
@@ -215,6 +231,8 @@ pub struct StateQuotas {
     pub lanes_per_device_max: u32,
     /// Distinct field names (columns) one stream may hold, over every device.
     pub columns_per_stream_max: u32,
+    /// Of those, how many one device may bring (so a shared stream outlives one bad device).
+    pub columns_per_device_max: u32,
 }
 
 impl Default for StateQuotas {
@@ -224,6 +242,7 @@ impl Default for StateQuotas {
             epochs_per_device_max: DEFAULT_EPOCHS_PER_DEVICE_MAX,
             lanes_per_device_max: DEFAULT_LANES_PER_DEVICE_MAX,
             columns_per_stream_max: DEFAULT_COLUMNS_PER_STREAM_MAX,
+            columns_per_device_max: DEFAULT_COLUMNS_PER_DEVICE_MAX,
         }
     }
 }
@@ -411,6 +430,8 @@ pub struct RawConfig {
     pub read: RawRead,
     #[serde(default)]
     pub metrics: RawMetrics,
+    #[serde(default)]
+    pub log: crate::logging::RawLog,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -470,11 +491,13 @@ pub struct RawIngest {
     pub epochs_per_device_max: Option<u64>,
     pub lanes_per_device_max: Option<u64>,
     pub columns_per_stream_max: Option<u64>,
+    pub columns_per_device_max: Option<u64>,
     pub connections_per_device_max: Option<u64>,
     pub hello_timeout: Option<String>,
     pub control_idle_timeout: Option<String>,
     pub blocks_in_flight_max: Option<u64>,
     pub retry_above_handshakes: Option<u64>,
+    pub stream_refusal_retry: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -586,6 +609,9 @@ pub const DEFAULT_LANES_PER_DEVICE_MAX: u32 = 1024;
 /// Default `ingest.columns_per_stream_max`: distinct field names of one stream. Encoding a
 /// tier-2 chunk costs about 45 KiB of memory per column, so this bounds it near 46 MiB.
 pub const DEFAULT_COLUMNS_PER_STREAM_MAX: u32 = 1024;
+/// Default `ingest.columns_per_device_max`: half a stream's columns, so it takes more than one
+/// device to fill a shared stream, while one device alone can still write a wide stream.
+pub const DEFAULT_COLUMNS_PER_DEVICE_MAX: u32 = 512;
 /// Default `metrics.device_series_max`.
 pub const DEFAULT_DEVICE_SERIES_MAX: usize = 1000;
 
@@ -623,29 +649,26 @@ impl HubConfig {
                 .required(true);
             builder = builder.add_source(file);
         }
+        let env_keys = errors::EnvKeys::collect(env.as_ref());
         let environment = config::Environment::with_prefix(ENV_PREFIX)
             .separator(ENV_SEPARATOR)
             .try_parsing(true)
             .source(env);
-        let built = builder
+        let raw: RawConfig = builder
             .add_source(environment)
             .build()
-            .map_err(|e| ConfigError::Read(e.to_string()))?;
-        let raw: RawConfig = built
-            .try_deserialize()
-            .map_err(|e| ConfigError::Read(e.to_string()))?;
-        Self::from_raw(raw)
+            .and_then(|c| c.try_deserialize())
+            .map_err(|e| env_keys.annotate(errors::from_config_error(e)))?;
+        Self::from_raw(raw).map_err(|e| env_keys.annotate(e))
     }
 
     /// Parses TOML text (no environment), for tests and tools.
     pub fn from_toml(text: &str) -> Result<HubConfig, ConfigError> {
-        let built = config::Config::builder()
+        let raw: RawConfig = config::Config::builder()
             .add_source(config::File::from_str(text, config::FileFormat::Toml))
             .build()
-            .map_err(|e| ConfigError::Read(e.to_string()))?;
-        let raw: RawConfig = built
-            .try_deserialize()
-            .map_err(|e| ConfigError::Read(e.to_string()))?;
+            .and_then(|c| c.try_deserialize())
+            .map_err(errors::from_config_error)?;
         Self::from_raw(raw)
     }
 
@@ -684,7 +707,12 @@ impl HubConfig {
         let republish = raw.republish.as_ref().map(|r| r.parse()).transpose()?;
         let read = parse_read(&raw.read)?;
         let metrics = parse_metrics(&raw.metrics)?;
+        let log = raw
+            .log
+            .parse()
+            .map_err(|problem| ConfigError::key("log.format", problem))?;
         Ok(HubConfig {
+            log,
             read,
             metrics,
             completeness,
@@ -1057,6 +1085,11 @@ fn parse_connection_quotas(raw: &RawIngest) -> Result<ConnectionQuotas, ConfigEr
                 )
             })?,
         },
+        stream_refusal_retry: deadline(
+            "ingest.stream_refusal_retry",
+            raw.stream_refusal_retry.as_deref(),
+            d.stream_refusal_retry,
+        )?,
     };
     // The agent pings every 10 s; an idle deadline near that would cut honest sessions.
     if q.control_idle_timeout < Duration::from_secs(15) {
@@ -1100,6 +1133,11 @@ fn parse_state_quotas(raw: &RawIngest) -> Result<StateQuotas, ConfigError> {
             "ingest.columns_per_stream_max",
             raw.columns_per_stream_max,
             d.columns_per_stream_max,
+        )?,
+        columns_per_device_max: one(
+            "ingest.columns_per_device_max",
+            raw.columns_per_device_max,
+            d.columns_per_device_max,
         )?,
     };
     Ok(q)
@@ -1605,10 +1643,11 @@ mod tests {
 
     #[test]
     fn unknown_keys_are_rejected() {
-        assert!(matches!(
-            HubConfig::from_toml("data_dir = \"/d\"\n[wal]\nsegment_size = 3"),
-            Err(ConfigError::Read(_))
-        ));
+        let err = HubConfig::from_toml("data_dir = \"/d\"\n[wal]\nsegment_size = 3");
+        assert!(
+            matches!(err, Err(ConfigError::Key { ref key, .. }) if key == "wal.segment_size"),
+            "{err:?}"
+        );
     }
 
     #[test]
@@ -1654,7 +1693,8 @@ mod tests {
         );
         let err = HubConfig::load_with_env(None, Some(env)).unwrap_err();
         assert!(
-            matches!(err, ConfigError::Key { ref key, .. } if key == "listen.http"),
+            matches!(err, ConfigError::Env { ref key, ref var, .. }
+                if key == "listen.http" && var == "TRIBUTARY_HUB__LISTEN__HTTP"),
             "{err}"
         );
     }
@@ -1828,6 +1868,7 @@ mod tests {
             control_idle_timeout: Duration::from_secs(45),
             blocks_in_flight_max: 8,
             retry_above_handshakes: 0,
+            stream_refusal_retry: Duration::from_secs(30),
         };
         assert_eq!(c.ingest.conn, want);
         let d = HubConfig::from_toml("data_dir = \"/d\"")
@@ -1849,6 +1890,8 @@ mod tests {
                 "ingest.control_idle_timeout",
             ),
             ("blocks_in_flight_max = 0", "ingest.blocks_in_flight_max"),
+            ("stream_refusal_retry = \"30\"", "ingest.stream_refusal_retry"),
+            ("stream_refusal_retry = \"2h\"", "ingest.stream_refusal_retry"),
             ("blocks_in_flight_max = 5000", "ingest.blocks_in_flight_max"),
         ];
         for (line, key) in cases {

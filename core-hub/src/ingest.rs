@@ -293,6 +293,9 @@ pub struct IngestStats {
     pub revocation: crate::pki::RevocationStats,
     /// Per-connection limits that tripped (`crate::server`).
     pub connections: crate::server::ConnStats,
+    /// Devices with at least one live QUIC connection now, kept by the server's per-device
+    /// connection slots.
+    pub devices_connected: Arc<AtomicU64>,
 }
 
 /// The content checksum of consecutive records starting at `first_seq`: the protocol's
@@ -476,6 +479,8 @@ pub struct Hub {
     tier_stats: std::sync::OnceLock<Arc<crate::tiering::TierStats>>,
     /// This hub's tier-1 quarantine (what its readers skip) and scrub counters.
     tier1_scrub: crate::scrub::Tier1Scrub,
+    /// This hub's tier-2 scrub counters and quarantined objects.
+    tier2_scrub: crate::scrub::Tier2Scrub,
     /// Start-up readiness (`/healthz`): not ready while `core-hub run` opens tier 2.
     startup: crate::status::Startup,
     /// Held for the hub's lifetime: two hubs on one WAL would corrupt it.
@@ -775,6 +780,9 @@ impl Hub {
             .map(|m| ((m.device, m.epoch, m.stream), KeyCell::new(m.durable_seq)))
             .collect();
         let quotas = quotas::load(&catalog, &names, cfg.ingest.state)?;
+        // Counters of what the catalog holds start from it, not from 0, after a restart.
+        let stats = IngestStats::default();
+        stats.gaps.store(catalog.gaps_count()?, Ordering::Relaxed);
         let memory_permits = u32::try_from(cfg.ingest.memory_bytes_max / MEMORY_PERMIT_BYTES)
             .unwrap_or(u32::MAX)
             .max(1);
@@ -793,7 +801,7 @@ impl Hub {
             names: RwLock::new(names),
             keys: Mutex::new(keys),
             fenced: RwLock::new(fenced),
-            stats: Arc::new(IngestStats::default()),
+            stats: Arc::new(stats),
             quotas,
             device_series_max: cfg.metrics.device_series_max,
             record_pool: Arc::new(RecordPool::default()),
@@ -802,6 +810,7 @@ impl Hub {
             tier_stats: std::sync::OnceLock::new(),
             streams: streams_mgr,
             tier1_scrub,
+            tier2_scrub: crate::scrub::Tier2Scrub::default(),
             startup: crate::status::Startup::default(),
             _lock: lock,
         }))
@@ -815,6 +824,11 @@ impl Hub {
     /// This hub's tier-1 quarantine and scrub counters (never shared with another hub).
     pub fn tier1_scrub(&self) -> &crate::scrub::Tier1Scrub {
         &self.tier1_scrub
+    }
+
+    /// This hub's tier-2 scrub counters and quarantined objects (never shared with another hub).
+    pub fn tier2_scrub(&self) -> &crate::scrub::Tier2Scrub {
+        &self.tier2_scrub
     }
 
     /// The durable marks of `device`, for the handshake.
@@ -1218,7 +1232,7 @@ impl Hub {
         // Quotas before anything is created for the lane (its stream, its key cell).
         self.admit_lane_quota(device, stream, dec.epoch)?;
         let (d, s) = (self.device_id(device)?, self.stream_id(stream)?);
-        self.admit_columns_quota(device, stream, s, &dec.records)?;
+        self.admit_columns_quota((device, d), (stream, s), &dec.records)?;
         let epoch = dec.epoch;
         let cell = self.cell(d, epoch, s);
         let _order = cell.order.lock().await;

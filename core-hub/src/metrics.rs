@@ -65,8 +65,14 @@ pub fn render_with(hub: &Hub, tracker: Option<&crate::completeness::Tracker>) ->
     counter(
         &mut out,
         "tributary_hub_gaps_total",
-        "Gap markers recorded.",
+        "Gap markers recorded (the catalog's gaps at start, then each new one).",
         load(&s.gaps),
+    );
+    gauge(
+        &mut out,
+        "tributary_hub_devices_connected",
+        "Devices with at least one live QUIC connection.",
+        load(&s.devices_connected),
     );
     counter(
         &mut out,
@@ -423,7 +429,7 @@ fn catalog_metrics(out: &mut String, hub: &Hub, listed: &Listed) {
             "{name}{{device=\"{}\",stream=\"{}\",epoch=\"{}\"}} {}",
             escape(&device),
             escape(&stream),
-            m.epoch,
+            sync::epoch::format(m.epoch),
             m.durable_seq
         );
     }

@@ -1025,7 +1025,11 @@ pub fn client_verifier(
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let inner = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider).build()?;
-    Ok(Arc::new(RevocationCheckingVerifier { inner, revocations }))
+    Ok(Arc::new(RevocationCheckingVerifier {
+        inner,
+        revocations,
+        refusals_logged: crate::logging::OncePer::new(REFUSAL_LOG_PERIOD),
+    }))
 }
 
 /// The hub's rustls server config for QUIC: TLS 1.3 only, mutual TLS, ALPN `tributary/1`,
@@ -1046,11 +1050,33 @@ pub fn server_tls_config(
     Ok(cfg)
 }
 
+/// A device refused at the handshake is logged at most once per this period.
+const REFUSAL_LOG_PERIOD: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Wraps webpki's verifier and rejects revoked devices at the handshake.
 #[derive(Debug)]
 struct RevocationCheckingVerifier {
     inner: Arc<dyn ClientCertVerifier>,
     revocations: Arc<SharedRevocations>,
+    /// Refusals are logged once per device (certificate CN) per [`REFUSAL_LOG_PERIOD`], so a
+    /// device retrying in a loop, or a flood of them, cannot fill the disk.
+    refusals_logged: crate::logging::OncePer,
+}
+
+impl RevocationCheckingVerifier {
+    /// Logs a refused client certificate with its CN: the device id it claims (not verified
+    /// when the chain itself was refused).
+    fn refused(&self, cert: &CertificateDer<'_>, why: rustls::Error) -> rustls::Error {
+        let device = device_id_from_cert(cert).unwrap_or_else(|_| "(no readable CN)".into());
+        if self.refusals_logged.allow(&device, std::time::Instant::now()) {
+            tracing::info!(
+                %device,
+                reason = %why,
+                "refused a device's TLS handshake (logged once per device per minute)"
+            );
+        }
+        why
+    }
 }
 
 impl ClientCertVerifier for RevocationCheckingVerifier {
@@ -1074,11 +1100,11 @@ impl ClientCertVerifier for RevocationCheckingVerifier {
     ) -> Result<ClientCertVerified, rustls::Error> {
         let verified = self
             .inner
-            .verify_client_cert(end_entity, intermediates, now)?;
+            .verify_client_cert(end_entity, intermediates, now)
+            .map_err(|e| self.refused(end_entity, e))?;
         if self.revocations.current().is_cert_revoked(end_entity) {
-            return Err(rustls::Error::InvalidCertificate(
-                rustls::CertificateError::Revoked,
-            ));
+            let revoked = rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked);
+            return Err(self.refused(end_entity, revoked));
         }
         Ok(verified)
     }

@@ -14,6 +14,8 @@
 //! (`devices`, `device-{name}`, `stream-{name}`) are stable so tests and scripts can find
 //! things.
 
+#[path = "status_login.rs"]
+pub mod login;
 #[path = "status_devices.rs"]
 mod devices;
 

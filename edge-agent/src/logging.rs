@@ -99,6 +99,33 @@ fn output(format: LogFormat) -> Output {
     }
 }
 
+/// A list as a log field: `a,b,c` (Display of each), never `["a", "b"]`.
+pub struct List<'a, T>(pub &'a [T]);
+
+impl<T: std::fmt::Display> std::fmt::Display for List<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, v) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// An optional value as a log field: the value, or `none`, never `Some(..)`.
+pub struct Maybe<'a, T: ?Sized>(pub Option<&'a T>);
+
+impl<T: std::fmt::Display + ?Sized> std::fmt::Display for Maybe<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            Some(v) => write!(f, "{v}"),
+            None => f.write_str("none"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -110,5 +137,13 @@ mod tests {
         let err = LogFormat::parse("JSON").unwrap_err();
         assert!(err.contains("\"text\" or \"json\""), "{err}");
         assert_eq!(RawLog::default().parse(), Ok(LogFormat::Text));
+    }
+
+    #[test]
+    fn fields_print_without_debug_syntax() {
+        assert_eq!(List(&["a", "b"]).to_string(), "a,b");
+        assert_eq!(List::<u64>(&[]).to_string(), "");
+        assert_eq!(Maybe(Some(&3u64)).to_string(), "3");
+        assert_eq!(Maybe::<u64>(None).to_string(), "none");
     }
 }

@@ -212,6 +212,8 @@ pub(super) struct DeviceSlots {
     max: usize,
     next: std::sync::atomic::AtomicU64,
     held: std::sync::Mutex<HashMap<String, VecDeque<SlotEntry>>>,
+    /// How many devices `held` holds, for `tributary_hub_devices_connected`.
+    connected: Arc<std::sync::atomic::AtomicU64>,
 }
 
 /// A live connection's id and how to tell it that it was superseded.
@@ -228,12 +230,19 @@ pub(super) struct DeviceSlot {
 }
 
 impl DeviceSlots {
-    pub(super) fn new(max: u32) -> Arc<DeviceSlots> {
+    pub(super) fn new(max: u32, connected: Arc<std::sync::atomic::AtomicU64>) -> Arc<DeviceSlots> {
         Arc::new(DeviceSlots {
             max: max as usize,
             next: Default::default(),
             held: Default::default(),
+            connected,
         })
+    }
+
+    fn count(&self, held: &HashMap<String, VecDeque<SlotEntry>>) {
+        let n = held.len() as u64;
+        self.connected
+            .store(n, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Places a new connection of `device`; with `supersede`, its oldest connections beyond
@@ -254,6 +263,7 @@ impl DeviceSlots {
             superseded += 1;
         }
         assert!(!supersede || queue.len() <= self.max);
+        self.count(&held);
         let slot = DeviceSlot {
             slots: self.clone(),
             device: device.to_owned(),
@@ -273,6 +283,7 @@ impl Drop for DeviceSlot {
                 held.remove(&self.device);
             }
         }
+        self.slots.count(&held);
     }
 }
 

@@ -271,7 +271,10 @@ async fn start_mutated(
         receiver_cfg: receiver_cfg.clone(),
         connections: connections.clone(),
         windows,
-        slots: admission::DeviceSlots::new(cfg.ingest.conn.connections_per_device_max),
+        slots: admission::DeviceSlots::new(
+            cfg.ingest.conn.connections_per_device_max,
+            hub.stats().devices_connected.clone(),
+        ),
         quotas: cfg.ingest.conn,
         data,
         clock: StdInstant::now(),

@@ -328,7 +328,7 @@ impl StreamManager {
             self.stats
                 .merges
                 .fetch_add(merges as u64, Ordering::Relaxed);
-            tracing::info!(stream = %entry.name, at = ev.at, sealed = ?ev.sealed, created = ?created, "scaled");
+            tracing::info!(stream = %entry.name, at = ev.at, sealed = %crate::logging::List(&ev.sealed), created = %crate::logging::List(&created), "scaled");
             entry.scaler.on_created(&created);
             entry.graph = Arc::new(next);
             entry.publish(sid);

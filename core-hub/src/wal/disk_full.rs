@@ -171,7 +171,7 @@ pub(super) fn try_resume(
     f.resume(now, stats.group_commits.load(Ordering::Relaxed));
     stats.disk_full.store(false, Ordering::Release);
     stats.disk_full_resumed.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(free_bytes = ?free, "the WAL's file system has space again; tier-1 writes resume");
+    tracing::warn!(free_bytes = %crate::logging::Maybe(free.as_ref()), "the WAL's file system has space again; tier-1 writes resume");
     true
 }
 

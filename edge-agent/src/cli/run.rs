@@ -19,7 +19,7 @@ use super::lock::DataDirLock;
 
 pub fn run(config_path: &Path) -> anyhow::Result<()> {
     let cfg = super::load_config(config_path)?;
-    init_tracing();
+    edge_agent::logging::apply(cfg.log_format);
     let _lock = DataDirLock::acquire(&cfg.data_dir)?;
     // Recovery logs what it found and did ("local log recovered ...").
     let (log, _report) = Log::open(cfg.log_config(), Arc::new(RealStorage))
@@ -122,14 +122,3 @@ async fn shutdown_signal() {
     }
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the default `info` level.
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(ansi)
-        .with_writer(std::io::stderr)
-        .try_init();
-}

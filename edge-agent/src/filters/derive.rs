@@ -79,6 +79,12 @@ pub struct Pos {
     pub seq: u64,
 }
 
+impl std::fmt::Display for Pos {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.epoch, self.seq)
+    }
+}
+
 /// Why a runner could not start or persist its progress.
 #[derive(Debug, Error)]
 pub enum DeriveError {
@@ -551,12 +557,6 @@ impl Runner {
             self.publish();
             return Ok(true);
         }
-        let pending = Pending {
-            pos: next,
-            state: self.pipeline.snapshot(),
-            count: out.len() as u64,
-            digest: batch_digest(&out),
-            tail_before: tail(self.ingest.log(), &self.derived),
         self.store(out, next).await?;
         Ok(true)
     }
@@ -578,6 +578,12 @@ impl Runner {
     /// Appends `out`, the outputs of the source records up to `next`, as one batch behind a
     /// pending entry (see the module docs), then commits `next`.
     async fn store(&mut self, out: Vec<Record>, next: Pos) -> Result<(), StepError> {
+        let pending = Pending {
+            pos: next,
+            state: self.pipeline.snapshot(),
+            count: out.len() as u64,
+            digest: batch_digest(&out),
+            tail_before: tail(self.ingest.log(), &self.derived),
         };
         self.persist(Progress {
             committed: self.committed.clone(),
@@ -707,13 +713,13 @@ fn landed(log: &LogHandle, stream: &str, p: &Pending) -> Result<bool, DeriveErro
 /// Opens a runner for every derived stream and spawns it on the current runtime. Runners that
 /// cannot start are logged and left out; the rest of the agent keeps running.
 pub async fn spawn_all(cfg: &EdgeConfig, ingest: Ingest) -> Vec<tokio::task::JoinHandle<()>> {
+    let mut handles = vec![tokio::spawn(close_idle_plain(ingest.clone()))];
     let mut retention: HashMap<String, Arc<SourceRetention>> = HashMap::new();
     for s in &cfg.streams {
         if s.replicate || s.is_derived() {
             continue;
         }
         let consumers: Vec<String> = cfg
-    let mut handles = vec![tokio::spawn(close_idle_plain(ingest.clone()))];
             .streams
             .iter()
             .filter(|d| d.source_stream.as_deref() == Some(s.name.as_str()))
@@ -740,7 +746,7 @@ pub async fn spawn_all(cfg: &EdgeConfig, ingest: Ingest) -> Vec<tokio::task::Joi
         let opened = tokio::task::spawn_blocking(move || Runner::open(ingest, &stream, r)).await;
         match opened {
             Ok(Ok(runner)) => {
-                tracing::info!(stream = %s.name, source = ?s.source_stream, position = ?runner.position(), "derived stream running");
+                tracing::info!(stream = %s.name, source = %crate::logging::Maybe(s.source_stream.as_ref()), position = %runner.position(), "derived stream running");
                 handles.push(tokio::spawn(runner.run()));
             }
             Ok(Err(e)) => {

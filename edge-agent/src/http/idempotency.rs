@@ -571,7 +571,8 @@ fn reconcile(log: &LogHandle, keys: &KeyStore, stream: &str) -> Result<usize, Id
         prune(&tx, now_ns())?;
         tx.commit()
     })?;
-    tracing::info!(stream, keys = n, from = ?from, to = ?end, "idempotency keys read back from the log");
+    let at = |m: Option<(u64, u64)>| m.map_or("none".to_string(), |(e, s)| format!("{e}:{s}"));
+    tracing::info!(stream, keys = n, from = %at(from), to = %at(end), "idempotency keys read back from the log");
     Ok(n)
 }
 

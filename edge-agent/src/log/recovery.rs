@@ -107,7 +107,7 @@ pub(crate) fn recover(
     cx.report.catalog_rebuilt = cat_open.created && (had_history || !seg_epochs.is_empty());
     cx.report.catalog_moved_aside = cat_open.moved_aside.clone();
     if let Some(why) = &cat_open.corrupt_reason {
-        tracing::warn!(reason = %why, moved_to = ?cat_open.moved_aside, "catalog was corrupt; rebuilding it from the segment files");
+        tracing::warn!(reason = %why, moved_to = %crate::logging::Maybe(cat_open.moved_aside.as_ref().map(|p| p.display()).as_ref()), "catalog was corrupt; rebuilding it from the segment files");
     }
     let mut state = SharedState {
         epochs: epochs.clone(),
@@ -217,7 +217,7 @@ fn recover_epochs(
     if !unknown.is_empty() {
         // Epochs seen only in segment names are older than any recorded history.
         tracing::warn!(
-            ?unknown,
+            unknown = %crate::logging::List(&unknown),
             "segments of epochs missing from the epoch history"
         );
         epochs.splice(0..0, unknown);
