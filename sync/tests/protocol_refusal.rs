@@ -47,6 +47,9 @@ struct World {
     rx: Receiver,
     log: HashMap<String, Vec<Vec<u8>>>,
     refused: Option<String>,
+    /// Refuse when the marks are looked up (the allow-list), not when a block is committed
+    /// (a quota, a forbidden key).
+    at_marks: bool,
     committed: HashMap<String, u64>,
     acked: HashMap<String, u64>,
     edge_refusals: Vec<(String, ErrorCode, Duration)>,
@@ -72,6 +75,7 @@ impl World {
             rx,
             log,
             refused: Some("b".into()),
+            at_marks: false,
             committed: HashMap::new(),
             acked: HashMap::new(),
             edge_refusals: Vec::new(),
@@ -110,9 +114,25 @@ impl World {
         panic!("the machines never settled");
     }
 
+    fn refusal(stream: &str) -> Refusal {
+        Refusal {
+            code: ErrorCode::UnauthorizedStream,
+            retry_after: RETRY,
+            message: format!("device may not write stream `{stream}`"),
+        }
+    }
+
     fn on_hub_event(&mut self, e: ReceiverEvent) {
         match e {
             ReceiverEvent::NeedMarks { lanes, .. } => {
+                let refuse = self
+                    .refused
+                    .clone()
+                    .filter(|r| self.at_marks && lanes.iter().any(|q| &q.stream == r));
+                let established = self.rx.is_established();
+                if let Some(r) = refuse.as_deref().filter(|_| established) {
+                    self.rx.refuse_stream(self.now, r, 0, &Self::refusal(r));
+                }
                 let lanes = lanes
                     .into_iter()
                     .map(|q| LaneMarks {
@@ -131,6 +151,9 @@ impl World {
                         lanes,
                     },
                 );
+                if let Some(r) = refuse.as_deref().filter(|_| !established) {
+                    self.rx.refuse_stream(self.now, r, 0, &Self::refusal(r));
+                }
             }
             ReceiverEvent::Commit {
                 stream,
@@ -139,11 +162,8 @@ impl World {
             } => {
                 let last = item.last_seq();
                 if self.refused.as_deref() == Some(stream.as_str()) {
-                    let r = Refusal {
-                        code: ErrorCode::UnauthorizedStream,
-                        retry_after: RETRY,
-                        message: format!("device may not write stream `{stream}`"),
-                    };
+                    assert!(!self.at_marks, "{stream}: a refused stream was handed out");
+                    let r = Self::refusal(&stream);
                     self.rx.refuse_stream(self.now, &stream, epoch, &r);
                     assert!(
                         self.rx.is_closed()
@@ -208,8 +228,18 @@ impl World {
 }
 
 #[test]
-fn a_refused_stream_leaves_the_session_and_the_other_stream_alone() {
+fn a_stream_refused_at_commit_leaves_the_session_and_the_other_stream_alone() {
+    refused_then_allowed(false);
+}
+
+#[test]
+fn a_stream_refused_by_the_allow_list_leaves_the_session_and_the_other_stream_alone() {
+    refused_then_allowed(true);
+}
+
+fn refused_then_allowed(at_marks: bool) {
     let mut w = World::new(capability::ALL);
+    w.at_marks = at_marks;
     w.settle();
     assert!(!w.tx.is_closed() && !w.rx.is_closed());
     assert_eq!(
@@ -256,7 +286,14 @@ fn a_refused_stream_leaves_the_session_and_the_other_stream_alone() {
 
 #[test]
 fn a_refusal_that_persists_is_repeated_once_per_retry_period() {
+    for at_marks in [false, true] {
+        refusal_persists(at_marks);
+    }
+}
+
+fn refusal_persists(at_marks: bool) {
     let mut w = World::new(capability::ALL);
+    w.at_marks = at_marks;
     w.settle();
     // Small steps: keepalives keep the session alive meanwhile.
     for _ in 0..3 * 6 {
@@ -272,6 +309,10 @@ fn a_refusal_that_persists_is_repeated_once_per_retry_period() {
 #[test]
 fn an_edge_without_the_capability_is_closed_as_before() {
     let mut w = World::new(0);
+    w.settle();
+    assert!(w.rx.is_closed() && w.tx.is_closed());
+    let mut w = World::new(0);
+    w.at_marks = true;
     w.settle();
     assert!(w.rx.is_closed() && w.tx.is_closed());
     assert_eq!(

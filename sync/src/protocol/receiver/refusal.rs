@@ -12,6 +12,8 @@
 use std::time::Duration;
 
 use super::{Instant, Phase, Receiver};
+#[cfg(doc)]
+use crate::protocol::ReceiverEvent;
 use crate::protocol::TransmitKind;
 use crate::protocol::frame::{ErrorCode, Frame, StreamRefused, capability};
 
@@ -154,7 +156,8 @@ impl Receiver {
 
     /// Whether an item of `stream`/`epoch` is dropped because the stream is refused. A lapsed
     /// refusal is lifted here, by the first item after it, once every lane of the stream has
-    /// settled its commits.
+    /// settled its commits: the lanes' marks are looked up again ([`ReceiverEvent::NeedMarks`]),
+    /// which is where the driver judges the stream afresh, and the item waits for the answer.
     pub(super) fn drops_refused(&mut self, stream: &str, epoch: u64) -> bool {
         let Some(&until) = self.refused.get(stream) else {
             return false;
@@ -169,8 +172,17 @@ impl Receiver {
             return true;
         }
         self.refused.remove(stream);
+        let mut again = Vec::new();
         for i in lanes {
-            self.lanes[i].refused = false;
+            let lane = &mut self.lanes[i];
+            lane.refused = false;
+            if lane.behind.is_none() && lane.loaded {
+                lane.loaded = false;
+                again.push(i);
+            }
+        }
+        if !again.is_empty() {
+            self.ask_marks(again);
         }
         false
     }
