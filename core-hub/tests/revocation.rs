@@ -146,6 +146,10 @@ async fn device(
                 }
                 SenderEvent::Established { .. } => {}
                 SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
+                SenderEvent::StreamRefused { stream, .. } => {
+                    bail!("unexpected refusal of {stream}")
+                }
+                SenderEvent::StreamRetrying { .. } => {}
             }
         }
         if progressed {

@@ -297,6 +297,10 @@ async fn device(
                     }
                 }
                 SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
+                SenderEvent::StreamRefused { stream, .. } => {
+                    bail!("unexpected refusal of {stream}")
+                }
+                SenderEvent::StreamRetrying { .. } => {}
                 SenderEvent::Closed(reason) => {
                     bail!("session closed: {:?}: {}", reason.code, reason.message)
                 }

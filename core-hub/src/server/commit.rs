@@ -55,7 +55,24 @@ pub(super) enum Done {
         epoch: u64,
         durable_seq: u64,
     },
-    Failed(IngestError),
+    /// The commit of `stream`/`epoch` ending at `last_seq` failed.
+    Failed {
+        stream: String,
+        epoch: u64,
+        last_seq: u64,
+        error: IngestError,
+    },
+}
+
+impl Done {
+    fn failed(stream: &str, epoch: u64, last_seq: u64, error: IngestError) -> Done {
+        Done::Failed {
+            stream: stream.to_owned(),
+            epoch,
+            last_seq,
+            error,
+        }
+    }
 }
 
 /// Submits a commit in order, then waits for durability on a separate task so the connection
@@ -70,6 +87,7 @@ pub(super) async fn commit(
     charged: &mut Option<Charged>,
 ) {
     let done = done.clone();
+    let last_seq = item.last_seq();
     match item {
         CommitItem::Block {
             header,
@@ -99,13 +117,13 @@ pub(super) async fn commit(
                                 epoch,
                                 durable_seq: outcome.durable_seq(),
                             },
-                            Err(e) => Done::Failed(e),
+                            Err(e) => Done::failed(&stream, epoch, last_seq, e),
                         };
                         let _ = done.send(msg);
                     });
                 }
                 Err(e) => {
-                    let _ = done.send(Done::Failed(e));
+                    let _ = done.send(Done::failed(&stream, epoch, last_seq, e));
                 }
             }
         }
@@ -123,12 +141,26 @@ pub(super) async fn commit(
                         epoch,
                         durable_seq,
                     },
-                    Err(e) => Done::Failed(e),
+                    Err(e) => Done::failed(&stream, epoch, last_seq, e),
                 };
                 let _ = done.send(msg);
             });
         }
     }
+}
+
+/// Whether `e` refuses the stream rather than the session: the device may not write it (the
+/// allow-list, a forbidden or bad key) or a per-device quota would be exceeded. To an agent
+/// that understands it the hub says so with a StreamRefused frame and the session carries on.
+pub(super) fn refuses_stream(e: &IngestError) -> bool {
+    matches!(
+        e,
+        IngestError::BadStreamName(_)
+            | IngestError::Unauthorized(_)
+            | IngestError::ForbiddenKey { .. }
+            | IngestError::BadKey { .. }
+            | IngestError::QuotaExceeded { .. }
+    )
 }
 
 /// Waits, up to [`SETTLE_ON_CLOSE`], for the outcomes of the `in_flight` commits a closing
@@ -168,13 +200,12 @@ pub(super) fn error_code(e: &IngestError) -> ErrorCode {
         IngestError::Fenced(_) => ErrorCode::DeviceFenced,
         IngestError::Conflict { .. } => ErrorCode::ConflictFenced,
         // A forbidden key is content the device may not write to that stream: the stream is
-        // refused (the message names it first), the device's other streams keep flowing.
+        // refused (see `refuses_stream`), the device's other streams keep flowing.
         IngestError::BadStreamName(_)
         | IngestError::Unauthorized(_)
         | IngestError::ForbiddenKey { .. }
         | IngestError::BadKey { .. } => ErrorCode::UnauthorizedStream,
-        // Nothing was created; the message names the stream first, so the agent leaves that
-        // stream out and its other lanes keep flowing.
+        // Nothing was created; the stream is refused, its other lanes keep flowing.
         IngestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,
         IngestError::DecodedTooLarge { .. } => ErrorCode::DecodedTooLarge,

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use sync::protocol::{
     Backlog, BacklogEntry, ErrorCode, Frame, LaneMarks, Marks, MarksQuery, Receiver, ReceiverEvent,
+    Refusal,
 };
 use tokio::sync::mpsc;
 
@@ -27,15 +28,28 @@ pub(super) async fn handle_event(
         ReceiverEvent::NeedMarks {
             current_epoch,
             lanes,
-        } => match load_marks(ctx, device, current_epoch, &lanes) {
-            Ok(marks) => rx.marks_loaded(ctx.now(), marks),
+        } => match load_marks(ctx, device, current_epoch, &lanes, rx.refuses_streams()) {
+            // Mid-session the refusal goes first, so that nothing of the stream waiting for
+            // these marks is committed; at the handshake it follows the Welcome.
+            Ok((marks, refused)) if rx.is_established() => {
+                for (stream, e) in refused {
+                    refuse(ctx, device, rx, &stream, 0, &e);
+                }
+                rx.marks_loaded(ctx.now(), marks);
+            }
+            Ok((marks, refused)) => {
+                rx.marks_loaded(ctx.now(), marks);
+                for (stream, e) in refused {
+                    refuse(ctx, device, rx, &stream, 0, &e);
+                }
+            }
             Err((code, msg)) => rx.close(ctx.now(), code, &msg),
         },
         ReceiverEvent::Established {
             version,
             current_epoch,
         } => {
-            tracing::info!(%device, version, current_epoch, "session established");
+            tracing::info!(%device, version, current_epoch = %sync::epoch::format(current_epoch), "session established");
             ctx.hub.touch(device);
             // The Hello's backlog is recorded before any block of this session commits: a
             // device that comes back owing data is never taken for complete on its first
@@ -91,24 +105,70 @@ pub(super) async fn handle_event(
     None
 }
 
-/// Answers a marks query from the catalog, authorizing every stream first.
+/// Refuses `stream` for the hub's `ingest.stream_refusal_retry` (or closes the session of an
+/// agent that does not understand StreamRefused). Counted and logged once per stream and
+/// retry period: the receiver says nothing new while the stream is refused already.
+pub(super) fn refuse(
+    ctx: &ConnCtx,
+    device: &str,
+    rx: &mut Receiver,
+    stream: &str,
+    epoch: u64,
+    e: &IngestError,
+) {
+    let refusal = Refusal {
+        code: error_code(e),
+        retry_after: ctx.quotas.stream_refusal_retry,
+        message: e.to_string(),
+    };
+    if rx.refuse_stream(ctx.now(), stream, epoch, &refusal) {
+        ctx.hub.stats().connections.stream_refused(refusal.code);
+        tracing::info!(
+            %device,
+            %stream,
+            code = e.code(),
+            reason = %e,
+            retry_after = ?refusal.retry_after,
+            "stream refused; the device's session and other streams carry on"
+        );
+    }
+}
+
+/// Streams a marks query refused, with why; the session carries on without them.
+type RefusedStreams = Vec<(String, IngestError)>;
+
+/// Answers a marks query from the catalog, authorizing every stream first. With `per_stream`
+/// (the agent understands StreamRefused) a stream the device may not write is returned among
+/// the refused ones, with its marks still loaded; otherwise it fails the query.
 fn load_marks(
     ctx: &ConnCtx,
     device: &str,
     current_epoch: u64,
     lanes: &[MarksQuery],
-) -> Result<Marks, (ErrorCode, String)> {
+    per_stream: bool,
+) -> Result<(Marks, RefusedStreams), (ErrorCode, String)> {
+    let mut refused: RefusedStreams = Vec::new();
+    let mut authorize = |stream: &str| -> Result<(), (ErrorCode, String)> {
+        match ctx.hub.authorize(device, stream) {
+            Ok(()) => Ok(()),
+            Err(e) if per_stream => {
+                if !refused.iter().any(|(s, _)| s == stream) {
+                    refused.push((stream.to_owned(), e));
+                }
+                Ok(())
+            }
+            Err(e) => Err((error_code(&e), e.to_string())),
+        }
+    };
     let known = ctx.hub.marks(device);
     let limit = ctx.receiver_cfg.checksum_ranges_max;
     let mut out = Marks {
         epoch_max: ctx.hub.epoch_max(device),
         lanes: Vec::new(),
     };
-    let lane_marks =
+    let mut lane_marks =
         |stream: &str, epoch: u64, from: u64| -> Result<LaneMarks, (ErrorCode, String)> {
-            ctx.hub
-                .authorize(device, stream)
-                .map_err(|e| (error_code(&e), e.to_string()))?;
+            authorize(stream)?;
             let m = known
                 .iter()
                 .find(|m| m.stream == stream && m.epoch == epoch);
@@ -139,7 +199,7 @@ fn load_marks(
                 .push(lane_marks(&m.stream, m.epoch, m.durable_seq)?);
         }
     }
-    Ok(out)
+    Ok((out, refused))
 }
 
 /// Gap ranges the hub committed for a lane, ending at or after `from`.
@@ -195,9 +255,10 @@ fn record_backlog(
         };
         match ctx.hub.record_backlog(device, &e.stream, report) {
             Ok(()) => {}
-            // Quota refusals are counted and logged once per device and limit by ingest; the
-            // device repeats its backlog every period, so a line here would repeat too.
-            Err(err @ IngestError::QuotaExceeded { .. }) => {
+            // Quota and allow-list refusals are counted and logged by ingest and by the
+            // stream's refusal; the device repeats its backlog every period, so a line here
+            // would repeat too.
+            Err(err @ (IngestError::QuotaExceeded { .. } | IngestError::Unauthorized(_))) => {
                 tracing::debug!(%device, stream = %e.stream, error = %err, "backlog refused");
             }
             Err(err) => {
@@ -233,6 +294,7 @@ mod tests {
                 lane("telemetry", 2, 7),
                 lane("status", 2, 3),
             ],
+            capabilities: 0,
         });
         let got = announced_last_seqs(&hello.encode(), 1 << 20);
         assert_eq!(got.len(), 3);

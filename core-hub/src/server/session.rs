@@ -22,9 +22,9 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use super::admission::{DeviceSlot, Handshake, admit_connection, peer_device};
-use super::commit::{Charged, Done, error_code, push_tiered, settle};
+use super::commit::{Charged, Done, error_code, push_tiered, refuses_stream, settle};
 use super::data::{DECODE_AHEAD, Data, Turn, next_data, read_data};
-use super::events::{Announced, announced_last_seqs, handle_event};
+use super::events::{self, Announced, announced_last_seqs, handle_event};
 use super::{ConnCtx, ConnStats};
 
 /// Runs one connection from its handshake to its end.
@@ -431,7 +431,22 @@ impl Session {
                 let tiered = self.ctx.hub.tiered_seq(&self.device, &stream, epoch);
                 self.rx.committed(now, &stream, epoch, durable_seq, tiered);
             }
-            Done::Failed(e) => self.rx.close(now, error_code(&e), &e.to_string()),
+            Done::Failed {
+                stream,
+                epoch,
+                last_seq,
+                error,
+            } => {
+                // A refused stream is refused alone: the session and its other streams carry
+                // on (for an agent that understands it; an older one is closed as before).
+                if refuses_stream(&error) {
+                    let device = self.device.clone();
+                    events::refuse(&self.ctx, &device, &mut self.rx, &stream, epoch, &error);
+                }
+                if !self.rx.commit_failed(now, &stream, epoch, last_seq) {
+                    self.rx.close(now, error_code(&error), &error.to_string());
+                }
+            }
         }
     }
 

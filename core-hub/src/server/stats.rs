@@ -38,6 +38,8 @@ pub struct ConnStats {
     /// Connections and sessions the hub ended with an error code, by wire code: every
     /// refusal, the receiver's own (a bad block, a protocol violation, a limit) included.
     pub ended: [AtomicU64; ENDED_CODES],
+    /// Streams refused without ending the session (StreamRefused), by wire code.
+    pub streams_refused: [AtomicU64; ENDED_CODES],
 }
 
 impl ConnStats {
@@ -49,6 +51,12 @@ impl ConnStats {
     pub(super) fn ended(&self, code: ErrorCode) {
         let i = usize::from(code.to_u16()).min(ENDED_CODES - 1);
         Self::bump(&self.ended[i]);
+    }
+
+    /// Counts a stream refused with `code` while its session carried on.
+    pub(super) fn stream_refused(&self, code: ErrorCode) {
+        let i = usize::from(code.to_u16()).min(ENDED_CODES - 1);
+        Self::bump(&self.streams_refused[i]);
     }
 }
 
@@ -66,11 +74,16 @@ fn code_label(code: ErrorCode) -> String {
 
 fn ended_metrics(out: &mut String, c: &ConnStats) {
     let name = "tributary_hub_sessions_ended_total";
-    let _ = writeln!(
-        out,
-        "# HELP {name} Connections and sessions the hub ended with an error code, by code.\n# TYPE {name} counter"
-    );
-    for (i, n) in c.ended.iter().enumerate().skip(1) {
+    let help = "Connections and sessions the hub ended with an error code, by code.";
+    by_code(out, name, help, &c.ended);
+    let name = "tributary_hub_streams_refused_total";
+    let help = "Streams refused (StreamRefused) while their device's session carried on, by code.";
+    by_code(out, name, help, &c.streams_refused);
+}
+
+fn by_code(out: &mut String, name: &str, help: &str, counts: &[AtomicU64; ENDED_CODES]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+    for (i, n) in counts.iter().enumerate().skip(1) {
         let n = n.load(Ordering::Relaxed);
         if n > 0 {
             let code = code_label(ErrorCode::from_u16(i as u16));
