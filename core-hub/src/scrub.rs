@@ -58,7 +58,7 @@
 //! - `metrics.rs`, in `render`: `crate::scrub::render_metrics(&mut out, hub);`
 //! - `api.rs`, `/healthz`: [`health_detail`] lines after `ok`.
 //!
-//! The tier-2 counters and quarantined paths stay process-wide ([`render_tier2_metrics`]).
+//! The tier-2 counters and quarantined paths belong to the hub too ([`Hub::tier2_scrub`]).
 
 use crate::catalog::{BlockRow, Catalog, CatalogError};
 use crate::ingest::Hub;
@@ -334,7 +334,7 @@ pub fn is_quarantined(hub: &Hub, row: &BlockRow) -> bool {
         .contains(row.wal_file, row.wal_pos)
 }
 
-/// Appends `hub`'s `tributary_hub_scrub_*` metrics, then the process-wide tier-2 ones
+/// Appends `hub`'s `tributary_hub_scrub_*` metrics, then its tier-2 ones
 /// ([`render_tier2_metrics`]), in Prometheus text format.
 pub fn render_metrics(out: &mut String, hub: &Hub) {
     let g = hub.tier1_scrub();
@@ -374,7 +374,7 @@ pub fn render_metrics(out: &mut String, hub: &Hub) {
         "WAL blocks found damaged and quarantined (listed in quarantine.json).",
         quarantined as u64,
     );
-    render_tier2_metrics(out);
+    render_tier2_metrics(hub, out);
 }
 
 /// A background thread that scrubs at start and then every `interval`.
@@ -453,7 +453,7 @@ fn run_once(hub: &Hub, wal_dir: &Path, quarantine: &Quarantine) {
     for d in &report.damaged {
         if !quarantine.contains(d.wal_file, d.wal_pos) {
             tracing::error!(
-                device = %d.device, stream = %d.stream, epoch = d.epoch,
+                device = %d.device, stream = %d.stream, epoch = %sync::epoch::format(d.epoch),
                 first_seq = d.first_seq, last_seq = d.last_seq,
                 wal_file = d.wal_file, wal_pos = d.wal_pos, what = %d.what,
                 "tier-1 block damaged at rest: quarantined, its records are not served"
@@ -547,9 +547,10 @@ pub enum Tier2ScrubError {
     Timeout(Duration),
 }
 
-/// Process-wide tier-2 scrub counters (one hub per process, like the tier-1 quarantine).
+/// One hub's tier-2 scrub counters and quarantine list (see [`Hub::tier2_scrub`]): two hubs in
+/// one process never share them.
 #[derive(Debug, Default)]
-struct Tier2Global {
+pub struct Tier2Scrub {
     runs: AtomicU64,
     failures: AtomicU64,
     objects_checked: AtomicU64,
@@ -566,11 +567,6 @@ struct Tier2Global {
     wake: tokio::sync::Notify,
 }
 
-fn tier2_global() -> &'static Tier2Global {
-    static G: std::sync::OnceLock<Tier2Global> = std::sync::OnceLock::new();
-    G.get_or_init(Tier2Global::default)
-}
-
 fn now_ns() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -578,21 +574,21 @@ fn now_ns() -> i64 {
 }
 
 /// Counts records a reader skipped because their chunk is quarantined.
-pub fn note_tier2_records_skipped(rows: u64) {
-    tier2_global()
+pub fn note_tier2_records_skipped(hub: &Hub, rows: u64) {
+    hub.tier2_scrub()
         .records_skipped
         .fetch_add(rows, Ordering::Relaxed);
 }
 
 /// Refreshes the quarantined gauge and path list from the catalog.
-fn refresh_tier2_gauge(cat: &Catalog) -> Result<(), CatalogError> {
-    let list = crate::tiering::store::quarantine_list(cat)?;
+fn refresh_tier2_gauge(hub: &Hub) -> Result<(), CatalogError> {
+    let list = crate::tiering::store::quarantine_list(hub.catalog())?;
     let paths: Vec<String> = list
         .into_iter()
         .filter(|q| q.state == crate::tiering::store::QUARANTINED)
         .map(|q| q.path)
         .collect();
-    let g = tier2_global();
+    let g = hub.tier2_scrub();
     g.quarantined.store(paths.len() as u64, Ordering::Relaxed);
     *g.quarantined_paths.write().expect("tier-2 quarantine list") = paths;
     Ok(())
@@ -611,7 +607,7 @@ pub fn report_tier2_damage(
     let cat = tiering.hub().catalog();
     let new = crate::tiering::store::quarantine_chunk(cat, ch, what, now_ns())?;
     if new {
-        let g = tier2_global();
+        let g = tiering.hub().tier2_scrub();
         g.corrupt.fetch_add(1, Ordering::Relaxed);
         tracing::error!(
             path = %ch.path,
@@ -620,7 +616,7 @@ pub fn report_tier2_damage(
             rows = ch.rows, what,
             "tier-2 chunk object damaged: quarantined, its records are not served"
         );
-        refresh_tier2_gauge(cat)?;
+        refresh_tier2_gauge(tiering.hub())?;
         g.wake.notify_one();
     }
     Ok(new)
@@ -628,9 +624,9 @@ pub fn report_tier2_damage(
 
 /// One line per problem for `/healthz` (empty when tier 2 holds no quarantined object).
 /// The hub stays healthy (it serves everything else); this only names what is lost.
-/// `hub`'s tier-1 quarantine is named after tier 2's (process-wide) list.
+/// Tier 2's list comes first, then tier 1's.
 pub fn health_detail(hub: &Hub) -> Vec<String> {
-    let g = tier2_global();
+    let g = hub.tier2_scrub();
     let paths = g.quarantined_paths.read().expect("tier-2 quarantine list");
     let mut out = Vec::new();
     if !paths.is_empty() {
@@ -650,10 +646,9 @@ pub fn health_detail(hub: &Hub) -> Vec<String> {
     out
 }
 
-/// Appends the `tributary_hub_tier2_*` scrub and quarantine metrics (process-wide: one
-/// tier 2 per process).
-pub fn render_tier2_metrics(out: &mut String) {
-    let g = tier2_global();
+/// Appends `hub`'s `tributary_hub_tier2_*` scrub and quarantine metrics.
+pub fn render_tier2_metrics(hub: &Hub, out: &mut String) {
+    let g = hub.tier2_scrub();
     let mut line = |kind: &str, name: &str, help: &str, v: u64| {
         out.push_str(&format!(
             "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
@@ -769,7 +764,11 @@ pub async fn scrub_tier2(
         )
     })
     .map_err(CatalogError::from)?;
-    tier2_global().runs.fetch_add(1, Ordering::Relaxed);
+    tiering
+        .hub()
+        .tier2_scrub()
+        .runs
+        .fetch_add(1, Ordering::Relaxed);
     tracing::info!(
         objects = report.objects_checked,
         bytes = report.bytes_checked,
@@ -814,7 +813,9 @@ pub async fn scrub_tier2_recent(
                 continue;
             }
             check_chunk(tiering, ch, &mut report).await?;
-            tier2_global()
+            tiering
+                .hub()
+                .tier2_scrub()
                 .recent_checked
                 .fetch_add(1, Ordering::Relaxed);
             if !pace(cfg, &report, started, stop).await {
@@ -863,7 +864,7 @@ async fn check_chunk(
         };
     report.objects_checked += 1;
     report.bytes_checked += ch.bytes;
-    let g = tier2_global();
+    let g = tiering.hub().tier2_scrub();
     g.objects_checked.fetch_add(1, Ordering::Relaxed);
     g.bytes_checked.fetch_add(ch.bytes, Ordering::Relaxed);
     match fetched {
@@ -993,7 +994,11 @@ pub async fn tend_tier2_quarantine(
         match repair_from_tier1(tiering, &ch).await {
             Ok(true) => {
                 store::set_repaired(&cat, &q, now_ns())?;
-                tier2_global().repaired.fetch_add(1, Ordering::Relaxed);
+                tiering
+                    .hub()
+                    .tier2_scrub()
+                    .repaired
+                    .fetch_add(1, Ordering::Relaxed);
                 tracing::info!(path = %q.path, rows = ch.rows, "tier-2 chunk object repaired from tier 1");
                 report.repaired.push(q.path.clone());
             }
@@ -1010,7 +1015,7 @@ pub async fn tend_tier2_quarantine(
             }
         }
     }
-    refresh_tier2_gauge(&cat)?;
+    refresh_tier2_gauge(tiering.hub())?;
     Ok(report)
 }
 
@@ -1118,8 +1123,8 @@ pub fn start_tier2(
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let g = tier2_global();
-        if let Err(e) = refresh_tier2_gauge(tiering.hub().catalog()) {
+        let g = tiering.hub().tier2_scrub();
+        if let Err(e) = refresh_tier2_gauge(tiering.hub()) {
             tracing::error!(error = %e, "reading the tier-2 quarantine");
         }
         // First the chunks committed last before the stop, not a whole interval later.

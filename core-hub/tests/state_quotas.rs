@@ -156,8 +156,8 @@ fn registered_fields(hub: &Hub, stream: &str) -> Result<Vec<String>> {
         .catalog()
         .stream_fields()?
         .into_iter()
-        .filter(|(s, _)| *s == sid)
-        .map(|(_, f)| f)
+        .filter(|(s, _, _)| *s == sid)
+        .map(|(_, f, _)| f)
         .collect())
 }
 
@@ -370,7 +370,14 @@ async fn session(run: &Running, device: &str, streams: &[&str], blocks: u64) -> 
                         message: r.message,
                     });
                 }
-                SenderEvent::Established { .. } => {}
+                // A refused stream: the session goes on without it, the test ends here.
+                SenderEvent::StreamRefused { code, message, .. } => {
+                    return Ok(Ended {
+                        code: Some(code),
+                        message,
+                    });
+                }
+                SenderEvent::Established { .. } | SenderEvent::StreamRetrying { .. } => {}
                 SenderEvent::MintEpoch { .. } => bail!("unexpected MintEpoch"),
             }
         }
@@ -433,5 +440,88 @@ async fn a_device_past_its_stream_quota_gets_quota_exceeded_and_keeps_its_lane()
     assert_eq!(mark(&run.hub, "honest", "second", 1), 5 * RECORDS_PER_BLOCK);
     let devices: Vec<String> = run.hub.marks("d1").into_iter().map(|m| m.stream).collect();
     assert_eq!(devices, vec!["first".to_string()]);
+    Ok(())
+}
+
+/// `d1` with `n` new fields `{prefix}{i}` on top of `common::record`'s, seqs `first..`.
+fn wide_block(device: &str, first: u64, prefix: &str, n: usize) -> Result<Vec<u8>> {
+    let mut rs = records(device, first, first + 1);
+    for r in &mut rs {
+        for i in 0..n {
+            r.fields.push((format!("{prefix}{i}"), Value::I64(1)));
+        }
+    }
+    Ok(encode_block(VERSION_ROWS, 1, first, &rs)?)
+}
+
+/// On a stream many devices share (`columns_per_stream_max` = 16), a device that brought
+/// `columns_per_device_max` = 8 of its columns is refused a ninth, while another still brings
+/// its own.
+async fn device_columns_hold(hub: &Hub) -> Result<()> {
+    // `common::record`'s 4 fields count for the device that brought them first: the flooder.
+    hub.commit_block("bad", "shared", &wide_block("bad", 1, "f", 4)?)
+        .await?;
+    let e = hub
+        .commit_block("bad", "shared", &wide_block("bad", 3, "g", 1)?)
+        .await
+        .err()
+        .context("a ninth column of one device was admitted")?;
+    ensure!(
+        quota_key(&e) == Some("ingest.columns_per_device_max"),
+        "{e}"
+    );
+    // Another device still brings columns of its own, and uses the flooder's freely.
+    hub.commit_block("good", "shared", &wide_block("good", 1, "f", 4)?)
+        .await?;
+    hub.commit_block("good", "shared", &wide_block("good", 3, "h", 5)?)
+        .await?;
+    ensure!(mark(hub, "good", "shared", 1) == 4);
+    Ok(())
+}
+
+fn shared_stream_config(dir: &Path) -> HubConfig {
+    common::config(dir, |c| {
+        c.ingest.state.columns_per_stream_max = 16;
+        c.ingest.state.columns_per_device_max = 8;
+    })
+}
+
+/// One device cannot fill a shared stream with columns, and the count is charged to it again
+/// after a restart; the stream-wide bound still holds for everyone.
+#[tokio::test]
+async fn one_device_cannot_fill_a_shared_stream_with_columns() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cfg = shared_stream_config(dir.path());
+    let hub = Hub::open(&cfg)?;
+    device_columns_hold(&hub).await?;
+    assert_eq!(refused(&hub, "columns_per_device"), 1);
+    drop(hub);
+
+    let hub = Hub::open(&cfg)?;
+    let e = hub
+        .commit_block("bad", "shared", &wide_block("bad", 3, "g", 1)?)
+        .await
+        .unwrap_err();
+    assert_eq!(quota_key(&e), Some("ingest.columns_per_device_max"), "{e}");
+    hub.commit_block("good", "shared", &wide_block("good", 5, "h", 6)?)
+        .await?;
+    // 4 + 4 + 6 = 14 of 16: a third device's three new columns do not fit.
+    let e = hub
+        .commit_block("third", "shared", &wide_block("third", 1, "t", 3)?)
+        .await
+        .unwrap_err();
+    assert_eq!(quota_key(&e), Some("ingest.columns_per_stream_max"), "{e}");
+    assert_eq!(registered_fields(&hub, "shared")?.len(), 14);
+
+    // Mutation: with the per-device limit unchecked, the scenario fails.
+    let dir = tempfile::tempdir()?;
+    let hub = Hub::open(&shared_stream_config(dir.path()))?;
+    hub.quotas().disable_check(Some(Limit::ColumnsPerDevice));
+    let outcome = device_columns_hold(&hub).await;
+    assert!(
+        outcome.is_err(),
+        "with columns_per_device unchecked the scenario passed"
+    );
+    println!("columns_per_device unchecked: {}", outcome.unwrap_err());
     Ok(())
 }

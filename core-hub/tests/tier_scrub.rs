@@ -84,13 +84,10 @@ fn ingest_fleet(devices: u64, per_device: u64) -> BTreeMap<String, u64> {
         .collect()
 }
 
-/// The tier-2 metrics and `/healthz` detail are process-wide (one hub per process): the tests
-/// of this file take turns.
-static ONE_HUB: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn metric(name: &str) -> u64 {
+/// One of `hub`'s tier-2 metrics (each hub has its own).
+fn metric(hub: &core_hub::Hub, name: &str) -> u64 {
     let mut text = String::new();
-    core_hub::scrub::render_tier2_metrics(&mut text);
+    core_hub::scrub::render_tier2_metrics(hub, &mut text);
     text.lines()
         .find_map(|l| l.strip_prefix(&format!("{name} ")))
         .and_then(|v| v.trim().parse().ok())
@@ -99,7 +96,6 @@ fn metric(name: &str) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flipped_byte_is_quarantined_and_repaired_from_tier1() {
-    let _one = ONE_HUB.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let cfg = file_config(dir.path(), true);
     let root = dir.path().join("tier2");
@@ -119,8 +115,8 @@ async fn a_flipped_byte_is_quarantined_and_repaired_from_tier1() {
     );
     let victim = rows[2].clone();
     let original = t.store().read_chunk(&victim.path).await.unwrap();
-    let corrupt_before = metric("tributary_hub_tier2_corrupt_objects_total");
-    let repaired_before = metric("tributary_hub_tier2_repaired_objects_total");
+    let corrupt_before = metric(&hub, "tributary_hub_tier2_corrupt_objects_total");
+    let repaired_before = metric(&hub, "tributary_hub_tier2_repaired_objects_total");
 
     flip_byte(&root, &victim.path);
     let scfg = Tier2ScrubConfig {
@@ -135,8 +131,8 @@ async fn a_flipped_byte_is_quarantined_and_repaired_from_tier1() {
     assert_eq!(report.objects_checked, rows.len() as u64);
 
     // Reported: metrics and the quarantine record (repaired now, so not in /healthz).
-    assert!(metric("tributary_hub_tier2_corrupt_objects_total") > corrupt_before);
-    assert!(metric("tributary_hub_tier2_repaired_objects_total") > repaired_before);
+    assert!(metric(&hub, "tributary_hub_tier2_corrupt_objects_total") > corrupt_before);
+    assert!(metric(&hub, "tributary_hub_tier2_repaired_objects_total") > repaired_before);
     let q = store::quarantine_list(hub.catalog()).unwrap();
     assert_eq!(q.len(), 1);
     assert_eq!(q[0].path, victim.path);
@@ -189,7 +185,6 @@ async fn a_flipped_byte_is_quarantined_and_repaired_from_tier1() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
-    let _one = ONE_HUB.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let cfg = file_config(dir.path(), false);
     let root = dir.path().join("tier2");
@@ -207,7 +202,7 @@ async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
         evicted_end >= rows[3].end_offset,
         "tier 1 was evicted (evicted_end {evicted_end})"
     );
-    let corrupt_before = metric("tributary_hub_tier2_corrupt_objects_total");
+    let corrupt_before = metric(&hub, "tributary_hub_tier2_corrupt_objects_total");
 
     // 1. A truncated object, found by read-through: the reader skips it and says so.
     let truncated = rows[1].clone();
@@ -236,8 +231,8 @@ async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
     assert_eq!(q.len(), 1);
     assert_eq!(q[0].state, store::QUARANTINED);
     assert!(q[0].what.contains("size"), "{}", q[0].what);
-    assert!(metric("tributary_hub_tier2_corrupt_objects_total") > corrupt_before);
-    assert!(metric("tributary_hub_tier2_records_skipped_total") >= truncated.rows);
+    assert!(metric(&hub, "tributary_hub_tier2_corrupt_objects_total") > corrupt_before);
+    assert!(metric(&hub, "tributary_hub_tier2_records_skipped_total") >= truncated.rows);
     let health = core_hub::scrub::health_detail(&hub).join("\n");
     assert!(health.contains(&truncated.path), "{health}");
 
@@ -276,12 +271,22 @@ async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
         .unwrap();
     assert_eq!(aside.len(), 2, "{aside:?}");
     assert_eq!(
-        metric("tributary_hub_tier2_quarantined_objects"),
+        metric(&hub, "tributary_hub_tier2_quarantined_objects"),
         2,
         "gauge of what is quarantined now"
     );
     let health = core_hub::scrub::health_detail(&hub).join("\n");
     assert!(health.contains(&flipped.path), "{health}");
+    // Another hub in the same process has its own tier 2: none of this is its business.
+    let other_dir = tempfile::tempdir().unwrap();
+    let (other, _other_t) = open(&file_config(other_dir.path(), true)).await;
+    assert_eq!(metric(&other, "tributary_hub_tier2_quarantined_objects"), 0);
+    assert_eq!(
+        metric(&other, "tributary_hub_tier2_corrupt_objects_total"),
+        0
+    );
+    assert!(core_hub::scrub::health_detail(&other).is_empty());
+    other.shutdown();
 
     // Every other object keeps serving, and tending the quarantine again changes nothing.
     let (records, gaps) = read_through(&t).await;
@@ -305,7 +310,6 @@ async fn damage_beyond_tier1_is_quarantined_skipped_and_reported() {
 /// a flipped byte on its own within its interval, repairs it, and stops when told.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_periodic_scrub_finds_and_repairs_on_its_own() {
-    let _one = ONE_HUB.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = file_config(dir.path(), true);
     cfg.tier2.scrub_interval = Duration::from_millis(200);
@@ -353,7 +357,6 @@ async fn the_periodic_scrub_finds_and_repairs_on_its_own() {
 /// and the chunk is repaired from tier 1.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_restart_the_newest_chunks_are_scrubbed_first_and_repaired() {
-    let _one = ONE_HUB.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = file_config(dir.path(), true);
     cfg.tier2.scrub_interval = Duration::from_secs(24 * 3600);
@@ -390,9 +393,12 @@ async fn after_a_restart_the_newest_chunks_are_scrubbed_first_and_repaired() {
     drop(f);
 
     let (hub, t) = open(&cfg).await;
-    let runs_before = metric("tributary_hub_tier2_scrub_runs_total");
-    let recent_before = metric("tributary_hub_tier2_scrub_recent_objects_checked_total");
-    let repaired_before = metric("tributary_hub_tier2_repaired_objects_total");
+    let runs_before = metric(&hub, "tributary_hub_tier2_scrub_runs_total");
+    let recent_before = metric(
+        &hub,
+        "tributary_hub_tier2_scrub_recent_objects_checked_total",
+    );
+    let repaired_before = metric(&hub, "tributary_hub_tier2_repaired_objects_total");
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let task = core_hub::scrub::start_tier2(t.clone(), (&cfg.tier2).into(), stop_rx);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -412,13 +418,16 @@ async fn after_a_restart_the_newest_chunks_are_scrubbed_first_and_repaired() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(metric("tributary_hub_tier2_repaired_objects_total") > repaired_before);
+    assert!(metric(&hub, "tributary_hub_tier2_repaired_objects_total") > repaired_before);
     assert!(
-        metric("tributary_hub_tier2_scrub_recent_objects_checked_total") > recent_before,
+        metric(
+            &hub,
+            "tributary_hub_tier2_scrub_recent_objects_checked_total"
+        ) > recent_before,
         "found by the pass after the start"
     );
     assert_eq!(
-        metric("tributary_hub_tier2_scrub_runs_total"),
+        metric(&hub, "tributary_hub_tier2_scrub_runs_total"),
         runs_before,
         "no full pass ran: the next one is a day away"
     );

@@ -1,6 +1,8 @@
 //! Per-device bounds on the hub state devices create: streams, epochs and lanes per device
 //! (`ingest.streams_per_device_max`, `ingest.epochs_per_device_max`,
-//! `ingest.lanes_per_device_max`) and columns per stream (`ingest.columns_per_stream_max`).
+//! `ingest.lanes_per_device_max`) and columns per stream (`ingest.columns_per_stream_max`),
+//! of which one device may bring at most `ingest.columns_per_device_max`: a stream many
+//! devices share cannot be filled by one of them.
 //!
 //! Without them one device (buggy firmware, a stolen certificate) could make the catalog, the
 //! per-lane state, the Parquet schemas and `/metrics` grow without end. Each check runs before
@@ -28,15 +30,17 @@ pub enum Limit {
     EpochsPerDevice,
     LanesPerDevice,
     ColumnsPerStream,
+    ColumnsPerDevice,
 }
 
 impl Limit {
     /// Every limit, in the order of [`QuotaStats::refused`].
-    pub const ALL: [Limit; 4] = [
+    pub const ALL: [Limit; 5] = [
         Limit::StreamsPerDevice,
         Limit::EpochsPerDevice,
         Limit::LanesPerDevice,
         Limit::ColumnsPerStream,
+        Limit::ColumnsPerDevice,
     ];
 
     /// The config key of the limit.
@@ -46,6 +50,7 @@ impl Limit {
             Limit::EpochsPerDevice => "ingest.epochs_per_device_max",
             Limit::LanesPerDevice => "ingest.lanes_per_device_max",
             Limit::ColumnsPerStream => "ingest.columns_per_stream_max",
+            Limit::ColumnsPerDevice => "ingest.columns_per_device_max",
         }
     }
 
@@ -56,6 +61,7 @@ impl Limit {
             Limit::EpochsPerDevice => "epochs_per_device",
             Limit::LanesPerDevice => "lanes_per_device",
             Limit::ColumnsPerStream => "columns_per_stream",
+            Limit::ColumnsPerDevice => "columns_per_device",
         }
     }
 
@@ -75,7 +81,7 @@ pub struct QuotaError {
 /// Refusals per limit, for `/metrics`.
 #[derive(Debug, Default)]
 pub struct QuotaStats {
-    refused: [AtomicU64; 4],
+    refused: [AtomicU64; Limit::ALL.len()],
 }
 
 impl QuotaStats {
@@ -95,14 +101,21 @@ struct DeviceState {
     logged: HashSet<Limit>,
 }
 
+/// The columns of one stream, and how many of them each device brought.
+#[derive(Debug, Default)]
+struct StreamColumns {
+    names: HashSet<String>,
+    by_device: HashMap<String, u32>,
+}
+
 /// The per-device state counts and their limits. One per hub.
 #[derive(Debug)]
 pub struct Quotas {
     limits: StateQuotas,
     devices: Mutex<HashMap<String, DeviceState>>,
     /// Field names per stream (by stream name), as registered in the catalog.
-    columns: Mutex<HashMap<String, HashSet<String>>>,
-    logged_columns: Mutex<HashSet<String>>,
+    columns: Mutex<HashMap<String, StreamColumns>>,
+    logged_columns: Mutex<HashSet<(String, Limit)>>,
     stats: QuotaStats,
     /// Test-only: a limit left unchecked (see [`Quotas::disable_check`]).
     #[cfg(feature = "fault-injection")]
@@ -167,10 +180,15 @@ impl Quotas {
     }
 
     /// Start-up: a registered column of `stream`.
-    pub fn load_column(&self, stream: &str, field: &str) {
+    /// Counts a registered column of `stream`, brought by `device` when known.
+    pub fn load_column(&self, stream: &str, field: &str, device: Option<&str>) {
         let mut columns = self.columns.lock().expect("quota lock");
         let set = columns.entry(stream.to_owned()).or_default();
-        set.insert(field.to_owned());
+        if set.names.insert(field.to_owned())
+            && let Some(d) = device
+        {
+            *set.by_device.entry(d.to_owned()).or_default() += 1;
+        }
     }
 
     /// Admits `stream` for `device` (a backlog report): refused if it is new to the device
@@ -230,7 +248,8 @@ impl Quotas {
     /// Admits the field names a block brings to `stream`: `register` persists the new ones
     /// (in the catalog) before they count, under the same lock, so concurrent blocks cannot
     /// overshoot. Refused, with nothing registered, if the stream would exceed
-    /// `columns_per_stream_max`.
+    /// `columns_per_stream_max` or `device` would have brought more than
+    /// `columns_per_device_max` of them.
     pub fn admit_columns<E>(
         &self,
         device: &str,
@@ -243,27 +262,35 @@ impl Quotas {
         let new: Vec<&str> = names
             .iter()
             .copied()
-            .filter(|n| !set.contains(*n))
+            .filter(|n| !set.names.contains(*n))
             .collect();
         if new.is_empty() {
             return Ok(Ok(()));
         }
-        let max = self.limits.columns_per_stream_max;
-        if set.len() + new.len() > max as usize && self.checked(Limit::ColumnsPerStream) {
-            let limit = Limit::ColumnsPerStream;
+        let mine = set.by_device.get(device).copied().unwrap_or(0) as usize;
+        let over = if set.names.len() + new.len() > self.limits.columns_per_stream_max as usize {
+            Some(Limit::ColumnsPerStream)
+        } else if mine + new.len() > self.limits.columns_per_device_max as usize {
+            Some(Limit::ColumnsPerDevice)
+        } else {
+            None
+        };
+        if let Some(limit) = over.filter(|&l| self.checked(l)) {
+            let max = self.max_of(limit);
             self.stats.refused[limit.index()].fetch_add(1, Ordering::Relaxed);
             let first = self
                 .logged_columns
                 .lock()
                 .expect("quota lock")
-                .insert(stream.to_owned());
+                .insert((stream.to_owned(), limit));
             if first {
                 tracing::warn!(
                     device,
                     stream,
                     limit = limit.key(),
                     max,
-                    columns = set.len(),
+                    columns = set.names.len(),
+                    columns_of_device = mine,
                     new = new.len(),
                     "refusing a block: it would take the stream past its column limit"
                 );
@@ -272,19 +299,26 @@ impl Quotas {
             return Ok(Err(QuotaError { stream, limit, max }));
         }
         register(&new)?;
-        set.extend(new.into_iter().map(str::to_owned));
+        *set.by_device.entry(device.to_owned()).or_default() += new.len() as u32;
+        set.names.extend(new.into_iter().map(str::to_owned));
         Ok(Ok(()))
+    }
+
+    /// The configured value of `limit`.
+    fn max_of(&self, limit: Limit) -> u32 {
+        match limit {
+            Limit::StreamsPerDevice => self.limits.streams_per_device_max,
+            Limit::EpochsPerDevice => self.limits.epochs_per_device_max,
+            Limit::LanesPerDevice => self.limits.lanes_per_device_max,
+            Limit::ColumnsPerStream => self.limits.columns_per_stream_max,
+            Limit::ColumnsPerDevice => self.limits.columns_per_device_max,
+        }
     }
 
     /// Counts and (once per device and limit) logs a refusal.
     fn refuse(&self, device: &str, d: &mut DeviceState, stream: &str, limit: Limit) -> QuotaError {
         self.stats.refused[limit.index()].fetch_add(1, Ordering::Relaxed);
-        let max = match limit {
-            Limit::StreamsPerDevice => self.limits.streams_per_device_max,
-            Limit::EpochsPerDevice => self.limits.epochs_per_device_max,
-            Limit::LanesPerDevice => self.limits.lanes_per_device_max,
-            Limit::ColumnsPerStream => self.limits.columns_per_stream_max,
-        };
+        let max = self.max_of(limit);
         if d.logged.insert(limit) {
             tracing::warn!(
                 device,
@@ -334,9 +368,9 @@ pub(super) fn load(
             q.load_stream(d, s);
         }
     }
-    for (s, field) in catalog.stream_fields()? {
+    for (s, field, d) in catalog.stream_fields()? {
         if let Some(s) = stream(s) {
-            q.load_column(s, &field);
+            q.load_column(s, &field, d.and_then(device).map(String::as_str));
         }
     }
     Ok(q)
@@ -363,17 +397,16 @@ impl Hub {
         Ok(self.quotas.admit_stream(device, stream)?)
     }
 
-    /// Admits the field names of a block's records for stream `s`, registering new ones in
-    /// the catalog first.
+    /// Admits the field names of a block's records for stream `s`, registering new ones (as
+    /// brought by device `d`) in the catalog first.
     pub(super) fn admit_columns_quota(
         &self,
-        device: &str,
-        stream: &str,
-        s: StreamId,
+        (device, d): (&str, DeviceId),
+        (stream, s): (&str, StreamId),
         records: &[Record],
     ) -> Result<(), IngestError> {
         let names = field_names(records);
-        let register = |new: &[&str]| self.catalog.register_fields(s, new);
+        let register = |new: &[&str]| self.catalog.register_fields(s, d, new);
         Ok(self
             .quotas
             .admit_columns(device, stream, &names, register)??)
@@ -407,6 +440,7 @@ mod tests {
             epochs_per_device_max: epochs,
             lanes_per_device_max: lanes,
             columns_per_stream_max: columns,
+            columns_per_device_max: columns,
         })
     }
 
@@ -454,5 +488,53 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(q.stats().refused(Limit::ColumnsPerStream), 1);
+    }
+
+    #[test]
+    fn one_device_cannot_take_every_column_of_a_shared_stream() {
+        let q = Quotas::new(StateQuotas {
+            columns_per_stream_max: 6,
+            columns_per_device_max: 3,
+            ..StateQuotas::default()
+        });
+        let ok = |_: &[&str]| Ok::<(), ()>(());
+        q.admit_columns("bad", "s", &["a", "b", "c"], ok)
+            .unwrap()
+            .unwrap();
+        let e = q
+            .admit_columns("bad", "s", &["d"], ok)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.limit, Limit::ColumnsPerDevice);
+        // The columns it brought stay usable by everyone; others still have room.
+        q.admit_columns("good", "s", &["a", "x", "y", "w"], ok)
+            .unwrap()
+            .unwrap();
+        q.admit_columns("bad", "s", &["a", "x"], ok)
+            .unwrap()
+            .unwrap();
+        let e = q
+            .admit_columns("third", "s", &["z"], ok)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.limit, Limit::ColumnsPerStream);
+        assert_eq!(q.stats().refused(Limit::ColumnsPerDevice), 1);
+        assert_eq!(q.stats().refused(Limit::ColumnsPerStream), 1);
+        // Counts loaded at start-up (from the catalog) are charged to their device.
+        let q2 = Quotas::new(StateQuotas {
+            columns_per_stream_max: 6,
+            columns_per_device_max: 3,
+            ..StateQuotas::default()
+        });
+        for f in ["a", "b", "c"] {
+            q2.load_column("s", f, Some("bad"));
+        }
+        q2.load_column("s", "old", None);
+        let e = q2
+            .admit_columns("bad", "s", &["d"], ok)
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.limit, Limit::ColumnsPerDevice);
+        q2.admit_columns("good", "s", &["d"], ok).unwrap().unwrap();
     }
 }

@@ -220,7 +220,7 @@ impl TierReader {
             end_offset = ch.end_offset, rows = ch.rows,
             "skipping a quarantined tier-2 chunk: its records are not served"
         );
-        crate::scrub::note_tier2_records_skipped(ch.rows);
+        crate::scrub::note_tier2_records_skipped(self.tiering.hub(), ch.rows);
         self.gaps.push(SkippedChunk {
             path: ch.path.clone(),
             segment: ch.segment,
