@@ -74,7 +74,7 @@ pub fn quarantine(hub: &Hub, row: &BlockRow, e: &BlockError) -> Poison {
         Ok(true) => {
             stats.stored_quarantined.fetch_add(1, Ordering::Relaxed);
             tracing::error!(
-                %device, %stream, epoch = row.epoch, first_seq = row.first_seq,
+                %device, %stream, epoch = %sync::epoch::format(row.epoch), first_seq = row.first_seq,
                 last_seq = row.last_seq, wal_file = row.wal_file, wal_pos = row.wal_pos,
                 error = %e,
                 "stored block does not decode within the limits: quarantined, its records are not served"

@@ -65,7 +65,7 @@ async fn reader_returns_exactly_the_committed_records_in_offset_order() {
         assert_eq!(line["offset"], i as u64);
         assert_eq!(line["device"], dev.as_str());
         assert_eq!(line["seq"], *seq);
-        assert_eq!(line["epoch"], 1);
+        assert_eq!(line["epoch"], "0000000000000001", "epochs are hex strings");
         let want = record(dev, *seq);
         assert_eq!(line["key"], want.key.as_str());
         assert_eq!(line["ts"], want.ts);
@@ -144,7 +144,7 @@ async fn health_metrics_devices_and_tokens() {
     for needle in [
         "tributary_hub_blocks_committed_total 15",
         "tributary_hub_records_committed_total 60",
-        "tributary_hub_durable_seq{device=\"truck-2\",stream=\"telemetry\",epoch=\"1\"} 20",
+        "tributary_hub_durable_seq{device=\"truck-2\",stream=\"telemetry\",epoch=\"0000000000000001\"} 20",
         "tributary_hub_group_commit_size_count",
         "tributary_hub_wal_fsyncs_total",
         "tributary_hub_wal_bytes_total",
@@ -226,7 +226,7 @@ async fn cli_read_devices_and_pki() {
         );
     }
     let out = tokio::process::Command::new(bin)
-        .args(["devices", "--url", &url])
+        .args(["devices", "--json", "--url", &url])
         .output()
         .await
         .unwrap();

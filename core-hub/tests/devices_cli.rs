@@ -74,9 +74,13 @@ async fn devices_retire_and_streams() {
             .status,
         200
     );
-    assert_eq!(
-        core_hub::client::get(&target, "/").await.unwrap().status,
-        401
+    // Without a token, `/` is the sign-in page, which names no device.
+    let sign_in = core_hub::client::get(&target, "/").await.unwrap();
+    let sign_in_text = String::from_utf8_lossy(&sign_in.body).to_string();
+    assert_eq!(sign_in.status, 200);
+    assert!(
+        sign_in_text.contains("id=login") && !sign_in_text.contains("id=devices"),
+        "{sign_in_text}"
     );
     let page = core_hub::client::get(&target, &format!("/?token={TOKEN}"))
         .await
@@ -86,7 +90,7 @@ async fn devices_retire_and_streams() {
         "the status page takes ?token= for browsers"
     );
 
-    let (ok, out, err) = cli(&["devices", "--url", &url, "--token", TOKEN]).await;
+    let (ok, out, err) = cli(&["devices", "--json", "--url", &url, "--token", TOKEN]).await;
     assert!(ok, "{err}");
     let list: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(list.as_array().unwrap().len(), 2);
@@ -110,7 +114,7 @@ async fn devices_retire_and_streams() {
     .await;
     assert!(ok, "{err}");
     assert!(out.contains("retired van-2"), "{out}");
-    let (ok, out, _) = cli(&["devices", "list", "--url", &url, "--token", TOKEN]).await;
+    let (ok, out, _) = cli(&["devices", "list", "--json", "--url", &url, "--token", TOKEN]).await;
     assert!(ok);
     let list: Value = serde_json::from_str(&out).unwrap();
     let retired: Vec<_> = list
@@ -132,7 +136,7 @@ async fn devices_retire_and_streams() {
     ])
     .await;
     assert!(ok, "{err}");
-    let (_, out, _) = cli(&["devices", "--url", &url, "--token", TOKEN]).await;
+    let (_, out, _) = cli(&["devices", "--json", "--url", &url, "--token", TOKEN]).await;
     let list: Value = serde_json::from_str(&out).unwrap();
     assert!(
         list.as_array()
@@ -141,12 +145,21 @@ async fn devices_retire_and_streams() {
             .all(|d| d["retired"] == false)
     );
 
-    let (ok, out, err) = cli(&["streams", "--url", &url, "--token", TOKEN]).await;
+    let (ok, out, err) = cli(&["streams", "--json", "--url", &url, "--token", TOKEN]).await;
     assert!(ok, "{err}");
     let streams: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(streams[0]["name"], "telemetry");
     assert_eq!(streams[0]["records"], 40);
-    let (ok, out, err) = cli(&["streams", "telemetry", "--url", &url, "--token", TOKEN]).await;
+    let (ok, out, err) = cli(&[
+        "streams",
+        "telemetry",
+        "--json",
+        "--url",
+        &url,
+        "--token",
+        TOKEN,
+    ])
+    .await;
     assert!(ok, "{err}");
     let detail: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(detail["name"], "telemetry");

@@ -3,7 +3,16 @@
 //!
 //! It reads the manifests (so it works next to a running hub, and on a tier 2 without any
 //! hub), skips chunks whose event-time range misses the window, and writes the records in
-//! offset order with the stream's newest column set. Data not yet tiered is not included.
+//! offset order with the stream's newest column set.
+//!
+//! # Everything committed in the window
+//!
+//! An export holds every record committed in the window, tiered or not: [`export_committed`]
+//! takes the records at and after tier 2's end (the largest manifest `end_offset`) from an
+//! [`Untiered`] source, the running hub's API or its data directory (`core-hub export` picks),
+//! and appends those in the window after the tiered ones, so the file stays in offset order
+//! with no record twice. [`ExportReport::untiered_records`] counts them. The window is
+//! half-open, `[from, to)`, as everywhere in Tributary (completeness, `read`).
 //!
 //! # Bounded memory
 //!
@@ -51,6 +60,8 @@ pub enum ExportError {
     UnknownStream(String),
     #[error("no records of `{stream}` have an event time in the window")]
     Empty { stream: String },
+    #[error("reading the records not yet tiered: {0}")]
+    Untiered(String),
     #[error("tier-2 object {path} is damaged ({what}); not exported (see the tier-2 scrub)")]
     Damaged { path: String, what: String },
     #[error("encoding the export: {0}")]
@@ -74,6 +85,27 @@ pub struct ExportReport {
     pub skipped_chunks: u64,
     /// Rows those chunks held (per their manifests, whole chunks, window or not).
     pub skipped_records: u64,
+    /// Records in the window committed but not yet in tier 2, taken from [`Untiered`].
+    pub untiered_records: u64,
+}
+
+/// Committed records of a stream not yet in tier 2, read page by page in offset order.
+#[async_trait::async_trait]
+pub trait Untiered: Send {
+    /// Records with hub offset `>= from`, in offset order, up to a page; empty once the
+    /// records committed when the export started have all been returned.
+    async fn page(&mut self, from: u64) -> Result<Vec<crate::read::ReadRecord>, String>;
+}
+
+/// No untiered source: tier 2 alone (`core-hub export --tier2-only`, and [`export_with`]).
+#[derive(Debug, Default)]
+pub struct TierTwoOnly;
+
+#[async_trait::async_trait]
+impl Untiered for TierTwoOnly {
+    async fn page(&mut self, _: u64) -> Result<Vec<crate::read::ReadRecord>, String> {
+        Ok(Vec::new())
+    }
 }
 
 /// How an export writes.
@@ -207,7 +239,7 @@ impl Sink {
     }
 }
 
-/// [`export`] with explicit [`ExportOptions`].
+/// [`export`] with explicit [`ExportOptions`], from tier 2 alone.
 pub async fn export_with(
     cfg: &HubConfig,
     stream: &str,
@@ -217,12 +249,47 @@ pub async fn export_with(
     progress: &mut dyn ExportProgress,
     opts: &ExportOptions,
 ) -> Result<ExportReport, ExportError> {
+    let window = Window { from_ns, to_ns };
+    export_committed(cfg, stream, window, out, progress, opts, &mut TierTwoOnly).await
+}
+
+/// Event times `[from_ns, to_ns)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Window {
+    pub from_ns: i64,
+    pub to_ns: i64,
+}
+
+impl Window {
+    fn holds(&self, ts: i64) -> bool {
+        ts >= self.from_ns && ts < self.to_ns
+    }
+}
+
+/// Exports every committed record of `stream` in `window`: tier 2, then what `untiered`
+/// returns from tier 2's end on.
+pub async fn export_committed(
+    cfg: &HubConfig,
+    stream: &str,
+    window: Window,
+    out: &Path,
+    progress: &mut dyn ExportProgress,
+    opts: &ExportOptions,
+    untiered: &mut dyn Untiered,
+) -> Result<ExportReport, ExportError> {
+    let Window { from_ns, to_ns } = window;
     let t2 = super::open_store(&cfg.tier2)?;
     let manifests = t2
         .list_manifests(stream)
         .await
         .map_err(tier::TierError::from)?;
-    if manifests.is_empty() {
+    let tiered_end = manifests.iter().map(|m| m.end_offset).max().unwrap_or(0);
+    // The first untiered page tells an unknown stream from one not yet tiered.
+    let first_untiered = untiered
+        .page(tiered_end)
+        .await
+        .map_err(ExportError::Untiered)?;
+    if manifests.is_empty() && first_untiered.is_empty() {
         return Err(ExportError::UnknownStream(stream.to_string()));
     }
     // The registry only grows: the longest column list is the stream's newest, and a
@@ -232,7 +299,12 @@ pub async fn export_with(
         .max_by_key(|m| m.columns.len())
         .map(|m| m.columns.clone())
         .unwrap_or_default();
-    let registry = FieldRegistry::from_columns(columns.clone()).map_err(tier::TierError::from)?;
+    let mut registry = FieldRegistry::from_columns(columns).map_err(tier::TierError::from)?;
+    // The file's schema is fixed before the first row: it holds the fields of the first
+    // untiered page too (a later page with a new field fails the export, see below).
+    let first_untiered: Vec<TierRecord> = first_untiered.into_iter().map(to_tier_record).collect();
+    registry.observe_records(&first_untiered);
+    let columns = registry.columns().to_vec();
     // One plan range = the chunks one upload wrote (one per segment, overlapping offsets).
     let mut ranges: BTreeMap<u64, Vec<Manifest>> = BTreeMap::new();
     let mut total = 0u64;
@@ -297,6 +369,17 @@ pub async fn export_with(
         &t2, &ranges, from_ns, to_ns, &registry, opts, &mut sink, progress,
     )
     .await;
+    let result = match result {
+        Ok(r) => {
+            let tail = Tail {
+                window,
+                tiered_end,
+                first: first_untiered,
+            };
+            write_untiered(r, tail, untiered, &registry, opts, &mut sink).await
+        }
+        Err(e) => Err(e),
+    };
     let mut report = match result {
         Ok(r) => r,
         Err(e) => {
@@ -325,6 +408,69 @@ pub async fn export_with(
     // The rename is durable only once the directory holding `out` is synced.
     sync_dir_of(out).map_err(|e| write_err(out, e))?;
     Ok(report)
+}
+
+/// Where the untiered records start, and their first page.
+struct Tail {
+    window: Window,
+    tiered_end: u64,
+    first: Vec<TierRecord>,
+}
+
+/// Appends the untiered records in the window after the tiered ones, page by page.
+async fn write_untiered(
+    mut report: ExportReport,
+    tail: Tail,
+    untiered: &mut dyn Untiered,
+    registry: &FieldRegistry,
+    opts: &ExportOptions,
+    sink: &mut Sink,
+) -> Result<ExportReport, ExportError> {
+    let mut page = tail.first;
+    let mut from = tail.tiered_end;
+    while let Some(last) = page.last() {
+        assert!(
+            page.windows(2).all(|w| w[0].offset < w[1].offset) && page[0].offset >= from,
+            "untiered pages come in offset order from where the previous one ended"
+        );
+        from = last.offset + 1;
+        let records: Vec<TierRecord> = page
+            .into_iter()
+            .filter(|r| tail.window.holds(r.ts_ns))
+            .collect();
+        // The first page's fields are in the file's schema already.
+        if registry.clone().observe_records(&records) {
+            return Err(ExportError::Encode(
+                "the stream gained a field while the export ran; run the export again".into(),
+            ));
+        }
+        if !records.is_empty() {
+            sink.write(&records, registry, opts)?;
+            report.records += records.len() as u64;
+            report.untiered_records += records.len() as u64;
+        }
+        page = untiered
+            .page(from)
+            .await
+            .map_err(ExportError::Untiered)?
+            .into_iter()
+            .map(to_tier_record)
+            .collect();
+    }
+    Ok(report)
+}
+
+fn to_tier_record(r: crate::read::ReadRecord) -> TierRecord {
+    TierRecord {
+        device: r.device,
+        epoch: r.epoch,
+        seq: r.seq,
+        offset: r.offset,
+        key: r.key,
+        ts_ns: r.ts,
+        ingest_ts_ns: r.ingest_ts,
+        fields: r.fields,
+    }
 }
 
 /// Fsyncs the directory holding `path` (the current directory for a bare file name).
