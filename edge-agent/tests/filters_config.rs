@@ -325,6 +325,7 @@ replicate = false
 name = "win"
 source_stream = "raw"
 filters = [ { kind = "window", interval = "10s", field = "temp", aggs = ["count"] } ]
+idle_close_after = "off"
 "#,
     )
     .await;
@@ -373,12 +374,20 @@ filters = [ { kind = "window", interval = "10s", field = "temp", aggs = ["count"
         "{j}"
     );
 
-    // The derived stream: two windows of "a" closed by a record in a third.
-    let raw = "{\"key\":\"a\",\"ts\":1000000000,\"fields\":{\"temp\":1}}\n\
-               {\"key\":\"a\",\"ts\":2000000000,\"fields\":{\"temp\":2}}\n\
-               {\"key\":\"a\",\"ts\":12000000000,\"fields\":{\"temp\":3}}\n\
-               {\"key\":\"a\",\"ts\":25000000000,\"fields\":{\"temp\":4}}\n";
-    let (status, j) = post("raw", raw).await;
+    // The derived stream: two windows of "a" closed by a record in a third (the clock closes
+    // none: `idle_close_after = "off"`). Event times from T, a multiple of the interval.
+    const T: i64 = 1_764_374_400_000_000_000;
+    const S: i64 = 1_000_000_000;
+    let raw: String = [(1, 1), (2, 2), (12, 3), (25, 4)]
+        .iter()
+        .map(|(s, temp)| {
+            format!(
+                "{{\"key\":\"a\",\"ts\":{},\"fields\":{{\"temp\":{temp}}}}}\n",
+                T + s * S
+            )
+        })
+        .collect();
+    let (status, j) = post("raw", raw.leak()).await;
     assert_eq!(status, 200, "{j}");
     let log = app.ingest.log().clone();
     let mut durable = log.durable_watch();
@@ -414,8 +423,8 @@ filters = [ { kind = "window", interval = "10s", field = "temp", aggs = ["count"
             .map(|r| (r.ts, r.fields.clone()))
             .collect::<Vec<_>>(),
         vec![
-            (0, vec![("temp.count".into(), Value::I64(2))]),
-            (10_000_000_000, vec![("temp.count".into(), Value::I64(1))]),
+            (T, vec![("temp.count".into(), Value::I64(2))]),
+            (T + 10 * S, vec![("temp.count".into(), Value::I64(1))]),
         ]
     );
 
