@@ -92,7 +92,14 @@ impl ObservedRecord {
         Ok(ObservedRecord {
             device: text("device").context("missing string `device`")?,
             stream: stream.to_string(),
-            epoch: int("epoch").context("missing integer `epoch`")?,
+            // The hub writes epochs as 16 hex digits (`sync::epoch`); older output had integers.
+            epoch: line
+                .get("epoch")
+                .and_then(|v| {
+                    v.as_u64()
+                        .or_else(|| v.as_str().and_then(sync::epoch::parse))
+                })
+                .context("missing epoch (16 hex digits)")?,
             seq: int("seq").context("missing integer `seq`")?,
             key: text("key").context("missing string `key`")?,
             ts: line
