@@ -28,8 +28,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::json;
-use sync::protocol::frame::Hello;
-use sync::protocol::{ErrorCode, Frame, GapMarker, GapReason};
+use sync::protocol::frame::{Hello, LANES_MAX};
+use sync::protocol::{Backlog, BacklogEntry, ErrorCode, Frame, GapMarker, GapReason};
 use tributary_tests::adversary::{
     self, Adversary, Ending, RssSampler, block_frame, bombs, hello, lane,
 };
@@ -281,6 +281,7 @@ impl Suite {
         let baseline = self.honest_round()?;
         let metric_before = self.metric(expect.metric)?;
         let sampler = RssSampler::start(self.hub.pid());
+        let windows = WindowSampler::start(self.hub_http());
         let stop = Arc::new(AtomicBool::new(false));
         let task = self.runtime.spawn(attack(stop.clone()));
         let during = self.honest_round();
@@ -291,6 +292,7 @@ impl Suite {
             .context("the attack did not finish within 120 s")?
             .context("the attack task panicked")?;
         let (rss_peak, samples) = sampler.finish();
+        let windows_peak = windows.finish();
         let during = during?;
         let outcome = outcome?;
         // Every check runs, so a failing scenario reports all it got wrong at once.
@@ -304,6 +306,13 @@ impl Suite {
                 "hub VmRSS peaked at {} MiB during the attack, above {} MiB",
                 rss_peak >> 20,
                 bound >> 20
+            ));
+        }
+        if windows_peak > MEMORY_BYTES_MAX {
+            failures.push(format!(
+                "the hub reserved {} MiB of QUIC receive windows, above its {} MiB budget",
+                windows_peak >> 20,
+                MEMORY_BYTES_MAX >> 20
             ));
         }
         let hwm = adversary::vm_hwm(self.hub.pid()).unwrap_or(u64::MAX);
@@ -336,18 +345,50 @@ impl Suite {
         let report = format!(
             "{name}: {}; codes {:?}; {} {metric_before} -> {metric_after}; honest round \
              {baseline:.2?} -> {during:.2?} ({ratio:.2}x); hub VmRSS peak {} MiB ({samples} \
-             samples), VmHWM {} MiB",
+             samples), VmHWM {} MiB; receive windows reserved at most {} KiB",
             outcome.note,
             codes_seen(&outcome.endings),
             expect.metric,
             rss_peak >> 20,
             hwm >> 20,
+            windows_peak >> 10,
         );
         if failures.is_empty() {
             Ok(report)
         } else {
             bail!("{}\n    ({report})", failures.join("\n    "))
         }
+    }
+}
+
+/// The hub's `tributary_hub_ingest_window_reserved_bytes`, polled on a thread while an
+/// attack runs (every 50 ms: `/metrics` is not free for the hub), and its peak.
+struct WindowSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl WindowSampler {
+    fn start(hub: SocketAddr) -> WindowSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut peak = 0u64;
+            while !flag.load(Ordering::Relaxed) {
+                let name = "tributary_hub_ingest_window_reserved_bytes";
+                if let Ok(v) = cluster::fetch_metric(hub, name) {
+                    peak = peak.max(v as u64);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            peak
+        });
+        WindowSampler { stop, thread }
+    }
+
+    fn finish(self) -> u64 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or(u64::MAX)
     }
 }
 
@@ -851,6 +892,71 @@ fn column_flood(s: &mut Suite) -> Result<String> {
     )
 }
 
+/// Backlog frames of [`LANES_MAX`] entries each, every entry a new stream with absurd
+/// figures, sent as fast as the hub reads them: entries past `ingest.streams_per_device_max`
+/// are dropped and counted while the session goes on (docs/security.md); it must still be up
+/// when the honest round is over. Then one Backlog frame that claims 2^62 entries ends it with
+/// `PROTOCOL_VIOLATION`, without the hub reserving anything for them.
+fn backlog_flood(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("backlog")?;
+    s.run(
+        "backlog flood: Backlog frames of 4,096 new streams with huge figures, nonstop",
+        Expect {
+            codes: &[ErrorCode::ProtocolViolation],
+            metric: "tributary_hub_quota_refused_total{limit=\"streams_per_device\"}",
+        },
+        |stop| async move {
+            let mut session = adv.welcomed(7, vec![lane("evil-backlog", 7, 1, 1)]).await?;
+            let entries = (0..LANES_MAX)
+                .map(|i| BacklogEntry {
+                    stream: format!("backlog-{i}"),
+                    epoch: u64::MAX - i as u64,
+                    backlog: Backlog {
+                        blocks: u64::MAX,
+                        bytes: u64::MAX,
+                        oldest_unsent_ts: Some(i64::MIN),
+                    },
+                })
+                .collect();
+            let frame = Frame::Backlog(entries).encode();
+            let mut sent = 0u64;
+            while sent == 0 || !stop.load(Ordering::Relaxed) {
+                session
+                    .send_control(&frame)
+                    .await
+                    .context("the hub ended the session during the backlog flood")?;
+                sent += 1;
+            }
+            ensure!(
+                session.conn.close_reason().is_none(),
+                "the hub ended the session during the backlog flood: {:?}",
+                session.conn.close_reason()
+            );
+            session.send_control(&huge_backlog_count()).await?;
+            let ending = session.ending(WAIT).await?;
+            Ok(Outcome {
+                note: format!(
+                    "{sent} Backlog frames of {LANES_MAX} entries ({} KiB each), the session up \
+                     throughout; then one claiming 2^62 entries",
+                    frame.len() >> 10
+                ),
+                endings: vec![ending],
+            })
+        },
+    )
+}
+
+/// A Backlog frame whose entry count says 2^62 (and carries none).
+fn huge_backlog_count() -> Vec<u8> {
+    let empty = Frame::Backlog(Vec::new()).encode();
+    // The length prefix, the type byte, then the count: replace the count.
+    let mut frame = empty[..5].to_vec();
+    sync::varint::put_u64(&mut frame, 1 << 62);
+    let len = u32::try_from(frame.len() - 4).expect("a short frame");
+    frame[..4].copy_from_slice(&len.to_le_bytes());
+    frame
+}
+
 fn bad_block() -> Expect {
     Expect {
         codes: &[ErrorCode::BadBlock],
@@ -917,6 +1023,7 @@ fn an_adversarial_device_cannot_hurt_the_hub_or_the_honest_devices() -> Result<(
             unfinished_data_streams_many_devices,
         ),
         ("duplicate_sessions", duplicate_sessions),
+        ("backlog_flood", backlog_flood),
     ];
     let only = std::env::var("TRIBUTARY_ADVERSARY_ONLY").unwrap_or_default();
     let mut failed = Vec::new();
