@@ -202,7 +202,7 @@ async fn a_filter_that_adds_fields_is_held_to_the_limit() {
         .map(|i| {
             format!(
                 "{{\"key\":\"k\",\"ts\":{},\"fields\":{{\"v\":{i}.5}}}}\n",
-                i * 1_000_000_000
+                1_764_374_400_000_000_000i64 + i * 1_000_000_000
             )
         })
         .collect::<String>();

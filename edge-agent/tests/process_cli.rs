@@ -151,7 +151,7 @@ fn ingest_explains_what_to_fix() {
 
     // A bad line in the second batch: its stdin line number, and what was stored before it.
     let mut input = sample(5);
-    input.push_str("{\"key\":\"a\",\"ts\":1,\"fields\":{\"x\":[1]}}\n");
+    input.push_str("{\"key\":\"a\",\"ts\":1,\"fields\":{\"x\":tru}}\n");
     let out = setup.cli(
         &[
             "ingest",

@@ -95,7 +95,7 @@ fn emit(v: Value) {
 
 /// One record's JSON, about 100 bytes like the other benchmarks' records.
 fn record_json(producer: usize, n: u64) -> Value {
-    json!({ "key": format!("sensor-{producer:02}"), "ts": 1_700_000_000_000i64 + n as i64,
+    json!({ "key": format!("sensor-{producer:02}"), "ts": 1_700_000_000_000_000_000i64 + n as i64,
             "fields": { "i": n, "p": producer, "temp": 21.5, "ok": true, "site": "plant-north" } })
 }
 

@@ -68,7 +68,7 @@ pub fn produce(
                 let id = next + i;
                 SentRecord::new(
                     format!("k{}", id % 16),
-                    1_700_000_000_000 + id as i64,
+                    1_700_000_000_000_000_000 + id as i64,
                     json!({ "i": id, "dev": device, "v": (id * 7) % 1000 }),
                 )
             })

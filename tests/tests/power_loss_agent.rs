@@ -220,7 +220,7 @@ fn make_batch(producer: u64, n: u64, rng: &mut StdRng) -> Batch {
         .map(|i| {
             SentRecord::new(
                 format!("k{}", i % 8),
-                1_700_000_000_000 + (id as i64 % 1_000_000) * 10_000 + i as i64,
+                1_700_000_000_000_000_000 + (id as i64 % 1_000_000) * 10_000 + i as i64,
                 json!({ "batch": id, "i": i, "pad": "x".repeat(16) }),
             )
         })

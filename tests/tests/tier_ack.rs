@@ -41,7 +41,7 @@ fn idle_agent_learns_tiered_seq() -> Result<()> {
         .map(|i| {
             SentRecord::new(
                 format!("k{}", i % 8),
-                1_700_000_000_000 + i as i64,
+                1_700_000_000_000_000_000 + i as i64,
                 json!({ "i": i }),
             )
         })

@@ -34,7 +34,7 @@ fn post(ledger: &mut Ledger, device: &str, addr: SocketAddr, from: u64, to: u64)
             .map(|id| {
                 SentRecord::new(
                     format!("k{}", id % 8),
-                    1_700_000_000_000 + id as i64,
+                    1_700_000_000_000_000_000 + id as i64,
                     json!({ "i": id, "v": (id * 7) % 1000 }),
                 )
             })
