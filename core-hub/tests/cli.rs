@@ -361,6 +361,21 @@ impl HubProcess {
     async fn kill(mut self) {
         self.0.kill().await.unwrap();
     }
+
+    /// SIGTERM, and the hub's exit within a deadline.
+    async fn stop(mut self) {
+        let pid = self.0.id().unwrap().to_string();
+        let sent = std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap();
+        assert!(sent.success());
+        let exit = tokio::time::timeout(Duration::from_secs(60), self.0.wait())
+            .await
+            .expect("the hub did not stop on SIGTERM with a follow reader connected")
+            .unwrap();
+        assert!(exit.success(), "{exit:?}");
+    }
 }
 
 /// Commits `van-1`'s seqs `first..=last` into the (stopped) hub's data directory.
@@ -428,9 +443,14 @@ async fn follow_survives_a_hub_restart_without_gaps_or_duplicates() {
     commit_offline(&data, 101, 150).await;
     let hub = HubProcess::start(&config, port).await;
     read_lines(&mut out, &mut seqs, 150).await;
+    // A clean stop (SIGTERM: the hub ends the follow with its shutdown line) and a restart.
+    hub.stop().await;
+    commit_offline(&data, 151, 160).await;
+    let hub = HubProcess::start(&config, port).await;
+    read_lines(&mut out, &mut seqs, 160).await;
     assert_eq!(
         seqs,
-        (1..=150).collect::<Vec<_>>(),
+        (1..=160).collect::<Vec<_>>(),
         "every record once, in order"
     );
     assert!(
@@ -444,7 +464,11 @@ async fn follow_survives_a_hub_restart_without_gaps_or_duplicates() {
         err.contains("lost the hub") && err.contains("reconnecting"),
         "{err}"
     );
-    assert!(err.contains("reconnected"), "{err}");
+    assert_eq!(err.matches("reconnected").count(), 2, "{err}");
+    assert!(
+        err.contains("shutting down") || err.contains("shutting_down"),
+        "{err}"
+    );
 
     // A reader with a short --retry-for gives up with exit 3 once the hub stays down.
     let mut quick = cmd(&[
@@ -463,7 +487,7 @@ async fn follow_survives_a_hub_restart_without_gaps_or_duplicates() {
     .unwrap();
     let mut out = tokio::io::BufReader::new(quick.stdout.take().unwrap()).lines();
     let mut seqs = Vec::new();
-    read_lines(&mut out, &mut seqs, 150).await;
+    read_lines(&mut out, &mut seqs, 160).await;
     hub.kill().await;
     let done = tokio::time::timeout(Duration::from_secs(60), quick.wait_with_output())
         .await
@@ -595,4 +619,31 @@ async fn export_holds_every_committed_record_tiered_or_not() {
     .await;
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(exported(&out_c).len(), 2_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_watch_renders_again_and_again() {
+    use tokio::io::AsyncBufReadExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (hub, url) = serve_hub(dir.path()).await;
+    let mut watch = cmd(&["status", "--watch", "1", "--url", &url])
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut out = tokio::io::BufReader::new(watch.stdout.take().unwrap()).lines();
+    let (mut renders, mut saw_table) = (0, false);
+    while renders < 3 {
+        let line = tokio::time::timeout(Duration::from_secs(30), out.next_line())
+            .await
+            .expect("status --watch went quiet")
+            .unwrap()
+            .expect("status --watch ended");
+        renders += usize::from(line.starts_with("health: ok"));
+        saw_table |= line.split_whitespace().collect::<Vec<_>>() == ["telemetry", "40", "40"];
+    }
+    assert!(saw_table, "each rendering has the stream table");
+    assert!(watch.try_wait().unwrap().is_none(), "--watch keeps running");
+    watch.start_kill().unwrap();
+    hub.shutdown();
 }
