@@ -206,3 +206,147 @@ fn windows_close_by_the_clock_through_later_stages_and_across_a_restore() {
     );
     assert_eq!(q.stats().late_records.load(Ordering::Relaxed), 1);
 }
+
+mod agent {
+    //! The same rule in a running agent, on the wall clock: a plain stream's pipeline (closed
+    //! by the agent's once-a-second tick) and a derived stream's runner both emit a quiet
+    //! key's last interval, once.
+
+    use std::collections::HashMap;
+    use std::sync::Arc;
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use edge_agent::config::EdgeConfig;
+    use edge_agent::http::AppState;
+    use edge_agent::http::client::Client;
+    use edge_agent::log::{Log, LogHandle};
+    use edge_agent::storage::RealStorage;
+    use sync::{Record, Value};
+
+    async fn serve(streams: &str) -> (Client, Arc<AppState>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let toml = format!("data_dir = {:?}\n{streams}", dir.path().join("data"));
+        let cfg = EdgeConfig::from_toml(&toml, dir.path(), Some(HashMap::new())).unwrap();
+        let (log, _) = Log::open(cfg.log_config(), Arc::new(RealStorage)).unwrap();
+        let app = AppState::new(&cfg, log);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(edge_agent::http::serve(
+            listener,
+            app.clone(),
+            std::future::pending(),
+        ));
+        edge_agent::filters::derive::spawn_all(&cfg, app.ingest.clone()).await;
+        (Client::new(&url).unwrap(), app, dir)
+    }
+
+    fn now_ns() -> i64 {
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i64
+    }
+
+    /// Every record `stream` holds, once at least `n` are durable (polled, with a deadline).
+    async fn wait_records(log: &LogHandle, stream: &str, n: u64) -> Vec<Record> {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let st = log.status();
+            let s = st.streams.iter().find(|s| s.stream == stream).unwrap();
+            if s.durable_seq >= n {
+                let (epoch, _, last) = log.epochs_held(stream)[0];
+                return edge_agent::filters::derive::read_records(log, stream, epoch, 0, last)
+                    .unwrap();
+            }
+            assert!(tokio::time::Instant::now() < deadline, "{stream}: {s:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn late(app: &AppState, stream: &str) -> u64 {
+        app.ingest
+            .metrics()
+            .filter_reports()
+            .into_iter()
+            .find(|f| f.stream == stream)
+            .map_or(0, |f| f.late_records)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_quiet_sensors_last_interval_is_emitted_by_a_running_agent() {
+        let (client, app, _dir) = serve(
+            r#"
+[[streams]]
+name = "ds"
+filters = [ { kind = "downsample", interval = "200ms", mode = "mean" } ]
+idle_close_after = "100ms"
+[[streams]]
+name = "raw"
+replicate = false
+[[streams]]
+name = "win"
+source_stream = "raw"
+filters = [ { kind = "window", interval = "200ms", field = "temp", aggs = ["count"] } ]
+idle_close_after = "100ms"
+"#,
+        )
+        .await;
+        // Three readings in one interval, then the sensor goes quiet.
+        let start = now_ns() / 200_000_000 * 200_000_000;
+        let body: String = (0..3)
+            .map(|i| {
+                format!(
+                    "{{\"key\":\"quiet\",\"ts\":{},\"fields\":{{\"temp\":{}}}}}\n",
+                    start + i * 1_000_000,
+                    10 + 2 * i
+                )
+            })
+            .collect();
+        for stream in ["ds", "raw"] {
+            let r = client
+                .post(
+                    &format!("/v1/streams/{stream}/records"),
+                    "application/x-ndjson",
+                    body.clone(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        let log = app.ingest.log().clone();
+        let ds = wait_records(&log, "ds", 1).await;
+        assert_eq!(ds.len(), 1, "{ds:?}");
+        assert_eq!(ds[0].ts, start);
+        assert_eq!(ds[0].fields, vec![("temp".into(), Value::F64(12.0))]);
+        let win = wait_records(&log, "win", 1).await;
+        assert_eq!(win.len(), 1, "{win:?}");
+        assert_eq!(win[0].fields, vec![("temp.count".into(), Value::I64(3))]);
+
+        // A straggler for the closed interval is late on both paths, and nothing reopens.
+        let straggler = format!(
+            "{{\"key\":\"quiet\",\"ts\":{},\"fields\":{{\"temp\":99}}}}\n",
+            start + 5_000_000
+        );
+        for stream in ["ds", "raw"] {
+            let r = client
+                .post(
+                    &format!("/v1/streams/{stream}/records"),
+                    "application/x-ndjson",
+                    straggler.clone(),
+                )
+                .await
+                .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while late(&app, "ds") < 1 || late(&app, "win") < 1 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the straggler was not late"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(wait_records(&log, "ds", 1).await.len(), 1);
+        assert_eq!(wait_records(&log, "win", 1).await.len(), 1);
+    }
+}
