@@ -20,7 +20,8 @@ use std::time::Duration;
 
 use sync::block::{self, DecodeLimits, VERSION_ROWS};
 use sync::protocol::frame::{
-    self, ErrorFrame, Frame, FrameBuffer, FrameError, Hello, LEN_PREFIX, LaneWelcome, Welcome,
+    self, ErrorFrame, Frame, FrameBuffer, FrameError, Hello, LEN_PREFIX, LaneWelcome,
+    StreamRefused, Welcome,
 };
 use sync::protocol::{
     Backlog, BacklogEntry, CommitItem, DecodedBlock, ErrorCode, GapMarker, GapReason, Instant,
@@ -59,6 +60,11 @@ fn check_frame(bytes: &[u8]) {
                 // Messages are decoded lossily (invalid UTF-8 grows) and cut on encode.
                 (Frame::Error(a), Frame::Error(b)) => {
                     assert_eq!(a.code, b.code, "error codes round-trip");
+                    assert!(a.message.starts_with(&b.message), "messages are only cut");
+                }
+                (Frame::StreamRefused(a), Frame::StreamRefused(b)) => {
+                    assert_eq!((&a.stream, a.epoch, a.code), (&b.stream, b.epoch, b.code));
+                    assert_eq!(a.retry_after_ms, b.retry_after_ms);
                     assert!(a.message.starts_with(&b.message), "messages are only cut");
                 }
                 _ => assert_eq!(again, f, "decode(encode(frame)) == frame"),
@@ -280,7 +286,7 @@ impl<'a> Input<'a> {
 
     /// Control frames either side may get unexpectedly.
     fn other_frame(&mut self) -> Frame {
-        match self.u8() % 7 {
+        match self.u8() % 8 {
             0 => Frame::Ping,
             1 => Frame::Backlog(
                 (0..self.u8() % 3)
@@ -308,6 +314,13 @@ impl<'a> Input<'a> {
                 epoch: self.num(),
                 gap: self.gap(),
             },
+            6 => Frame::StreamRefused(StreamRefused {
+                stream: self.stream(),
+                epoch: self.num(),
+                code: ErrorCode::from_u16(u16::from(self.u8() % 20)),
+                retry_after_ms: u64::from(self.u8()) * 1000,
+                message: "refused".into(),
+            }),
             _ => self.hello(),
         }
     }

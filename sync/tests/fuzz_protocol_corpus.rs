@@ -25,8 +25,17 @@ const TARGETS: [(&str, Target); 4] = [
     ("sender_machine", bodies::sender_machine),
 ];
 
-const FRAMES: [&str; 9] = [
-    "hello", "welcome", "block", "gap", "ack", "backlog", "ping", "verdict", "error",
+const FRAMES: [&str; 10] = [
+    "hello",
+    "welcome",
+    "block",
+    "gap",
+    "ack",
+    "backlog",
+    "ping",
+    "verdict",
+    "error",
+    "stream_refused",
 ];
 
 fn fixture(name: &str) -> Vec<u8> {

@@ -9,8 +9,8 @@
 use std::path::PathBuf;
 use sync::block::{self, VERSION_ROWS};
 use sync::protocol::frame::{
-    self, BacklogEntry, ErrorFrame, FrameBuffer, Hello, LaneWelcome, Welcome, frame_len,
-    hello_versions,
+    self, BacklogEntry, ErrorFrame, FrameBuffer, Hello, LaneWelcome, StreamRefused, Welcome,
+    frame_len, hello_versions,
 };
 use sync::protocol::{
     Backlog, ErrorCode, Frame, FrameError, GapMarker, GapReason, Instant, LaneAnnounce, Marks,
@@ -142,6 +142,16 @@ fn samples() -> Vec<(&'static str, Frame)> {
             Frame::Error(ErrorFrame {
                 code: ErrorCode::ConflictFenced,
                 message: "seqs 1..=4 differ".into(),
+            }),
+        ),
+        (
+            "stream_refused",
+            Frame::StreamRefused(StreamRefused {
+                stream: "telemetry".into(),
+                epoch: 7,
+                code: ErrorCode::UnauthorizedStream,
+                retry_after_ms: 30_000,
+                message: "device may not write stream `telemetry`".into(),
             }),
         ),
     ]
