@@ -476,8 +476,10 @@ async fn session(
         tokio::time::timeout(connect_timeout, handshake)
             .await
             .map_err(|_| format!("connecting to {addr}: no answer within {connect_timeout:?}"))??;
+    let mut sender_cfg = cfg.sender.clone();
+    sender_cfg.capabilities = refused::capabilities(sender_cfg.capabilities);
     let mut sender = Sender::new(
-        cfg.sender.clone(),
+        sender_cfg,
         log.epoch(),
         announce(log, refused),
         now_of(clock),

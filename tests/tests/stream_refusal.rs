@@ -145,6 +145,49 @@ fn a_refused_stream_keeps_the_session_and_ships_once_allowed() -> Result<()> {
     Ok(())
 }
 
+/// Mutation check: an agent that does not announce the StreamRefused capability (the switch
+/// `TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED=1`, in `fault-injection` builds) gets the old
+/// behaviour, its session closed over the refused stream, which the checks above catch.
+#[test]
+fn mutation_without_the_capability_the_session_is_lost() -> Result<()> {
+    let root = tempfile::Builder::new()
+        .prefix("trb-refuse-mut-")
+        .tempdir()?;
+    let pki = Pki::init(root.path().join("pki"))?;
+    let mut hub_spec = HubSpec::new(root.path());
+    hub_spec.extra_toml = format!("{RETRY_TOML}[devices.dev-1]\nstreams = [\"{ALLOWED}\"]\n");
+    let hub = hub_spec.start(&pki)?;
+    let cert = pki.issue("dev-1", None)?;
+    let mut spec = AgentSpec::new(root.path(), "dev-1", cert, Some(hub_spec.quic));
+    spec.streams = vec![REFUSED.into(), ALLOWED.into()];
+    spec.env
+        .push(("TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED".into(), "1".into()));
+    let mut agent = spec.start()?;
+    let producer = Producer::new("dev-1", spec.http);
+    let mut ledger = Ledger::new();
+    ingest(&producer, &mut ledger, REFUSED, &batch("refused", 0, 10))?;
+    ingest(&producer, &mut ledger, ALLOWED, &batch("allowed", 0, 10))?;
+    wait_until(WAIT, "the switch to take effect", || {
+        format!("{}{}", agent.stdout(), agent.stderr()).contains("NO STREAMREFUSED CAPABILITY")
+    })
+    .context(
+        "the agent ignored TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED: build it with edge-agent's \
+         fault-injection feature (cargo build -p edge-agent --features fault-injection)",
+    )?;
+    wait_until(
+        WAIT,
+        "the hub to end the session over the refused stream",
+        || metric(hub_spec.http, "tributary_hub_sessions_ended_total") >= 1.0,
+    )
+    .with_context(|| tails(&[&hub, &agent]))?;
+    ensure!(
+        metric(hub_spec.http, "tributary_hub_streams_refused_total") == 0.0,
+        "an agent without the capability was sent StreamRefused"
+    );
+    agent.kill9()?;
+    Ok(())
+}
+
 #[test]
 fn the_agent_is_back_within_2s_of_a_restarted_hub_being_ready() -> Result<()> {
     let root = tempfile::Builder::new().prefix("trb-restart-").tempdir()?;
