@@ -47,10 +47,12 @@
 //!
 //! # Refused streams
 //!
-//! A stream the device may not write (not on its allow-list, or an invalid name) ends the
-//! session with `UNAUTHORIZED_STREAM` and a message that names the stream between backticks
-//! (the first backtick-quoted word). The agent then leaves that stream out of its next sessions
-//! (`edge_agent::replicator`), so its allowed streams keep flowing after one reconnect.
+//! A stream the device may not write (not on its allow-list, an invalid name, a forbidden
+//! key) or one past a per-device quota is refused alone: a StreamRefused frame with the code
+//! (`UNAUTHORIZED_STREAM`, `QUOTA_EXCEEDED`) and `ingest.stream_refusal_retry`, after which the
+//! agent offers it again on the same session (`events::refuse`, docs/protocol/sync.md). The
+//! session and the device's other streams carry on. An agent that does not announce the
+//! capability has its session closed with the code instead, as before.
 //!
 //! # Modules
 //!

@@ -269,8 +269,8 @@ impl Session {
     }
 
     /// Ends the session: its commits settle, then the Error frame the receiver queued with
-    /// its close goes out (the agent acts on its code: a refused stream is left out of the
-    /// next session), then the connection closes with the same code.
+    /// its close goes out (the agent acts on its code), then the connection closes with the
+    /// same code.
     async fn end(&mut self, (code, msg): (ErrorCode, String)) {
         settle(&self.device, &mut self.done_rx, self.in_flight).await;
         while let Some(t) = self.rx.poll_transmit() {
