@@ -34,8 +34,14 @@
 pub mod derive;
 pub mod idle;
 pub mod predicate;
+mod snapshot;
 
 pub use idle::{Clock, IdleClose};
+pub(crate) use snapshot::record_to_json;
+use snapshot::{
+    array, closed_from_json, closed_to_json, field_from_json, field_to_json, i64_at,
+    record_from_json, str_at, u64_at,
+};
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -194,7 +200,7 @@ pub enum RestoreError {
     Malformed { stage: usize, message: String },
 }
 
-type Json = serde_json::Value;
+pub(crate) type Json = serde_json::Value;
 
 trait Stage: Send + Sync {
     /// Takes one record that reached the stage at processing time `now` (ns).
@@ -894,19 +900,6 @@ fn closed_by_clock(closed: &mut HashMap<String, i64>, key: &str, start: i64, ope
     }
 }
 
-/// Clock-closed marks as snapshot entries `[key, start]` (two elements, unlike open entries).
-fn closed_to_json(closed: &HashMap<String, i64>) -> impl Iterator<Item = Json> + '_ {
-    closed.iter().map(|(k, s)| serde_json::json!([k, s]))
-}
-
-/// A clock-closed mark, when `e` is one.
-fn closed_from_json(e: &Json) -> Result<Option<(String, i64)>, String> {
-    match e.as_array() {
-        Some(a) if a.len() == 2 => Ok(Some((str_at(e, 0)?.to_owned(), i64_at(e, 1)?))),
-        _ => Ok(None),
-    }
-}
-
 struct Project(Vec<(String, Option<String>)>);
 
 impl Stage for Project {
@@ -934,79 +927,4 @@ pub(crate) fn fnv1a(bytes: &[u8]) -> u64 {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     h
-}
-
-// Snapshot encoding helpers. Values are tagged (`Value` serialises untagged, which would turn
-// an i64 into an f64 or bytes into a list on the way back) and floats are stored as bits.
-
-fn array(v: &Json) -> Result<&Vec<Json>, String> {
-    v.as_array().ok_or_else(|| "expected an array".to_owned())
-}
-
-fn str_at(v: &Json, i: usize) -> Result<&str, String> {
-    v.get(i)
-        .and_then(Json::as_str)
-        .ok_or_else(|| format!("element {i}: expected a string"))
-}
-
-fn u64_at(v: &Json, i: usize) -> Result<u64, String> {
-    v.get(i)
-        .and_then(Json::as_u64)
-        .ok_or_else(|| format!("element {i}: expected an unsigned integer"))
-}
-
-fn i64_at(v: &Json, i: usize) -> Result<i64, String> {
-    v.get(i)
-        .and_then(Json::as_i64)
-        .ok_or_else(|| format!("element {i}: expected an integer"))
-}
-
-/// A record as `[key, ts, [[name, tag, value], ...]]`.
-pub(crate) fn record_to_json(r: &Record) -> Json {
-    let fields: Vec<Json> = r.fields.iter().map(field_to_json).collect();
-    serde_json::json!([r.key, r.ts, fields])
-}
-
-/// A field as `[name, tag, value]`.
-fn field_to_json((n, v): &(String, Value)) -> Json {
-    match v {
-        Value::F64(x) => serde_json::json!([n, "f", x.to_bits()]),
-        Value::I64(x) => serde_json::json!([n, "i", x]),
-        Value::Bool(x) => serde_json::json!([n, "b", x]),
-        Value::Str(x) => serde_json::json!([n, "s", x]),
-        Value::Bytes(x) => serde_json::json!([n, "x", x]),
-    }
-}
-
-/// The inverse of [`field_to_json`].
-fn field_from_json(f: &Json) -> Result<(String, Value), String> {
-    let name = str_at(f, 0)?.to_owned();
-    let value = match str_at(f, 1)? {
-        "f" => Value::F64(f64::from_bits(u64_at(f, 2)?)),
-        "i" => Value::I64(i64_at(f, 2)?),
-        "b" => Value::Bool(f.get(2).and_then(Json::as_bool).ok_or("expected a bool")?),
-        "s" => Value::Str(str_at(f, 2)?.to_owned()),
-        "x" => Value::Bytes(
-            array(f.get(2).ok_or("missing bytes")?)?
-                .iter()
-                .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
-                .collect::<Option<Vec<u8>>>()
-                .ok_or("expected bytes")?,
-        ),
-        other => return Err(format!("unknown value tag {other:?}")),
-    };
-    Ok((name, value))
-}
-
-/// The inverse of [`record_to_json`].
-pub(crate) fn record_from_json(v: &Json) -> Result<Record, String> {
-    let fields = array(v.get(2).ok_or("missing fields")?)?
-        .iter()
-        .map(field_from_json)
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Record {
-        key: str_at(v, 0)?.to_owned(),
-        ts: i64_at(v, 1)?,
-        fields,
-    })
 }
