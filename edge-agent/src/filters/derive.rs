@@ -642,8 +642,21 @@ impl Runner {
     pub async fn run(mut self) {
         let mut durable = self.ingest.log().durable_watch();
         let mut last_checkpoint = Instant::now();
+        let mut last_idle = Instant::now();
         let mut backoff = Duration::from_millis(100);
         loop {
+            // Quiet keys are closed once per tick even while the source stays busy with
+            // other keys.
+            if last_idle.elapsed() >= super::idle::IDLE_TICK {
+                last_idle = Instant::now();
+                match self.close_idle().await {
+                    Ok(_) => {}
+                    Err(StepError::Closed) => return,
+                    Err(StepError::Derive(e)) => {
+                        tracing::warn!(stream = %self.derived, error = %e, "derived: closing idle intervals failed; retrying");
+                    }
+                }
+            }
             match self.step().await {
                 Ok(true) => {
                     backoff = Duration::from_millis(100);
@@ -655,13 +668,7 @@ impl Runner {
                     }
                     continue;
                 }
-                Ok(false) => match self.close_idle().await {
-                    Ok(_) => {}
-                    Err(StepError::Closed) => return,
-                    Err(StepError::Derive(e)) => {
-                        tracing::warn!(stream = %self.derived, error = %e, "derived: closing idle intervals failed; retrying");
-                    }
-                },
+                Ok(false) => {}
                 Err(StepError::Closed) => return,
                 Err(StepError::Derive(e)) => {
                     // A read or progress failure: nothing was appended for this chunk; retry.
