@@ -188,10 +188,7 @@ pub async fn get_streaming(
     loop {
         if chunked {
             // Hand over every complete chunk in `rest`.
-            loop {
-                let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") else {
-                    break;
-                };
+            while let Some(eol) = rest.windows(2).position(|w| w == b"\r\n") {
                 let size_text = std::str::from_utf8(&rest[..eol])
                     .map_err(|_| ClientError::Malformed("chunk size"))?;
                 let size_text = size_text.split(';').next().unwrap_or("").trim();
