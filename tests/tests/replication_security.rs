@@ -193,10 +193,9 @@ fn a_device_cannot_write_a_stream_outside_its_allow_list() -> Result<()> {
     ingest(&producer, &mut ledger, STREAM, &batch("forbidden", 0, 300))?;
     ingest(&producer, &mut ledger, "other", &batch("allowed", 0, 300))?;
 
-    wait_until(WAIT, "the hub to reject the forbidden stream", || {
-        cluster::fetch_metric(hub_spec.http, "tributary_hub_rejected_blocks_total").unwrap_or(0.0)
+    wait_until(WAIT, "the hub to refuse the forbidden stream", || {
+        cluster::fetch_metric(hub_spec.http, "tributary_hub_streams_refused_total").unwrap_or(0.0)
             >= 1.0
-            || hub_log(&hub).contains("UnauthorizedStream")
     })
     .with_context(|| format!("{}\n{}", hub.log_tail(20), agent.log_tail(20)))?;
     // The allowed stream keeps flowing: what was written before the refusal and what is
