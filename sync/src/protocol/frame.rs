@@ -107,8 +107,9 @@ pub enum ErrorCode {
     /// hub's `ingest.hello_timeout`.
     HelloTimeout,
     /// A per-device state quota (streams, epochs or lanes per device, columns per stream) would
-    /// be exceeded: the hub created nothing for it. The message names the stream between
-    /// backticks first and the limit's key; the device's other lanes are unaffected.
+    /// be exceeded: the hub created nothing for it. The message names the stream and the
+    /// limit's key; sent in a [`StreamRefused`] to an edge that understands it, so the device's
+    /// other lanes are unaffected.
     QuotaExceeded,
     /// A code this build does not know; kept so that newer peers' codes are reported.
     Unknown(u16),
