@@ -26,10 +26,12 @@
 //!   (`tributary_hub_ingest_windows_reduced_total`). The share keeps the windows from
 //!   crowding out the blocks' part of the budget.
 //!
-//! The receiver's block window (what the agent may have in flight, in the Welcome) is the
-//! connection's QUIC window less the control frames' headroom: the hub reads one data stream
-//! at a time, and bytes the agent sent on later streams must never use up the credit of the
-//! stream being read. `tributary_hub_ingest_window_reserved_bytes` is the sum of the windows
+//! The receiver's block window (what the agent may have in flight, in the Welcome) stays as
+//! configured: QUIC flow control paces a connection whose receive window is smaller, and the
+//! agent writes its data streams one after the other, in the order the hub reads them, so the
+//! credit of the stream being read is never used up by later ones (a client that interleaves
+//! its streams can stall only its own connection, until `IDLE_TIMEOUT`).
+//! `tributary_hub_ingest_window_reserved_bytes` is the sum of the windows
 //! of live connections; it is released when a connection ends.
 
 use std::collections::{HashMap, VecDeque};
@@ -80,15 +82,6 @@ struct WindowGrant {
 /// A window's reservation above the floor: of the windows' share and of the ingest budget.
 type Raise = (OwnedSemaphorePermit, OwnedSemaphorePermit);
 
-/// The block window the receiver advertises on a connection whose QUIC receive window is
-/// `window`: all of it but the control frames' headroom (1 MiB, or half a small window). The
-/// agent then never has more in flight than the QUIC window holds, beyond the one block it
-/// may always send: bytes on streams the hub is not reading yet can never use up the credit
-/// the stream it is reading needs.
-fn block_window(window: u64) -> u64 {
-    window - (1 << 20).min(window / 2)
-}
-
 impl WindowGrant {
     fn new(hub: &Arc<Hub>, bytes: u64) -> WindowGrant {
         let stats = &hub.stats().connections;
@@ -115,7 +108,7 @@ impl Drop for WindowGrant {
 /// `wait_for_slot` (it superseded a connection that is closing) it waits for a slot too. Then
 /// raises its receive window with what the budget has free (see the module docs).
 pub(super) async fn admit_connection(
-    ctx: &mut ConnCtx,
+    ctx: &ConnCtx,
     conn: &quinn::Connection,
     wait_for_slot: bool,
 ) -> Result<ConnectionCharge, String> {
@@ -152,7 +145,6 @@ pub(super) async fn admit_connection(
     }
     let window_var = quinn::VarInt::from_u64(window).unwrap_or(quinn::VarInt::MAX);
     conn.set_receive_window(window_var);
-    ctx.receiver_cfg.window_bytes = block_window(window);
     Ok(ConnectionCharge {
         _window: WindowGrant::new(&ctx.hub, window),
         _slot: slot,

@@ -28,7 +28,7 @@ use super::events::{self, Announced, announced_last_seqs, handle_event};
 use super::{ConnCtx, ConnStats};
 
 /// Runs one connection from its handshake to its end.
-pub(super) async fn connection(mut ctx: ConnCtx, handshake: Handshake) -> Result<(), String> {
+pub(super) async fn connection(ctx: ConnCtx, handshake: Handshake) -> Result<(), String> {
     let conn = handshake
         .incoming
         .await
@@ -41,7 +41,7 @@ pub(super) async fn connection(mut ctx: ConnCtx, handshake: Handshake) -> Result
     if superseded > 0 {
         tracing::info!(%device, superseded, "a new connection supersedes the device's oldest");
     }
-    let _charge = match admit_connection(&mut ctx, &conn, superseded > 0).await {
+    let _charge = match admit_connection(&ctx, &conn, superseded > 0).await {
         Ok(c) => c,
         Err(msg) => {
             tracing::warn!(%device, reason = %msg, "refusing a connection");
