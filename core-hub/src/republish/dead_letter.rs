@@ -68,6 +68,8 @@ pub struct DeadLetter {
     /// The record's hub offset: `GET /v1/streams/{stream}/records?from={offset}` reads it.
     pub offset: u64,
     pub device: String,
+    /// 16 hex digits ([`sync::epoch`]).
+    #[serde(serialize_with = "sync::epoch::serde_hex::serialize")]
     pub epoch: u64,
     pub seq: u64,
     /// The key's first [`KEY_BYTES_KEPT`] bytes (cut at a character boundary).

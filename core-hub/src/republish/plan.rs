@@ -174,7 +174,7 @@ fn properties_of(r: &ReadRecord) -> PublishProperties {
     PublishProperties {
         user_properties: vec![
             ("device".into(), r.device.clone()),
-            ("epoch".into(), r.epoch.to_string()),
+            ("epoch".into(), sync::epoch::format(r.epoch)),
             ("seq".into(), r.seq.to_string()),
             ("offset".into(), r.offset.to_string()),
         ],

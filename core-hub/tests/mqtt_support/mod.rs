@@ -171,7 +171,7 @@ fn message(p: &rumqttc::v5::mqttbytes::v5::Publish) -> Msg {
     Msg {
         topic: String::from_utf8_lossy(&p.topic).into_owned(),
         device: prop("device"),
-        epoch: prop("epoch").parse().unwrap_or(0),
+        epoch: sync::epoch::parse(&prop("epoch")).unwrap_or(0),
         seq: prop("seq").parse().unwrap_or(0),
         payload: serde_json::from_slice(&p.payload).unwrap_or(serde_json::Value::Null),
     }
