@@ -1239,6 +1239,21 @@ mod tests {
     }
 
     #[test]
+    fn revoked_devices_carry_why_for_the_status_page() {
+        let list = RevocationList::parse("dev-a\ndev-b not-a-serial\ndev-c 0a\n");
+        let stats = RevocationStats::default();
+        stats.publish(&list);
+        let a = stats.revoked_reason("dev-a").expect("listed alone");
+        assert!(a.contains("names the device"), "{a}");
+        let b = stats.revoked_reason("dev-b").expect("an invalid line revokes the device");
+        assert!(b.contains("line 2") && b.contains("whole device"), "{b}");
+        // One certificate revoked by serial leaves the device itself accepted.
+        assert_eq!(stats.revoked_reason("dev-c"), None);
+        stats.publish(&RevocationList::parse(""));
+        assert_eq!(stats.revoked_reason("dev-a"), None, "a reload replaces the reasons");
+    }
+
+    #[test]
     fn revocation_by_serial() {
         let list = RevocationList::parse("# comment\nd1\nd2 0A0b\n\n  \n");
         assert!(list.is_revoked("d1"));
