@@ -472,7 +472,7 @@ pub async fn open_tiering(
             Err(Probe::Transient(why)) => why,
         };
         tracing::warn!(
-            url = %cfg.tier2.url, attempt, retry_in = ?backoff, error = %why,
+            url = %cfg.tier2.url, attempt, retry_in = %humantime::format_duration(backoff), error = %why,
             "cannot open tier 2 yet; the hub is not ready and retries"
         );
         hub.startup().tier2_open_failed(format!(

@@ -473,7 +473,7 @@ async fn queue_chunk(
         tracing::warn!(
             stream,
             queued_bytes = queued,
-            stall = ?cfg.follow_stall_timeout,
+            stall = %humantime::format_duration(cfg.follow_stall_timeout),
             "follow client took nothing for read.follow_stall_timeout with its buffer full (read.follow_buffer_bytes_max); ending its response"
         );
         outbox.end(Some(
