@@ -251,7 +251,7 @@ fn metric_names(addr: SocketAddr) -> BTreeSet<String> {
         .unwrap_or_default();
     text.lines()
         .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| l.split(|c| c == '{' || c == ' ').next())
+        .filter_map(|l| l.split(['{', ' ']).next())
         .map(str::to_string)
         .collect()
 }
@@ -380,7 +380,6 @@ fn bridge_mosquitto(port: u16, dir: &Path) -> Result<Mosquitto> {
         port: Some(port),
         persistence_dir: Some(dir.to_path_buf()),
         extra_conf: extra,
-        ..MosquittoOptions::default()
     })
 }
 
