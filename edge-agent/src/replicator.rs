@@ -312,7 +312,6 @@ pub async fn run(cfg: ReplicatorConfig, log: LogHandle, status: Arc<LinkStatus>)
     let clock = StdInstant::now();
     let mut refused = Refused {
         local_only: cfg.local_only.iter().cloned().collect(),
-        ..Refused::default()
     };
     let mut poison = poison::Poison::default();
     // Fast attempts left after a session that lived (see `reconnect`).
@@ -446,6 +445,8 @@ fn gap_marker(g: &locallog::Gap) -> GapMarker {
 }
 
 /// One connection. Returns how it ended, which sets the wait before the next one.
+// The replicator's state for one attempt, passed as it is owned by the run loop.
+#[allow(clippy::too_many_arguments)]
 async fn session(
     connect_timeout: Duration,
     cfg: &ReplicatorConfig,
@@ -920,7 +921,6 @@ mod tests {
     fn local_only_streams_are_always_left_out() {
         let mut r = Refused {
             local_only: ["raw".to_string()].into_iter().collect(),
-            ..Refused::default()
         };
         assert!(
             r.contains("raw"),

@@ -114,6 +114,31 @@ pub(super) fn render(out: &mut String, refused: &[RefusedStream]) {
     }
 }
 
+/// The capability bits the Hello announces. Test-only mutation switch (`fault-injection`
+/// builds only): with `TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED=1` the agent announces none, as
+/// an agent from before StreamRefused, so `tests/tests/stream_refusal.rs` can show that its
+/// checks catch a hub that closes the session over a refused stream.
+pub(super) fn capabilities(bits: u64) -> u64 {
+    #[cfg(feature = "fault-injection")]
+    {
+        const ENV: &str = "TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED";
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| {
+            let on = std::env::var_os(ENV).is_some_and(|v| v == "1");
+            if on {
+                tracing::error!(
+                    "{ENV}=1: NO STREAMREFUSED CAPABILITY ANNOUNCED (test-only mutation switch)"
+                );
+            }
+            on
+        });
+        if on {
+            return 0;
+        }
+    }
+    bits
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -149,29 +174,4 @@ mod tests {
         s.stream_shipping("q");
         assert_eq!(s.refused_streams()[0].code, "QUOTA_EXCEEDED");
     }
-}
-
-/// The capability bits the Hello announces. Test-only mutation switch (`fault-injection`
-/// builds only): with `TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED=1` the agent announces none, as
-/// an agent from before StreamRefused, so `tests/tests/stream_refusal.rs` can show that its
-/// checks catch a hub that closes the session over a refused stream.
-pub(super) fn capabilities(bits: u64) -> u64 {
-    #[cfg(feature = "fault-injection")]
-    {
-        const ENV: &str = "TRIBUTARY_TEST_EDGE_NO_STREAM_REFUSED";
-        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| {
-            let on = std::env::var_os(ENV).is_some_and(|v| v == "1");
-            if on {
-                tracing::error!(
-                    "{ENV}=1: NO STREAMREFUSED CAPABILITY ANNOUNCED (test-only mutation switch)"
-                );
-            }
-            on
-        });
-        if on {
-            return 0;
-        }
-    }
-    bits
 }
