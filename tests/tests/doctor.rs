@@ -309,12 +309,30 @@ fn the_hub_check_waits_for_the_hubs_verdict() {
     assert!(line.starts_with("FAIL") && line.contains("CA"), "{line}");
     assert!(line.contains("fleet CA") && line.contains("fix:"), "{line}");
 
+    // The hub's CA in tls.ca but the device certificate from another CA: only the hub can
+    // refuse it in the handshake (the local check names it too).
+    let mixed = dir.path().join("mixed");
+    std::fs::create_dir_all(&mixed).unwrap();
+    std::fs::copy(good.dir.join("ca.pem"), mixed.join("ca.pem")).unwrap();
+    for f in ["device.pem", "device.key"] {
+        std::fs::copy(other_ca.join(f), mixed.join(f)).unwrap();
+    }
+    let cfg = hub_config(dir.path(), "mixed", &mixed, hub_spec.quic);
+    let (ok, text) = doctor(&cfg, &[]);
+    assert!(!ok, "a certificate from another CA must fail:\n{text}");
+    let line = finding(&text, "hub");
+    assert!(
+        line.starts_with("FAIL") && line.contains("fleet CA"),
+        "{line}"
+    );
+    assert!(line.contains("hub refused"), "{line}");
+
     // Mutation check: the old check (handshake only) passes the revoked certificate, which is
     // what the assertions above catch.
-    let cfg = hub_config(dir.path(), "revoked-mutant", &revoked.dir, hub_spec.quic);
+    let cfg = hub_config(dir.path(), "mutant", &revoked.dir, hub_spec.quic);
     let (ok, text) = doctor(&cfg, &[HANDSHAKE_ONLY]);
     assert!(
-        !text.contains("revoked"),
+        !finding(&text, "hub").contains("revoked"),
         "the handshake-only switch was ignored: build the agent with the fault-injection \
          feature (`cargo build --workspace --all-targets`):\n{text}"
     );

@@ -141,12 +141,18 @@ pub struct SourceReport {
 }
 
 /// A link error with the TLS alert it carries named: quinn reports the hub's verdict on the
-/// device certificate only as "the cryptographic handshake failed: error 44".
+/// device certificate only as "the cryptographic handshake failed: error 44". Without "by
+/// peer" the alert is this device's own verdict on the hub's certificate.
 pub fn explain(error: &str) -> String {
     const MARK: &str = "the cryptographic handshake failed: error ";
     let Some(at) = error.find(MARK) else {
         return error.to_owned();
     };
+    if !error.contains("by peer") {
+        return format!(
+            "this device refused the hub's certificate (check tls.ca and hub.server_name) ({error})"
+        );
+    }
     let digits: String = error[at + MARK.len()..]
         .chars()
         .take_while(char::is_ascii_digit)
@@ -156,7 +162,7 @@ pub fn explain(error: &str) -> String {
         Ok(44) => "the hub refused the device certificate: it is revoked",
         Ok(45) => "the hub refused the device certificate: expired or not yet valid",
         Ok(46) => "the hub refused the device certificate (certificate unknown)",
-        Ok(48) => {
+        Ok(48 | 51) => {
             "the hub refused the device certificate: not signed by the hub's fleet CA (unknown CA)"
         }
         _ => return error.to_owned(),
@@ -183,7 +189,7 @@ pub fn readiness(
     let reason = link
         .last_error
         .as_deref()
-        .unwrap_or("no error recorded yet");
+        .map_or_else(|| "no error recorded yet".to_owned(), explain);
     Err(format!(
         "the link to the hub has been down for {}s (since {}, over hub.link_down_unready_after = {}): {reason}",
         down.as_secs(),
@@ -364,10 +370,23 @@ mod tests {
 
     #[test]
     fn tls_alerts_are_named() {
-        let e = "connecting to 127.0.0.1:7400: the cryptographic handshake failed: error 44";
+        let e = "connection lost: aborted by peer: the cryptographic handshake failed: error 44";
         assert!(explain(e).contains("revoked"), "{}", explain(e));
-        let e = "control stream: the cryptographic handshake failed: error 48: x";
+        let e = "control stream: closed by peer: the cryptographic handshake failed: error 48: x";
         assert!(explain(e).contains("unknown CA"), "{}", explain(e));
         assert_eq!(explain("timed out"), "timed out");
+        let local = "connecting: the cryptographic handshake failed: error 51: BadSignature";
+        assert!(
+            explain(local).contains("this device refused"),
+            "{}",
+            explain(local)
+        );
+        let mut l = LinkRecord::default();
+        l.record("down", Some(e.to_owned()), 1_000);
+        let why = readiness(Some(&l), Some(Duration::from_secs(1)), 5_000).unwrap_err();
+        assert!(
+            why.contains("unknown CA") && why.contains("down for 4s"),
+            "{why}"
+        );
     }
 }

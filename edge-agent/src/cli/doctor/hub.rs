@@ -24,6 +24,8 @@ const ALERT_CERTIFICATE_REVOKED: u64 = 44;
 const ALERT_CERTIFICATE_EXPIRED: u64 = 45;
 const ALERT_CERTIFICATE_UNKNOWN: u64 = 46;
 const ALERT_UNKNOWN_CA: u64 = 48;
+/// What rustls sends when a CA of the same name but another key signed the certificate.
+const ALERT_DECRYPT_ERROR: u64 = 51;
 
 const FIX_REVOKED: &str = "the hub revoked this certificate: issue a new one on the hub (`core-hub pki issue --dir PKI --device ID --out DIR`) and point [tls] at it";
 const FIX_CA: &str = "the device certificate must come from the hub's fleet CA: issue it with `core-hub pki issue --dir PKI` on the hub and set tls.ca, tls.cert and tls.key to the files it writes";
@@ -150,7 +152,7 @@ fn classify(e: &quinn::ConnectionError) -> Verdict {
         quinn::ConnectionError::ConnectionClosed(c) => {
             let code = u64::from(c.error_code);
             if (0x100..0x200).contains(&code) {
-                return alert(code - 0x100);
+                return with_detail(alert(code - 0x100), &c.reason);
             }
             Verdict::Unreachable {
                 reason: format!("the hub closed the connection: {c}"),
@@ -164,6 +166,12 @@ fn classify(e: &quinn::ConnectionError) -> Verdict {
                 &String::from_utf8_lossy(&a.reason),
             )
         }
+        // This side refused the hub's certificate during the handshake.
+        quinn::ConnectionError::TransportError(t)
+            if (0x100..0x200).contains(&u64::from(t.code)) =>
+        {
+            local_alert(&t.to_string())
+        }
         quinn::ConnectionError::TimedOut => Verdict::Unreachable {
             reason: "no answer from the hub (timed out)".into(),
             fix: FIX_NETWORK,
@@ -175,6 +183,42 @@ fn classify(e: &quinn::ConnectionError) -> Verdict {
     }
 }
 
+/// The verdict when this device refused the hub's certificate (`error` names rustls' reason).
+fn local_alert(error: &str) -> Verdict {
+    let (what, fix) = if error.contains("NotValidForName") {
+        (
+            "the hub's certificate does not name hub.server_name",
+            "set hub.server_name to a name in the hub certificate (`pki init` writes localhost, 127.0.0.1 and each --san)",
+        )
+    } else if error.contains("Expired") || error.contains("NotValidYet") {
+        (
+            "the hub's certificate is expired or not yet valid",
+            FIX_EXPIRED,
+        )
+    } else {
+        (
+            "this device does not trust the hub's certificate: it is not signed by tls.ca, so the device and the hub are from different fleet CAs",
+            FIX_CA,
+        )
+    };
+    Verdict::Refused {
+        reason: format!("{what} ({error})"),
+        fix,
+    }
+}
+
+/// `verdict` with the hub's own words for it appended, when it sent some.
+fn with_detail(verdict: Verdict, hub_text: &[u8]) -> Verdict {
+    let text = String::from_utf8_lossy(hub_text);
+    match verdict {
+        Verdict::Refused { reason, fix } if !text.is_empty() => Verdict::Refused {
+            reason: format!("{reason}: {text}"),
+            fix,
+        },
+        v => v,
+    }
+}
+
 /// The verdict of a TLS alert the hub sent about the device certificate.
 fn alert(alert: u64) -> Verdict {
     let (reason, fix) = match alert {
@@ -182,7 +226,7 @@ fn alert(alert: u64) -> Verdict {
             "the hub refused the certificate: it is revoked",
             FIX_REVOKED,
         ),
-        ALERT_UNKNOWN_CA => (
+        ALERT_UNKNOWN_CA | ALERT_DECRYPT_ERROR => (
             "the hub refused the certificate: it is not signed by the hub's fleet CA (unknown CA)",
             FIX_CA,
         ),
@@ -243,6 +287,15 @@ mod tests {
         };
         assert!(reason.contains("unknown CA"), "{reason}");
         assert_eq!(fix, FIX_CA);
+        let Verdict::Refused { reason, .. } =
+            with_detail(alert(ALERT_DECRYPT_ERROR), b"BadSignature")
+        else {
+            panic!("a bad signature is a refusal");
+        };
+        assert!(
+            reason.contains("fleet CA") && reason.ends_with(": BadSignature"),
+            "{reason}"
+        );
         assert!(matches!(
             refused(ErrorCode::StorageFull, "disk full"),
             Verdict::Busy { .. }
