@@ -188,6 +188,8 @@ pub struct Owed {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct GapCover {
     pub device: String,
+    /// 16 hex digits ([`sync::epoch`]).
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub first_seq: u64,
     pub last_seq: u64,
@@ -202,6 +204,8 @@ pub struct GapCover {
 /// The durable mark of one epoch.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 pub struct EpochMark {
+    /// 16 hex digits ([`sync::epoch`]).
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub acked_seq: u64,
 }
