@@ -1890,8 +1890,14 @@ mod tests {
                 "ingest.control_idle_timeout",
             ),
             ("blocks_in_flight_max = 0", "ingest.blocks_in_flight_max"),
-            ("stream_refusal_retry = \"30\"", "ingest.stream_refusal_retry"),
-            ("stream_refusal_retry = \"2h\"", "ingest.stream_refusal_retry"),
+            (
+                "stream_refusal_retry = \"30\"",
+                "ingest.stream_refusal_retry",
+            ),
+            (
+                "stream_refusal_retry = \"2h\"",
+                "ingest.stream_refusal_retry",
+            ),
             ("blocks_in_flight_max = 5000", "ingest.blocks_in_flight_max"),
         ];
         for (line, key) in cases {

@@ -848,12 +848,18 @@ impl RevocationStats {
         self.invalid.store(count(false), Ordering::Relaxed);
         self.unmatched.store(count(true), Ordering::Relaxed);
         let reasons = list.device_reasons();
-        *self.revoked_devices.write().unwrap_or_else(|e| e.into_inner()) = reasons;
+        *self
+            .revoked_devices
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = reasons;
     }
 
     /// Why `device` is revoked as a whole, when the list in force revokes it.
     pub fn revoked_reason(&self, device: &str) -> Option<String> {
-        let map = self.revoked_devices.read().unwrap_or_else(|e| e.into_inner());
+        let map = self
+            .revoked_devices
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
         map.get(device).cloned()
     }
 }
@@ -1068,7 +1074,10 @@ impl RevocationCheckingVerifier {
     /// when the chain itself was refused).
     fn refused(&self, cert: &CertificateDer<'_>, why: rustls::Error) -> rustls::Error {
         let device = device_id_from_cert(cert).unwrap_or_else(|_| "(no readable CN)".into());
-        if self.refusals_logged.allow(&device, std::time::Instant::now()) {
+        if self
+            .refusals_logged
+            .allow(&device, std::time::Instant::now())
+        {
             tracing::info!(
                 %device,
                 reason = %why,
@@ -1245,12 +1254,18 @@ mod tests {
         stats.publish(&list);
         let a = stats.revoked_reason("dev-a").expect("listed alone");
         assert!(a.contains("names the device"), "{a}");
-        let b = stats.revoked_reason("dev-b").expect("an invalid line revokes the device");
+        let b = stats
+            .revoked_reason("dev-b")
+            .expect("an invalid line revokes the device");
         assert!(b.contains("line 2") && b.contains("whole device"), "{b}");
         // One certificate revoked by serial leaves the device itself accepted.
         assert_eq!(stats.revoked_reason("dev-c"), None);
         stats.publish(&RevocationList::parse(""));
-        assert_eq!(stats.revoked_reason("dev-a"), None, "a reload replaces the reasons");
+        assert_eq!(
+            stats.revoked_reason("dev-a"),
+            None,
+            "a reload replaces the reasons"
+        );
     }
 
     #[test]

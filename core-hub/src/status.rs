@@ -14,10 +14,10 @@
 //! (`devices`, `device-{name}`, `stream-{name}`) are stable so tests and scripts can find
 //! things.
 
-#[path = "status_login.rs"]
-pub mod login;
 #[path = "status_devices.rs"]
 mod devices;
+#[path = "status_login.rs"]
+pub mod login;
 
 use crate::completeness::{StreamSummary, Tracker, format_time};
 use crate::ingest::Hub;
@@ -290,7 +290,11 @@ fn stream_section(
             slug(&s.name),
             slug(&d.device),
             esc(&d.device),
-            if behind || lost.is_some() { "bad" } else { "ok" },
+            if behind || lost.is_some() {
+                "bad"
+            } else {
+                "ok"
+            },
             through,
             time_cell(d.max_event_ts),
             ago(now, d.last_ingest_ns),

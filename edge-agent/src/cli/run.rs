@@ -121,4 +121,3 @@ async fn shutdown_signal() {
         () = terminate => info!("SIGTERM: shutting down"),
     }
 }
-
