@@ -92,19 +92,7 @@ pub(super) fn from_config_error(e: config::ConfigError) -> ConfigError {
     }
 }
 
-/// `streams[1]filters[0]` as TOML writes it: `streams[1].filters[0]`.
-pub(super) fn dotted(key: &str) -> String {
-    let mut out = String::with_capacity(key.len() + 4);
-    let mut after_bracket = false;
-    for c in key.chars() {
-        if after_bracket && c != '.' && c != '[' {
-            out.push('.');
-        }
-        after_bracket = c == ']';
-        out.push(c);
-    }
-    out
-}
+pub(super) use sync::config_key::dotted;
 
 /// serde's "unknown field `x`, expected ..." as the key and "unknown key, expected ...".
 fn unknown_field(message: &str) -> Option<(String, String)> {
@@ -116,16 +104,6 @@ fn unknown_field(message: &str) -> Option<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn array_keys_are_dotted_as_in_toml() {
-        assert_eq!(
-            dotted("streams[0]scale.target_records_per_s"),
-            "streams[0].scale.target_records_per_s"
-        );
-        assert_eq!(dotted("a[1][2]b"), "a[1][2].b");
-        assert_eq!(dotted("listen.http"), "listen.http");
-    }
 
     #[test]
     fn env_keys_name_their_variable() {

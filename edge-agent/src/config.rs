@@ -464,20 +464,7 @@ fn from_config_error(e: config::ConfigError) -> ConfigError {
     }
 }
 
-/// The `config` crate writes nested array keys as `streams[1]filters[0]`; ours are
-/// `streams[1].filters[0]`, like the keys this module builds.
-fn dotted(key: &str) -> String {
-    let mut out = String::with_capacity(key.len() + 4);
-    let mut after_bracket = false;
-    for c in key.chars() {
-        if after_bracket && c != '.' && c != '[' {
-            out.push('.');
-        }
-        after_bracket = c == ']';
-        out.push(c);
-    }
-    out
-}
+use sync::config_key::dotted;
 
 fn from_config_error_raw(e: config::ConfigError) -> ConfigError {
     match e {

@@ -10,6 +10,7 @@
 
 pub mod block;
 pub mod columnar;
+pub mod config_key;
 pub mod decoded;
 pub mod epoch;
 pub mod fuzzing;
