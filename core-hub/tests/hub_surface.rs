@@ -222,23 +222,32 @@ async fn status_page_signs_a_browser_in_when_tokens_are_set() {
     json_error(a, "GET", "/", wrong, (401, "TOKEN_REQUIRED")).await;
 }
 
-/// Reads a follow response until its shutdown line; returns that line.
-async fn shutdown_line(mut s: tokio::net::TcpStream) -> Value {
-    let mut seen = Vec::new();
+/// Reads a follow response into `seen` until `done` holds for what arrived so far.
+async fn read_until(
+    s: &mut tokio::net::TcpStream,
+    seen: &mut Vec<u8>,
+    done: impl Fn(&str) -> bool,
+) {
     let mut buf = [0u8; 8192];
-    loop {
+    while !done(&String::from_utf8_lossy(seen)) {
         let n = s.read(&mut buf).await.unwrap();
         assert!(
             n > 0,
-            "the follow ended without a shutdown line: {}",
-            String::from_utf8_lossy(&seen)
+            "the follow ended early: {}",
+            String::from_utf8_lossy(seen)
         );
         seen.extend_from_slice(&buf[..n]);
-        let text = String::from_utf8_lossy(&seen).to_string();
-        if let Some(line) = text.lines().find(|l| l.contains("\"end\"")) {
-            return serde_json::from_str(line.trim()).unwrap();
-        }
     }
+}
+
+/// Reads a follow response (`seen` holds what was read of it already) until its shutdown
+/// line; returns that line.
+async fn shutdown_line(mut s: tokio::net::TcpStream, mut seen: Vec<u8>) -> Value {
+    let has_end = |t: &str| t.lines().any(|l| l.contains("\"end\""));
+    read_until(&mut s, &mut seen, has_end).await;
+    let text = String::from_utf8_lossy(&seen).to_string();
+    let line = text.lines().find(|l| l.contains("\"end\"")).unwrap();
+    serde_json::from_str(line.trim()).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -267,10 +276,16 @@ async fn a_follow_ends_with_a_shutdown_line_and_the_drain_is_bounded() {
         assert!(Instant::now() < deadline, "the follows did not open");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // The six records reach the reader before the hub stops (a busy machine may be slow).
+    let mut seen = Vec::new();
+    let six = |t: &str| t.lines().filter(|l| l.contains("\"seq\"")).count() >= 6;
+    tokio::time::timeout(WAIT, read_until(&mut reader, &mut seen, six))
+        .await
+        .expect("the six records did not arrive");
     let started = Instant::now();
     let _ = served.stop.take().unwrap().send(());
     let task = served.task.take().unwrap();
-    let (line, drained) = tokio::join!(shutdown_line(reader), api::shut_down(&hub, task));
+    let (line, drained) = tokio::join!(shutdown_line(reader, seen), api::shut_down(&hub, task));
     drained.unwrap();
     assert_eq!(line["end"], "hub_shutting_down", "{line}");
     assert_eq!(line["code"], "HUB_SHUTTING_DOWN", "{line}");

@@ -154,6 +154,7 @@ pub async fn hub_records(addr: SocketAddr, stream: &str) -> Result<u64> {
 #[derive(Debug, Deserialize)]
 pub struct HubRecord {
     pub device: String,
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub seq: u64,
 }
