@@ -54,6 +54,8 @@ fn memory_bytes_max(devices: usize) -> u64 {
 /// Handshakes in flight at once: a fleet reconnecting after a hub restart is spread by jitter,
 /// not all in the same millisecond.
 const CONNECTING_MAX: usize = 256;
+/// Devices that share one client UDP socket.
+const DEVICES_PER_SOCKET: usize = 50;
 const STREAM: &str = "telemetry";
 const RECORDS_PER_DEVICE: u64 = 8;
 
@@ -368,7 +370,13 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
         .enable_all()
         .build()?;
     let report = rt.block_on(async {
-        let endpoint = edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?;
+        // Real devices each have their own socket; one socket for the whole fleet overflows
+        // its receive buffer under hundreds of handshakes, and a connection whose flights keep
+        // being dropped there backs off past its idle timeout. One socket per 50 devices.
+        let mut endpoints = Vec::new();
+        for _ in 0..n.div_ceil(DEVICES_PER_SOCKET) {
+            endpoints.push(edge_agent::link::client_endpoint("127.0.0.1:0".parse()?)?);
+        }
         let slots = Arc::new(Semaphore::new(CONNECTING_MAX));
         let acked = Arc::new(AtomicUsize::new(0));
         let (stop_tx, stop_rx) = watch::channel(false);
@@ -380,6 +388,7 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
         for (i, (chain, key)) in certs.into_iter().enumerate() {
             let slot = slots.clone().acquire_owned().await?;
             let cfg = client_config(&roots, chain, key)?;
+            let endpoint = &endpoints[i / DEVICES_PER_SOCKET];
             let connecting = endpoint.connect_with(cfg, hub.quic, "localhost")?;
             let (acked, stop, reports) = (acked.clone(), stop_rx.clone(), report_tx.clone());
             let epoch = 1 + i as u64;
@@ -432,7 +441,9 @@ fn ten_thousand_devices_within_the_memory_budget() -> Result<()> {
         while let Some(done) = devices.join_next().await {
             done??;
         }
-        endpoint.wait_idle().await;
+        for endpoint in &endpoints {
+            endpoint.wait_idle().await;
+        }
         anyhow::Ok((connect_secs, rss, hwm.max(peak), clients))
     })?;
     let (connect_secs, rss, hwm, clients) = report;
