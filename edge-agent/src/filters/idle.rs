@@ -63,6 +63,25 @@ pub fn due(start: i64, interval: i64, seen: i64, after: i64, now: i64) -> bool {
     now >= end.saturating_add(after) && now.saturating_sub(seen) >= after
 }
 
+/// The keys of `open` whose interval is [`due`] now, sorted (so emission order is stable);
+/// `at` gives an entry's interval start and the time its key was last seen.
+pub fn due_keys<T>(
+    open: &std::collections::HashMap<String, T>,
+    at: impl Fn(&T) -> (i64, i64),
+    (interval, after, now): (i64, i64, i64),
+) -> Vec<String> {
+    let mut due_now: Vec<String> = open
+        .iter()
+        .filter(|(_, v)| {
+            let (start, seen) = at(v);
+            due(start, interval, seen, after, now)
+        })
+        .map(|(k, _)| k.clone())
+        .collect();
+    due_now.sort();
+    due_now
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

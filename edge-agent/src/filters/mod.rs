@@ -649,13 +649,11 @@ impl Stage for Downsample {
         let Some(after) = idle.after_ns(self.interval) else {
             return;
         };
-        let mut due: Vec<String> = self
-            .open
-            .iter()
-            .filter(|(_, o)| idle::due(o.start, self.interval, o.seen, after, now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        due.sort();
+        let due = idle::due_keys(
+            &self.open,
+            |o| (o.start, o.seen),
+            (self.interval, after, now),
+        );
         for key in due {
             let o = self.open.remove(&key).expect("a due interval is open");
             self.closed.insert(key, o.start);
@@ -814,13 +812,11 @@ impl Stage for Window {
         let Some(after) = idle.after_ns(self.interval) else {
             return;
         };
-        let mut due: Vec<String> = self
-            .open
-            .iter()
-            .filter(|(_, w)| idle::due(w.start, self.interval, w.seen, after, now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        due.sort();
+        let due = idle::due_keys(
+            &self.open,
+            |w| (w.start, w.seen),
+            (self.interval, after, now),
+        );
         for key in due {
             let w = self.open.remove(&key).expect("a due window is open");
             self.closed.insert(key.clone(), w.start);
