@@ -91,6 +91,8 @@ fn retried_key_replays_the_answer_and_stores_nothing_twice() {
     let retry = post(&setup, "telemetry", Some("batch-1"), NDJSON, &batch(0..3));
     assert_eq!(retry.status, 200, "{}", retry.body);
     assert_eq!(retry.body, first.body);
+    let epoch = process_support::epoch_of(&first.body);
+    assert_eq!(process_support::epoch_of(&retry.body), epoch);
     assert!(
         retry.headers.contains("idempotency-replayed: true"),
         "{}",
@@ -125,6 +127,7 @@ fn retried_key_replays_the_answer_and_stores_nothing_twice() {
     let after = post(&setup, "telemetry", Some("batch-1"), NDJSON, &batch(0..3));
     assert_eq!(after.status, 200);
     assert_eq!(after.body, first.body);
+    assert_eq!(process_support::epoch_of(&after.body), epoch);
     assert!(after.headers.contains("idempotency-replayed: true"));
     // Without a key, a resend is a new batch.
     let plain = post(&setup, "telemetry", None, NDJSON, &batch(5..6));
@@ -361,9 +364,10 @@ fn check_stored_once(setup: &Setup, work: &Work) {
     for l in setup.inspect() {
         let b = l["fields"]["batch"].as_u64().unwrap();
         let seq = l["seq"].as_u64().unwrap();
-        rows.entry(b)
-            .or_default()
-            .push((seq, l["epoch"].as_u64().unwrap()));
+        rows.entry(b).or_default().push((
+            seq,
+            sync::epoch::parse(l["epoch"].as_str().unwrap()).unwrap(),
+        ));
     }
     assert_eq!(
         rows.len(),
@@ -377,7 +381,7 @@ fn check_stored_once(setup: &Setup, work: &Work) {
             answer["first_seq"].as_u64().unwrap(),
             answer["last_seq"].as_u64().unwrap(),
         );
-        let epoch = answer["epoch"].as_u64().unwrap();
+        let epoch = sync::epoch::parse(answer["epoch"].as_str().unwrap()).unwrap();
         let want: Vec<(u64, u64)> = (first..=last).map(|s| (s, epoch)).collect();
         assert_eq!(
             got, want,

@@ -4,7 +4,12 @@
 
 mod process_support;
 
-use process_support::{Setup, by_seq, run_cli};
+use std::sync::Arc;
+
+use edge_agent::config::EdgeConfig;
+use edge_agent::log::Log;
+use edge_agent::storage::RealStorage;
+use process_support::{Setup, by_seq, epoch_of, run_cli};
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -114,6 +119,68 @@ fn ingest_status_inspect_round_trip() {
         "{}",
         text(&out.stderr)
     );
+}
+
+/// Every JSON the agent writes carries the epoch as 16 hex digits, a string (a random epoch is
+/// almost always above 2^53, where a JavaScript number loses digits): the ingest ack, the
+/// status (`/v1/status` and `status --json`) and `inspect`, each the log's own epoch, which
+/// `ingest` reads back from the ack for its summary.
+#[test]
+fn epochs_are_hex_strings_in_acks_status_and_inspect() {
+    let setup = Setup::new("fsync = \"always\"");
+    let config = setup.config.to_str().unwrap().to_owned();
+    let mut agent = setup.start();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = setup.client();
+    let r = rt
+        .block_on(client.post(
+            "/v1/streams/telemetry/records",
+            "application/x-ndjson",
+            sample(3),
+        ))
+        .unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let ack: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    let epoch = epoch_of(&ack);
+    assert_eq!(
+        ack["last_seq"].as_u64(),
+        Some(3),
+        "seqs stay numbers: {ack}"
+    );
+
+    let r = rt.block_on(client.get("/v1/status")).unwrap();
+    let status: serde_json::Value = serde_json::from_slice(&r.body).unwrap();
+    assert_eq!(epoch_of(&status), epoch, "{status}");
+    assert_eq!(epoch_of(&status["streams"][0]), epoch, "{status}");
+    let out = setup.cli(&["status", "--config", &config, "--json"], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let printed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(epoch_of(&printed), epoch, "{printed}");
+    assert_eq!(epoch_of(&printed["streams"][0]), epoch, "{printed}");
+
+    let out = setup.cli(
+        &["ingest", "--stream", "telemetry", "--config", &config],
+        Some(sample(2).as_bytes()),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stderr);
+    assert!(
+        said.contains(&format!("(epoch {epoch:016x}, seqs 4..=5)")),
+        "{said}"
+    );
+
+    agent.terminate();
+    let lines = setup.inspect();
+    assert_eq!(lines.len(), 5);
+    let (inspected, _) = by_seq(&lines);
+    assert_eq!(inspected, epoch);
+    let cfg = EdgeConfig::load(&setup.config).unwrap();
+    let (log, _) = Log::open(cfg.log_config(), Arc::new(RealStorage)).unwrap();
+    assert_eq!(log.epoch(), epoch, "the JSON epoch is not the log's");
+    log.shutdown();
 }
 
 #[test]

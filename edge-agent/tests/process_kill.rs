@@ -112,7 +112,7 @@ async fn producer(
         assert_eq!(last - first + 1, records.len() as u64);
         let acked = Acked {
             batch,
-            epoch: a["epoch"].as_u64().unwrap(),
+            epoch: sync::epoch::parse(a["epoch"].as_str().unwrap()).unwrap(),
             first_seq: first,
             records,
         };

@@ -265,6 +265,30 @@ pub fn stream_status<'a>(status: &'a Value, stream: &str) -> Option<&'a Value> {
         .find(|s| s.get("stream").and_then(Value::as_str) == Some(stream))
 }
 
+/// The agent's current epoch in a status: 16 hex digits, a string (`sync::epoch`).
+pub fn epoch(status: &Value) -> Result<u64> {
+    hex_epoch(status.get("epoch")).with_context(|| format!("no hex `epoch` in {status}"))
+}
+
+/// A stream's epoch in a status.
+pub fn stream_epoch(status: &Value, stream: &str) -> Result<u64> {
+    hex_epoch(stream_status(status, stream).and_then(|s| s.get("epoch")))
+        .with_context(|| format!("no hex `epoch` for stream {stream:?} in {status}"))
+}
+
+fn hex_epoch(v: Option<&Value>) -> Option<u64> {
+    v?.as_str().and_then(sync::epoch::parse)
+}
+
+/// The streams a status lists as refused by the hub (`refused_streams`), by name.
+pub fn refused_streams(status: &Value) -> Vec<Value> {
+    status
+        .get("refused_streams")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
 /// An integer field of a stream's status, 0 when absent.
 pub fn stream_u64(status: &Value, stream: &str, field: &str) -> u64 {
     stream_status(status, stream)

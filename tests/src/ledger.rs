@@ -65,6 +65,8 @@ impl SentRecord {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 pub struct IngestAck {
     pub stream: String,
+    /// 16 hex digits in the agent's JSON, as every epoch (`sync::epoch`).
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub first_seq: u64,
     pub last_seq: u64,
@@ -885,7 +887,8 @@ mod tests {
 
     #[test]
     fn producer_records_acks_rejections_and_lost_answers() {
-        let body = r#"{"stream":"s","epoch":1,"first_seq":1,"last_seq":1,"count":1}"#;
+        let body =
+            r#"{"stream":"s","epoch":"0000000000000001","first_seq":1,"last_seq":1,"count":1}"#;
         let ack = format!(
             "HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
@@ -921,7 +924,8 @@ mod tests {
         let records = ObservedRecord::parse_ndjson("s", text).unwrap();
         assert_eq!(records.len(), 1);
         let mut ledger = Ledger::new();
-        let answer = br#"{"stream":"s","epoch":2,"first_seq":7,"last_seq":7,"count":1}"#;
+        let answer =
+            br#"{"stream":"s","epoch":"0000000000000002","first_seq":7,"last_seq":7,"count":1}"#;
         let sent = [SentRecord::new("k", -5, json!({"a": true, "b": 1}))];
         ledger.record_ack_json("d", answer, &sent).unwrap();
         ledger.check(records).assert_ok();

@@ -144,8 +144,17 @@ async fn send(
     progress.batches += 1;
     progress.first_seq.get_or_insert(field("first_seq"));
     progress.last_seq = field("last_seq");
-    progress.epoch = field("epoch");
+    progress.epoch = ack_epoch(&ack).unwrap_or(0);
     Ok(())
+}
+
+/// The ack's epoch: 16 hex digits (a plain number from older agents).
+fn ack_epoch(ack: &serde_json::Value) -> Option<u64> {
+    let epoch = ack.get("epoch")?;
+    epoch
+        .as_str()
+        .and_then(sync::epoch::parse)
+        .or_else(|| epoch.as_u64())
 }
 
 /// The wait a 503 asks for, when it asks for one.

@@ -1,5 +1,6 @@
 //! `edge-agent inspect`: prints a stopped agent's stored records of one stream as NDJSON, one
-//! object per record: `{"epoch","seq","key","ts","fields"}`, in epoch then seq order. Gap
+//! object per record: `{"epoch","seq","key","ts","fields"}`, in epoch then seq order, the epoch
+//! as 16 hex digits (a string, as in the agent's and the hub's other JSON). Gap
 //! markers (dropped or quarantined seq ranges) go to stderr, so the output stays pure data.
 //!
 //! It opens the log exactly as `run` does, recovery included, so it takes the same data
@@ -95,7 +96,7 @@ fn print_epoch(
                     continue;
                 }
                 line.clear();
-                line.push_str(&format!("{{\"epoch\":{epoch},\"seq\":{seq},"));
+                line.push_str(&format!("{{\"epoch\":\"{epoch:016x}\",\"seq\":{seq},"));
                 let start = line.len();
                 write_ndjson_line(record, &mut line)?;
                 // The writer opens the object with '{'; our epoch and seq already did.

@@ -3,11 +3,12 @@
 //! - `POST /v1/streams/{stream}/records`: NDJSON (`application/x-ndjson`, `application/json`) or
 //!   line protocol (`text/plain`). The whole body is one atomic batch; the answer comes only after
 //!   it is durable under the configured fsync policy, with the seq range it received:
-//!   `{"stream","epoch","first_seq","last_seq","count"}`. Errors are JSON `{"error": ...}`, with
-//!   `line` and `column` when they point into the body: 400 malformed or empty, 401 bad token,
-//!   404 unknown stream, 413 body over `http.body_bytes_max`, 415 content type, 503 (with
-//!   `Retry-After` when the disk budget is full under `on_full = "block"`) when the log cannot
-//!   take the batch now.
+//!   `{"stream","epoch","first_seq","last_seq","count"}` (`epoch` as 16 hex digits, a string,
+//!   as in all the agent's and the hub's JSON; seqs are numbers). Errors are JSON
+//!   `{"error": ...}`, with `line` and `column` when they point into the body: 400 malformed or
+//!   empty, 401 bad token, 404 unknown stream, 413 body over `http.body_bytes_max`, 415 content
+//!   type, 503 (with `Retry-After` when the disk budget is full under `on_full = "block"`) when
+//!   the log cannot take the batch now.
 //!   A stream with `filters` runs them before sequencing; the answer's `count` is what was
 //!   stored (`count: 0`, `first_seq: 0`, `last_seq: 0` when every record was filtered out). A
 //!   derived stream (`source_stream`) takes no posts: 409.
@@ -300,7 +301,7 @@ async fn post_records(
     match app.ingest.ingest(&stream, records).await {
         Ok(ack) => axum::Json(json!({
             "stream": ack.stream,
-            "epoch": ack.epoch,
+            "epoch": sync::epoch::format(ack.epoch),
             "first_seq": ack.first_seq,
             "last_seq": ack.last_seq,
             "count": ingest::stored_count(&ack),
@@ -360,7 +361,7 @@ async fn post_idempotent(
     };
     let mut r = axum::Json(json!({
         "stream": answer.stream,
-        "epoch": answer.epoch,
+        "epoch": sync::epoch::format(answer.epoch),
         "first_seq": answer.first_seq,
         "last_seq": answer.last_seq,
         "count": answer.count,

@@ -213,7 +213,9 @@ pub fn rfc3339_ms(ms: u64) -> String {
 /// The whole agent.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
-    /// The current epoch.
+    /// The current epoch: 16 hex digits in JSON, like every epoch the agent and the hub write
+    /// (a number from older agents is read too).
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub link: LinkState,
     /// Why, since when, next retry (absent from older agents).
@@ -264,6 +266,8 @@ pub struct StreamReport {
     /// Gap markers of dropped records (one per contiguous run), over the data directory's life.
     #[serde(default)]
     pub dropped_gaps: u64,
+    /// 16 hex digits in JSON, as `StatusReport::epoch`.
+    #[serde(with = "sync::epoch::serde_hex")]
     pub quarantined_blocks: u64,
     /// False for a stream kept on the device (`replicate = false`): it owes the hub nothing,
     /// so its backlog is 0 and it has no oldest unsent record (absent from older agents).

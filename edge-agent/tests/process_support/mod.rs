@@ -255,12 +255,22 @@ pub fn content(line: &Json) -> (String, i64, Json) {
     )
 }
 
+/// The epoch of an `inspect` line, an ack or a status: 16 hex digits, a string.
+pub fn epoch_of(v: &Json) -> u64 {
+    let hex = v["epoch"].as_str();
+    assert!(
+        hex.is_some_and(|h| h.len() == 16),
+        "the epoch is not 16 hex digits as a string: {v}"
+    );
+    sync::epoch::parse(hex.unwrap()).unwrap_or_else(|| panic!("not a hex epoch: {v}"))
+}
+
 /// Checks that `lines` hold seqs 1..=N exactly once each, in one epoch, and returns them by seq.
 pub fn by_seq(lines: &[Json]) -> (u64, HashMap<u64, &Json>) {
-    let epoch = lines.first().map_or(0, |l| l["epoch"].as_u64().unwrap());
+    let epoch = lines.first().map_or(0, epoch_of);
     let mut seqs = HashMap::new();
     for l in lines {
-        assert_eq!(l["epoch"].as_u64(), Some(epoch), "one epoch only: {l}");
+        assert_eq!(epoch_of(l), epoch, "one epoch only: {l}");
         let seq = l["seq"].as_u64().unwrap();
         assert!(seqs.insert(seq, l).is_none(), "seq {seq} appears twice");
     }
