@@ -518,7 +518,7 @@ async fn session(
             progressed = true;
             match ev {
                 SenderEvent::Established { version, epoch_max } => {
-                    tracing::info!(version, epoch_max, hub = %addr, "replication session established");
+                    tracing::info!(version, epoch_max = format_args!("{epoch_max:016x}"), hub = %addr, "replication session established");
                     established = true;
                     status.sessions_established.fetch_add(1, Ordering::Relaxed);
                     status.set("up", None);
@@ -560,8 +560,8 @@ async fn session(
                     let epoch = mint(log, epoch_min, &rekey).await?;
                     status.epochs_minted.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
-                        epoch,
-                        epoch_min,
+                        epoch = format_args!("{epoch:016x}"),
+                        epoch_min = format_args!("{epoch_min:016x}"),
                         "hub is ahead of this data directory; minted a new epoch"
                     );
                     sender.epoch_minted(now_of(clock), epoch);

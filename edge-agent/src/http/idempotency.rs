@@ -494,7 +494,7 @@ fn scan_epoch(
         let blocks = match log.read_blocks(stream, epoch, cursor, SCAN_CHUNK_BYTES) {
             Ok(b) => b,
             Err(e @ ReadError::Corrupt { .. }) => {
-                tracing::warn!(stream, epoch, error = %e, "idempotency keys after this block are not rebuilt");
+                tracing::warn!(stream, epoch = format_args!("{epoch:016x}"), error = %e, "idempotency keys after this block are not rebuilt");
                 return Ok(last);
             }
             Err(e) => return Err(e),
@@ -506,7 +506,7 @@ fn scan_epoch(
             let block = match decode_block(&b.bytes, &DecodeLimits::default()) {
                 Ok(block) => block,
                 Err(e) => {
-                    tracing::warn!(stream, epoch, error = %e, "idempotency keys after this block are not rebuilt");
+                    tracing::warn!(stream, epoch = format_args!("{epoch:016x}"), error = %e, "idempotency keys after this block are not rebuilt");
                     return Ok(last);
                 }
             };

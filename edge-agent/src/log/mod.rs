@@ -470,7 +470,9 @@ pub const RECORD_BYTES_MAX: usize = 16 << 20;
 pub enum QuarantineError {
     #[error("unknown stream {0:?}")]
     UnknownStream(String),
-    #[error("no stored block of {stream} epoch {epoch} lies within seqs {first_seq}..={last_seq}")]
+    #[error(
+        "no stored block of {stream} epoch {epoch:016x} lies within seqs {first_seq}..={last_seq}"
+    )]
     NotHeld {
         stream: String,
         epoch: u64,

@@ -129,7 +129,7 @@ pub(crate) fn recover(
         let current = *epochs.last().expect("an epoch");
         let acked = idx.acks.get(&current).map_or(0, |&(d, t)| d.max(t));
         if acked >= idx.next_seq {
-            tracing::warn!(stream = %name, epoch = current, acked, "continuing after the hub's acknowledged seq: the newest segment is gone");
+            tracing::warn!(stream = %name, epoch = format_args!("{current:016x}"), acked, "continuing after the hub's acknowledged seq: the newest segment is gone");
             idx.next_seq = acked + 1;
             init.next_seq = acked + 1;
             init.tail = None;

@@ -174,7 +174,7 @@ pub(super) async fn on_refusal(
                 status.blocks_quarantined.fetch_add(1, Ordering::Relaxed);
                 tracing::error!(
                     stream,
-                    epoch,
+                    epoch = format_args!("{epoch:016x}"),
                     first_seq = first,
                     last_seq = last,
                     code = ?reason.code,
@@ -184,7 +184,7 @@ pub(super) async fn on_refusal(
                 );
             }
             Ok(Err(e)) => {
-                tracing::error!(stream, epoch, first, last, error = %e, "quarantine failed")
+                tracing::error!(stream, epoch = format_args!("{epoch:016x}"), first, last, error = %e, "quarantine failed")
             }
             Err(e) => tracing::error!(stream, error = %e, "quarantine task failed"),
         }

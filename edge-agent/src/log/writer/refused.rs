@@ -58,7 +58,7 @@ impl Writer {
         }
         tracing::error!(
             stream = %name,
-            epoch,
+            epoch = format_args!("{epoch:016x}"),
             first_seq,
             last_seq,
             quarantine = %qpath.display(),
