@@ -2,21 +2,25 @@
 //!
 //! - A hub allow-list that refuses one of a device's two streams refuses that stream alone
 //!   (StreamRefused): the allowed stream keeps flowing on the one session, with no reconnect;
-//!   the agent shows the refused stream with its code on `/metrics`; the hub offers it a retry
-//!   every `ingest.stream_refusal_retry`. Once the allow-list is fixed (a hub restart with the
-//!   new config) the refused stream ships, without a new epoch, exactly once by the ledger.
+//!   the agent shows the refused stream with its code on `/metrics`, and in `/v1/status` and
+//!   `edge-agent status` with its code, the hub's message, since when (kept through the hub's
+//!   repeated refusals) and the next retry; the hub offers it a retry every
+//!   `ingest.stream_refusal_retry`. Once the allow-list is fixed (a hub restart with the new
+//!   config) the refused stream ships, without a new epoch, exactly once by the ledger, and
+//!   leaves the status.
 //! - After a hub restart (twice, away 2 s then 5 s) the agent's session is back within 2 s of
 //!   the hub being ready.
 //! - Against a hub that is not there, the attempts slow down (the backoff still grows).
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use serde_json::json;
+use serde_json::{Value, json};
 use tributary_tests::cluster::{self, AgentSpec, HubSpec, Pki};
 use tributary_tests::http;
 use tributary_tests::ledger::{Ledger, PostOutcome, Producer, SentRecord};
-use tributary_tests::procs::{Proc, wait_until};
+use tributary_tests::procs::{Proc, bin_path, wait_until};
 
 const REFUSED: &str = "telemetry";
 const ALLOWED: &str = "other";
@@ -73,6 +77,57 @@ fn metric(addr: std::net::SocketAddr, name: &str) -> f64 {
     cluster::fetch_metric(addr, name).unwrap_or(0.0)
 }
 
+/// `stream`'s entry among the agent's `refused_streams` in `/v1/status`, if it has one.
+fn refusal(spec: &AgentSpec, stream: &str) -> Option<Value> {
+    let status = cluster::status(spec.http).ok()?;
+    cluster::refused_streams(&status)
+        .into_iter()
+        .find(|r| r["stream"] == stream)
+}
+
+/// What `edge-agent status` prints for a person.
+fn human_status(spec: &AgentSpec) -> Result<String> {
+    let out = Command::new(bin_path("edge-agent"))
+        .args(["status", "--url", &format!("http://{}", spec.http)])
+        .output()
+        .context("running edge-agent status")?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        out.status.success(),
+        "edge-agent status failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(text)
+}
+
+/// The refused stream as `/v1/status` and `edge-agent status` show it: code, the hub's
+/// message (which names the stream), since when and the next retry (RFC 3339, after `since`).
+fn check_refusal_shown(spec: &AgentSpec, r: &Value) -> Result<()> {
+    let text = |k: &str| r[k].as_str().unwrap_or("").to_owned();
+    ensure!(
+        text("code") == "UNAUTHORIZED_STREAM" && text("message").contains(REFUSED),
+        "the status shows the refusal without its code or the hub's message: {r}"
+    );
+    let (since, next) = (text("since"), text("next_retry"));
+    ensure!(
+        since.ends_with('Z') && next.ends_with('Z') && since < next,
+        "since and next retry are not RFC 3339 times in order: {r}"
+    );
+    ensure!(
+        refusal(spec, ALLOWED).is_none(),
+        "the allowed stream is listed as refused"
+    );
+    let human = human_status(spec)?;
+    let line = format!("refused   {REFUSED}: UNAUTHORIZED_STREAM since {since} (");
+    ensure!(
+        human
+            .lines()
+            .any(|l| l.starts_with(&line) && l.contains("; next retry in ")),
+        "edge-agent status has no line {line:?}...:\n{human}"
+    );
+    Ok(())
+}
+
 #[test]
 fn a_refused_stream_keeps_the_session_and_ships_once_allowed() -> Result<()> {
     let root = tempfile::Builder::new().prefix("trb-refuse-").tempdir()?;
@@ -98,6 +153,15 @@ fn a_refused_stream_keeps_the_session_and_ships_once_allowed() -> Result<()> {
         metrics(spec.http).contains(&shown)
     })
     .with_context(|| tails(&[&hub, &agent]))?;
+    // ... and in its status, JSON and human, with the hub's message, since and next retry.
+    wait_until(
+        WAIT,
+        "the agent's status to list the refused stream",
+        || refusal(&spec, REFUSED).is_some(),
+    )
+    .with_context(|| tails(&[&hub, &agent]))?;
+    let first = refusal(&spec, REFUSED).context("the refused stream left the status")?;
+    check_refusal_shown(&spec, &first)?;
     // The allowed stream keeps flowing while the hub refuses the other one again, once per
     // retry period, on the same session.
     ingest(&producer, &mut ledger, ALLOWED, &batch("allowed", 300, 300))?;
@@ -120,7 +184,14 @@ fn a_refused_stream_keeps_the_session_and_ships_once_allowed() -> Result<()> {
         "the refused stream was acknowledged"
     );
     ensure!(cluster::read_stream(hub_spec.http, REFUSED)?.is_empty());
-    let epoch = cluster::stream_u64(&cluster::status(spec.http)?, REFUSED, "epoch");
+    // Refused again: still listed, since the first refusal.
+    let again = refusal(&spec, REFUSED).context("the refused stream left the status")?;
+    check_refusal_shown(&spec, &again)?;
+    ensure!(
+        again["since"] == first["since"],
+        "a repeated refusal moved `since`: {first} then {again}"
+    );
+    let epoch = cluster::stream_epoch(&cluster::status(spec.http)?, REFUSED)?;
 
     // The operator fixes the allow-list: the hub restarts with the new config.
     hub.terminate(Duration::from_secs(20))?;
@@ -130,11 +201,23 @@ fn a_refused_stream_keeps_the_session_and_ships_once_allowed() -> Result<()> {
     wait_acked(&spec, &[&hub, &agent], REFUSED, 350)?;
     wait_acked(&spec, &[&hub, &agent], ALLOWED, 600)?;
     let minted = metric(spec.http, "tributary_edge_epochs_minted_total");
-    let now_epoch = cluster::stream_u64(&cluster::status(spec.http)?, REFUSED, "epoch");
+    let now_epoch = cluster::stream_epoch(&cluster::status(spec.http)?, REFUSED)?;
     ensure!(
         minted == 0.0 && now_epoch == epoch,
-        "nothing was restored, yet the agent minted an epoch ({minted}, {epoch} -> {now_epoch})\n{}",
+        "nothing was restored, yet the agent minted an epoch ({minted}, {epoch:016x} -> {now_epoch:016x})\n{}",
         tails(&[&hub, &agent])
+    );
+    // Shipping again, it leaves the status.
+    wait_until(
+        WAIT,
+        "the shipped stream to leave the refused streams",
+        || refusal(&spec, REFUSED).is_none(),
+    )
+    .with_context(|| tails(&[&hub, &agent]))?;
+    let human = human_status(&spec)?;
+    ensure!(
+        !human.lines().any(|l| l.starts_with("refused")),
+        "edge-agent status still shows a refusal:\n{human}"
     );
     let mut observed = cluster::read_stream(hub_spec.http, REFUSED)?;
     observed.extend(cluster::read_stream(hub_spec.http, ALLOWED)?);

@@ -1,6 +1,7 @@
 //! `edge-agent status`: asks the running agent for `/v1/status` and prints streams, backlog
 //! bytes and segments, the oldest unsent record's age, the last acknowledged seq, link state
-//! (with its reason, since when and the next retry), the MQTT sources' connections and the
+//! (with its reason, since when and the next retry), one line per stream the hub refuses (its
+//! code and message, since when, the next offer), the MQTT sources' connections and the
 //! dropped counts (kept across restarts). `--json` prints the report as the agent sent it.
 
 use std::fmt::Write as _;
@@ -43,6 +44,9 @@ pub fn render(r: &StatusReport, url: &str) -> String {
     let _ = writeln!(out, "agent     {url}");
     let _ = writeln!(out, "epoch     {:016x}", r.epoch);
     let _ = writeln!(out, "link      {}", link_line(r));
+    for refused in &r.refused_streams {
+        let _ = writeln!(out, "refused   {}", refused_line(refused));
+    }
     for src in &r.sources {
         let _ = writeln!(out, "source    {}", source_line(src));
     }
@@ -127,6 +131,20 @@ fn link_line(r: &StatusReport) -> String {
     line
 }
 
+/// `telemetry: UNAUTHORIZED_STREAM since ... (5m 2s): message; next retry in 40s (...)`.
+fn refused_line(r: &edge_agent::http::status::RefusedReport) -> String {
+    format!(
+        "{}: {} since {} ({}): {}; next retry in {} ({})",
+        r.stream,
+        r.code,
+        r.since,
+        age(r.since_s),
+        r.message,
+        age(r.next_retry_in_s.ceil()),
+        r.next_retry
+    )
+}
+
 /// `mqtt sources[0] mqtt://host:1883 -> telemetry: connected since ..., 120 messages`.
 fn source_line(s: &edge_agent::http::status::SourceReport) -> String {
     let mut line = format!(
@@ -175,6 +193,29 @@ fn age(secs: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_stream_gets_a_line() {
+        let report: StatusReport = serde_json::from_value(serde_json::json!({
+            "epoch": "00000000000000ab", "link": "up", "fsync": "always", "on_full": "block",
+            "disk_bytes": 0, "disk_bytes_max": 1024, "poisoned": null, "streams": [],
+            "refused_streams": [{
+                "stream": "telemetry", "code": "UNAUTHORIZED_STREAM",
+                "message": "not on the allow-list", "since": "2026-12-02T03:00:00.000Z",
+                "since_s": 65.0, "next_retry": "2026-12-02T03:01:10.000Z", "next_retry_in_s": 4.2
+            }]
+        }))
+        .unwrap();
+        let text = render(&report, "http://agent");
+        assert!(text.contains("epoch     00000000000000ab"), "{text}");
+        assert!(
+            text.contains(
+                "refused   telemetry: UNAUTHORIZED_STREAM since 2026-12-02T03:00:00.000Z (1m 5s): \
+                 not on the allow-list; next retry in 5s (2026-12-02T03:01:10.000Z)"
+            ),
+            "{text}"
+        );
+    }
 
     #[test]
     fn units() {

@@ -131,7 +131,11 @@ impl AppState {
         .with_local_streams(|s| self.ingest.metrics().is_local(s));
         report.filters = self.ingest.metrics().filter_reports();
         let now = status::now_ms();
-        report.link_detail = self.replication.get().map(|l| l.state().detail(now));
+        if let Some(link) = self.replication.get() {
+            report.link_detail = Some(link.state().detail(now));
+            let refused = link.refused_streams();
+            report.refused_streams = refused.iter().map(|r| r.detail(now)).collect();
+        }
         report.sources = self.sources.reports();
         report
     }

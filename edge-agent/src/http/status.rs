@@ -6,6 +6,8 @@
 //!   and when the next attempt is due. The replicator records its transitions in a
 //!   [`LinkRecord`], the type both are built from.
 //! - Dropped counts come from the log's gap markers, which are durable: they survive restarts.
+//! - `refused_streams` lists the streams the hub refuses now: its code and message, since
+//!   when, and when the agent offers the stream again; a stream leaves it once it ships.
 //! - `sources` shows each MQTT source's connection: broker, state, last error, since when and
 //!   messages received.
 
@@ -120,6 +122,25 @@ pub struct LinkDetail {
     pub next_retry_in_s: Option<f64>,
 }
 
+/// A stream the hub refuses now (not on its allow-list, a quota, a forbidden key): the agent
+/// keeps its records, keeps it announced and offers it again at `next_retry`. Listed until the
+/// hub acknowledges the stream again.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RefusedReport {
+    pub stream: String,
+    /// The hub's code, as the protocol spells it (`UNAUTHORIZED_STREAM`, `QUOTA_EXCEEDED`).
+    pub code: String,
+    /// The hub's message.
+    pub message: String,
+    /// RFC 3339: the hub's first refusal since the stream last shipped.
+    pub since: String,
+    /// Seconds since `since`.
+    pub since_s: f64,
+    /// RFC 3339: when the agent offers the stream to the hub again.
+    pub next_retry: String,
+    pub next_retry_in_s: f64,
+}
+
 /// One MQTT source's connection, for the report.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct SourceReport {
@@ -221,6 +242,9 @@ pub struct StatusReport {
     /// Why, since when, next retry (absent from older agents).
     #[serde(default)]
     pub link_detail: Option<LinkDetail>,
+    /// The streams the hub refuses now (absent from older agents).
+    #[serde(default)]
+    pub refused_streams: Vec<RefusedReport>,
     /// The MQTT sources' connections (absent from older agents).
     #[serde(default)]
     pub sources: Vec<SourceReport>,
@@ -242,6 +266,8 @@ pub struct StatusReport {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StreamReport {
     pub stream: String,
+    /// 16 hex digits in JSON, as `StatusReport::epoch`.
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     /// The seq the next record will get.
     pub next_seq: u64,
@@ -266,8 +292,6 @@ pub struct StreamReport {
     /// Gap markers of dropped records (one per contiguous run), over the data directory's life.
     #[serde(default)]
     pub dropped_gaps: u64,
-    /// 16 hex digits in JSON, as `StatusReport::epoch`.
-    #[serde(with = "sync::epoch::serde_hex")]
     pub quarantined_blocks: u64,
     /// False for a stream kept on the device (`replicate = false`): it owes the hub nothing,
     /// so its backlog is 0 and it has no oldest unsent record (absent from older agents).
@@ -315,6 +339,7 @@ impl StatusReport {
             epoch: status.epoch,
             link,
             link_detail: None,
+            refused_streams: Vec::new(),
             sources: Vec::new(),
             fsync: fsync.to_owned(),
             on_full: on_full.to_owned(),

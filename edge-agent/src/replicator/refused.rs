@@ -1,4 +1,5 @@
-//! Streams the hub refuses right now, as `/metrics` and the status show them.
+//! Streams the hub refuses right now, as `/metrics`, `/v1/status` and `edge-agent status` show
+//! them: each until the hub acknowledges it again.
 
 use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
@@ -7,23 +8,39 @@ use std::time::Duration;
 use sync::protocol::ErrorCode;
 
 use super::LinkStatus;
+use crate::http::status::{RefusedReport, now_ms, rfc3339_ms};
 
-/// One stream the hub refused: why, and when the agent offers it again.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+/// One stream the hub refused: why, since when, and when the agent offers it again.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefusedStream {
     pub stream: String,
     /// The hub's code, as the protocol spells it (`UNAUTHORIZED_STREAM`, `QUOTA_EXCEEDED`).
     pub code: String,
     /// The hub's message.
     pub reason: String,
+    /// Unix ms of the first refusal since the stream last shipped (the hub repeats its
+    /// refusal once per retry period; that keeps this).
+    pub since_ms: u64,
     /// Unix ms of the next offer.
     pub next_retry_ms: u64,
+    /// `sessions_established` when the hub last refused it: an ack in a later session is
+    /// the hub taking the stream, whatever the retry time.
+    session: u64,
 }
 
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+impl RefusedStream {
+    /// The status report's view at `now_ms`.
+    pub fn detail(&self, now_ms: u64) -> RefusedReport {
+        RefusedReport {
+            stream: self.stream.clone(),
+            code: self.code.clone(),
+            message: self.reason.clone(),
+            since: rfc3339_ms(self.since_ms),
+            since_s: now_ms.saturating_sub(self.since_ms) as f64 / 1e3,
+            next_retry: rfc3339_ms(self.next_retry_ms),
+            next_retry_in_s: self.next_retry_ms.saturating_sub(now_ms) as f64 / 1e3,
+        }
+    }
 }
 
 /// `QuotaExceeded` as the protocol doc spells it: `QUOTA_EXCEEDED`.
@@ -48,12 +65,26 @@ impl LinkStatus {
         retry_after: Duration,
         message: &str,
     ) {
+        self.stream_refused_at(stream, code, retry_after, message, now_ms());
+    }
+
+    fn stream_refused_at(
+        &self,
+        stream: &str,
+        code: ErrorCode,
+        retry_after: Duration,
+        message: &str,
+        now_ms: u64,
+    ) {
         self.streams_refused.fetch_add(1, Ordering::Relaxed);
+        let mut refused = self.refused_now.lock().expect("refused streams lock");
         let entry = RefusedStream {
             stream: stream.to_owned(),
             code: code_name(code),
             reason: message.to_owned(),
-            next_retry_ms: now_ms().saturating_add(retry_after.as_millis() as u64),
+            since_ms: refused.get(stream).map_or(now_ms, |r| r.since_ms),
+            next_retry_ms: now_ms.saturating_add(retry_after.as_millis() as u64),
+            session: self.sessions_established.load(Ordering::Relaxed),
         };
         tracing::warn!(
             %stream,
@@ -62,16 +93,22 @@ impl LinkStatus {
             retry_in = ?retry_after,
             "hub refused a stream; the other streams carry on, it is offered again after the retry time"
         );
-        let mut refused = self.refused_now.lock().expect("refused streams lock");
         refused.insert(stream.to_owned(), entry);
     }
 
-    /// The hub acknowledged `stream`: once past its retry time, it is no longer refused.
+    /// The hub acknowledged `stream`: once past its retry time, or in a later session than
+    /// the refusal, it is no longer refused. (An ack in the refusal's session before the retry
+    /// time is for blocks sent before the refusal.)
     pub(super) fn stream_shipping(&self, stream: &str) {
+        self.stream_shipping_at(stream, now_ms());
+    }
+
+    fn stream_shipping_at(&self, stream: &str, now_ms: u64) {
+        let session = self.sessions_established.load(Ordering::Relaxed);
         let mut refused = self.refused_now.lock().expect("refused streams lock");
         if refused
             .get(stream)
-            .is_some_and(|r| now_ms() >= r.next_retry_ms)
+            .is_some_and(|r| now_ms >= r.next_retry_ms || session > r.session)
         {
             refused.remove(stream);
         }
@@ -173,5 +210,36 @@ mod tests {
         );
         s.stream_shipping("q");
         assert_eq!(s.refused_streams()[0].code, "QUOTA_EXCEEDED");
+    }
+
+    #[test]
+    fn a_repeated_refusal_keeps_its_since_and_a_later_session_clears_it() {
+        let s = LinkStatus::default();
+        let retry = Duration::from_secs(10);
+        s.stream_refused_at("q", ErrorCode::QuotaExceeded, retry, "quota", 1_000);
+        s.stream_refused_at("q", ErrorCode::QuotaExceeded, retry, "quota, again", 11_000);
+        let d = s.refused_streams()[0].detail(12_500);
+        assert_eq!(
+            d,
+            RefusedReport {
+                stream: "q".into(),
+                code: "QUOTA_EXCEEDED".into(),
+                message: "quota, again".into(),
+                since: "1970-01-01T00:00:01.000Z".into(),
+                since_s: 11.5,
+                next_retry: "1970-01-01T00:00:21.000Z".into(),
+                next_retry_in_s: 8.5,
+            }
+        );
+        // An ack of the same session before the retry time is for blocks sent before it.
+        s.stream_shipping_at("q", 12_500);
+        assert_eq!(s.refused_streams().len(), 1);
+        // A new session's ack is the hub taking the stream, retry time or not.
+        s.sessions_established.fetch_add(1, Ordering::Relaxed);
+        s.stream_shipping_at("q", 13_000);
+        assert!(s.refused_streams().is_empty());
+        // Refused again later: a new since.
+        s.stream_refused_at("q", ErrorCode::QuotaExceeded, retry, "quota", 50_000);
+        assert_eq!(s.refused_streams()[0].since_ms, 50_000);
     }
 }
