@@ -28,6 +28,7 @@ pub mod cluster;
 pub mod faultfs;
 pub mod http;
 pub mod ledger;
+pub mod lossy;
 pub mod mosquitto;
 pub mod netem;
 pub mod netns;
