@@ -505,7 +505,7 @@ async fn session(
                 TransmitKind::Control => ctl_tx
                     .write_all(&t.frame)
                     .await
-                    .map_err(|e| format!("control stream: {e}"))?,
+                    .map_err(control_write_error)?,
                 TransmitKind::Data => {
                     if let Some(b) = bucket.as_mut() {
                         b.take(t.frame.len() as u64).await;
@@ -628,7 +628,7 @@ async fn session(
         });
         tokio::select! {
             read = ctl_rx.read(&mut buf) => {
-                match read.map_err(|e| format!("control stream: {e}"))? {
+                match read.map_err(control_read_error)? {
                     Some(n) => {
                         frames.push(&buf[..n]);
                         while let Some(f) = frames.next_frame().map_err(|e| format!("hub sent a bad frame: {e}"))? {
@@ -647,6 +647,27 @@ async fn session(
             _ = sleep_until(deadline) => sender.handle_timeout(now_of(clock)),
             closed = conn.closed() => return Err(format!("connection lost: {closed}")),
         }
+    }
+}
+
+/// A control-stream read error with its cause: quinn's "connection lost" alone does not say
+/// whether the hub closed, reset (a hub that died and came back) or timed out.
+fn control_read_error(e: quinn::ReadError) -> String {
+    match e {
+        quinn::ReadError::ConnectionLost(cause) => {
+            format!("control stream: connection lost: {cause}")
+        }
+        other => format!("control stream: {other}"),
+    }
+}
+
+/// A control-stream write error with its cause, as [`control_read_error`].
+fn control_write_error(e: quinn::WriteError) -> String {
+    match e {
+        quinn::WriteError::ConnectionLost(cause) => {
+            format!("control stream: connection lost: {cause}")
+        }
+        other => format!("control stream: {other}"),
     }
 }
 

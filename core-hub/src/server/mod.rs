@@ -63,11 +63,14 @@
 //! - `events`: what the loop does with each receiver event (marks, backlog, fences).
 //! - `commit`: handing commits to the WAL and reporting their outcome.
 //! - `revocation`: polling the revocation list and dropping revoked sessions.
+//! - `reset_key`: the stateless-reset key kept across restarts, so agents notice a hub that
+//!   died and came back at their next packet instead of at their idle timeout.
 
 mod admission;
 mod commit;
 mod data;
 mod events;
+mod reset_key;
 mod revocation;
 mod session;
 mod stats;
@@ -108,6 +111,8 @@ pub enum ServeError {
     },
     #[error("revocation list: {0}")]
     Revocations(std::io::Error),
+    #[error(transparent)]
+    ResetKey(#[from] reset_key::ResetKeyError),
 }
 
 /// Flow-control settings for device connections.
@@ -224,16 +229,18 @@ async fn start_mutated(
     let socket = udp_socket(cfg.listen.quic)?;
     let runtime =
         quinn::default_runtime().ok_or_else(|| ServeError::Quic("no async runtime".into()))?;
-    let endpoint = quinn::Endpoint::new(
-        quinn::EndpointConfig::default(),
-        Some(server_cfg),
-        socket,
-        runtime,
-    )
-    .map_err(|source| ServeError::Bind {
-        addr: cfg.listen.quic,
-        source,
-    })?;
+    let reset = reset_key::load_or_create(hub.storage().as_ref(), hub.data_dir())?;
+    let mut endpoint_cfg = reset_key::endpoint_config(&reset);
+    // quinn's default (one reset per 20 ms for the whole endpoint) would let a restarted hub
+    // answer only 50 of its devices per second; each reset is smaller than the packet that
+    // caused it, so a faster rate amplifies nothing.
+    endpoint_cfg.min_reset_interval(Duration::from_micros(50));
+    let endpoint = quinn::Endpoint::new(endpoint_cfg, Some(server_cfg), socket, runtime).map_err(
+        |source| ServeError::Bind {
+            addr: cfg.listen.quic,
+            source,
+        },
+    )?;
     let local_addr = endpoint.local_addr().map_err(|source| ServeError::Bind {
         addr: cfg.listen.quic,
         source,
