@@ -15,7 +15,8 @@
 //! Read-through: once tiering evicted WAL files, offsets below the stream's tier-1 start
 //! (`evicted_end`) are read from tier 2 inside the same loop (the block rows stay in the
 //! index, their files are gone), filtered exactly like tier-1 records, and reading continues
-//! in tier 1 at that offset. Blocks the scrubber quarantined are skipped, and so is a block that
+//! in tier 1 at that offset. Both tiers serve the same fields: tier-1 records leave out the
+//! internal fields tier 2 never stores ([`crate::tiering::is_tiered_field`]). Blocks the scrubber quarantined are skipped, and so is a block that
 //! does not decode within the hub's limits: it is quarantined on the spot (`crate::poison`).
 //!
 //! Bounds ([`ReadState`], `[read]` in the config): a page holds at most as many records as its
@@ -132,7 +133,8 @@ pub mod mutation {
 }
 
 /// The decoded size a record counts in a page: as `sync::decoded` counts it in a block, plus
-/// the device name each read record carries.
+/// the device name each read record carries, over the fields readers get ([`reader_fields`]),
+/// so a record counts the same read from either tier.
 pub fn record_bytes(device: &str, r: &Record) -> u64 {
     parts_bytes(device, &r.key, &r.fields)
 }
@@ -141,6 +143,7 @@ pub fn record_bytes(device: &str, r: &Record) -> u64 {
 pub fn parts_bytes(device: &str, key: &str, fields: &[(String, Value)]) -> u64 {
     let fields: u64 = fields
         .iter()
+        .filter(|(n, _)| crate::tiering::is_tiered_field(n))
         .map(|(n, v)| {
             sync::decoded::FIELD_OVERHEAD_BYTES + (n.len() + sync::decoded::payload_len(v)) as u64
         })
@@ -540,7 +543,7 @@ fn scan_block(
                 seq: row.first_seq + i as u64,
                 key: r.key.clone(),
                 ts: r.ts,
-                fields: r.fields.clone(),
+                fields: reader_fields(&r.fields),
                 offset: o,
                 ingest_ts: b.ingest_ts,
                 segment: seg,
@@ -551,6 +554,18 @@ fn scan_block(
         }
     }
     true
+}
+
+/// The fields of a tier-1 record that readers see: those tier 2 keeps
+/// ([`crate::tiering::is_tiered_field`]), so a record reads the same from either tier. The
+/// agent's bookkeeping fields (`_mqtt_digest`, `_idempotency`) stay in the WAL, which is where
+/// the hub's own uses of them read them.
+fn reader_fields(fields: &[(String, Value)]) -> Vec<(String, Value)> {
+    fields
+        .iter()
+        .filter(|(name, _)| crate::tiering::is_tiered_field(name))
+        .cloned()
+        .collect()
 }
 
 /// Tier-2 records fetched per [`crate::tiering::read::TierReader`] page.

@@ -1028,7 +1028,8 @@ pub(crate) fn chunk_records(
 /// files (`docs/format/parquet.md`).
 pub const TIERED_INTERNAL_FIELDS: [&str; 1] = ["_topic"];
 
-/// True when a field of this name becomes a tier-2 column.
+/// True when a field of this name becomes a tier-2 column; tier-1 reads serve the same fields
+/// (`crate::read`), so a record reads the same from either tier.
 pub fn is_tiered_field(name: &str) -> bool {
     !name.starts_with('_') || TIERED_INTERNAL_FIELDS.contains(&name)
 }
