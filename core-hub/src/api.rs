@@ -12,7 +12,8 @@
 //!   10000 and is capped at 100000; a page also stops before `read.page_bytes_max` of decoded
 //!   records (never empty), and `follow=true` is capped by `read.follows_max` (503, JSON).
 //!   Served by [`crate::streams::api`], with the segment, cut and reader-group routes.
-//! - `GET /v1/devices`: JSON list of devices: last contact, marks, fence, backlog, gaps.
+//! - `GET /v1/devices`: JSON list of devices: last contact, marks, fence, revocation (the
+//!   rule, and where and when the hub refused the device, [`crate::refusals`]), backlog, gaps.
 //! - `POST /v1/devices/{id}/retire` (`?undo=true` reverses it): takes a scrapped device out
 //!   of every completeness answer, watermark and gauge ([`crate::completeness`]).
 //! - `GET /v1/streams/{s}`: one stream: records, ingest rates, the segment graph with its rates
@@ -371,10 +372,47 @@ pub struct DeviceInfo {
     /// Last contact, ns since the Unix epoch.
     pub last_contact_ns: Option<i64>,
     pub fenced: Option<String>,
+    /// Why the hub refuses the device, when a revocation does.
+    #[serde(default)]
+    pub revoked: Option<RevokedInfo>,
     pub retired: bool,
     pub marks: Vec<MarkInfo>,
     pub backlog: Vec<BacklogInfo>,
     pub gaps: Vec<GapInfo>,
+}
+
+/// Why a device is revoked, in `GET /v1/devices`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct RevokedInfo {
+    /// In words: where and when it was refused, and the rule.
+    pub reason: String,
+    /// The revocation list line that revokes it, and its text.
+    pub line: usize,
+    pub rule: String,
+    /// Where the hub last refused it: `handshake`, `session_start` or `live_session`; `None`
+    /// for a device the list revokes as a whole that has not tried since.
+    pub refused_at: Option<String>,
+    /// The refused certificate's serial (normalised).
+    pub serial: Option<String>,
+    /// The first and the latest refusal under this rule, ns since the Unix epoch.
+    pub first_refused_ns: Option<i64>,
+    pub last_refused_ns: Option<i64>,
+}
+
+impl RevokedInfo {
+    fn of(r: crate::pki::Revoked) -> RevokedInfo {
+        let reason = r.reason();
+        let refusal = r.refusal.as_ref();
+        RevokedInfo {
+            reason,
+            line: r.rule.line,
+            rule: r.rule.text,
+            refused_at: refusal.map(|f| f.at.name().to_string()),
+            serial: refusal.map(|f| f.serial.clone()),
+            first_refused_ns: refusal.map(|f| f.first_ns),
+            last_refused_ns: refusal.map(|f| f.last_ns),
+        }
+    }
 }
 
 /// A durable mark in `GET /v1/devices`.
@@ -423,8 +461,11 @@ async fn devices(State(st): State<AppState>) -> Response {
 fn device_list(hub: &Hub) -> Result<Vec<DeviceInfo>, crate::catalog::CatalogError> {
     let cat = hub.catalog();
     let name = |id| hub.stream_name(id).unwrap_or_default();
+    let revoked = |device: &str| hub.stats().revocation.revoked(device).map(RevokedInfo::of);
+    let devices = cat.devices()?;
+    let strangers = crate::refusals::uncatalogued(hub, &devices);
     let mut out = Vec::new();
-    for d in cat.devices()? {
+    for d in devices {
         let marks = cat.marks_of(d.id)?.into_iter().map(|m| MarkInfo {
             stream: name(m.stream),
             epoch: m.epoch,
@@ -447,6 +488,7 @@ fn device_list(hub: &Hub) -> Result<Vec<DeviceInfo>, crate::catalog::CatalogErro
             reason: g.reason,
         });
         out.push(DeviceInfo {
+            revoked: revoked(&d.name),
             id: d.name,
             last_contact_ns: d.last_contact_ns,
             fenced: d.fence_reason,
@@ -454,6 +496,19 @@ fn device_list(hub: &Hub) -> Result<Vec<DeviceInfo>, crate::catalog::CatalogErro
             marks: marks.collect(),
             backlog: backlog.collect(),
             gaps: gaps.collect(),
+        });
+    }
+    // Refused before any session of theirs started: no catalog row, but shut out all the same.
+    for id in strangers {
+        out.push(DeviceInfo {
+            revoked: revoked(&id),
+            id,
+            last_contact_ns: None,
+            fenced: None,
+            retired: false,
+            marks: Vec::new(),
+            backlog: Vec::new(),
+            gaps: Vec::new(),
         });
     }
     Ok(out)

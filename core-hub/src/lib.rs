@@ -31,6 +31,7 @@ pub mod metrics;
 pub mod pki;
 pub mod poison;
 pub mod read;
+pub mod refusals;
 pub mod republish;
 pub mod scrub;
 pub mod server;

@@ -35,13 +35,15 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, DistinguishedName as TlsDn, SignatureScheme};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, OnceLock, RwLock};
 use std::time::SystemTime;
 use thiserror::Error;
+
+use crate::refusals::{Refusal, Refusals, RefusedAt};
 
 /// The ALPN protocol id of the replication protocol.
 pub const ALPN: &[u8] = b"tributary/1";
@@ -673,9 +675,22 @@ impl std::fmt::Display for RevocationProblem {
 /// are revoked (so a re-issued certificate works again).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RevocationList {
-    devices: HashSet<String>,
-    serials: HashSet<String>,
+    /// Devices revoked as a whole, each with the first line that does it.
+    devices: HashMap<String, RevocationRule>,
+    /// Revoked certificate serials, normalised, each with the first line that names it.
+    serials: HashMap<String, RevocationRule>,
     problems: Vec<RevocationProblem>,
+}
+
+/// The line of the revocation list that revokes something, as the operator sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RevocationRule {
+    /// Its line number in the file, from 1.
+    pub line: usize,
+    /// The line as written, without its comment.
+    pub text: String,
+    /// What it does, in words: "revocation list line 3 `dev-1 42bb57` revokes ...".
+    pub why: String,
 }
 
 impl RevocationList {
@@ -721,10 +736,21 @@ impl RevocationList {
         // Listed as written even when invalid: it can never match a certificate (CNs are
         // validated), but a caller asking about that exact name gets "revoked".
         let device_ok = crate::config::valid_device_id(device);
+        let rule = |why: String| RevocationRule {
+            line,
+            text: text.to_string(),
+            why,
+        };
         let why = match fields[1..] {
             _ if !device_ok => format!("`{device}` is not a device id"),
             [] => {
-                self.devices.insert(device.to_string());
+                let why = format!(
+                    "revocation list line {line} `{text}` names the device (`core-hub pki \
+                     revoke`), so the hub refuses its certificates at the handshake"
+                );
+                self.devices
+                    .entry(device.to_string())
+                    .or_insert_with(|| rule(why));
                 return;
             }
             [serial] => match normalize_serial(serial) {
@@ -738,57 +764,52 @@ impl RevocationList {
                             serial,
                         });
                     }
-                    self.serials.insert(serial);
+                    let why = format!(
+                        "revocation list line {line} `{text}` revokes the certificate with \
+                         serial {serial}"
+                    );
+                    self.serials.entry(serial).or_insert_with(|| rule(why));
                     return;
                 }
                 Err(e) => format!("serial `{serial}`: {e}"),
             },
             _ => "more than two fields (expected `device-id [serial]`)".to_string(),
         };
-        self.devices.insert(device.to_string());
-        self.problems.push(RevocationProblem::Invalid {
+        let problem = RevocationProblem::Invalid {
             line,
             text: text.to_string(),
             why,
             device_revoked: device_ok,
-        });
+        };
+        self.devices
+            .entry(device.to_string())
+            .or_insert_with(|| rule(format!("revocation list {problem}")));
+        self.problems.push(problem);
     }
 
-    /// Every device revoked as a whole, with why: listed alone, or named by a line that does
-    /// not parse (which revokes the device rather than fail open).
-    pub fn device_reasons(&self) -> HashMap<String, String> {
-        let mut out: HashMap<String, String> = self
-            .devices
-            .iter()
-            .map(|d| {
-                let why = "revoked: the revocation list names the device (`core-hub pki revoke`), \
-                           so the hub refuses its certificates at the handshake";
-                (d.clone(), why.to_string())
-            })
-            .collect();
-        for p in &self.problems {
-            if let RevocationProblem::Invalid {
-                text,
-                device_revoked: true,
-                ..
-            } = p
-            {
-                let device = text.split_whitespace().next().unwrap_or_default();
-                out.insert(device.to_string(), format!("revoked: revocation list {p}"));
-            }
-        }
-        out
+    /// Every device revoked as a whole, with the rule that does it: listed alone, or named by
+    /// a line that does not parse (which revokes the device rather than fail open).
+    pub fn device_rules(&self) -> HashMap<String, RevocationRule> {
+        self.devices.clone()
+    }
+
+    /// The rule that refuses a certificate of `device` with this normalised serial: the
+    /// device's own line first, else the serial's.
+    pub fn rule_for(&self, device: &str, serial: &str) -> Option<&RevocationRule> {
+        self.devices
+            .get(device)
+            .or_else(|| self.serials.get(serial))
     }
 
     /// Whether every certificate of `device_id` is revoked.
     pub fn is_revoked(&self, device_id: &str) -> bool {
-        self.devices.contains(device_id)
+        self.devices.contains_key(device_id)
     }
 
     /// Whether a certificate with this serial is revoked; any written form matches
     /// ([`normalize_serial`]), and an unreadable serial counts as revoked.
     pub fn is_serial_revoked(&self, serial: &str) -> bool {
-        normalize_serial(serial).map_or(true, |s| self.serials.contains(&s))
+        normalize_serial(serial).map_or(true, |s| self.serials.contains_key(&s))
     }
 
     /// Whether the certificate is revoked, by device or by serial. Unparseable certificates count
@@ -829,8 +850,11 @@ pub struct RevocationStats {
     pub load_failures: AtomicU64,
     /// Live sessions closed because their certificate became revoked.
     pub sessions_closed: AtomicU64,
-    /// Devices the list in force revokes as a whole, each with why, for the status page.
-    pub revoked_devices: RwLock<HashMap<String, String>>,
+    /// Devices the list in force revokes as a whole, each with its rule, for the status page.
+    pub revoked_devices: RwLock<HashMap<String, RevocationRule>>,
+    /// The devices the hub refused for a revocation, once the server runs
+    /// ([`SharedRevocations::refusals`]).
+    refusals: OnceLock<Arc<Refusals>>,
 }
 
 impl RevocationStats {
@@ -847,20 +871,68 @@ impl RevocationStats {
         self.entries.store(list.len() as u64, Ordering::Relaxed);
         self.invalid.store(count(false), Ordering::Relaxed);
         self.unmatched.store(count(true), Ordering::Relaxed);
-        let reasons = list.device_reasons();
+        let rules = list.device_rules();
         *self
             .revoked_devices
             .write()
-            .unwrap_or_else(|e| e.into_inner()) = reasons;
+            .unwrap_or_else(|e| e.into_inner()) = rules;
     }
 
-    /// Why `device` is revoked as a whole, when the list in force revokes it.
-    pub fn revoked_reason(&self, device: &str) -> Option<String> {
+    /// Shows the refusals the server records (the first call wins).
+    pub fn show_refusals(&self, refusals: Arc<Refusals>) {
+        let _ = self.refusals.set(refusals);
+    }
+
+    /// Why `device` is revoked: the hub refused a certificate of it for a revocation (any
+    /// rule: by device or by serial), or the list in force revokes it as a whole.
+    pub fn revoked(&self, device: &str) -> Option<Revoked> {
+        if let Some(refusal) = self.refusals.get().and_then(|r| r.of(device)) {
+            return Some(Revoked {
+                rule: refusal.rule.clone(),
+                refusal: Some(refusal),
+            });
+        }
         let map = self
             .revoked_devices
             .read()
             .unwrap_or_else(|e| e.into_inner());
-        map.get(device).cloned()
+        let rule = map.get(device)?.clone();
+        Some(Revoked {
+            rule,
+            refusal: None,
+        })
+    }
+
+    /// [`RevocationStats::revoked`] in words.
+    pub fn revoked_reason(&self, device: &str) -> Option<String> {
+        self.revoked(device).map(|r| r.reason())
+    }
+
+    /// Every device refused for a revocation, by name, each with why: some may have no
+    /// catalog row (refused at their first handshake).
+    pub fn refused_devices(&self) -> Vec<(String, Refusal)> {
+        self.refusals.get().map(|r| r.all()).unwrap_or_default()
+    }
+}
+
+/// Why a device is revoked, as the status page and `GET /v1/devices` show it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Revoked {
+    /// The line of the revocation list that does it.
+    pub rule: RevocationRule,
+    /// When and where the hub refused a certificate of it; `None` for a device the list
+    /// revokes as a whole that has not tried since.
+    pub refusal: Option<Refusal>,
+}
+
+impl Revoked {
+    /// "refused at the TLS handshake for certificate serial 42bb57 (first ..., last ...):
+    /// revocation list line 1 `dev-1 42bb57` revokes ...".
+    pub fn reason(&self) -> String {
+        match &self.refusal {
+            Some(r) => format!("{}: {}", r.describe(), self.rule.why),
+            None => self.rule.why.clone(),
+        }
     }
 }
 
@@ -873,6 +945,8 @@ pub struct SharedRevocations {
     list: RwLock<Arc<RevocationList>>,
     /// Both files' stamps when last loaded: a change in either triggers a reload.
     stamp: RwLock<[Option<FileStamp>; 2]>,
+    /// The devices refused for a revocation, for the status page.
+    refusals: Arc<Refusals>,
 }
 
 impl SharedRevocations {
@@ -887,6 +961,7 @@ impl SharedRevocations {
             issued_path,
             list: RwLock::new(Arc::new(list)),
             stamp: RwLock::new(stamp),
+            refusals: Arc::default(),
         }))
     }
 
@@ -900,6 +975,11 @@ impl SharedRevocations {
         self.list.read().expect("revocation lock").clone()
     }
 
+    /// The devices refused for a revocation (recorded by the verifier and the sessions).
+    pub fn refusals(&self) -> &Arc<Refusals> {
+        &self.refusals
+    }
+
     /// Reloads the file if it (or the issuance record) changed; returns `true` when it did. The
     /// server driver polls this and then closes connections of certificates that became
     /// revoked. On an error the previous list stays in force.
@@ -909,6 +989,7 @@ impl SharedRevocations {
             return Ok(false);
         }
         let list = load_reported(&self.path, &self.issued_path)?;
+        self.refusals.reloaded(&list);
         *self.list.write().expect("revocation lock") = Arc::new(list);
         *self.stamp.write().expect("revocation lock") = stamp;
         Ok(true)
@@ -1111,7 +1192,10 @@ impl ClientCertVerifier for RevocationCheckingVerifier {
             .inner
             .verify_client_cert(end_entity, intermediates, now)
             .map_err(|e| self.refused(end_entity, e))?;
-        if self.revocations.current().is_cert_revoked(end_entity) {
+        let list = self.revocations.current();
+        if list.is_cert_revoked(end_entity) {
+            let refusals = self.revocations.refusals();
+            refusals.refused(&list, end_entity, RefusedAt::Handshake);
             let revoked = rustls::Error::InvalidCertificate(rustls::CertificateError::Revoked);
             return Err(self.refused(end_entity, revoked));
         }

@@ -2,7 +2,8 @@
 //!
 //! It shows what an operator checks first:
 //! - **devices:** connected or offline (no contact for `completeness.offline_after`), retired,
-//!   fenced; last seen; event-time lag (now minus the newest event time committed from the
+//!   fenced, revoked (by device or by serial: the rule, and where and when the hub refused
+//!   it, [`crate::refusals`]); last seen; event-time lag (now minus the newest event time committed from the
 //!   device); backlog (blocks, bytes, oldest unsent event time) as last reported;
 //! - **streams:** records committed and ingest rates (last 10 s and 60 s, from the block
 //!   index), the segment graph over time (an inline SVG: x = wall time from each segment's
@@ -180,7 +181,7 @@ pub fn render(hub: &Hub, tracker: &Tracker) -> String {
     let offline_after =
         i64::try_from(tracker.config().offline_after.as_nanos()).unwrap_or(i64::MAX);
     let cat = hub.catalog();
-    let devices = cat.devices().unwrap_or_default();
+    let devices = devices::with_refused(hub, cat.devices().unwrap_or_default());
     let streams = cat.streams().unwrap_or_default();
     let summaries: Vec<(crate::catalog::StreamRow, Option<StreamSummary>)> = streams
         .into_iter()

@@ -1,5 +1,6 @@
 //! The status page's devices table: worst first, each device that is not fine with why in
-//! words (revoked and the line of the list that does it, fenced and the conflict, the gaps
+//! words (revoked: the line of the list that does it and, once the hub refused a certificate
+//! of it by device or by serial, where and when; fenced and the conflict, the gaps
 //! its agent reported and how many records they lost, offline), and the healthy rest of a
 //! large fleet collapsed under one `<details>` line, so the page stays usable with thousands.
 //!
@@ -55,6 +56,23 @@ pub(super) struct DeviceView<'a> {
     pub health: Health,
     /// Every reason it is not fine, as sentences (escaped when rendered).
     pub why: Vec<String>,
+}
+
+/// No catalog row has this id: a device refused for a revocation before any session of it
+/// started is shown with it, so it matches no marks, backlog or gaps.
+const UNCATALOGUED: crate::catalog::DeviceId = crate::catalog::DeviceId::MAX;
+
+/// The catalog's devices and those refused for a revocation before they ever had a session.
+pub(super) fn with_refused(hub: &Hub, mut devices: Vec<DeviceRow>) -> Vec<DeviceRow> {
+    let strangers = crate::refusals::uncatalogued(hub, &devices);
+    devices.extend(strangers.into_iter().map(|name| DeviceRow {
+        id: UNCATALOGUED,
+        name,
+        fence_reason: None,
+        last_contact_ns: None,
+        retired: false,
+    }));
+    devices
 }
 
 /// The gaps each device reported, by device name.
@@ -118,7 +136,7 @@ pub(super) fn classify<'a>(
         .map(|row| {
             let mut why = Vec::new();
             let revoked = revocation.revoked_reason(&row.name);
-            why.extend(revoked.clone());
+            why.extend(revoked.as_ref().map(|r| format!("revoked: {r}")));
             if let Some(r) = &row.fence_reason {
                 why.push(format!("fenced: {r}"));
             }

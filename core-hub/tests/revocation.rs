@@ -8,6 +8,10 @@
 //! - A line edited by hand whose serial cannot be read revokes that device whole (fail closed)
 //!   and is counted as invalid; a serial that matches no issued certificate is counted as
 //!   unmatched.
+//! - A device refused for a revocation by serial (its live session dropped, then its
+//!   certificate refused at the handshake, and a device refused at its very first handshake)
+//!   is shown revoked on the status page, in `GET /v1/devices` and by `core-hub devices`, with
+//!   the line of the list and when; re-issued, it is accepted and shown revoked no more.
 //! - Mutation checks (`core_hub::server::Mutation`, feature `fault-injection`): with live
 //!   sessions checked by device only, the session revoked by serial keeps committing; with the
 //!   close sent before the session's commits settled, records land after the device saw the
@@ -20,6 +24,7 @@ use common::quic::{Running, connect, issue};
 use anyhow::{Context, Result, bail, ensure};
 use core_hub::Hub;
 use core_hub::server::Mutation;
+use serde_json::Value;
 use std::path::Path;
 use std::time::{Duration, Instant as StdInstant};
 use sync::block::{VERSION_ROWS, encode_block};
@@ -397,4 +402,170 @@ async fn mutation_closing_before_commits_settle_lands_records_after_the_drop() -
         }
     }
     bail!("in {rounds} rounds no record landed after the drop: the mutation proves nothing")
+}
+
+/// Serves the hub's HTTP API (no tokens) on loopback.
+async fn serve_api(run: &Running) -> Result<core_hub::client::ApiTarget> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let router = core_hub::api::router_with(
+        run.hub.clone(),
+        Vec::new(),
+        core_hub::completeness::CompletenessConfig::default(),
+    );
+    tokio::spawn(core_hub::api::serve(
+        listener,
+        router,
+        std::future::pending(),
+    ));
+    Ok(core_hub::client::ApiTarget::from_listen(addr, None))
+}
+
+/// `device` in `GET /v1/devices`, if listed.
+async fn api_device(api: &core_hub::client::ApiTarget, device: &str) -> Result<Option<Value>> {
+    let resp = core_hub::client::get(api, "/v1/devices").await?;
+    ensure!(resp.status == 200, "GET /v1/devices: {}", resp.status);
+    let list: Value = serde_json::from_slice(&resp.body)?;
+    let found = list
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|d| d["id"] == device);
+    Ok(found.cloned())
+}
+
+/// Polls `GET /v1/devices` until `device`'s revocation says it was refused `at`.
+async fn refused_at(api: &core_hub::client::ApiTarget, device: &str, at: &str) -> Result<Value> {
+    let deadline = StdInstant::now() + WAIT;
+    loop {
+        let d = api_device(api, device).await?;
+        if let Some(r) = d.as_ref().map(|d| &d["revoked"])
+            && r["refused_at"] == at
+        {
+            return Ok(r.clone());
+        }
+        ensure!(
+            StdInstant::now() < deadline,
+            "{device} never shown refused at {at}: {d:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `device`'s row of the status page.
+async fn page_row(api: &core_hub::client::ApiTarget, device: &str) -> Result<String> {
+    let page = core_hub::client::get(api, "/").await?;
+    ensure!(page.status == 200, "GET /: {}", page.status);
+    let html = String::from_utf8_lossy(&page.body).into_owned();
+    let start = html
+        .find(&format!("id=\"device-{device}\""))
+        .with_context(|| format!("no row for {device} on the page:\n{html}"))?;
+    let end = html[start..].find("</tr>").context("an unclosed row")? + start;
+    Ok(html[start..end].to_string())
+}
+
+/// A connection attempt the hub must refuse: at the handshake, or with a session that never
+/// gets an ack.
+async fn refused_attempt(run: &Running, device: &str, cert: &Path) -> Result<()> {
+    let attempt = tokio::time::timeout(WAIT, async {
+        let conn = connect(run.quic, cert).await?;
+        let (acked_tx, _acked_rx) = watch::channel(0u64);
+        self::device(device.into(), conn, acked_tx).await
+    })
+    .await
+    .context("the revoked certificate kept a session")?;
+    if let Ok(ended) = attempt {
+        ensure!(ended.acked == 0, "the revoked certificate shipped data");
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_refused_by_serial_is_shown_revoked_with_its_rule_and_when() -> Result<()> {
+    let run = start().await?;
+    let api = serve_api(&run).await?;
+    let (cert, serial) = issue(&run.pki, "dev-1")?;
+    let (session, _) = ingesting(&run, "dev-1", &cert).await?;
+    let before = api_device(&api, "dev-1").await?.context("dev-1 listed")?;
+    ensure!(before["revoked"].is_null(), "revoked too early: {before}");
+
+    // A new revocation by serial drops the live session: shown with its line, serial and when.
+    revoke_serial(&run, "dev-1", &serial)?;
+    tokio::time::timeout(WAIT, session)
+        .await
+        .context("the revoked session was not dropped")???;
+    let live = refused_at(&api, "dev-1", "live_session").await?;
+    println!("live session dropped: {live}");
+    assert_eq!(live["line"], 1);
+    assert_eq!(live["serial"], serial.as_str());
+    let reason = live["reason"].as_str().unwrap_or_default();
+    assert!(
+        reason.contains(&format!("serial {serial}")) && reason.contains("line 1"),
+        "{reason}"
+    );
+    let first = live["first_refused_ns"].as_i64().context("when")?;
+    let row = page_row(&api, "dev-1").await?;
+    assert!(row.contains(">revoked<"), "{row}");
+    assert!(
+        row.contains("live session closed") && row.contains(&format!("serial {serial}")),
+        "{row}"
+    );
+    assert!(row.contains("revocation list line 1"), "{row}");
+
+    // Coming back with that certificate: refused at the handshake, first refusal kept.
+    refused_attempt(&run, "dev-1", &cert).await?;
+    let again = refused_at(&api, "dev-1", "handshake").await?;
+    assert_eq!(again["first_refused_ns"].as_i64(), Some(first));
+    assert!(again["last_refused_ns"].as_i64() > Some(first), "{again}");
+    let url = format!("http://{}", api.authority);
+    let out = core_hub_cli(&["devices", "--url", &url])?;
+    let table = String::from_utf8_lossy(&out.stdout);
+    ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = table
+        .lines()
+        .find(|l| l.starts_with("dev-1 "))
+        .with_context(|| format!("no dev-1 in\n{table}"))?;
+    assert!(
+        line.contains("revoked: refused at the TLS handshake for certificate serial"),
+        "{line}"
+    );
+
+    // A device refused at its very first handshake has no catalog row, and is listed all the
+    // same.
+    let (cert9, serial9) = issue(&run.pki, "dev-9")?;
+    revoke_serial(&run, "dev-9", &serial9)?;
+    let hub = run.hub.clone();
+    wait_for("the hub to load the second revocation", || {
+        metric(&hub, "tributary_hub_revocation_entries") == 2
+    })
+    .await?;
+    refused_attempt(&run, "dev-9", &cert9).await?;
+    let stranger = refused_at(&api, "dev-9", "handshake").await?;
+    assert_eq!(stranger["line"], 2, "{stranger}");
+    let row = page_row(&api, "dev-9").await?;
+    assert!(row.contains(">revoked<") && row.contains("line 2"), "{row}");
+
+    // Re-issued, dev-1 starts a session again and is no longer shown revoked.
+    let renewed = run.pki.with_file_name("cert-dev-1-renewed");
+    core_hub::pki::issue(&run.pki, "dev-1", &renewed)?;
+    let conn = connect(run.quic, &renewed).await?;
+    let (acked_tx, _acked_rx) = watch::channel(0u64);
+    let session = tokio::spawn(device("dev-1".into(), conn, acked_tx));
+    let deadline = StdInstant::now() + WAIT;
+    loop {
+        let back = api_device(&api, "dev-1").await?.context("dev-1 listed")?;
+        if back["revoked"].is_null() {
+            break;
+        }
+        ensure!(StdInstant::now() < deadline, "still shown revoked: {back}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let row = page_row(&api, "dev-1").await?;
+    assert!(!row.contains("revoked"), "{row}");
+    session.abort();
+    Ok(())
 }

@@ -113,6 +113,18 @@ fn a_restored_older_data_directory_mints_a_new_epoch_and_loses_nothing() -> Resu
             || agent.stdout().contains("minted a new epoch")
     });
     logged.with_context(|| agent.log_tail(30))?;
+    // The log names the epochs as everything else does: 16 hex digits.
+    let minted_hex = format!(
+        "epoch={:016x}",
+        cluster::epoch(&cluster::status(spec.http)?)?
+    );
+    let log = format!("{}{}", agent.stderr(), agent.stdout());
+    ensure!(
+        log.lines()
+            .any(|l| l.contains("hub is ahead of this data directory") && l.contains(&minted_hex)),
+        "no mint line with {minted_hex}:\n{}",
+        agent.log_tail(30)
+    );
 
     // Phase C: new data goes under the new epoch and replicates.
     let epochs_c = ingest(&producer, &mut ledger, &batch("c", 5_000, 2_000))?;

@@ -62,6 +62,8 @@ pub fn render(list: &Value) -> String {
     for d in list.as_array().into_iter().flatten() {
         let state = if d["retired"] == true {
             "retired".to_string()
+        } else if let Some(r) = d["revoked"]["reason"].as_str() {
+            format!("revoked: {r}")
         } else if let Some(f) = d["fenced"].as_str() {
             format!("fenced: {f}")
         } else {

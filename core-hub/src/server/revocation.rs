@@ -13,6 +13,7 @@ use super::ConnCtx;
 use super::Mutation;
 use crate::ingest::Hub;
 use crate::pki::SharedRevocations;
+use crate::refusals::RefusedAt;
 
 /// How often the revocation list file is checked for changes: a revoked certificate's live
 /// sessions are closed within this plus [`SETTLE_ON_CLOSE`].
@@ -26,6 +27,8 @@ pub(super) async fn poll_revocations(
     tx: watch::Sender<u64>,
 ) {
     let stats = &hub.stats().revocation;
+    // The status page shows the devices the verifier and the sessions refuse.
+    stats.show_refusals(revocations.refusals().clone());
     let mut generation = 0u64;
     loop {
         tokio::time::sleep(REVOCATION_POLL).await;
@@ -59,14 +62,19 @@ pub(super) async fn poll_revocations(
 }
 
 impl ConnCtx {
-    /// Whether this session's certificate is revoked now, by device or by serial.
-    pub(super) fn revoked(&self, device: &str, leaf: &CertificateDer<'_>) -> bool {
+    /// Whether this session's certificate is revoked now, by device or by serial; a revoked
+    /// one is recorded as refused `at`, for the status page.
+    pub(super) fn revoked(&self, device: &str, leaf: &CertificateDer<'_>, at: RefusedAt) -> bool {
         let list = self.revocations.current();
         #[cfg(feature = "fault-injection")]
-        if self.mutation == Mutation::RevokeByDeviceOnly {
-            return list.is_revoked(device);
+        if self.mutation == Mutation::RevokeByDeviceOnly && !list.is_revoked(device) {
+            return false;
         }
         let _ = device;
-        list.is_cert_revoked(leaf)
+        let revoked = list.is_cert_revoked(leaf);
+        if revoked {
+            self.revocations.refusals().refused(&list, leaf, at);
+        }
+        revoked
     }
 }

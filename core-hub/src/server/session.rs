@@ -26,6 +26,7 @@ use super::commit::{Charged, Done, error_code, push_tiered, refuses_stream, sett
 use super::data::{DECODE_AHEAD, Data, Turn, next_data, read_data};
 use super::events::{self, Announced, announced_last_seqs, handle_event};
 use super::{ConnCtx, ConnStats};
+use crate::refusals::RefusedAt;
 
 /// Runs one connection from its handshake to its end.
 pub(super) async fn connection(ctx: ConnCtx, handshake: Handshake) -> Result<(), String> {
@@ -101,7 +102,10 @@ async fn control_stream(
 /// Why a device may not start a session now, checked once its control stream is open.
 fn gate(ctx: &ConnCtx, device: &str, leaf: &CertificateDer<'_>) -> Option<(ErrorCode, String)> {
     // The list may have changed between the handshake's check and now.
-    if ctx.revocations.current().is_cert_revoked(leaf) {
+    let list = ctx.revocations.current();
+    if list.is_cert_revoked(leaf) {
+        let refusals = ctx.revocations.refusals();
+        refusals.refused(&list, leaf, RefusedAt::SessionStart);
         tracing::warn!(%device, "refusing a revoked certificate");
         return Some((ErrorCode::Revoked, "certificate revoked".into()));
     }
@@ -113,6 +117,8 @@ fn gate(ctx: &ConnCtx, device: &str, leaf: &CertificateDer<'_>) -> Option<(Error
         ));
     }
     ctx.hub.touch(device);
+    // A certificate the list accepts: whatever refused this device before no longer does.
+    ctx.revocations.refusals().accepted(device);
     // While tier 1 takes no writes, a session would only ship blocks to be refused: say so at
     // once, and the agent comes back after its short storage retry.
     if let Some(why) = ctx.hub.storage_unavailable() {
@@ -452,7 +458,10 @@ impl Session {
 
     /// Closes the session if the list now names its certificate, by device or by serial.
     fn check_revoked(&mut self) {
-        if self.ctx.revoked(&self.device, &self.leaf) {
+        if self
+            .ctx
+            .revoked(&self.device, &self.leaf, RefusedAt::LiveSession)
+        {
             tracing::warn!(device = %self.device, "certificate revoked; disconnecting");
             self.rx
                 .close(self.ctx.now(), ErrorCode::Revoked, "certificate revoked");
