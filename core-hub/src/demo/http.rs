@@ -31,6 +31,8 @@ async fn get(target: &ApiTarget, path: &str) -> Result<HttpResponse> {
 #[derive(Debug, Clone, Deserialize)]
 pub struct IngestAck {
     pub stream: String,
+    /// 16 hex digits, a string, as the agent writes every epoch.
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub first_seq: u64,
     pub last_seq: u64,
@@ -49,6 +51,7 @@ pub struct EdgeStatus {
 #[derive(Debug, Clone, Deserialize)]
 pub struct EdgeStream {
     pub stream: String,
+    #[serde(with = "sync::epoch::serde_hex")]
     pub epoch: u64,
     pub next_seq: u64,
     pub durable_seq: u64,
@@ -210,5 +213,20 @@ mod tests {
             Some(1234.0)
         );
         assert_eq!(metric(text, "missing"), None);
+    }
+
+    #[test]
+    fn reads_the_agents_hex_epochs() {
+        let ack: IngestAck = serde_json::from_str(
+            r#"{"stream":"s","epoch":"f3a9c2e1b04d5700","first_seq":1,"last_seq":2,"count":2}"#,
+        )
+        .unwrap();
+        assert_eq!(ack.epoch, 0xf3a9_c2e1_b04d_5700);
+        let status: EdgeStatus = serde_json::from_str(
+            r#"{"link":"up","disk_bytes":0,"streams":[{"stream":"s","epoch":"00000000000000ff",
+                "next_seq":3,"durable_seq":2,"acked_seq":2,"backlog_bytes":0,"backlog_blocks":0}]}"#,
+        )
+        .unwrap();
+        assert_eq!(status.streams[0].epoch, 0xff);
     }
 }
