@@ -17,7 +17,7 @@
 //! Producers cannot forge one: a body whose records carry a field named `_idempotency` is
 //! refused with 400 (`parse_body`), and records from other sources lose such a field before
 //! they are filtered ([`Ingest::ingest`]). The field is replicated with the record like
-//! `_mqtt_digest`: readers at the hub see it on the last record of each keyed batch.
+//! `_mqtt_digest`, as bookkeeping: the hub's reads and tier 2 leave both out.
 //!
 //! # The cache: `data_dir/idempotency.db`
 //!
