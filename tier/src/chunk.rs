@@ -352,6 +352,9 @@ impl FieldColumn {
         match (&mut self.data, value) {
             (FieldData::F64(v), Value::F64(x)) => v[row] = *x,
             (FieldData::I64(v), Value::I64(x)) => v[row] = *x,
+            // A number column widened to DOUBLE holds the field's integers too (exact up to
+            // 2^53, rounded to the nearest double beyond).
+            (FieldData::F64(v), Value::I64(x)) => v[row] = *x as f64,
             (FieldData::Bool(v), Value::Bool(x)) => {
                 if *x {
                     v[byte] |= mask;

@@ -32,7 +32,7 @@ pub use durable::DurableError;
 pub use layout::{
     Manifest, chunk_path, chunks_prefix, ingest_date, manifest_path, manifests_prefix,
 };
-pub use schema::{ColumnSpec, FieldRegistry, RegistryError, ValueKind};
+pub use schema::{ColumnChange, ColumnSpec, FieldRegistry, RegistryError, ValueKind};
 pub use store::{
     DeleteError, GetError, ListError, ObjectInfo, OpenError, PutError, Tier2, Verified, VerifyError,
 };

@@ -3,8 +3,12 @@
 //! Rule (schema evolution, see `docs/format/parquet.md`):
 //! - a field keeps the column named after it for the FIRST type the hub saw for it in the
 //!   stream;
-//! - a later, different type of the same field gets its own column `{field}__{type}` with type
-//!   in `f64|i64|bool|str|bytes`;
+//! - numbers share one column: integers and decimals of a field go to the same column, INT64
+//!   while only integers arrived, widened to DOUBLE in place once a decimal arrives (or from the
+//!   start for a field pinned to float, [`FieldRegistry::pin_float`]); integers are then
+//!   written as doubles;
+//! - a later, different kind of the same field (number, bool, string, bytes) gets its own
+//!   column `{field}__{type}` with type in `f64|i64|bool|str|bytes`;
 //! - a name that would collide (case-insensitively, because DuckDB and Spark resolve column names
 //!   case-insensitively) with a fixed column or an earlier column gets `__2`, `__3`, ... appended.
 //!
@@ -105,6 +109,25 @@ pub struct FieldRegistry {
     by_field: HashMap<String, [Option<u32>; 5], FastHash>,
     /// lower-cased column names in use (fixed columns included), for collision checks.
     taken: HashSet<String>,
+    /// Fields the operator pinned to float: their first integer already makes a DOUBLE
+    /// column. Configuration, not data: it is not serialized.
+    float_fields: HashSet<String>,
+}
+
+/// How a field's columns changed between two snapshots of a registry
+/// ([`FieldRegistry::changes_since`]), for the hub to log and count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ColumnChange {
+    /// The field's INT64 column became DOUBLE: a decimal arrived, or the field was pinned.
+    Widened { field: String, column: String },
+    /// The field arrived with a kind its existing columns cannot hold (a number after a
+    /// string, ...): the new kind got a column of its own.
+    NewKind {
+        field: String,
+        column: String,
+        kind: ValueKind,
+        existing: Vec<ValueKind>,
+    },
 }
 
 impl FieldRegistry {
@@ -134,7 +157,64 @@ impl FieldRegistry {
             reg.taken.insert(lower);
             reg.columns.push(spec);
         }
+        // Integers of a field with a DOUBLE column and no INT64 one go to the DOUBLE column.
+        // Only after every spec is in: a registry written before numbers shared a column may
+        // hold both, and keeps both.
+        for slots in reg.by_field.values_mut() {
+            if slots[ValueKind::I64.index()].is_none() {
+                slots[ValueKind::I64.index()] = slots[ValueKind::F64.index()];
+            }
+        }
         Ok(reg)
+    }
+
+    /// Pins `field` to float: a field with no column yet gets a DOUBLE column on its first
+    /// number, and a field whose number column is INT64 has it widened now (files already
+    /// written keep their INT64 column). Returns true if the registry's columns changed.
+    pub fn pin_float(&mut self, field: &str) -> bool {
+        self.float_fields.insert(field.to_owned());
+        match self.by_field.get(field) {
+            Some(slots) if slots[ValueKind::F64.index()].is_none() => {
+                match slots[ValueKind::I64.index()] {
+                    Some(i) => {
+                        self.widen(field, i as usize);
+                        true
+                    }
+                    None => false,
+                }
+            }
+            _ => false,
+        }
+    }
+
+    /// What changed from `before` (an earlier snapshot of this registry) to this one.
+    pub fn changes_since(&self, before: &FieldRegistry) -> Vec<ColumnChange> {
+        let mut out = Vec::new();
+        for (i, spec) in self.columns.iter().enumerate() {
+            match before.columns.get(i) {
+                Some(old) if old.kind != spec.kind => out.push(ColumnChange::Widened {
+                    field: spec.field.clone(),
+                    column: spec.name.clone(),
+                }),
+                Some(_) => {}
+                None => {
+                    let existing: Vec<ValueKind> = self.columns[..i]
+                        .iter()
+                        .filter(|c| c.field == spec.field)
+                        .map(|c| c.kind)
+                        .collect();
+                    if !existing.is_empty() {
+                        out.push(ColumnChange::NewKind {
+                            field: spec.field.clone(),
+                            column: spec.name.clone(),
+                            kind: spec.kind,
+                            existing,
+                        });
+                    }
+                }
+            }
+        }
+        out
     }
 
     pub fn columns(&self) -> &[ColumnSpec] {
@@ -162,6 +242,18 @@ impl FieldRegistry {
         if let Some(i) = self.column_of(field, kind) {
             return (i, false);
         }
+        // A decimal for a field whose integers have an INT64 column: widen that column.
+        if kind == ValueKind::F64 {
+            if let Some(i) = self.column_of(field, ValueKind::I64) {
+                self.widen(field, i);
+                return (i, true);
+            }
+        }
+        let kind = if kind == ValueKind::I64 && self.float_fields.contains(field) {
+            ValueKind::F64
+        } else {
+            kind
+        };
         let first_type = self
             .by_field
             .get(field)
@@ -174,13 +266,32 @@ impl FieldRegistry {
         let name = self.free_name(base, kind);
         let index = self.columns.len();
         self.taken.insert(name.to_ascii_lowercase());
-        self.by_field.entry(field.to_owned()).or_default()[kind.index()] = Some(index as u32);
+        let slots = self.by_field.entry(field.to_owned()).or_default();
+        slots[kind.index()] = Some(index as u32);
+        if kind == ValueKind::F64 {
+            // Integers of this field share the DOUBLE column.
+            slots[ValueKind::I64.index()].get_or_insert(index as u32);
+        }
         self.columns.push(ColumnSpec {
             name,
             field: field.to_owned(),
             kind,
         });
         (index, true)
+    }
+
+    /// Retypes column `index` (the INT64 column of `field`) to DOUBLE; integers keep going to
+    /// it and are written as doubles. The name stays: files already written carry it as INT64.
+    fn widen(&mut self, field: &str, index: usize) {
+        assert_eq!(
+            self.columns[index].kind,
+            ValueKind::I64,
+            "only INT64 widens"
+        );
+        self.columns[index].kind = ValueKind::F64;
+        self.by_field
+            .get_mut(field)
+            .expect("the field has a column")[ValueKind::F64.index()] = Some(index as u32);
     }
 
     /// Registers every (field, type) the records carry, in record order; returns true if the

@@ -58,3 +58,23 @@ pub fn normalized(records: &[TierRecord]) -> Vec<TierRecord> {
         })
         .collect()
 }
+
+/// Records as a chunk encoded with `registry` stores them: an integer of a field whose number
+/// column is DOUBLE reads back as a double.
+pub fn as_stored(records: &[TierRecord], registry: &FieldRegistry) -> Vec<TierRecord> {
+    records
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            for (name, value) in r.fields.iter_mut() {
+                if let Value::I64(v) = *value {
+                    let col = registry.column_of(name, tier::ValueKind::I64);
+                    if col.is_some_and(|c| registry.columns()[c].kind == tier::ValueKind::F64) {
+                        *value = Value::F64(v as f64);
+                    }
+                }
+            }
+            r
+        })
+        .collect()
+}
