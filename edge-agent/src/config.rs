@@ -19,6 +19,9 @@ use thiserror::Error;
 use crate::filters::{Agg, DownsampleMode, StageSpec};
 use crate::log::{FsyncPolicy, LogConfig, OnFull};
 
+mod modbus;
+pub use modbus::{ModbusChannel, ModbusFunction, ModbusSourceConfig, ModbusType, Order};
+
 /// The environment variable prefix: `TRIBUTARY_EDGE__HUB__ADDR` overrides `[hub] addr`.
 pub const ENV_PREFIX: &str = "TRIBUTARY_EDGE";
 /// Separates the prefix and the key path segments in environment variable names.
@@ -239,6 +242,7 @@ pub const DEFAULT_LOCAL_RETENTION: Duration = Duration::from_secs(3600);
 pub enum SourceConfig {
     Mqtt(MqttSourceConfig),
     Sensor(SensorSourceConfig),
+    Modbus(ModbusSourceConfig),
 }
 
 /// A device sensor source from the `firmware` crate, polled by the agent. See `sources::sensors`.
@@ -636,6 +640,12 @@ struct RawSource {
     units: Option<String>,
     hz: Option<String>,
     seed: Option<String>,
+    address: Option<String>,
+    unit_id: Option<String>,
+    poll_interval: Option<String>,
+    timeout: Option<String>,
+    key: Option<String>,
+    channels: Option<Vec<modbus::RawChannel>>,
 }
 
 impl RawConfig {
@@ -1034,10 +1044,21 @@ impl RawSource {
             "hwmon" | "iio" | "nmea" | "simulator" => {
                 self.into_sensor(&kind, index, streams).map(Some)
             }
+            "modbus" => modbus::RawModbus {
+                address: self.address,
+                unit_id: self.unit_id,
+                poll_interval: self.poll_interval,
+                timeout: self.timeout,
+                stream: self.stream,
+                key: self.key,
+                channels: self.channels,
+            }
+            .into_typed(index, streams)
+            .map(|m| Some(SourceConfig::Modbus(m))),
             other => Err(ConfigError::invalid(
                 key("kind"),
                 format!(
-                    "expected mqtt | hwmon | iio | nmea | simulator | http, found {other:?} (stdin goes through `edge-agent ingest`)"
+                    "expected mqtt | hwmon | iio | nmea | simulator | modbus | http, found {other:?} (stdin goes through `edge-agent ingest`)"
                 ),
             )),
         }

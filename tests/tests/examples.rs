@@ -76,6 +76,7 @@ fn source_kind(s: &SourceConfig) -> &'static str {
             SensorKind::Nmea { .. } => "nmea",
             SensorKind::Simulator { .. } => "simulator",
         },
+        SourceConfig::Modbus(_) => "modbus",
     }
 }
 

@@ -1,4 +1,5 @@
-//! Record sources besides the HTTP API: today the MQTT subscriber ([`mqtt`]).
+//! Record sources besides the HTTP API: the MQTT subscriber ([`mqtt`]), the device sensors
+//! ([`sensors`]) and the Modbus TCP poller ([`modbus`]).
 //!
 //! Every source hands whole batches to [`crate::http::Ingest::ingest`], the agent's one front
 //! door, so counting, durability and (later) filters apply the same way to every source. This
@@ -6,6 +7,7 @@
 //! source counters for `/metrics`.
 
 pub mod flatten;
+pub mod modbus;
 pub mod mqtt;
 pub mod sensors;
 
@@ -27,6 +29,8 @@ pub struct SourcesState {
     mqtt_stats: Vec<Arc<mqtt::MqttStats>>,
     /// One connection record per MQTT source, in config order, for `/v1/status`.
     mqtt_conn: Vec<Mutex<MqttConn>>,
+    /// One per Modbus source, in config order: counters and the device's state.
+    modbus: Vec<Arc<modbus::ModbusStats>>,
 }
 
 /// What `/v1/status` shows of one MQTT source's connection.
@@ -71,7 +75,20 @@ impl SourcesState {
                     })
                 })
                 .collect(),
+            modbus: cfg
+                .sources
+                .iter()
+                .filter_map(|s| match s {
+                    SourceConfig::Modbus(m) => Some(Arc::new(modbus::ModbusStats::new(m))),
+                    _ => None,
+                })
+                .collect(),
         }
+    }
+
+    /// The counters of the `index`-th Modbus source.
+    pub fn modbus_stats(&self, index: usize) -> Option<&Arc<modbus::ModbusStats>> {
+        self.modbus.get(index)
     }
 
     /// True once every source is ready (trivially true without sources).
@@ -128,6 +145,7 @@ impl SourcesState {
 
     /// Each MQTT source's connection, for `/v1/status`.
     pub fn reports(&self) -> Vec<crate::http::status::SourceReport> {
+        let modbus = self.modbus.iter().enumerate().map(|(i, m)| m.report(i));
         self.mqtt_conn
             .iter()
             .zip(&self.mqtt_stats)
@@ -151,6 +169,7 @@ impl SourcesState {
                     records: stats.records.load(Ordering::Relaxed),
                 }
             })
+            .chain(modbus)
             .collect()
     }
 
@@ -161,7 +180,7 @@ impl SourcesState {
 
     /// Prometheus text for the source counters (empty without sources).
     pub fn render(&self) -> String {
-        let mut out = String::new();
+        let mut out = modbus::render(&self.modbus);
         if self.mqtt_stats.is_empty() {
             return out;
         }
@@ -231,6 +250,7 @@ pub fn spawn_all(
     state: Arc<SourcesState>,
 ) -> Result<(), StartError> {
     let mut mqtt_index = 0;
+    let mut modbus_index = 0;
     for (index, source) in cfg.sources.iter().enumerate() {
         match source {
             SourceConfig::Mqtt(m) => {
@@ -250,6 +270,21 @@ pub fn spawn_all(
                 sensor.interval = sensor.interval.max(sensors::INTERVAL_MIN);
                 let stats = Arc::new(sensors::SensorStats::default());
                 tokio::spawn(sensors::run(sensor, ingest.clone(), stats));
+            }
+            SourceConfig::Modbus(m) => {
+                // Config load refuses `kind = "modbus"` in builds without the feature.
+                #[cfg(feature = "modbus")]
+                if let Some(stats) = state.modbus_stats(modbus_index) {
+                    tokio::spawn(modbus::run(
+                        m.clone(),
+                        modbus_index,
+                        ingest.clone(),
+                        stats.clone(),
+                    ));
+                }
+                #[cfg(not(feature = "modbus"))]
+                let _ = m;
+                modbus_index += 1;
             }
         }
     }
