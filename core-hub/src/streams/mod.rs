@@ -273,7 +273,7 @@ impl StreamManager {
         streams: &'a mut HashMap<StreamId, StreamEntry>,
         sid: StreamId,
     ) -> Result<&'a mut StreamEntry, StreamsError> {
-        if !streams.contains_key(&sid) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = streams.entry(sid) {
             let name = self
                 .catalog
                 .streams()?
@@ -288,8 +288,7 @@ impl StreamManager {
                 ..StreamPolicy::default()
             };
             // Streams interned after open have had every commit pass through `on_commit`.
-            let entry = new_entry(name, Arc::new(g), 0, &policy, Instant::now(), sid);
-            streams.insert(sid, entry);
+            slot.insert(new_entry(name, Arc::new(g), 0, &policy, Instant::now(), sid));
         }
         Ok(streams.get_mut(&sid).expect("inserted above"))
     }
