@@ -150,6 +150,10 @@ pub struct Tier2Config {
     pub scrub_interval: Duration,
     /// Read rate bound of the tier-2 scrub, bytes per second (0: unbounded).
     pub scrub_bytes_per_sec_max: u64,
+    /// Column type hints by stream name, then field (`[[streams]] types = { temp = "float" }`):
+    /// a field pinned to float gets a DOUBLE column from its first integer on. Copied from
+    /// [`StreamPolicy::field_types`].
+    pub field_types: BTreeMap<String, BTreeMap<String, tier::ValueKind>>,
 }
 
 /// The tier-1 write-ahead log.
@@ -275,6 +279,9 @@ pub struct StreamPolicy {
     /// Streams whose record keys must start with `{device}/` (`[[streams]]
     /// keys_prefixed_by_device = true`, issue 6 §1): a device writes only its own keys.
     pub keys_prefixed_by_device: BTreeSet<String>,
+    /// Tier-2 column type hints by stream, then field (`[[streams]] types = { temp = "float" }`,
+    /// docs/format/parquet.md): only `"float"` today, which pins a number field to DOUBLE.
+    pub field_types: BTreeMap<String, BTreeMap<String, tier::ValueKind>>,
 }
 
 /// When a stream's segments split and merge (see `crate::streams` and docs/streams.md).
@@ -358,6 +365,7 @@ impl std::fmt::Debug for Tier2Config {
             .field("tier2_retention_bytes", &self.tier2_retention_bytes)
             .field("scrub_interval", &self.scrub_interval)
             .field("scrub_bytes_per_sec_max", &self.scrub_bytes_per_sec_max)
+            .field("field_types", &self.field_types)
             .finish()
     }
 }
@@ -506,6 +514,8 @@ pub struct RawStream {
     pub name: String,
     pub scale: Option<RawScale>,
     pub keys_prefixed_by_device: Option<bool>,
+    /// Column type hints for tier 2: field name -> `"float"`.
+    pub types: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -698,10 +708,11 @@ impl HubConfig {
             )?,
         };
         let tls = raw.tls.map(parse_tls).transpose()?;
-        let tier2 = parse_tier2(raw.tier2, &data_dir)?;
+        let mut tier2 = parse_tier2(raw.tier2, &data_dir)?;
         let wal = parse_wal(&raw.wal)?;
         let ingest = parse_ingest(&raw.ingest)?;
         let streams = parse_streams(raw.streams, raw.devices)?;
+        tier2.field_types = streams.field_types.clone();
         let http = parse_http(raw.http)?;
         let completeness = raw.completeness.parse()?;
         let republish = raw.republish.as_ref().map(|r| r.parse()).transpose()?;
@@ -883,6 +894,7 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         .map(|s| opt_bytes("tier2.tier2_retention_bytes", Some(s), 0))
         .transpose()?;
     Ok(Tier2Config {
+        field_types: BTreeMap::new(),
         url,
         scheme,
         endpoint: raw.endpoint,
@@ -1169,6 +1181,7 @@ fn parse_streams(
     let mut configured = BTreeSet::new();
     let mut scale = BTreeMap::new();
     let mut keys_prefixed_by_device = BTreeSet::new();
+    let mut field_types = BTreeMap::new();
     for (i, s) in streams.into_iter().enumerate() {
         if !valid_stream_name(&s.name) {
             return Err(ConfigError::key(
@@ -1184,6 +1197,9 @@ fn parse_streams(
         }
         if s.keys_prefixed_by_device == Some(true) {
             keys_prefixed_by_device.insert(s.name.clone());
+        }
+        if let Some(types) = s.types {
+            field_types.insert(s.name.clone(), parse_field_types(i, types)?);
         }
         configured.insert(s.name);
     }
@@ -1220,7 +1236,25 @@ fn parse_streams(
         device_allow,
         scale,
         keys_prefixed_by_device,
+        field_types,
     })
+}
+
+/// `streams[i].types`: field name -> column type. `"float"` is the one hint: integers and
+/// decimals of the field share one DOUBLE column from the first record on.
+fn parse_field_types(
+    i: usize,
+    raw: BTreeMap<String, String>,
+) -> Result<BTreeMap<String, tier::ValueKind>, ConfigError> {
+    raw.into_iter()
+        .map(|(field, ty)| match ty.as_str() {
+            "float" => Ok((field, tier::ValueKind::F64)),
+            other => Err(ConfigError::key(
+                format!("streams[{i}].types.{field}"),
+                format!("`{other}` is not a column type hint; the one hint is \"float\""),
+            )),
+        })
+        .collect()
 }
 
 fn parse_scale(key: &str, raw: RawScale) -> Result<ScalePolicy, ConfigError> {
@@ -1757,6 +1791,27 @@ mod tests {
                 "{base}scale = {{ target_records_per_s = 5, min_segments = 5, max_segments = 2 }}"
             )),
             "streams[0].scale.max_segments"
+        );
+    }
+
+    #[test]
+    fn stream_type_hints() {
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\n[streams.types]\ntemp = \"float\"\nengine_Temp = \"float\"\n[[streams]]\nname = \"u\"\n",
+        )
+        .unwrap();
+        let want: BTreeMap<String, tier::ValueKind> = [
+            ("engine_Temp".to_owned(), tier::ValueKind::F64),
+            ("temp".to_owned(), tier::ValueKind::F64),
+        ]
+        .into();
+        assert_eq!(c.streams.field_types["t"], want);
+        assert_eq!(c.tier2.field_types["t"], want);
+        assert!(!c.tier2.field_types.contains_key("u"));
+        let base = "data_dir = \"/d\"\n[[streams]]\nname = \"t\"\n";
+        assert_eq!(
+            problem_key(&format!("{base}types = {{ temp = \"int\" }}")),
+            "streams[0].types.temp"
         );
     }
 

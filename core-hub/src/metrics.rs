@@ -514,7 +514,7 @@ fn streams_metrics(out: &mut String, hub: &Hub) {
 fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let flag = |a: &std::sync::atomic::AtomicBool| u64::from(a.load(Ordering::Relaxed));
-    let counters: [(&str, &str, u64); 9] = [
+    let counters: [(&str, &str, u64); 10] = [
         (
             "tributary_hub_tier_rounds_total",
             "Tiering rounds run.",
@@ -559,6 +559,11 @@ fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
             "tributary_hub_tier_pushbacks_total",
             "Blocks refused while tier 1 was over its budget.",
             load(&t.pushbacks),
+        ),
+        (
+            "tributary_hub_tier_field_kind_changes_total",
+            "Fields that arrived with a new kind (e.g. a string after numbers) and got a column of their own in tier 2.",
+            load(&t.field_kind_changes),
         ),
     ];
     for (name, help, v) in counters {

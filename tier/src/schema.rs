@@ -243,11 +243,11 @@ impl FieldRegistry {
             return (i, false);
         }
         // A decimal for a field whose integers have an INT64 column: widen that column.
-        if kind == ValueKind::F64 {
-            if let Some(i) = self.column_of(field, ValueKind::I64) {
-                self.widen(field, i);
-                return (i, true);
-            }
+        if kind == ValueKind::F64
+            && let Some(i) = self.column_of(field, ValueKind::I64)
+        {
+            self.widen(field, i);
+            return (i, true);
         }
         let kind = if kind == ValueKind::I64 && self.float_fields.contains(field) {
             ValueKind::F64

@@ -58,6 +58,43 @@ struct BuiltRange {
 
 type BuildTask = tokio::task::JoinHandle<Result<BuiltRange, TierRunError>>;
 
+/// Logs how this range changed the stream's field columns (docs/format/parquet.md): a
+/// widened number column at INFO, a field arriving with a new kind (its values then land in a
+/// column of their own, `{field}__{type}`) at WARN, counted in `field_kind_changes`.
+fn report_column_changes(
+    stream: &str,
+    before: &FieldRegistry,
+    after: &FieldRegistry,
+    stats: &TierStats,
+) {
+    for change in after.changes_since(before) {
+        match change {
+            tier::ColumnChange::Widened { field, column } => tracing::info!(
+                stream,
+                field,
+                column,
+                "tier 2: number column widened from INT64 to DOUBLE; files already written keep INT64"
+            ),
+            tier::ColumnChange::NewKind {
+                field,
+                column,
+                kind,
+                existing,
+            } => {
+                stats.field_kind_changes.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    stream,
+                    field,
+                    column,
+                    kind = kind.suffix(),
+                    existing = ?existing,
+                    "tier 2: field arrived with a new kind; its values of that kind go to a column of their own"
+                );
+            }
+        }
+    }
+}
+
 /// Blocks fetched from the index per query while planning or reading a chunk.
 const INDEX_PAGE_BLOCKS: usize = 1024;
 
@@ -206,6 +243,9 @@ pub struct TierStats {
     pub pushing_back: AtomicBool,
     /// Blocks refused by the admission gate.
     pub pushbacks: AtomicU64,
+    /// Fields that arrived with a new kind (a string after numbers, ...) and got a column of
+    /// their own (`{field}__{type}`, docs/format/parquet.md).
+    pub field_kind_changes: AtomicU64,
     pub last_error: Mutex<Option<String>>,
 }
 
@@ -634,9 +674,18 @@ impl Tiering {
                 FieldRegistry::from_columns(specs).map_err(tier::TierError::from)?
             }
         };
+        let before = registry.clone();
+        if let Some(types) = self.cfg.field_types.get(&name) {
+            for (field, kind) in types {
+                if *kind == tier::ValueKind::F64 {
+                    registry.pin_float(field);
+                }
+            }
+        }
         let hub = self.hub.clone();
         let plan = chunks.to_vec();
         let encode = self.encode.clone();
+        let stats = self.stats.clone();
         let stream_name = name;
         Ok(tokio::task::spawn_blocking(move || {
             let mut per_chunk = Vec::new();
@@ -646,6 +695,7 @@ impl Tiering {
                 registry.observe_records(&recs);
                 per_chunk.push(recs);
             }
+            report_column_changes(&stream_name, &before, &registry, &stats);
             // Encoding is the slow stage of an upload (issue 7): each chunk's column chunks
             // are encoded on every core (`benches/tier.rs`: about as fast as one chunk per
             // core, with half the records in flight). The bytes do not depend on the thread

@@ -315,7 +315,7 @@ pub struct RangeCommit {
     pub chunks: Vec<ChunkRow>,
     /// The new `tiered_end` (the range's end).
     pub tiered_end: u64,
-    /// The whole field registry after this range (only new entries are inserted).
+    /// The whole field registry after this range (new entries inserted, widened kinds updated).
     pub fields: Vec<ColumnSpec>,
     /// Lanes touched: `(device, epoch, highest seq in the range)`.
     pub lanes: Vec<(DeviceId, u64, u64)>,
@@ -357,7 +357,9 @@ pub fn commit_range(
                 ])?;
             }
             let mut st = tx.prepare_cached(
-                "INSERT OR IGNORE INTO tier_fields (stream, ordinal, name, field, kind) VALUES (?1, ?2, ?3, ?4, ?5)",
+                // A column keeps its ordinal and name; its kind may widen (INT64 to DOUBLE).
+                "INSERT INTO tier_fields (stream, ordinal, name, field, kind) VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT (stream, ordinal) DO UPDATE SET kind = excluded.kind",
             )?;
             for (n, spec) in rc.fields.iter().enumerate() {
                 st.execute(params![
