@@ -66,4 +66,8 @@ async fn stream_and_tier_metrics_are_exported() {
         sample(&text, "tributary_hub_tier_pushbacks_total "),
         Some(0.0)
     );
+    assert_eq!(
+        sample(&text, "tributary_hub_tier_field_kind_changes_total "),
+        Some(0.0)
+    );
 }
