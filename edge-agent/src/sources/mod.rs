@@ -272,21 +272,39 @@ pub fn spawn_all(
                 tokio::spawn(sensors::run(sensor, ingest.clone(), stats));
             }
             SourceConfig::Modbus(m) => {
-                // Config load refuses `kind = "modbus"` in builds without the feature.
-                #[cfg(feature = "modbus")]
-                if let Some(stats) = state.modbus_stats(modbus_index) {
-                    tokio::spawn(modbus::run(
-                        m.clone(),
-                        modbus_index,
-                        ingest.clone(),
-                        stats.clone(),
-                    ));
-                }
-                #[cfg(not(feature = "modbus"))]
-                let _ = m;
+                spawn_modbus(m, modbus_index, &ingest, &state);
                 modbus_index += 1;
             }
         }
     }
     Ok(())
+}
+
+/// Starts the `index`-th Modbus source.
+#[cfg(feature = "modbus")]
+fn spawn_modbus(
+    cfg: &crate::config::ModbusSourceConfig,
+    index: usize,
+    ingest: &Ingest,
+    state: &SourcesState,
+) {
+    if let Some(stats) = state.modbus_stats(index) {
+        tokio::spawn(modbus::run(
+            cfg.clone(),
+            index,
+            ingest.clone(),
+            stats.clone(),
+        ));
+    }
+}
+
+/// Without the `modbus` feature there is nothing to start: config load refuses
+/// `kind = "modbus"` in such builds.
+#[cfg(not(feature = "modbus"))]
+fn spawn_modbus(
+    _cfg: &crate::config::ModbusSourceConfig,
+    _index: usize,
+    _ingest: &Ingest,
+    _state: &SourcesState,
+) {
 }

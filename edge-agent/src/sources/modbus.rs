@@ -63,7 +63,7 @@ impl ModbusStats {
     }
 
     /// The device answered (possibly with an exception): it is up.
-    pub(crate) fn set_up(&self) {
+    pub fn set_up(&self) {
         let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         if !c.connected {
             c.connected = true;
@@ -73,7 +73,7 @@ impl ModbusStats {
     }
 
     /// The device did not answer, or the connection broke, because of `why`.
-    pub(crate) fn set_down(&self, why: &str) {
+    pub fn set_down(&self, why: &str) {
         let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         if c.connected || c.last_error.is_none() {
             c.since_ms = crate::http::status::now_ms();
