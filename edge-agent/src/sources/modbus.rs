@@ -321,22 +321,39 @@ mod driver {
             }
             self.stats.polls.fetch_add(1, Ordering::Relaxed);
             let mut fields = Vec::with_capacity(self.cfg.channels.len());
+            let (mut reconnected, mut answered) = (false, false);
+            let mut lost = None;
             for i in 0..self.cfg.channels.len() {
-                if self.ctx.is_none() && !self.connect().await {
-                    break;
+                if self.ctx.is_none() {
+                    // One reconnect per poll: a device that accepts connections but never
+                    // answers costs at most two timeouts a poll, and then the backoff.
+                    if reconnected || !self.connect().await {
+                        break;
+                    }
+                    reconnected = true;
                 }
                 match self.read(i).await {
-                    Ok(v) => fields.push((self.cfg.channels[i].name.clone(), v)),
+                    Ok(v) => {
+                        answered = true;
+                        fields.push((self.cfg.channels[i].name.clone(), v));
+                    }
                     Err(ReadError::Exception(e)) => {
-                        self.stats.set_up();
+                        answered = true;
                         self.channel_failed(i, &e);
                     }
                     Err(ReadError::Transport(e)) => {
                         self.ctx = None;
                         self.stats.set_down(&e);
                         self.channel_failed(i, &e);
+                        lost = Some(e);
                     }
                 }
+            }
+            if answered {
+                self.stats.set_up();
+                self.backoff = self.cfg.poll_interval;
+            } else if let Some(e) = lost.filter(|_| self.ctx.is_none() && !self.waiting()) {
+                self.back_off(&e);
             }
             if fields.is_empty() {
                 return None;
@@ -348,31 +365,41 @@ mod driver {
             })
         }
 
-        /// Opens the connection unless the backoff says wait; false when there is none.
+        /// Opens the connection unless the backoff says wait; false when there is none. The
+        /// device counts as up only once it answers a read.
         async fn connect(&mut self) -> bool {
-            if Instant::now() < self.next_connect {
+            if self.waiting() {
                 return false;
             }
             match try_connect(&self.cfg).await {
                 Ok(ctx) => {
                     self.ctx = Some(ctx);
-                    self.backoff = self.cfg.poll_interval;
-                    self.stats.set_up();
-                    tracing::info!(source = self.index, address = %self.cfg.address, "modbus device connected");
+                    tracing::debug!(source = self.index, address = %self.cfg.address, "modbus device connected");
                     true
                 }
                 Err(e) => {
-                    let was_up = self.stats.is_up();
                     self.stats.connect_errors.fetch_add(1, Ordering::Relaxed);
-                    self.stats.set_down(&e);
-                    self.next_connect = Instant::now() + self.backoff;
-                    if was_up || self.backoff == self.cfg.poll_interval {
-                        tracing::warn!(source = self.index, address = %self.cfg.address, error = %e, retry_in = ?self.backoff, "modbus device not answering");
-                    }
-                    self.backoff = (self.backoff * 2).min(BACKOFF_MAX.max(self.cfg.poll_interval));
+                    self.back_off(&e);
                     false
                 }
             }
+        }
+
+        /// A failed connect already set the wait.
+        fn waiting(&self) -> bool {
+            Instant::now() < self.next_connect
+        }
+
+        /// Nothing answered because of `e`: waits before the next connect, doubling the wait
+        /// each time up to [`BACKOFF_MAX`], and logs the first failure of each outage.
+        fn back_off(&mut self, e: &str) {
+            let first = self.stats.is_up() || self.backoff == self.cfg.poll_interval;
+            self.stats.set_down(e);
+            self.next_connect = Instant::now() + self.backoff;
+            if first {
+                tracing::warn!(source = self.index, address = %self.cfg.address, error = %e, retry_in = ?self.backoff, "modbus device not answering");
+            }
+            self.backoff = (self.backoff * 2).min(BACKOFF_MAX.max(self.cfg.poll_interval));
         }
 
         async fn read(&mut self, i: usize) -> Result<Value, ReadError> {
