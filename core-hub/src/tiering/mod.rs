@@ -1065,10 +1065,36 @@ pub(crate) fn chunk_records(
             ),
         });
     }
+    let mut repeated = 0u64;
     for r in &mut out {
         r.fields.retain(|(name, _)| is_tiered_field(name));
+        repeated += drop_repeated_fields(&mut r.fields);
+    }
+    if repeated > 0 {
+        tracing::warn!(
+            stream = ch.stream,
+            first_offset = ch.first_offset,
+            end_offset = ch.end_offset,
+            repeated,
+            "records of this chunk name a field more than once; tier 2 keeps the first value \
+             of each (a device's block, not a parser of this project, made them)"
+        );
     }
     Ok(out)
+}
+
+/// Removes every field whose name an earlier field of the record already has, keeping the
+/// first, and returns how many it removed. The agent's parsers never produce such a record,
+/// but a block from a device is not trusted: a chunk cannot hold two values of one field in
+/// one row, and refusing to encode it would stop the stream's tiering for good.
+fn drop_repeated_fields(fields: &mut Vec<(String, sync::record::Value)>) -> u64 {
+    let before = fields.len();
+    if before < 2 {
+        return 0;
+    }
+    let mut seen = std::collections::HashSet::with_capacity(before);
+    fields.retain(|(name, _)| seen.insert(name.clone()));
+    (before - fields.len()) as u64
 }
 
 /// Internal fields (names starting with `_`, the edge agent's own) that become tier-2 columns:
@@ -1137,4 +1163,63 @@ fn append_block(
         });
     }
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sync::record::Value;
+
+    #[test]
+    fn a_repeated_field_keeps_its_first_value_and_the_chunk_encodes() {
+        let mut fields = vec![
+            ("temp".to_owned(), Value::I64(65)),
+            ("rpm".to_owned(), Value::F64(1.5)),
+            ("temp".to_owned(), Value::F64(71.3)),
+            ("temp".to_owned(), Value::Str("x".into())),
+        ];
+        assert_eq!(drop_repeated_fields(&mut fields), 2);
+        assert_eq!(
+            fields,
+            vec![
+                ("temp".to_owned(), Value::I64(65)),
+                ("rpm".to_owned(), Value::F64(1.5)),
+            ]
+        );
+        let record = TierRecord {
+            device: "dev-1".into(),
+            epoch: 1,
+            seq: 1,
+            offset: 0,
+            key: "k".into(),
+            ts_ns: 1,
+            ingest_ts_ns: 1,
+            fields,
+        };
+        let mut registry = FieldRegistry::new();
+        registry.observe_records(std::slice::from_ref(&record));
+        tier::encode_chunk(&[record], &registry, &EncodeOptions::default())
+            .expect("a record without repeated fields encodes");
+    }
+
+    #[test]
+    fn a_repeated_field_does_not_encode_as_it_arrives() {
+        // Why the hub removes repeats before encoding: the encoder refuses them.
+        let record = TierRecord {
+            device: "dev-1".into(),
+            epoch: 1,
+            seq: 1,
+            offset: 0,
+            key: "k".into(),
+            ts_ns: 1,
+            ingest_ts_ns: 1,
+            fields: vec![
+                ("temp".to_owned(), Value::I64(65)),
+                ("temp".to_owned(), Value::I64(66)),
+            ],
+        };
+        let mut registry = FieldRegistry::new();
+        registry.observe_records(std::slice::from_ref(&record));
+        assert!(tier::encode_chunk(&[record], &registry, &EncodeOptions::default()).is_err());
+    }
 }
