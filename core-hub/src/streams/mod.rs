@@ -288,7 +288,14 @@ impl StreamManager {
                 ..StreamPolicy::default()
             };
             // Streams interned after open have had every commit pass through `on_commit`.
-            slot.insert(new_entry(name, Arc::new(g), 0, &policy, Instant::now(), sid));
+            slot.insert(new_entry(
+                name,
+                Arc::new(g),
+                0,
+                &policy,
+                Instant::now(),
+                sid,
+            ));
         }
         Ok(streams.get_mut(&sid).expect("inserted above"))
     }
