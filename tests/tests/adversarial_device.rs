@@ -30,6 +30,7 @@ use anyhow::{Context, Result, bail, ensure};
 use serde_json::json;
 use sync::protocol::frame::{Hello, LANES_MAX};
 use sync::protocol::{Backlog, BacklogEntry, ErrorCode, Frame, GapMarker, GapReason};
+use sync::record::{Record, Value};
 use tributary_tests::adversary::{
     self, Adversary, Ending, RssSampler, block_frame, bombs, hello, lane,
 };
@@ -947,6 +948,62 @@ fn backlog_flood(s: &mut Suite) -> Result<String> {
     )
 }
 
+/// Blocks whose every record names the field `v` twice, as an integer and as a decimal: no
+/// parser of the agent makes such a record, but the block format can carry it, and a chunk
+/// cannot hold two values of one field in one row. The hub must still tier the stream (the
+/// first value of a repeated field is kept), or that stream's tiering would stop for good and
+/// tier 1 fill up. Then a Backlog frame claiming 2^62 entries ends the session.
+fn repeated_field(s: &mut Suite) -> Result<String> {
+    let adv = s.attacker("repeat")?;
+    let id = adv.cert.id.clone();
+    let hub = s.hub_http();
+    const BLOCKS: u64 = 20;
+    const PER_BLOCK: u64 = 100;
+    s.run(
+        "repeated field: every record names `v` twice, as an integer and a decimal",
+        Expect {
+            codes: &[ErrorCode::ProtocolViolation],
+            metric: "tributary_hub_sessions_ended_total{code=\"PROTOCOL_VIOLATION\"}",
+        },
+        move |_stop| async move {
+            let mut session = adv.welcomed(7, vec![lane("evil-repeat", 7, 1, 1)]).await?;
+            for b in 0..BLOCKS {
+                let records: Vec<Record> = (0..PER_BLOCK)
+                    .map(|i| Record {
+                        key: format!("k{}", i % 3),
+                        ts: 1_700_000_000_000_000_000 + (b * PER_BLOCK + i) as i64,
+                        fields: vec![
+                            ("v".into(), Value::I64(i as i64)),
+                            ("v".into(), Value::F64(i as f64 + 0.5)),
+                        ],
+                    })
+                    .collect();
+                let block = bombs::honest(7, b * PER_BLOCK + 1, &records);
+                session
+                    .send_data(&block_frame("evil-repeat", block))
+                    .await
+                    .context("the hub refused a block with a repeated field")?;
+            }
+            let tiered =
+                tokio::task::spawn_blocking(move || wait_tiered(hub, &id, "evil-repeat")).await??;
+            ensure!(
+                tiered == BLOCKS * PER_BLOCK,
+                "{tiered} of {} records with a repeated field tiered",
+                BLOCKS * PER_BLOCK
+            );
+            session.send_control(&huge_backlog_count()).await?;
+            let ending = session.ending(WAIT).await?;
+            Ok(Outcome {
+                note: format!(
+                    "{} records naming `v` twice, all {tiered} tiered; then a protocol violation",
+                    BLOCKS * PER_BLOCK
+                ),
+                endings: vec![ending],
+            })
+        },
+    )
+}
+
 /// A Backlog frame whose entry count says 2^62 (and carries none).
 fn huge_backlog_count() -> Vec<u8> {
     let empty = Frame::Backlog(Vec::new()).encode();
@@ -1025,6 +1082,7 @@ fn an_adversarial_device_cannot_hurt_the_hub_or_the_honest_devices() -> Result<(
         ),
         ("duplicate_sessions", duplicate_sessions),
         ("backlog_flood", backlog_flood),
+        ("repeated_field", repeated_field),
     ];
     let only = std::env::var("TRIBUTARY_ADVERSARY_ONLY").unwrap_or_default();
     let mut failed = Vec::new();
