@@ -473,3 +473,69 @@ async fn poisoned_log_answers_503_and_healthz_reports_it() {
             .any(|l| l == "tributary_edge_poisoned 1")
     );
 }
+
+/// Sends one raw HTTP/1.1 POST with `headers` and returns (status, body).
+async fn raw_post(s: &Server, headers: &str, body: &[u8]) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let url = s.client.url();
+    let addr = url.trim_start_matches("http://");
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST {RECORDS} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: {NDJSON}\r\n{headers}\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body).await.unwrap();
+    let mut answer = Vec::new();
+    conn.read_to_end(&mut answer).await.unwrap();
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split("\r\n\r\n").nth(1).unwrap_or("").to_owned();
+    (status, body)
+}
+
+#[tokio::test]
+async fn gzip_bodies_are_decoded_and_bombs_refused_at_the_body_cap() {
+    use std::io::Write;
+    let gzip = |data: &[u8]| {
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        enc.write_all(data).unwrap();
+        enc.finish().unwrap()
+    };
+    let s = start("[http]\nbody_bytes_max = \"64KiB\"\n", None).await;
+    let plain = ndjson("truck-1/engine", 3, 100);
+    let (status, body) = raw_post(&s, "Content-Encoding: gzip\r\n", &gzip(plain.as_bytes())).await;
+    assert_eq!(status, 200, "{body}");
+    let ack: Json = serde_json::from_str(&body).unwrap();
+    assert_eq!(ack["count"], 3);
+
+    // 8 MiB of newlines compress to a few KiB, far below the cap on the wire.
+    let bomb = gzip(&vec![b'\n'; 8 << 20]);
+    assert!(bomb.len() < 64 << 10);
+    let (status, body) = raw_post(&s, "Content-Encoding: gzip\r\n", &bomb).await;
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains("decompresses to over"), "{body}");
+
+    let (status, body) = raw_post(&s, "Content-Encoding: gzip\r\n", plain.as_bytes()).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not valid gzip"), "{body}");
+    let (status, body) = raw_post(&s, "Content-Encoding: zstd\r\n", plain.as_bytes()).await;
+    assert_eq!(status, 415, "{body}");
+
+    // Only the first batch was stored.
+    let r = s.client.get("/v1/status").await.unwrap();
+    let st = json(&r);
+    let stream = st["streams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["stream"] == "telemetry")
+        .unwrap()
+        .clone();
+    assert_eq!(stream["next_seq"], 4, "{st}");
+}

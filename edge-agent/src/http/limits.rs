@@ -17,6 +17,9 @@
 //! - `body_timeout`, `body_bytes_max`: [`read_body`] collects a body within one deadline and
 //!   one size, after authorization has run (see the routers), so a refused request costs no
 //!   body bytes. A `Content-Length` over the cap is refused before a byte is read.
+//!   `Content-Encoding: gzip` bodies (Telegraf, Influx clients) are decompressed there, to at
+//!   most `body_bytes_max` again (a larger result is 413, however small the compressed body),
+//!   so handlers only see plain bodies; any other encoding is 415.
 //! - Accept errors (EMFILE, ENFILE, aborted handshakes) are transient: counted, backed off,
 //!   retried; they never end the server.
 //! - [`check_host`]: a `Host` that names a host other than an IP literal, `localhost` or a name
@@ -625,8 +628,71 @@ pub async fn read_body(State(guard): State<Arc<HttpGuard>>, req: Request, next: 
             return guard.refuse(StatusCode::REQUEST_TIMEOUT, msg);
         }
     };
+    let mut parts = parts;
+    let bytes = match decode_content(&mut parts.headers, bytes, max) {
+        Ok(bytes) => bytes,
+        Err(Refusal::TooLarge) => {
+            inc(&guard.stats.body_too_large);
+            let msg = format!(
+                "the body decompresses to over {max} bytes (http.body_bytes_max): send smaller \
+                 batches"
+            );
+            return guard.refuse(StatusCode::PAYLOAD_TOO_LARGE, msg);
+        }
+        Err(Refusal::Status(status, msg)) => return guard.refuse(status, msg),
+    };
     next.run(Request::from_parts(parts, Body::from(bytes)))
         .await
+}
+
+/// Why a body's `Content-Encoding` could not be undone.
+#[derive(Debug, PartialEq, Eq)]
+enum Refusal {
+    /// The decoded body would exceed the cap.
+    TooLarge,
+    Status(StatusCode, String),
+}
+
+/// Undoes the body's `Content-Encoding` (none, `identity` or `gzip`, members concatenated as
+/// `gzip` allows), reading at most `max` decoded bytes, and removes the header so the handler
+/// sees a plain body.
+fn decode_content(
+    headers: &mut HeaderMap,
+    body: bytes::Bytes,
+    max: usize,
+) -> Result<bytes::Bytes, Refusal> {
+    let Some(value) = headers.get(header::CONTENT_ENCODING) else {
+        return Ok(body);
+    };
+    let encoding = value.to_str().unwrap_or("").trim().to_ascii_lowercase();
+    match encoding.as_str() {
+        "" | "identity" => {}
+        "gzip" | "x-gzip" => {
+            use std::io::Read;
+            let mut out = Vec::new();
+            let mut decoder = flate2::read::MultiGzDecoder::new(&body[..]).take(max as u64 + 1);
+            decoder.read_to_end(&mut out).map_err(|e| {
+                Refusal::Status(
+                    StatusCode::BAD_REQUEST,
+                    format!("the body is not valid gzip (Content-Encoding: gzip): {e}"),
+                )
+            })?;
+            if out.len() > max {
+                return Err(Refusal::TooLarge);
+            }
+            headers.remove(header::CONTENT_ENCODING);
+            headers.remove(header::CONTENT_LENGTH);
+            return Ok(bytes::Bytes::from(out));
+        }
+        other => {
+            return Err(Refusal::Status(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                format!("Content-Encoding {other:?} is not accepted: send gzip or no encoding"),
+            ));
+        }
+    }
+    headers.remove(header::CONTENT_ENCODING);
+    Ok(body)
 }
 
 fn content_length(headers: &HeaderMap) -> Option<u64> {
@@ -675,6 +741,76 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn gzip(data: &[u8]) -> bytes::Bytes {
+        use std::io::Write;
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+        enc.write_all(data).unwrap();
+        bytes::Bytes::from(enc.finish().unwrap())
+    }
+
+    fn encoded(value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_ENCODING, value.parse().unwrap());
+        h.insert(header::CONTENT_LENGTH, "10".parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn a_gzip_body_is_decoded_and_its_headers_removed() {
+        let plain = b"{\"key\":\"k\",\"ts\":1,\"fields\":{\"v\":1}}\n".repeat(50);
+        let mut h = encoded("gzip");
+        let out = decode_content(&mut h, gzip(&plain), 1 << 20).unwrap();
+        assert_eq!(&out[..], &plain[..]);
+        assert!(h.get(header::CONTENT_ENCODING).is_none());
+        assert!(h.get(header::CONTENT_LENGTH).is_none());
+        // Concatenated members, as gzip allows, decode as one body.
+        let mut two = gzip(b"a\n").to_vec();
+        two.extend_from_slice(&gzip(b"b\n"));
+        let out = decode_content(&mut encoded("GZIP"), two.into(), 1 << 20).unwrap();
+        assert_eq!(&out[..], b"a\nb\n");
+    }
+
+    #[test]
+    fn a_gzip_bomb_is_refused_at_the_body_cap() {
+        // 64 MiB of zeros compress to about 64 KiB: the decoded cap decides, not the wire size.
+        let bomb = gzip(&vec![0u8; 64 << 20]);
+        assert!(bomb.len() < 1 << 20);
+        let r = decode_content(&mut encoded("gzip"), bomb, 1 << 20);
+        assert_eq!(r, Err(Refusal::TooLarge));
+        // Exactly the cap passes.
+        let r = decode_content(&mut encoded("gzip"), gzip(&vec![7u8; 1 << 20]), 1 << 20);
+        assert_eq!(r.map(|b| b.len()), Ok(1 << 20));
+    }
+
+    #[test]
+    fn bad_gzip_and_unknown_encodings_are_named() {
+        match decode_content(
+            &mut encoded("gzip"),
+            bytes::Bytes::from_static(b"plain"),
+            1024,
+        ) {
+            Err(Refusal::Status(StatusCode::BAD_REQUEST, msg)) => {
+                assert!(msg.contains("not valid gzip"), "{msg}")
+            }
+            other => panic!("{other:?}"),
+        }
+        match decode_content(&mut encoded("br"), bytes::Bytes::from_static(b"x"), 1024) {
+            Err(Refusal::Status(StatusCode::UNSUPPORTED_MEDIA_TYPE, msg)) => {
+                assert!(msg.contains("\"br\"") && msg.contains("gzip"), "{msg}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut h = encoded("identity");
+        let out = decode_content(&mut h, bytes::Bytes::from_static(b"x"), 1024).unwrap();
+        assert_eq!(&out[..], b"x");
+        assert!(h.get(header::CONTENT_ENCODING).is_none());
+        let mut none = HeaderMap::new();
+        assert_eq!(
+            &decode_content(&mut none, bytes::Bytes::from_static(b"y"), 1024).unwrap()[..],
+            b"y"
+        );
+    }
 
     #[test]
     fn hosts() {

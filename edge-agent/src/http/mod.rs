@@ -6,8 +6,8 @@
 //!   `{"stream","epoch","first_seq","last_seq","count"}` (`epoch` as 16 hex digits, a string,
 //!   as in all the agent's and the hub's JSON; seqs are numbers). Errors are JSON
 //!   `{"error": ...}`, with `line` and `column` when they point into the body: 400 malformed or
-//!   empty, 401 bad token, 404 unknown stream, 413 body over `http.body_bytes_max`, 415 content
-//!   type, 503 (with `Retry-After` when the disk budget is full under `on_full = "block"`) when
+//!   empty, 401 bad token, 404 unknown stream, 413 body over `http.body_bytes_max` (also once
+//!   a `Content-Encoding: gzip` body is decompressed), 415 content type or encoding, 503 (with `Retry-After` when the disk budget is full under `on_full = "block"`) when
 //!   the log cannot take the batch now.
 //!   A stream with `filters` runs them before sequencing; the answer's `count` is what was
 //!   stored (`count: 0`, `first_seq: 0`, `last_seq: 0` when every record was filtered out). A
