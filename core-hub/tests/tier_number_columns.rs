@@ -104,17 +104,7 @@ print(json.dumps([[r[0] for r in cols], [r[0] for r in vals]]))
 "#,
         glob = glob.display().to_string()
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .expect("python3 with duckdb (pip install duckdb)");
-    assert!(
-        out.status.success(),
-        "duckdb failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = duckdb_json(&script);
     let cols = v[0]
         .as_array()
         .unwrap()

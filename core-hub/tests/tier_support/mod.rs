@@ -129,17 +129,7 @@ print(json.dumps([rows, distinct, per]))
 "#,
         glob = glob.display().to_string()
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .expect("python3 with duckdb (pip install duckdb)");
-    assert!(
-        out.status.success(),
-        "duckdb failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = duckdb_json(&script);
     let per = v[2]
         .as_array()
         .unwrap()
@@ -192,4 +182,19 @@ pub async fn reopen(cfg: &HubConfig) -> Arc<Hub> {
             Err(e) => panic!("reopening the hub: {e}"),
         }
     }
+}
+
+/// Runs a Python script that prints one JSON value with DuckDB, and returns the value.
+pub fn duckdb_json(script: &str) -> serde_json::Value {
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 with duckdb (pip install duckdb)");
+    assert!(
+        out.status.success(),
+        "duckdb failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the script prints one JSON value")
 }
