@@ -18,10 +18,8 @@
 
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::json;
-use tributary_tests::cluster::{HubSpec, Pki};
 use tributary_tests::ledger::Ledger;
 use tributary_tests::lossy::{self, Leg};
-use tributary_tests::netem::{ProxyConfig, UdpImpairProxy};
 use tributary_tests::procs::bin_path;
 
 struct Args {
@@ -118,12 +116,12 @@ fn one_run(records: u64, seed: u64) -> Result<(Leg, Leg)> {
     let root = tempfile::Builder::new()
         .prefix("trb-lossy-bench-")
         .tempdir()?;
-    let pki = Pki::init(root.path().join("pki"))?;
-    let hub_spec = HubSpec::new(root.path());
-    let mut hub = hub_spec.start(&pki)?;
-    let mut cfg = ProxyConfig::new(hub_spec.quic);
-    cfg.seed = seed;
-    let proxy = UdpImpairProxy::start(cfg)?;
+    let lossy::Link {
+        pki,
+        mut hub,
+        proxy,
+        ..
+    } = lossy::Link::start(root.path(), seed)?;
     let mut ledger = Ledger::new();
     let a = lossy::leg(
         root.path(),

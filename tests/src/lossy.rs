@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail, ensure};
 use serde_json::json;
 
-use crate::cluster::{self, AgentSpec, Pki};
+use crate::cluster::{self, AgentSpec, HubSpec, Pki};
 use crate::ledger::{Ledger, PostOutcome, Producer, SentRecord};
-use crate::netem::{Direction, Impairment, ProxyHandle};
-use crate::procs::wait_until;
+use crate::netem::{Direction, Impairment, ProxyConfig, ProxyHandle, UdpImpairProxy};
+use crate::procs::{Proc, wait_until};
 
 /// The stream every leg writes.
 pub const STREAM: &str = "telemetry";
@@ -49,6 +49,32 @@ impl Leg {
     /// Drain throughput in records per second.
     pub fn rate(&self) -> f64 {
         self.records as f64 / self.drain.as_secs_f64()
+    }
+}
+
+/// A hub under `root` and the impairment proxy in front of its QUIC port, its loss pattern
+/// seeded with `seed`: what every leg runs against.
+pub struct Link {
+    pub pki: Pki,
+    pub hub_spec: HubSpec,
+    pub hub: Proc,
+    pub proxy: ProxyHandle,
+}
+
+impl Link {
+    pub fn start(root: &Path, seed: u64) -> Result<Link> {
+        let pki = Pki::init(root.join("pki"))?;
+        let hub_spec = HubSpec::new(root);
+        let hub = hub_spec.start(&pki)?;
+        let mut cfg = ProxyConfig::new(hub_spec.quic);
+        cfg.seed = seed;
+        let proxy = UdpImpairProxy::start(cfg)?;
+        Ok(Link {
+            pki,
+            hub_spec,
+            hub,
+            proxy,
+        })
     }
 }
 

@@ -13,10 +13,9 @@
 //! reproduced.
 
 use anyhow::{Context, Result};
-use tributary_tests::cluster::{self, HubSpec, Pki};
+use tributary_tests::cluster;
 use tributary_tests::ledger::Ledger;
 use tributary_tests::lossy::{self, STREAM};
-use tributary_tests::netem::{ProxyConfig, UdpImpairProxy};
 
 /// Enough that the drain spans many round trips and many losses.
 const BACKLOG: u64 = 60_000;
@@ -30,12 +29,12 @@ fn backlog_drains_exactly_once_through_five_percent_loss() -> Result<()> {
         Err(_) => 42,
     };
     let root = tempfile::Builder::new().prefix("trb-lossy-").tempdir()?;
-    let pki = Pki::init(root.path().join("pki"))?;
-    let hub_spec = HubSpec::new(root.path());
-    let mut hub = hub_spec.start(&pki)?;
-    let mut cfg = ProxyConfig::new(hub_spec.quic);
-    cfg.seed = seed;
-    let proxy = UdpImpairProxy::start(cfg)?;
+    let lossy::Link {
+        pki,
+        hub_spec,
+        mut hub,
+        proxy,
+    } = lossy::Link::start(root.path(), seed)?;
     let mut ledger = Ledger::new();
 
     let leg = lossy::leg(
