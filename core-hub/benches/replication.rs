@@ -487,6 +487,7 @@ impl Fleet {
         s[5] += d * s[6].sin() / (111_320.0 * s[4].to_radians().cos());
         self.odo[i] += d as i64;
         let r = Record {
+            tags: Vec::new(),
             key: format!("truck-{i:04}/engine"),
             ts: 1_764_374_400_000_000_000
                 + (self.t * 1_000_000_000 + (i as u64 * 1_000_003) % 1_000_000_000) as i64,

@@ -25,6 +25,7 @@ use sync::record::{Record, Value};
 fn records(first: u64, n: usize) -> Vec<Record> {
     (0..n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("sensor-{}/temp", (first + i as u64) % 4096),
             ts: (first + i as u64) as i64,
             fields: vec![("v".into(), Value::F64(i as f64))],

@@ -13,6 +13,7 @@ use sync::record::{Record, Value};
 
 fn record(device: &str, seq: u64) -> Record {
     Record {
+        tags: Vec::new(),
         key: format!("{device}/engine"),
         ts: 1_764_374_400_000_000_000 + seq as i64 * 1_000_000,
         fields: vec![

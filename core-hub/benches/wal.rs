@@ -22,6 +22,7 @@ use sync::record::{Record, Value};
 fn records(device: usize, first: u64, n: u64) -> Vec<Record> {
     (first..first + n)
         .map(|seq| Record {
+            tags: Vec::new(),
             key: format!("dev-{device:04}/engine"),
             ts: 1_764_374_400_000_000_000 + seq as i64 * 1_000_000,
             fields: vec![

@@ -1849,6 +1849,7 @@ mod tests {
 
     fn rec(key: &str, ts: i64, v: Value) -> Record {
         Record {
+            tags: Vec::new(),
             key: key.into(),
             ts,
             fields: vec![("v".into(), v)],

@@ -618,6 +618,7 @@ fn scan_tier2(
                 continue;
             }
             let r = Record {
+                tags: Vec::new(),
                 key: tr.key,
                 ts: tr.ts,
                 fields: tr.fields,

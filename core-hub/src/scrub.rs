@@ -1199,6 +1199,7 @@ mod tests {
     fn block(epoch: u64, first: u64, n: u64) -> Vec<u8> {
         let records: Vec<Record> = (0..n)
             .map(|i| Record {
+                tags: Vec::new(),
                 key: format!("k{}", i % 3),
                 ts: 1_000 + (first + i) as i64,
                 fields: vec![

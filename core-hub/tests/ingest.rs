@@ -259,6 +259,7 @@ async fn corrupt_and_oversized_blocks_are_rejected() {
         })
         .collect();
     let big = Record {
+        tags: Vec::new(),
         key: "k".into(),
         ts: 1,
         fields: vec![("b".into(), Value::Bytes(noise))],
@@ -270,6 +271,7 @@ async fn corrupt_and_oversized_blocks_are_rejected() {
     ));
     // Compressible but with a decompressed size above block_raw_bytes_max.
     let wide = Record {
+        tags: Vec::new(),
         key: "k".into(),
         ts: 1,
         fields: vec![("b".into(), Value::Bytes(vec![0; 2 << 20]))],

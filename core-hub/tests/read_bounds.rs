@@ -29,6 +29,7 @@ async fn serve(hub: Arc<Hub>) -> (ApiTarget, tokio::sync::oneshot::Sender<()>) {
 /// Record `seq` of `device` with a string field of `len` bytes.
 fn big(device: &str, seq: u64, len: usize) -> Record {
     Record {
+        tags: Vec::new(),
         key: format!("{device}/k{}", seq % 3),
         ts: seq as i64,
         fields: vec![

@@ -37,6 +37,7 @@ async fn the_page_check_fails_with_the_bound_switched_off() {
     .unwrap();
     let recs: Vec<Record> = (1..=100u64)
         .map(|s| Record {
+            tags: Vec::new(),
             key: format!("dev1/k{}", s % 3),
             ts: s as i64,
             fields: vec![("blob".into(), Value::Str("x".repeat(4096)))],

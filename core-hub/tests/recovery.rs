@@ -139,6 +139,7 @@ fn noisy_block(device: &str, first: u64, last: u64, seed: u64) -> Vec<u8> {
                 })
                 .collect();
             Record {
+                tags: Vec::new(),
                 key: format!("{device}/k"),
                 ts: seq as i64,
                 fields: vec![("b".into(), Value::Bytes(noise))],

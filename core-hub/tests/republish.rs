@@ -32,6 +32,7 @@ fn records(device: &str, first: u64, last: u64) -> Vec<Record> {
                 fields.push(("_mqtt_digest".into(), Value::I64(seq as i64)));
             }
             Record {
+                tags: Vec::new(),
                 key: format!("{device}/temp"),
                 ts: 1_764_374_400_000_000_000 + seq as i64,
                 fields,

@@ -61,6 +61,7 @@ fn rec(key: &str, topic: Option<&str>, extra: Option<(&str, Value)>) -> Record {
         fields.push((n.into(), v));
     }
     Record {
+        tags: Vec::new(),
         key: key.into(),
         ts: 1_764_374_400_000_000_000,
         fields,

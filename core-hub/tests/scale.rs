@@ -213,6 +213,7 @@ fn client_config(
 fn device_block(i: usize, epoch: u64) -> Result<Vec<u8>> {
     let records: Vec<Record> = (0..RECORDS_PER_DEVICE)
         .map(|s| Record {
+            tags: Vec::new(),
             key: format!("scale-{i:05}/engine"),
             ts: 1_764_374_400_000_000_000 + s as i64 * 1_000_000_000,
             fields: vec![

@@ -21,6 +21,7 @@ const STREAM: &str = "cuts";
 fn block_of(first: u64, n: usize, salt: u64) -> Vec<u8> {
     let records: Vec<Record> = (0..n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("key-{}", (first + i as u64 + salt) % 997),
             ts: (first + i as u64) as i64,
             fields: vec![("v".into(), Value::I64(i as i64))],

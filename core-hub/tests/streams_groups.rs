@@ -35,6 +35,7 @@ fn block_of(first: u64, keys: &[&str]) -> Vec<u8> {
         .iter()
         .enumerate()
         .map(|(i, k)| Record {
+            tags: Vec::new(),
             key: (*k).to_string(),
             ts: 1_764_374_400_000_000_000 + (first + i as u64) as i64,
             fields: vec![("v".into(), Value::I64((first + i as u64) as i64))],

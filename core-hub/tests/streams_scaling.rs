@@ -22,6 +22,7 @@ fn block_of(first: u64, keys: &[String]) -> Vec<u8> {
         .iter()
         .enumerate()
         .map(|(i, k)| Record {
+            tags: Vec::new(),
             key: k.clone(),
             ts: (first + i as u64) as i64,
             fields: vec![("v".into(), Value::I64(i as i64))],

@@ -27,6 +27,7 @@ const DEVICES: u64 = 2;
 fn block_of(d: u64, first: u64, n: u64) -> Vec<u8> {
     let records: Vec<Record> = (first..first + n)
         .map(|s| Record {
+            tags: Vec::new(),
             key: format!("d{d}/k{}", s % 64),
             ts: s as i64,
             fields: vec![("v".into(), Value::I64(s as i64))],

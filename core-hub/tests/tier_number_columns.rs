@@ -24,6 +24,7 @@ use tier_support::*;
 fn records(first: u64, last: u64, value: fn(u64) -> Value) -> Vec<Record> {
     (first..=last)
         .map(|s| Record {
+            tags: Vec::new(),
             key: "dev-1/engine".into(),
             ts: 1_764_374_400_000_000_000 + s as i64 * 1_000_000,
             fields: vec![("temp".into(), value(s))],

@@ -14,6 +14,7 @@ fn records(n: usize) -> Vec<Record> {
     let keys: Vec<String> = (0..100).map(|i| format!("dev{i}/temp")).collect();
     (0..n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: keys[i % keys.len()].clone(),
             ts: i as i64 * 1_000_000,
             fields: vec![

@@ -50,6 +50,7 @@ pub fn edge_config(data: &[u8]) {
 /// Records with every value type, for predicates and pipelines to chew on.
 pub fn sample_records() -> Vec<Record> {
     let r = |key: &str, ts: i64, fields: Vec<(&str, Value)>| Record {
+        tags: Vec::new(),
         key: key.into(),
         ts,
         fields: fields.into_iter().map(|(n, v)| (n.to_owned(), v)).collect(),
@@ -240,6 +241,7 @@ pub fn mqtt_map(data: &[u8]) {
     let mapper = Mapper::new(&cfg, stats);
     let publish = Publish::new(topic.clone(), QoS::AtLeastOnce, payload);
     let mut out = vec![Record {
+        tags: Vec::new(),
         key: "earlier".into(),
         ts: 0,
         fields: vec![],

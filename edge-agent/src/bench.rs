@@ -299,6 +299,7 @@ pub fn record_pool(record_bytes: usize, n: usize) -> Vec<Record> {
     (0..n)
         .map(|i| {
             let mut r = Record {
+                tags: Vec::new(),
                 key: format!("bench-{:04}/sensor", i % 64),
                 ts: 1_764_374_400_000_000_000 + i as i64 * 1_000_000,
                 fields: vec![

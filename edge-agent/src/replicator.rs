@@ -876,6 +876,7 @@ mod tests {
     fn stored(epoch: u64, first_seq: u64, n: usize) -> locallog::StoredBlock {
         let records: Vec<Record> = (0..n)
             .map(|i| Record {
+                tags: Vec::new(),
                 key: format!("k{}", i % 3),
                 ts: 1_000 + (first_seq as i64 + i as i64) * 10,
                 fields: vec![("v".into(), Value::F64(first_seq as f64 + i as f64 / 100.0))],

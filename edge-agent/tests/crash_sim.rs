@@ -421,6 +421,7 @@ fn record(batch_id: i64, k: usize, n: usize, rng: &mut SmallRng) -> Record {
     let id = (batch_id << 8) | k as i64;
     let pad = rng.random_range(0..80);
     Record {
+        tags: Vec::new(),
         key: format!("truck-{}/engine", k % 3),
         ts: 1_764_374_400_000_000_000 + id,
         fields: vec![
@@ -477,6 +478,7 @@ fn verify(h: &LogHandle, epochs: &[u64], ledger: &mut Ledger, cycle: u64) -> Res
         .unwrap_or(0);
     let probe_id = ((cycle as i64) << 40) | (0xFF << 32);
     let probe = Record {
+        tags: Vec::new(),
         key: "probe".into(),
         ts: 0,
         fields: vec![

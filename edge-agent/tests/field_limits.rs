@@ -314,6 +314,7 @@ fn mqtt_payloads_meet_the_same_rules() {
 fn distinct(tag: &str, records: usize, fields: usize, ts: i64) -> Vec<Record> {
     (0..records)
         .map(|r| Record {
+            tags: Vec::new(),
             key: format!("k{}", r % 7),
             ts: ts + r as i64,
             fields: (0..fields)

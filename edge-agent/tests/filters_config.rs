@@ -206,6 +206,7 @@ fn filter_config_errors_name_the_key() {
 
 fn rec(key: &str, ts: i64, v: f64) -> Record {
     Record {
+        tags: Vec::new(),
         key: key.into(),
         ts,
         fields: vec![

@@ -22,6 +22,7 @@ const T0: i64 = 1_764_374_400 * S;
 
 fn rec(key: &str, ts: i64, v: f64, topic: &str, digest: i64) -> Record {
     Record {
+        tags: Vec::new(),
         key: key.into(),
         ts,
         fields: vec![

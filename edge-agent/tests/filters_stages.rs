@@ -9,6 +9,7 @@ use sync::{Record, Value};
 
 fn rec(key: &str, ts: i64, fields: &[(&str, Value)]) -> Record {
     Record {
+        tags: Vec::new(),
         key: key.into(),
         ts,
         fields: fields

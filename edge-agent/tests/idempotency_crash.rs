@@ -102,6 +102,7 @@ fn kill(agent: Agent, mem: &MemStorage) {
 fn batch(b: i64, from: i64, n: i64) -> Vec<Record> {
     (from..from + n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("dev-{}", b % 3),
             ts: b * 1000 + i,
             fields: vec![("batch".into(), Value::I64(b)), ("i".into(), Value::I64(i))],

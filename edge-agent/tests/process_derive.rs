@@ -224,6 +224,7 @@ fn derived_windows_are_emitted_exactly_once_across_kill9() {
     let raw: Vec<Record> = inspect(&setup, "raw")
         .iter()
         .map(|r| Record {
+            tags: Vec::new(),
             key: r["key"].as_str().unwrap().to_owned(),
             ts: r["ts"].as_i64().unwrap(),
             fields: vec![("v".into(), Value::F64(r["fields"]["v"].as_f64().unwrap()))],

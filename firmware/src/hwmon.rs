@@ -138,6 +138,7 @@ impl HwmonSource {
             if !fields.is_empty() {
                 let key = format!("{}/hwmon/{name}", self.device_id);
                 poll.records.push(Record {
+                    tags: Vec::new(),
                     key,
                     ts: now_ns,
                     fields,
@@ -171,6 +172,7 @@ impl HwmonSource {
         for ((_, dir), name) in zones.iter().zip(sysfs::unique_names(&typed)) {
             match sysfs::read_scaled(&dir.join("temp"), THERMAL_SCALING) {
                 Ok(c) => poll.records.push(Record {
+                    tags: Vec::new(),
                     key: format!("{}/thermal/{name}", self.device_id),
                     ts: now_ns,
                     fields: vec![("temp_c".to_owned(), Value::F64(c))],

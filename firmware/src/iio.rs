@@ -141,6 +141,7 @@ impl IioSource {
             if !fields.is_empty() {
                 let key = format!("{}/iio/{name}", self.device_id);
                 poll.records.push(Record {
+                    tags: Vec::new(),
                     key,
                     ts: now_ns,
                     fields,

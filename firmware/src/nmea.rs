@@ -325,6 +325,7 @@ impl Epoch {
         };
         put("fix_valid", valid.map(Value::Bool));
         Record {
+            tags: Vec::new(),
             key: key.to_owned(),
             ts,
             fields,

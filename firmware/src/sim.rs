@@ -347,6 +347,7 @@ impl Unit {
         );
         fields.push(("fault".to_owned(), Value::Bool(faulted)));
         Record {
+            tags: Vec::new(),
             key: self.key.clone(),
             ts,
             fields,

@@ -541,6 +541,7 @@ fn parse_line(line: &str) -> Result<Record> {
     }
     let l: Line = serde_json::from_str(line).with_context(|| format!("parsing {line:?}"))?;
     Ok(Record {
+        tags: Vec::new(),
         key: l.key,
         ts: l.ts,
         fields: l.fields.0,

@@ -330,6 +330,7 @@ impl<'a> Input<'a> {
 fn records(first: u64, n: u64) -> Vec<Record> {
     (first..first.saturating_add(n))
         .map(|seq| Record {
+            tags: Vec::new(),
             key: format!("k{}", seq % 3),
             ts: (seq as i64).wrapping_mul(1000),
             fields: vec![

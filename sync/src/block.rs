@@ -21,6 +21,10 @@ pub const BLOCK_MAGIC: [u8; 4] = *b"TRBK";
 pub const VERSION_ROWS: u8 = 1;
 /// Columnar body encoding (see [`crate::columnar`]).
 pub const VERSION_COLUMNAR: u8 = 2;
+/// Columnar body encoding with tag columns. A block is sealed as version 3 whenever one of its
+/// records has tags, whatever version was asked for; blocks without tags keep their version,
+/// so their bytes (and their checksums) are what they were before tags existed.
+pub const VERSION_TAGGED: u8 = 3;
 
 // Header field offsets, each derived from the previous field.
 const OFF_MAGIC: usize = 0;
@@ -154,7 +158,7 @@ pub enum BlockError {
     BadMagic([u8; 4]),
     #[error("block header checksum mismatch")]
     HeaderChecksum,
-    #[error("unsupported block version {0}; this build reads versions 1 and 2")]
+    #[error("unsupported block version {0}; this build reads versions 1 to 3")]
     UnsupportedVersion(u8),
     #[error("block header length {0} is not 64")]
     BadHeaderLen(u16),
@@ -255,9 +259,15 @@ pub fn encode_block_with(
         });
     }
     check_lengths(records)?;
+    let version = match version {
+        VERSION_ROWS | VERSION_COLUMNAR if records.iter().any(|r| !r.tags.is_empty()) => {
+            VERSION_TAGGED
+        }
+        v => v,
+    };
     let raw = match version {
         VERSION_ROWS => encode_rows(records),
-        VERSION_COLUMNAR => columnar::encode(records)?,
+        VERSION_COLUMNAR | VERSION_TAGGED => columnar::encode(records)?,
         other => return Err(EncodeError::UnsupportedVersion(other)),
     };
     let raw_len = u32::try_from(raw.len()).map_err(|_| EncodeError::TooLarge(raw.len()))?;
@@ -302,6 +312,9 @@ fn check_lengths(records: &[Record]) -> Result<(), EncodeError> {
             .find(|(n, _)| n.len() > FIELD_NAME_BYTES_MAX)
         {
             return Err(too_long(index, "field name", n.len(), FIELD_NAME_BYTES_MAX));
+        }
+        if let Some((n, _)) = r.tags.iter().find(|(n, _)| n.len() > FIELD_NAME_BYTES_MAX) {
+            return Err(too_long(index, "tag name", n.len(), FIELD_NAME_BYTES_MAX));
         }
     }
     Ok(())
@@ -354,7 +367,7 @@ pub fn decode_header(bytes: &[u8]) -> Result<BlockHeader, BlockError> {
         return Err(BlockError::HeaderChecksum);
     }
     let version = bytes[OFF_VERSION];
-    if version != VERSION_ROWS && version != VERSION_COLUMNAR {
+    if !matches!(version, VERSION_ROWS | VERSION_COLUMNAR | VERSION_TAGGED) {
         return Err(BlockError::UnsupportedVersion(version));
     }
     let header_len = le_u16(bytes, OFF_HEADER_LEN);
@@ -457,8 +470,9 @@ impl SizedBlock {
         let h = self.header;
         match h.version {
             VERSION_ROWS => *out = decode_rows(&self.raw, h.count)?,
-            VERSION_COLUMNAR => {
-                columnar::decode_into(&self.raw, h.count, out).map_err(columnar_error)?
+            v @ (VERSION_COLUMNAR | VERSION_TAGGED) => {
+                columnar::decode_into_of(&self.raw, h.count, v == VERSION_TAGGED, out)
+                    .map_err(columnar_error)?
             }
             other => return Err(BlockError::UnsupportedVersion(other)),
         }
@@ -478,7 +492,10 @@ pub fn size_block(bytes: &[u8], limits: &DecodeLimits) -> Result<SizedBlock, Blo
     let raw = decompress_body(&header, &bytes[HEADER_LEN..])?;
     let size = match header.version {
         VERSION_ROWS => rows_decoded_size(&raw, header.count)?,
-        VERSION_COLUMNAR => columnar::decoded_size(&raw, header.count).map_err(columnar_error)?,
+        v @ (VERSION_COLUMNAR | VERSION_TAGGED) => {
+            columnar::decoded_size_of(&raw, header.count, v == VERSION_TAGGED)
+                .map_err(columnar_error)?
+        }
         other => return Err(BlockError::UnsupportedVersion(other)),
     };
     if size > limits.decoded_bytes_max && !mutation::decoded_size_guard_off() {
@@ -716,7 +733,12 @@ fn decode_rows(raw: &[u8], count: u32) -> Result<Vec<Record>, BlockError> {
             };
             fields.push((name, value));
         }
-        records.push(Record { key, ts, fields });
+        records.push(Record {
+            tags: Vec::new(),
+            key,
+            ts,
+            fields,
+        });
     }
     if r.remaining() != 0 {
         return Err(BlockError::Body {
@@ -741,6 +763,7 @@ mod tests {
     fn sample(n: usize) -> Vec<Record> {
         (0..n)
             .map(|i| Record {
+                tags: Vec::new(),
                 key: format!("truck-{:04}/engine", i % 7),
                 ts: 1_764_374_400_000_000_000 + i as i64 * 1_000_000_000,
                 fields: vec![

@@ -11,6 +11,7 @@
 //! ```text
 //! decoded_size = sum over records of  RECORD_OVERHEAD_BYTES + len(key)
 //!                  + sum over fields of FIELD_OVERHEAD_BYTES + len(name) + len(payload)
+//!                  + sum over tags   of TAG_OVERHEAD_BYTES + len(name) + len(value)
 //! ```
 //!
 //! where `len` is in UTF-8 bytes, a string or bytes value's payload is its length and every
@@ -19,11 +20,14 @@
 
 use crate::record::{Record, Value};
 
-/// Fixed bytes counted per record: at least `size_of::<Record>()` (key, ts, field vector).
-pub const RECORD_OVERHEAD_BYTES: u64 = 64;
+/// Fixed bytes counted per record: at least `size_of::<Record>()` (key, tags, ts, fields).
+pub const RECORD_OVERHEAD_BYTES: u64 = 96;
 /// Fixed bytes counted per field: at least `size_of::<(String, Value)>()`.
 pub const FIELD_OVERHEAD_BYTES: u64 = 64;
+/// Fixed bytes counted per tag: at least `size_of::<(String, String)>()`.
+pub const TAG_OVERHEAD_BYTES: u64 = 48;
 const _: () = assert!(std::mem::size_of::<Record>() as u64 <= RECORD_OVERHEAD_BYTES);
+const _: () = assert!(std::mem::size_of::<(String, String)>() as u64 <= TAG_OVERHEAD_BYTES);
 const _: () = assert!(std::mem::size_of::<(String, Value)>() as u64 <= FIELD_OVERHEAD_BYTES);
 
 /// Longest key (UTF-8 bytes) a block may hold; encoders refuse longer, decoders reject them.
@@ -35,6 +39,12 @@ pub const FIELD_NAME_BYTES_MAX: usize = 1024;
 #[inline]
 pub(crate) fn field_bytes(name_len: usize, payload_len: usize) -> u64 {
     FIELD_OVERHEAD_BYTES + name_len as u64 + payload_len as u64
+}
+
+/// The bytes one tag counts: its overhead, its name and its value.
+#[inline]
+pub(crate) fn tag_bytes(name_len: usize, value_len: usize) -> u64 {
+    TAG_OVERHEAD_BYTES + name_len as u64 + value_len as u64
 }
 
 /// The bytes one record counts without its fields.
@@ -59,7 +69,12 @@ pub fn record_bytes(r: &Record) -> u64 {
         .iter()
         .map(|(name, v)| field_bytes(name.len(), payload_len(v)))
         .sum();
-    record_base_bytes(r.key.len()) + fields
+    let tags: u64 = r
+        .tags
+        .iter()
+        .map(|(n, v)| tag_bytes(n.len(), v.len()))
+        .sum();
+    record_base_bytes(r.key.len()) + fields + tags
 }
 
 /// The decoded size of materialised records: what [`crate::block::size_block`] computes from
@@ -76,6 +91,7 @@ mod tests {
     fn the_definition_counts_overheads_names_and_payloads() {
         let r = Record {
             key: "abc".into(),
+            tags: vec![("host".into(), "gw".into())],
             ts: 1,
             fields: vec![
                 ("s".into(), Value::Str("hello".into())),
@@ -83,7 +99,7 @@ mod tests {
                 ("f".into(), Value::F64(1.0)),
             ],
         };
-        let want = 64 + 3 + (64 + 1 + 5) + (64 + 1 + 7) + (64 + 1);
+        let want = 96 + 3 + (64 + 1 + 5) + (64 + 1 + 7) + (64 + 1) + (48 + 4 + 2);
         assert_eq!(record_bytes(&r), want);
         assert_eq!(records_bytes(&[r.clone(), r]), 2 * want);
     }

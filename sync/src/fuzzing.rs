@@ -6,7 +6,7 @@
 //! (or in the invariant), which is exactly what the fuzzer is for.
 #![doc(hidden)]
 
-use crate::block::{self, BlockHeader, DecodeLimits, HEADER_LEN, VERSION_COLUMNAR, VERSION_ROWS};
+use crate::block::{self, BlockHeader, DecodeLimits, HEADER_LEN, VERSION_ROWS, VERSION_TAGGED};
 use crate::decoded;
 use crate::parse::{self, FIELDS_MAX, ParseOptions};
 use crate::record::{Record, Value};
@@ -177,7 +177,8 @@ pub fn block_body_decode(data: &[u8]) {
     let version = if selector & 0x80 == 0 {
         VERSION_ROWS
     } else {
-        VERSION_COLUMNAR
+        // Version 3 reads every version 2 body too, and tag columns besides.
+        VERSION_TAGGED
     };
     let count = u32::from(selector & 0x7f) + 1;
     let Some(bytes) = wrap_body(version, count, raw) else {

@@ -1,9 +1,13 @@
 //! The record model shared by every side.
 //!
-//! A record is the InfluxDB line-protocol model: a routing key (the tags), an event timestamp in
-//! nanoseconds, and a set of typed fields. Its origin (`device`, `epoch`, `seq`) is not stored in
-//! each record: the device is the connection's identity and the block header carries the epoch
-//! and the seq range, so a record's seq is `first_seq + index` within its block.
+//! A record is the InfluxDB line-protocol model: a routing key, named tags (string dimensions),
+//! an event timestamp in nanoseconds, and a set of typed fields. Tags and fields live in
+//! separate namespaces, so a tag and a field may share a name (see `docs/format/tags.md`); the
+//! key is derived from the tags by [`key_from_tags`] unless the producer gives one.
+//!
+//! A record's origin (`device`, `epoch`, `seq`) is not stored in each record: the device is the
+//! connection's identity and the block header carries the epoch and the seq range, so a
+//! record's seq is `first_seq + index` within its block.
 
 use serde::{Deserialize, Serialize};
 
@@ -64,6 +68,10 @@ impl Eq for Value {}
 pub struct Record {
     /// The routing key, for example `truck-0042/engine`. Per-key order is preserved end to end.
     pub key: String,
+    /// Named string dimensions (`host=gw-01`), in the order the producer wrote them. Names are
+    /// unique within a record. Tier 2 gives each tag its own column.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<(String, String)>,
     /// Event time in nanoseconds since the Unix epoch, stored exactly as given.
     pub ts: i64,
     /// Typed fields in the order the producer wrote them. Names are unique within a record.
@@ -86,7 +94,16 @@ impl Record {
                     + 2
             })
             .sum();
-        self.key.len() + 8 + fields
+        let tags: usize = self.tags.iter().map(|(n, v)| n.len() + v.len() + 2).sum();
+        self.key.len() + 8 + fields + tags
+    }
+
+    /// Looks a tag up by name.
+    pub fn tag(&self, name: &str) -> Option<&str> {
+        self.tags
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
     }
 
     /// Looks a field up by name.
@@ -114,6 +131,69 @@ pub fn key_problem(key: &str) -> Option<&'static str> {
             "" => return Some("keys may not have empty segments (`//`, or `/` at either end)"),
             "." | ".." => return Some("keys may not have `.` or `..` segments"),
             _ => {}
+        }
+    }
+    None
+}
+
+/// The routing key of a record that has tags and no key of its own: its tags sorted by name,
+/// each written `name=value`, joined by `/`. Order-independent (`b=2,a=1` and `a=1,b=2` give
+/// `a=1/b=2`) and unambiguous: `%`, `/`, `=` and control characters in a name or value are
+/// written as `%XX` (upper-case hex), so no two tag sets give the same key. Empty when `tags`
+/// is empty. The result always passes [`key_problem`] when every tag passes [`tags_problem`].
+pub fn key_from_tags(tags: &[(String, String)]) -> String {
+    let mut sorted: Vec<&(String, String)> = tags.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut key = String::new();
+    for (i, (name, value)) in sorted.into_iter().enumerate() {
+        if i > 0 {
+            key.push('/');
+        }
+        escape_into(&mut key, name);
+        key.push('=');
+        escape_into(&mut key, value);
+    }
+    key
+}
+
+fn escape_into(out: &mut String, s: &str) {
+    for c in s.chars() {
+        if matches!(c, '%' | '/' | '=') || c.is_control() {
+            let mut buf = [0u8; 4];
+            for b in c.encode_utf8(&mut buf).bytes() {
+                out.push_str(&format!("%{b:02X}"));
+            }
+        } else {
+            out.push(c);
+        }
+    }
+}
+
+/// The most tags one record may carry.
+pub const TAGS_PER_RECORD_MAX: usize = 256;
+
+/// Why `tags` are not acceptable, or `None` if they are: at most [`TAGS_PER_RECORD_MAX`], each
+/// name non-empty and unique within the record, no value empty, and no NUL in either. The agent
+/// refuses such a record at ingest and the hub refuses a block holding one.
+pub fn tags_problem(tags: &[(String, String)]) -> Option<String> {
+    if tags.len() > TAGS_PER_RECORD_MAX {
+        return Some(format!(
+            "{} tags, more than the {TAGS_PER_RECORD_MAX} a record may have",
+            tags.len()
+        ));
+    }
+    for (i, (name, value)) in tags.iter().enumerate() {
+        if name.is_empty() {
+            return Some("a tag name is empty".into());
+        }
+        if value.is_empty() {
+            return Some(format!("tag `{name}` has an empty value"));
+        }
+        if name.contains('\0') || value.contains('\0') {
+            return Some(format!("tag `{name}` holds a NUL character"));
+        }
+        if tags[..i].iter().any(|(n, _)| n == name) {
+            return Some(format!("tag `{name}` appears twice"));
         }
     }
     None

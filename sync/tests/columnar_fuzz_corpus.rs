@@ -30,6 +30,7 @@ fn framed(records: &[Record], tuning: &Tuning) -> Vec<u8> {
 fn seeds() -> Vec<(String, Vec<u8>)> {
     let strings: Vec<Record> = (0..40)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("k{}", i % 4),
             ts: i * 1000,
             fields: vec![
@@ -147,6 +148,7 @@ fn bomb() -> Vec<u8> {
     let s = "s".repeat(4000);
     let records: Vec<Record> = (0..2100)
         .map(|i| Record {
+            tags: Vec::new(),
             key: "k".repeat(4000),
             ts: i,
             fields: vec![("s".into(), Value::Str(s.clone()))],

@@ -87,8 +87,14 @@ fn record() -> impl Strategy<Value = Record> {
         any::<i64>(),
         (0i64..100_000).prop_map(|x| 1_764_374_400_000_000_000 + x * 1_000_000)
     ];
-    (key, ts, proptest::collection::vec((name, value()), 0..8))
-        .prop_map(|(key, ts, fields)| Record { key, ts, fields })
+    (key, ts, proptest::collection::vec((name, value()), 0..8)).prop_map(|(key, ts, fields)| {
+        Record {
+            tags: Vec::new(),
+            key,
+            ts,
+            fields,
+        }
+    })
 }
 
 /// 256 cases per property in CI; `TRIBUTARY_SOAK=1` runs 20,000.
@@ -251,6 +257,7 @@ fn repeated_field_names_within_a_record_round_trip() {
         .map(|i| ("s".to_string(), Value::Str(format!("v{i}"))))
         .collect();
     let records = vec![Record {
+        tags: Vec::new(),
         key: "k".into(),
         ts: 1,
         fields,
@@ -263,6 +270,7 @@ fn repeated_field_names_within_a_record_round_trip() {
 fn records_without_fields_and_one_key_round_trip() {
     let records: Vec<Record> = (0..50)
         .map(|i| Record {
+            tags: Vec::new(),
             key: "k".into(),
             ts: i * 3,
             fields: vec![],
@@ -280,6 +288,7 @@ fn many_keys_times_many_columns_stay_within_the_state_budget() {
         .map(|i| {
             let k = i % 2500;
             Record {
+                tags: Vec::new(),
                 key: format!("k{k}"),
                 ts: k * 1_000_000_007 + i / 2500,
                 fields: (0..12)

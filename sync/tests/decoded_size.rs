@@ -27,6 +27,7 @@ const LIMITS: DecodeLimits = DecodeLimits {
 
 fn rec(key: &str, ts: i64, fields: Vec<(&str, Value)>) -> Record {
     Record {
+        tags: Vec::new(),
         key: key.into(),
         ts,
         fields: fields.into_iter().map(|(n, v)| (n.into(), v)).collect(),

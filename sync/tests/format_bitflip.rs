@@ -13,6 +13,7 @@ use sync::{Record, Value};
 fn records(tag: usize, n: usize) -> Vec<Record> {
     (0..n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("site-{tag}/pump-{i}"),
             ts: 1_700_000_000_000_000_000 + i as i64 * 1_000,
             fields: vec![

@@ -27,6 +27,7 @@ fn dir() -> PathBuf {
 fn v1_blocks() -> Vec<(u8, Vec<Record>)> {
     let t0 = 1_764_374_400_000_000_000i64;
     let telemetry = |i: i64| Record {
+        tags: Vec::new(),
         key: format!("truck-{:04}/engine", i % 3),
         ts: t0 + i * 1_000_000_003,
         fields: vec![
@@ -41,6 +42,7 @@ fn v1_blocks() -> Vec<(u8, Vec<Record>)> {
     };
     let odd = vec![
         Record {
+            tags: Vec::new(),
             key: "plant/ünïcode ☃".into(),
             ts: i64::MIN,
             fields: vec![
@@ -58,11 +60,13 @@ fn v1_blocks() -> Vec<(u8, Vec<Record>)> {
             ],
         },
         Record {
+            tags: Vec::new(),
             key: "k".into(),
             ts: i64::MAX,
             fields: vec![("only".into(), Value::Bool(false))],
         },
         Record {
+            tags: Vec::new(),
             key: "k".into(),
             ts: 0,
             fields: vec![],

@@ -218,6 +218,7 @@ fn body_length_claims_are_bounded_by_the_body() {
 #[test]
 fn header_claims_must_match_the_records() {
     let rec = sync::Record {
+        tags: Vec::new(),
         key: "k".into(),
         ts: 50,
         fields: vec![],

@@ -73,7 +73,12 @@ fn record() -> impl Strategy<Value = Record> {
         i64_any(),
         prop::collection::vec((text(), value()), 0..8),
     )
-        .prop_map(|(key, ts, fields)| Record { key, ts, fields })
+        .prop_map(|(key, ts, fields)| Record {
+            tags: Vec::new(),
+            key,
+            ts,
+            fields,
+        })
 }
 
 fn records() -> impl Strategy<Value = Vec<Record>> {
@@ -152,6 +157,7 @@ proptest! {
 #[test]
 fn empty_and_overflowing_blocks_are_refused() {
     let r = Record {
+        tags: Vec::new(),
         key: "k".into(),
         ts: 0,
         fields: vec![],

@@ -15,6 +15,7 @@ fn small_segment() -> (Vec<u8>, Vec<Vec<Record>>) {
     for (b, n) in [3usize, 1, 5, 2].into_iter().enumerate() {
         let recs: Vec<Record> = (0..n)
             .map(|i| Record {
+                tags: Vec::new(),
                 key: format!("dev-{b}/sensor-{i}"),
                 ts: 1_764_374_400_000_000_000 + (b * 10 + i) as i64,
                 fields: vec![

@@ -383,6 +383,7 @@ fn error_serialises_as_json() {
 #[test]
 fn writer_is_the_inverse_of_the_parser() {
     let records = vec![Record {
+        tags: Vec::new(),
         key: "truck-0001/engine \"quoted\" ü\n".into(),
         ts: i64::MIN,
         fields: vec![
@@ -400,6 +401,7 @@ fn writer_is_the_inverse_of_the_parser() {
     let text = write_ndjson(&records).unwrap();
     assert_eq!(parse_ndjson(&text).unwrap(), records);
     let nan = vec![Record {
+        tags: Vec::new(),
         key: "k".into(),
         ts: 0,
         fields: vec![("x".into(), Value::F64(f64::NAN))],

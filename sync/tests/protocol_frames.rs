@@ -21,6 +21,7 @@ use sync::{Record, Value};
 fn records() -> Vec<Record> {
     (0..3)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("truck-0042/engine{i}"),
             ts: 1_764_374_400_000_000_000 + i,
             fields: vec![

@@ -19,6 +19,7 @@ const RETRY: Duration = Duration::from_secs(30);
 fn block(epoch: u64, first: u64, n: u64) -> Vec<u8> {
     let records: Vec<Record> = (0..n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: format!("dev/k{i}"),
             ts: 1_764_374_400_000_000_000 + i as i64,
             fields: vec![("v".into(), Value::I64((first + i) as i64))],

@@ -427,6 +427,7 @@ impl World {
             self.hist.next_id += 1;
             let id = self.hist.next_id;
             let r = Record {
+                tags: Vec::new(),
                 key: format!("{stream}/k{}", id % 3),
                 ts: self.now.as_nanos() as i64,
                 fields: vec![

@@ -21,6 +21,7 @@ const EPOCH: u64 = 3;
 fn records(n: usize) -> Vec<Record> {
     (0..n)
         .map(|i| Record {
+            tags: Vec::new(),
             key: "truck-7/engine".into(),
             ts: 1_764_374_400_000_000_000 + i as i64,
             fields: vec![("rpm".into(), Value::I64(1800 + i as i64))],

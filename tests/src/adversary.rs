@@ -401,6 +401,7 @@ pub mod bombs {
     pub fn records(n: usize, tag: &str) -> Vec<Record> {
         (0..n)
             .map(|i| Record {
+                tags: Vec::new(),
                 key: format!("{tag}/k{}", i % 4),
                 ts: 1_700_000_000_000_000_000 + i as i64,
                 fields: vec![("v".into(), Value::I64(i as i64))],
@@ -411,6 +412,7 @@ pub mod bombs {
     /// One record with `fields` distinct field names (`{prefix}{i}`), all i64.
     pub fn wide_record(prefix: &str, fields: usize) -> Record {
         Record {
+            tags: Vec::new(),
             key: "wide".into(),
             ts: 1_700_000_000_000_000_000,
             fields: (0..fields)

@@ -970,6 +970,7 @@ fn repeated_field(s: &mut Suite) -> Result<String> {
             for b in 0..BLOCKS {
                 let records: Vec<Record> = (0..PER_BLOCK)
                     .map(|i| Record {
+                        tags: Vec::new(),
                         key: format!("k{}", i % 3),
                         ts: 1_700_000_000_000_000_000 + (b * PER_BLOCK + i) as i64,
                         fields: vec![

@@ -101,6 +101,7 @@ impl TierRecord {
     /// The record as readers see it (origin and position dropped).
     pub fn record(&self) -> Record {
         Record {
+            tags: Vec::new(),
             key: self.key.clone(),
             ts: self.ts_ns,
             fields: self.fields.clone(),
@@ -110,6 +111,7 @@ impl TierRecord {
     /// Moves the record out (origin and position dropped).
     pub fn into_record(self) -> Record {
         Record {
+            tags: Vec::new(),
             key: self.key,
             ts: self.ts_ns,
             fields: self.fields,

@@ -575,6 +575,7 @@ impl Downsample {
                     .collect();
                 fields.extend(carried(&o.last));
                 out.push(Record {
+                    tags: Vec::new(),
                     key: o.last.key,
                     ts: o.start,
                     fields,
@@ -753,6 +754,7 @@ impl Window {
             .collect();
         fields.extend(w.carried);
         out.push(Record {
+            tags: Vec::new(),
             key,
             ts: w.start,
             fields,

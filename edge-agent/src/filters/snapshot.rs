@@ -77,6 +77,7 @@ pub(crate) fn record_from_json(v: &Json) -> Result<Record, String> {
         .map(field_from_json)
         .collect::<Result<Vec<_>, _>>()?;
     Ok(Record {
+        tags: Vec::new(),
         key: str_at(v, 0)?.to_owned(),
         ts: i64_at(v, 1)?,
         fields,

@@ -1206,6 +1206,7 @@ mod tests {
 
     fn rec(i: usize, pad: usize) -> Record {
         Record {
+            tags: Vec::new(),
             key: format!("k{i}"),
             ts: i as i64,
             fields: vec![("v".into(), Value::Str("x".repeat(pad)))],

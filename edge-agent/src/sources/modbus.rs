@@ -359,6 +359,7 @@ mod driver {
                 return None;
             }
             Some(Record {
+                tags: Vec::new(),
                 key: self.cfg.key.clone(),
                 ts: now_ns(),
                 fields,

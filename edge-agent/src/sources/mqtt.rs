@@ -870,6 +870,7 @@ impl Mapper {
             }
         }
         out.push(Record {
+            tags: Vec::new(),
             key: key.unwrap_or_else(|| p.topic.clone()),
             ts,
             fields,

@@ -13,6 +13,7 @@ use sync::{Record, Value};
 /// A record whose content is derived from `id`, with `pad` bytes of payload.
 pub fn rec(id: u64, pad: usize) -> Record {
     Record {
+        tags: Vec::new(),
         key: format!("dev/{}", id % 5),
         ts: 1_764_374_400_000_000_000 + id as i64,
         fields: vec![

@@ -123,6 +123,7 @@ mod tests {
 
     fn rec(names: &[String]) -> Record {
         Record {
+            tags: Vec::new(),
             key: "k".into(),
             ts: 1,
             fields: names.iter().map(|n| (n.clone(), Value::I64(1))).collect(),

@@ -1,4 +1,4 @@
-//! The version 2 decoder: parses the dictionaries and every column's header up front, then
+//! The version 2 and 3 decoder: parses the dictionaries and every column's header up front, then
 //! rebuilds the records in one pass, pulling each field from its column's stream.
 //!
 //! Every count is checked against the bytes left and against the record count before anything
@@ -9,7 +9,7 @@
 use super::floats::F64Decoder;
 use super::ints::{IntDecoder, SlotBudget};
 use super::wire::{BitReader, Cursor};
-use super::{COLUMNS_MAX, ColumnarError};
+use super::{COLUMNS_MAX, ColumnarError, TAG_TYPE};
 use crate::decoded::{self, FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use crate::record::{Record, Value};
 
@@ -29,7 +29,7 @@ enum ColumnDecoder<'a> {
     Bytes(Cursor<'a>),
 }
 
-impl ColumnDecoder<'_> {
+impl<'a> ColumnDecoder<'a> {
     #[inline]
     fn next(&mut self, key: u32) -> Result<Value, ColumnarError> {
         Ok(match self {
@@ -43,6 +43,17 @@ impl ColumnDecoder<'_> {
             }
             ColumnDecoder::Bytes(c) => Value::Bytes(c.bytes()?.to_vec()),
         })
+    }
+
+    /// The next value of a tag column (string data), borrowed from the body.
+    #[inline]
+    fn next_tag(&mut self, key: u32) -> Result<&'a str, ColumnarError> {
+        let ColumnDecoder::Str { dict, ids } = self else {
+            unreachable!("tag columns are parsed as string columns")
+        };
+        let id = ids.next(key)?;
+        let s = usize::try_from(id).ok().and_then(|i| dict.get(i));
+        Ok(*s.ok_or_else(|| ids.err("string id out of range"))?)
     }
 
     /// As `next`, overwriting `v` and reusing its string or byte buffer when it has one.
@@ -103,10 +114,14 @@ struct Head<'a> {
 /// strings (the decoded size is the bound that protects memory; this is the format's rule).
 fn check_lengths(raw: &[u8], head: &Head<'_>) -> Result<(), ColumnarError> {
     let keys = head.keys.iter().map(|k| ("key", *k, KEY_BYTES_MAX));
-    let names = head
-        .names
-        .iter()
-        .map(|n| ("field name", *n, FIELD_NAME_BYTES_MAX));
+    let names = head.names.iter().zip(&head.tags).map(|(n, &t)| {
+        let what = if t == TAG_TYPE {
+            "tag name"
+        } else {
+            "field name"
+        };
+        (what, *n, FIELD_NAME_BYTES_MAX)
+    });
     match keys.chain(names).find(|(_, s, max)| s.len() > *max) {
         None => Ok(()),
         Some((what, s, max)) => Err(ColumnarError::TooLong {
@@ -171,14 +186,18 @@ fn parse_head<'a>(c: &mut Cursor<'a>, count: usize) -> Result<Head<'a>, Columnar
 fn parse_column<'a>(
     c: &mut Cursor<'a>,
     tag: u8,
+    tagged: bool,
     nkeys: usize,
     budget: &mut SlotBudget,
 ) -> Result<ColumnDecoder<'a>, ColumnarError> {
+    if tag == TAG_TYPE && !tagged {
+        return Err(c.err("tag column in a body of a version without tags"));
+    }
     Ok(match tag {
         0 => ColumnDecoder::F64(F64Decoder::parse(c, nkeys, budget)?),
         1 => ColumnDecoder::I64(IntDecoder::parse(c, "i64", nkeys, true, budget)?),
         2 => ColumnDecoder::Bool(BitReader::new(c.section("bool")?)?),
-        3 => {
+        3 | TAG_TYPE => {
             // Not bounded by the record count: a record may repeat a field name.
             let n = c.count(1)?;
             let mut dict = Vec::with_capacity(n);
@@ -196,7 +215,11 @@ fn parse_column<'a>(
 }
 
 /// The parsed dictionaries and every stream's decoder, positioned at the first record.
-fn parse<'a>(raw: &'a [u8], count: u32) -> Result<(Head<'a>, Rows<'a>), ColumnarError> {
+fn parse<'a>(
+    raw: &'a [u8],
+    count: u32,
+    tagged: bool,
+) -> Result<(Head<'a>, Rows<'a>), ColumnarError> {
     let n = count as usize;
     if n > raw.len() / RECORD_BYTES_MIN {
         return Err(ColumnarError::CountExceedsBody {
@@ -216,7 +239,7 @@ fn parse<'a>(raw: &'a [u8], count: u32) -> Result<(Head<'a>, Rows<'a>), Columnar
     };
     for &tag in &head.tags {
         rows.cols
-            .push(parse_column(&mut c, tag, nkeys, &mut budget)?);
+            .push(parse_column(&mut c, tag, tagged, nkeys, &mut budget)?);
     }
     c.finish()?;
     Ok((head, rows))
@@ -225,8 +248,8 @@ fn parse<'a>(raw: &'a [u8], count: u32) -> Result<(Head<'a>, Rows<'a>), Columnar
 /// The decoded size of the body's records (see `crate::decoded`), from the dictionaries and
 /// the key, shape, string-id and bytes streams; the other streams are not read. Allocates only
 /// per shape and per column, never per record.
-pub(super) fn decoded_size(raw: &[u8], count: u32) -> Result<u64, ColumnarError> {
-    let (head, mut rows) = parse(raw, count)?;
+pub(super) fn decoded_size(raw: &[u8], count: u32, tagged: bool) -> Result<u64, ColumnarError> {
+    let (head, mut rows) = parse(raw, count, tagged)?;
     let nshapes = head.shape_at.len() - 1;
     // Per shape: the fixed bytes of its fields, and its string and bytes columns.
     let mut fixed = Vec::with_capacity(nshapes);
@@ -234,11 +257,17 @@ pub(super) fn decoded_size(raw: &[u8], count: u32) -> Result<u64, ColumnarError>
     var_at.push(0);
     for s in 0..nshapes {
         let cols = &head.shape_cols[head.shape_at[s]..head.shape_at[s + 1]];
-        let names = cols.iter().map(|&c| head.names[c as usize].len());
-        fixed.push(names.map(|len| decoded::field_bytes(len, 0)).sum::<u64>());
+        let entry_bytes = |&c: &u32| {
+            let len = head.names[c as usize].len();
+            match head.tags[c as usize] {
+                TAG_TYPE => decoded::tag_bytes(len, 0),
+                _ => decoded::field_bytes(len, 0),
+            }
+        };
+        fixed.push(cols.iter().map(entry_bytes).sum::<u64>());
         var_cols.extend(
             cols.iter()
-                .filter(|&&c| matches!(head.tags[c as usize], 3 | 4)),
+                .filter(|&&c| matches!(head.tags[c as usize], 3 | 4 | TAG_TYPE)),
         );
         var_at.push(var_cols.len());
     }
@@ -259,10 +288,11 @@ pub(super) fn decoded_size(raw: &[u8], count: u32) -> Result<u64, ColumnarError>
 pub(super) fn decode_into(
     raw: &[u8],
     count: u32,
+    tagged: bool,
     out: &mut Vec<Record>,
 ) -> Result<(), ColumnarError> {
     let n = count as usize;
-    let (head, mut rows) = parse(raw, count)?;
+    let (head, mut rows) = parse(raw, count, tagged)?;
     check_lengths(raw, &head)?;
     out.truncate(n);
     out.reserve_exact(n - out.len());
@@ -309,13 +339,18 @@ impl Rows<'_> {
 
     fn next(&mut self, head: &Head<'_>) -> Result<Record, ColumnarError> {
         let (k, ts, shape) = self.start(head)?;
-        let mut fields = Vec::with_capacity(shape.len());
+        let (mut tags, mut fields) = (Vec::new(), Vec::with_capacity(shape.len()));
         for &col in shape {
-            let v = self.cols[col as usize].next(k)?;
-            fields.push((head.names[col as usize].to_owned(), v));
+            let (name, dec) = (head.names[col as usize], &mut self.cols[col as usize]);
+            if head.tags[col as usize] == TAG_TYPE {
+                tags.push((name.to_owned(), dec.next_tag(k)?.to_owned()));
+            } else {
+                fields.push((name.to_owned(), dec.next(k)?));
+            }
         }
         Ok(Record {
             key: head.keys[k as usize].to_owned(),
+            tags,
             ts,
             fields,
         })
@@ -326,17 +361,32 @@ impl Rows<'_> {
         let (k, ts, shape) = self.start(head)?;
         assign(&mut r.key, head.keys[k as usize]);
         r.ts = ts;
-        r.fields.truncate(shape.len());
-        for (j, &col) in shape.iter().enumerate() {
+        let (mut ntags, mut nfields) = (0, 0);
+        for &col in shape {
             let (name, dec) = (head.names[col as usize], &mut self.cols[col as usize]);
-            match r.fields.get_mut(j) {
+            if head.tags[col as usize] == TAG_TYPE {
+                let value = dec.next_tag(k)?;
+                match r.tags.get_mut(ntags) {
+                    Some((n, v)) => {
+                        assign(n, name);
+                        assign(v, value);
+                    }
+                    None => r.tags.push((name.to_owned(), value.to_owned())),
+                }
+                ntags += 1;
+                continue;
+            }
+            match r.fields.get_mut(nfields) {
                 Some((n, v)) => {
                     assign(n, name);
                     dec.next_into(k, v)?;
                 }
                 None => r.fields.push((name.to_owned(), dec.next(k)?)),
             }
+            nfields += 1;
         }
+        r.tags.truncate(ntags);
+        r.fields.truncate(nfields);
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use super::floats;
 use super::ints::{self, SlotBudget};
 use super::wire::{BitWriter, put_section};
-use super::{COLUMNS_MAX, ColumnarError, Tuning};
+use super::{COLUMNS_MAX, ColumnarError, TAG_TYPE, Tuning};
 use crate::record::{Record, Value};
 use crate::varint;
 
@@ -55,20 +55,42 @@ impl<'r> Column<'r> {
         }
     }
 
+    /// A tag column: string data under its own type, so a tag and a field may share a name.
+    fn new_tag(name: &'r str) -> Self {
+        Column {
+            name,
+            tag: TAG_TYPE,
+            keys: Vec::new(),
+            data: Data::Str {
+                ids: Vec::new(),
+                index: HashMap::new(),
+                dict: Vec::new(),
+            },
+        }
+    }
+
+    fn push_str(&mut self, key: u32, s: &'r str) {
+        self.keys.push(key);
+        let Data::Str { ids, index, dict } = &mut self.data else {
+            unreachable!("a tag column holds strings (matched by shape)")
+        };
+        let next = dict.len() as u32;
+        let id = *index.entry(s).or_insert(next);
+        if id == next {
+            dict.push(s);
+        }
+        ids.push(i64::from(id));
+    }
+
     fn push(&mut self, key: u32, value: &'r Value) {
+        if let Value::Str(s) = value {
+            return self.push_str(key, s);
+        }
         self.keys.push(key);
         match (&mut self.data, value) {
             (Data::F64(v), Value::F64(x)) => v.push(*x),
             (Data::I64(v), Value::I64(x)) => v.push(*x),
             (Data::Bool(v), Value::Bool(x)) => v.push(*x),
-            (Data::Str { ids, index, dict }, Value::Str(s)) => {
-                let next = dict.len() as u32;
-                let id = *index.entry(s.as_str()).or_insert(next);
-                if id == next {
-                    dict.push(s);
-                }
-                ids.push(i64::from(id));
-            }
             (Data::Bytes(v), Value::Bytes(b)) => v.push(b),
             _ => unreachable!("a column only receives values of its own type (matched by shape)"),
         }
@@ -125,7 +147,11 @@ fn transpose(records: &[Record]) -> Result<Transposed<'_>, ColumnarError> {
             intern_shape(&mut t, &mut int, r)?
         };
         int.key_shape[k as usize] = s;
-        for (&c, (_, v)) in t.shapes[s as usize].iter().zip(&r.fields) {
+        let (tag_cols, field_cols) = t.shapes[s as usize].split_at(r.tags.len());
+        for (&c, (_, v)) in tag_cols.iter().zip(&r.tags) {
+            t.columns[c as usize].push_str(k, v);
+        }
+        for (&c, (_, v)) in field_cols.iter().zip(&r.fields) {
             t.columns[c as usize].push(k, v);
         }
         t.rec_keys.push(k);
@@ -146,11 +172,14 @@ fn intern_key<'r>(t: &mut Transposed<'r>, int: &mut Interner<'r>, key: &'r str) 
     k
 }
 
+/// Whether `r` has exactly this shape: its tag columns first, then its field columns.
 fn shape_matches(shape: &[u32], columns: &[Column<'_>], r: &Record) -> bool {
-    shape.len() == r.fields.len()
-        && shape.iter().zip(&r.fields).all(|(&c, (name, v))| {
+    let entries = r.tags.iter().map(|(name, _)| (name, TAG_TYPE));
+    let entries = entries.chain(r.fields.iter().map(|(name, v)| (name, v.type_tag())));
+    shape.len() == r.tags.len() + r.fields.len()
+        && shape.iter().zip(entries).all(|(&c, (name, tag))| {
             let col = &columns[c as usize];
-            col.tag == v.type_tag() && col.name == name
+            col.tag == tag && col.name == name
         })
 }
 
@@ -159,18 +188,26 @@ fn intern_shape<'r>(
     int: &mut Interner<'r>,
     r: &'r Record,
 ) -> Result<u32, ColumnarError> {
-    let mut shape = Vec::with_capacity(r.fields.len());
-    for (name, v) in &r.fields {
+    let mut shape = Vec::with_capacity(r.tags.len() + r.fields.len());
+    let tags = r
+        .tags
+        .iter()
+        .map(|(name, _)| (name.as_str(), TAG_TYPE, None));
+    let fields = r
+        .fields
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.type_tag(), Some(v)));
+    for (name, tag, value) in tags.chain(fields) {
         let next = t.columns.len() as u32;
-        let c = *int
-            .column_ids
-            .entry((name.as_str(), v.type_tag()))
-            .or_insert(next);
+        let c = *int.column_ids.entry((name, tag)).or_insert(next);
         if c == next {
             if t.columns.len() == COLUMNS_MAX {
                 return Err(ColumnarError::TooManyColumns(COLUMNS_MAX + 1));
             }
-            t.columns.push(Column::new(name, v));
+            t.columns.push(match value {
+                Some(v) => Column::new(name, v),
+                None => Column::new_tag(name),
+            });
         }
         shape.push(c);
     }
@@ -208,7 +245,8 @@ pub(super) fn encode(
     marks.push(("ts".into(), out.len()));
     write_ints(&mut out, &t.rec_keys, &t.rec_ts, nkeys, &mut budget, tuning);
     for col in &t.columns {
-        let label = format!("field:{}:{}", col.name, type_name(col.tag));
+        let kind = if col.tag == TAG_TYPE { "tag" } else { "field" };
+        let label = format!("{kind}:{}:{}", col.name, type_name(col.tag));
         marks.push((label, out.len()));
         write_column(&mut out, col, nkeys, &mut budget, tuning);
     }
@@ -216,7 +254,7 @@ pub(super) fn encode(
 }
 
 fn type_name(tag: u8) -> &'static str {
-    ["f64", "i64", "bool", "string", "bytes"]
+    ["f64", "i64", "bool", "string", "bytes", "string"]
         .get(usize::from(tag))
         .copied()
         .unwrap_or("?")

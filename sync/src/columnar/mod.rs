@@ -1,4 +1,9 @@
-//! Columnar block bodies (format version 2), built for thin links.
+//! Columnar block bodies (format versions 2 and 3), built for thin links.
+//!
+//! Version 3 is version 2 with tag columns: a column of type [`TAG_TYPE`] holds string data
+//! like a string field, and its values decode into the record's tags, not its fields. A tag and
+//! a field of one name are two columns, told apart by their type. A version 2 body with a tag
+//! column is refused.
 //!
 //! A version 2 body holds the same records as version 1, transposed: a key dictionary, a table
 //! of typed columns (one per field name and type), a dictionary of record *shapes* (the ordered
@@ -35,6 +40,9 @@ pub const OFFLINE_BLOCK_RECORDS: usize = 32_768;
 /// The most distinct (field name, type) columns one body may have. It bounds the decoder's
 /// per-column state; telemetry has tens.
 pub const COLUMNS_MAX: usize = 1 << 16;
+
+/// The column type of a tag (version 3 bodies only); field types are `Value::type_tag`.
+pub const TAG_TYPE: u8 = 5;
 
 /// Why a columnar body could not be written or read.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -99,7 +107,7 @@ pub struct Section {
     pub bytes: Vec<u8>,
 }
 
-/// Encodes `records` as a version 2 body.
+/// Encodes `records` as a version 2 body, or version 3 if any record has tags.
 pub fn encode(records: &[Record]) -> Result<Vec<u8>, ColumnarError> {
     encode_with(records, &Tuning::default())
 }
@@ -124,11 +132,12 @@ pub fn sections(records: &[Record], tuning: &Tuning) -> Result<Vec<Section>, Col
     Ok(out)
 }
 
-/// Decodes a version 2 body holding `count` records. Its records are not bounded here: a
-/// reader of untrusted bodies checks [`decoded_size`] first, as `block::size_block` does.
+/// Decodes a version 3 body (a version 2 body is one too) holding `count` records. Its
+/// records are not bounded here: a reader of untrusted bodies checks [`decoded_size`] first,
+/// as `block::size_block` does.
 pub fn decode(raw: &[u8], count: u32) -> Result<Vec<Record>, ColumnarError> {
     let mut out = Vec::new();
-    decode::decode_into(raw, count, &mut out)?;
+    decode::decode_into(raw, count, true, &mut out)?;
     Ok(out)
 }
 
@@ -136,14 +145,30 @@ pub fn decode(raw: &[u8], count: u32) -> Result<Vec<Record>, ColumnarError> {
 /// from its dictionaries and its key, shape, string-id and bytes streams without building a
 /// record. Whatever [`decode`] returns for the same body has exactly this size.
 pub fn decoded_size(raw: &[u8], count: u32) -> Result<u64, ColumnarError> {
-    decode::decoded_size(raw, count)
+    decode::decoded_size(raw, count, true)
+}
+
+/// As [`decoded_size`] for a body of the given block version: `tagged` is false for version 2,
+/// whose bodies may not hold tag columns.
+pub fn decoded_size_of(raw: &[u8], count: u32, tagged: bool) -> Result<u64, ColumnarError> {
+    decode::decoded_size(raw, count, tagged)
+}
+
+/// As [`decode_into`] for a body of the given block version (see [`decoded_size_of`]).
+pub fn decode_into_of(
+    raw: &[u8],
+    count: u32,
+    tagged: bool,
+    out: &mut Vec<Record>,
+) -> Result<(), ColumnarError> {
+    decode::decode_into(raw, count, tagged, out)
 }
 
 /// As [`decode`], into `out`, reusing the records and buffers already there: a reader that
 /// decodes block after block into the same vector allocates almost nothing. On error, `out`
 /// holds unspecified records.
 pub fn decode_into(raw: &[u8], count: u32, out: &mut Vec<Record>) -> Result<(), ColumnarError> {
-    decode::decode_into(raw, count, out)
+    decode::decode_into(raw, count, true, out)
 }
 
 /// The fuzz target's body, shared with the corpus replay test: the first two bytes are the
@@ -166,8 +191,7 @@ pub fn fuzz_decode(data: &[u8]) {
         // Over the configured limit: the block decoder must refuse it before building a record.
         let small = raw.len() < crate::fuzzing::fuzz_limits().raw_bytes_max as usize / 2;
         if small
-            && let Some(block) =
-                crate::fuzzing::wrap_body(crate::block::VERSION_COLUMNAR, count, raw)
+            && let Some(block) = crate::fuzzing::wrap_body(crate::block::VERSION_TAGGED, count, raw)
         {
             let refused = crate::block::size_block(&block, &crate::fuzzing::fuzz_limits());
             assert!(
@@ -194,6 +218,7 @@ pub fn fuzz_decode(data: &[u8]) {
     let mut reused = vec![
         Record {
             key: "old".into(),
+            tags: vec![("t".into(), "u".into()); 2],
             ts: 0,
             fields: vec![("x".into(), crate::Value::Str("y".into()))]
         };

@@ -195,7 +195,12 @@ impl LineParser<'_> {
             )
         })?;
         let fields = fields.ok_or_else(|| self.err_at(close_at, r#"a "fields" member"#))?;
-        Ok(Record { key, ts, fields })
+        Ok(Record {
+            tags: Vec::new(),
+            key,
+            ts,
+            fields,
+        })
     }
 
     fn key_value(&mut self) -> Result<String, ParseError> {

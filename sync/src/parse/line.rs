@@ -159,7 +159,12 @@ impl<'a> Line<'a> {
         };
         Ok(LineRecord {
             measurement,
-            record: Record { key, ts, fields },
+            record: Record {
+                tags: Vec::new(),
+                key,
+                ts,
+                fields,
+            },
         })
     }
 

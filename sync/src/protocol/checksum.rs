@@ -89,6 +89,7 @@ mod tests {
 
     fn rec(i: i64) -> Record {
         Record {
+            tags: Vec::new(),
             key: format!("k{i}"),
             ts: i,
             fields: vec![("v".into(), Value::I64(i))],

@@ -15,6 +15,7 @@ pub fn telemetry(keys: usize, rows: usize) -> Vec<Record> {
         for k in 0..keys {
             let x = (t as f64 / 10.0 + k as f64).sin();
             out.push(Record {
+                tags: Vec::new(),
                 key: format!("truck-{k:04}/engine"),
                 ts: 1_764_374_400_000_000_000 + t as i64 * 1_000_000_000 + k as i64 * 1_000_003,
                 fields: vec![
@@ -86,17 +87,20 @@ pub fn odd_records() -> Vec<Record> {
             },
         ));
         out.push(Record {
+            tags: Vec::new(),
             key: ["", "a", "ключ/🙂"][i % 3].into(),
             ts: i64::MIN + i64v * 7,
             fields,
         });
     }
     out.push(Record {
+        tags: Vec::new(),
         key: "a".into(),
         ts: i64::MAX,
         fields: vec![],
     });
     out.push(Record {
+        tags: Vec::new(),
         key: "a".into(),
         ts: 0,
         fields: vec![
@@ -151,6 +155,7 @@ pub fn from_exact_json(j: &Json) -> anyhow::Result<Record> {
         .as_array()
         .ok_or_else(|| anyhow::anyhow!("fields"))?;
     Ok(Record {
+        tags: Vec::new(),
         key: j["key"]
             .as_str()
             .ok_or_else(|| anyhow::anyhow!("key"))?
