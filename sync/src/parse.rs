@@ -34,7 +34,7 @@ use thiserror::Error;
 pub const LINE_BYTES_MAX: usize = 1 << 20;
 /// The most fields one record may carry unless [`ParseOptions::fields_max`] says otherwise.
 pub const FIELDS_MAX: usize = 1024;
-/// The most tags one line-protocol line may carry (their values make up the routing key).
+/// The most tags one record may carry at ingest (line protocol, NDJSON, MQTT captures).
 pub const TAGS_MAX: usize = 64;
 /// How much of an offending token an error quotes.
 const FOUND_CHARS_MAX: usize = 40;

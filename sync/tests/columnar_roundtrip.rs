@@ -7,7 +7,7 @@ mod columnar_support;
 
 use columnar_support::{odd_floats, odd_records, telemetry};
 use proptest::prelude::*;
-use sync::block::{self, BlockError, DecodeLimits, VERSION_COLUMNAR, VERSION_ROWS};
+use sync::block::{self, BlockError, DecodeLimits, VERSION_COLUMNAR, VERSION_ROWS, VERSION_TAGGED};
 use sync::columnar::{self, ColumnarError, FloatChoice, Tuning};
 use sync::{Record, Value};
 
@@ -41,7 +41,14 @@ const TUNINGS: [Tuning; 6] = [
 fn through_block(records: &[Record]) -> Vec<Record> {
     let bytes = block::encode_block(VERSION_COLUMNAR, 7, 1000, records).expect("encode");
     let b = block::decode_block(&bytes, &DecodeLimits::default()).expect("decode");
-    assert_eq!(b.header.version, VERSION_COLUMNAR);
+    // Records with tags seal as version 3, the columnar body with tag columns.
+    let tagged = records.iter().any(|r| !r.tags.is_empty());
+    let want = if tagged {
+        VERSION_TAGGED
+    } else {
+        VERSION_COLUMNAR
+    };
+    assert_eq!(b.header.version, want);
     assert_eq!(b.header.count as usize, records.len());
     b.records
 }
@@ -87,13 +94,17 @@ fn record() -> impl Strategy<Value = Record> {
         any::<i64>(),
         (0i64..100_000).prop_map(|x| 1_764_374_400_000_000_000 + x * 1_000_000)
     ];
-    (key, ts, proptest::collection::vec((name, value()), 0..8)).prop_map(|(key, ts, fields)| {
-        Record {
-            tags: Vec::new(),
-            key,
-            ts,
-            fields,
-        }
+    let tag = (
+        proptest::sample::select(vec!["host", "t", "unit"]).prop_map(String::from),
+        "\\PC{0,6}",
+    );
+    let tags = prop_oneof![Just(Vec::new()), proptest::collection::vec(tag, 0..3)];
+    let fields = proptest::collection::vec((name, value()), 0..8);
+    (key, tags, ts, fields).prop_map(|(key, tags, ts, fields)| Record {
+        key,
+        tags,
+        ts,
+        fields,
     })
 }
 

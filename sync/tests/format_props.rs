@@ -8,7 +8,7 @@
 //! 256 cases per property by default; `TRIBUTARY_SOAK=1` runs 10,000.
 
 use proptest::prelude::*;
-use sync::block::{self, DecodeLimits, EncodeOptions, VERSION_ROWS};
+use sync::block::{self, DecodeLimits, EncodeOptions, VERSION_ROWS, VERSION_TAGGED};
 use sync::segment;
 use sync::{Record, Value};
 
@@ -68,14 +68,20 @@ fn value() -> impl Strategy<Value = Value> {
 }
 
 fn record() -> impl Strategy<Value = Record> {
+    // Half the records carry tags (a tagged record makes its block version 3).
+    let tags = prop_oneof![
+        Just(Vec::new()),
+        prop::collection::vec((text(), text()), 0..4)
+    ];
     (
         text(),
+        tags,
         i64_any(),
         prop::collection::vec((text(), value()), 0..8),
     )
-        .prop_map(|(key, ts, fields)| Record {
-            tags: Vec::new(),
+        .prop_map(|(key, tags, ts, fields)| Record {
             key,
+            tags,
             ts,
             fields,
         })
@@ -118,7 +124,9 @@ proptest! {
         let decoded = block::decode_block(&bytes, &DecodeLimits::default()).unwrap();
         prop_assert_eq!(&decoded.records, &recs);
         let h = decoded.header;
-        prop_assert_eq!((h.version, h.flags, h.epoch, h.first_seq), (VERSION_ROWS, opts.flags, epoch, first_seq));
+        // Tags need the columnar body: a block with any is sealed as version 3.
+        let want = if recs.iter().any(|r| !r.tags.is_empty()) { VERSION_TAGGED } else { VERSION_ROWS };
+        prop_assert_eq!((h.version, h.flags, h.epoch, h.first_seq), (want, opts.flags, epoch, first_seq));
         prop_assert_eq!(h.count as usize, recs.len());
         prop_assert_eq!(h.last_seq(), first_seq + (recs.len() as u64 - 1));
         prop_assert_eq!(h.min_ts, recs.iter().map(|r| r.ts).min().unwrap());

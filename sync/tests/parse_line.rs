@@ -1,5 +1,5 @@
 //! Table-driven tests of the line-protocol parser: each case is an input and the exact rendering
-//! of what it parses to (measurement, key, ts, typed fields), or of the error.
+//! of what it parses to (measurement, key, tags, ts, typed fields), or of the error.
 
 use sync::Value;
 use sync::parse::{
@@ -26,8 +26,13 @@ fn render(records: &[LineRecord]) -> String {
                 .iter()
                 .map(|(n, v)| format!("{n}={}", render_value(v)))
                 .collect();
+            let tags: Vec<String> = r.tags.iter().map(|(n, v)| format!("{n}={v:?}")).collect();
+            let tags = match tags.is_empty() {
+                true => String::new(),
+                false => format!(" {{{}}}", tags.join(",")),
+            };
             format!(
-                "[{}] {} @{} {}",
+                "[{}] {}{tags} @{} {}",
                 lr.measurement,
                 r.key,
                 r.ts,
@@ -64,7 +69,7 @@ fn good_lines() {
     let cases = [
         (
             r#"telemetry,device=truck-0007,unit=engine engine_temp_c=71.28,odometer_m=12345i,ignition=true,note="x" 1764374400000000000"#,
-            r#"[telemetry] truck-0007/engine @1764374400000000000 engine_temp_c=71.28 odometer_m=12345i ignition=true note="x""#,
+            r#"[telemetry] device=truck-0007/unit=engine {device="truck-0007",unit="engine"} @1764374400000000000 engine_temp_c=71.28 odometer_m=12345i ignition=true note="x""#,
         ),
         ("cpu value=1 10", "[cpu] cpu @10 value=1.0"),
         (
@@ -81,9 +86,17 @@ fn good_lines() {
         ),
         (
             r#"m,host=a\ b,rack=r\,1 x="he said \"hi\"" 1"#,
-            r#"[m] a b/r,1 @1 x="he said \"hi\"""#,
+            r#"[m] host=a b/rack=r,1 {host="a b",rack="r,1"} @1 x="he said \"hi\"""#,
         ),
-        (r#"my\ meas,t=v x=1i 1"#, "[my meas] v @1 x=1i"),
+        (r#"my\ meas,t=v x=1i 1"#, r#"[my meas] t=v {t="v"} @1 x=1i"#),
+        // Tag order does not change the key; `/`, `=` and `%` in tags are escaped in it.
+        ("m,b=2,a=1 x=1i 1", r#"[m] a=1/b=2 {b="2",a="1"} @1 x=1i"#),
+        (
+            r#"m,path=a/b,eq=x\=y,pct=5% x=1i 1"#,
+            r#"[m] eq=x%3Dy/path=a%2Fb/pct=5%25 {path="a/b",eq="x=y",pct="5%"} @1 x=1i"#,
+        ),
+        // A tag and a field may share a name.
+        ("m,x=t x=1i 1", r#"[m] x=t {x="t"} @1 x=1i"#),
         ("m x=\"\" 1", r#"[m] m @1 x="""#),
         // Comments, blank lines, leading blanks and CRLF.
         (
@@ -242,7 +255,9 @@ fn generator_output_parses() {
     let records = parse_line_protocol(input, &ParseOptions::default()).unwrap();
     assert_eq!(records.len(), 1);
     assert_eq!(records[0].measurement, "telemetry");
-    assert_eq!(records[0].record.key, "truck-0000/engine");
+    assert_eq!(records[0].record.key, "device=truck-0000/unit=engine");
+    assert_eq!(records[0].record.tag("device"), Some("truck-0000"));
+    assert_eq!(records[0].record.tag("unit"), Some("engine"));
     assert_eq!(
         records[0].record.field("engine_temp_c"),
         Some(&Value::F64(71.28))
@@ -258,12 +273,12 @@ fn generator_output_parses() {
 fn keys_and_field_names_longer_than_the_block_format_allows_are_refused() {
     use sync::parse::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
     let opts = ParseOptions::default();
-    // Two tags whose values join to one byte more than a key may hold.
-    let half = (KEY_BYTES_MAX - 1) / 2 + 1;
+    // Two tags whose derived key (`a=..`, `/`, `b=..`) is one byte more than a key may hold.
+    let half = (KEY_BYTES_MAX - 5) / 2;
     let long = format!(
         "m,a={},b={} x=1 1",
         "v".repeat(half),
-        "w".repeat(KEY_BYTES_MAX - half)
+        "w".repeat(KEY_BYTES_MAX - 5 - half + 1)
     );
     let e = parse_line_protocol(&long, &opts).unwrap_err();
     assert!(
@@ -271,7 +286,7 @@ fn keys_and_field_names_longer_than_the_block_format_allows_are_refused() {
             .contains(&format!("at most {KEY_BYTES_MAX} bytes")),
         "{e}"
     );
-    let fits = format!("m,a={} x=1 1", "v".repeat(KEY_BYTES_MAX));
+    let fits = format!("m,a={} x=1 1", "v".repeat(KEY_BYTES_MAX - 2));
     assert_eq!(
         parse_line_protocol(&fits, &opts).unwrap()[0]
             .record

@@ -33,7 +33,12 @@ fn render(records: &[Record]) -> String {
                 .iter()
                 .map(|(n, v)| format!("{n}={}", render_value(v)))
                 .collect();
-            format!("{} @{} {}", r.key, r.ts, fields.join(" "))
+            let tags: Vec<String> = r.tags.iter().map(|(n, v)| format!("{n}={v:?}")).collect();
+            let tags = match tags.is_empty() {
+                true => String::new(),
+                false => format!(" {{{}}}", tags.join(",")),
+            };
+            format!("{}{tags} @{} {}", r.key, r.ts, fields.join(" "))
         })
         .collect();
     lines.join("\n")
@@ -57,6 +62,30 @@ fn canonical_shape() {
         r#"{"key":"truck-0007/engine","ts":1764374400000000000,"fields":{"engine_temp_c":71.28,"odometer_m":12345,"ignition":true,"note":"x"}}"#,
         r#"truck-0007/engine @1764374400000000000 engine_temp_c=71.28 odometer_m=12345i ignition=true note="x""#,
     );
+}
+
+#[test]
+fn tags_give_the_key_unless_one_is_given() {
+    let cases = [
+        (
+            r#"{"tags":{"unit":"engine","device":"truck-0007"},"ts":1,"fields":{"t":1.5}}"#,
+            r#"device=truck-0007/unit=engine {unit="engine",device="truck-0007"} @1 t=1.5"#,
+        ),
+        (
+            r#"{"key":"k","tags":{"host":"gw/1"},"ts":1,"fields":{"host":"x"}}"#,
+            r#"k {host="gw/1"} @1 host="x""#,
+        ),
+        (
+            r#"{"tags":{"p":"a/b=c%"},"ts":1,"fields":{}}"#,
+            r#"p=a%2Fb%3Dc%25 {p="a/b=c%"} @1 "#,
+        ),
+    ];
+    for (input, expected) in cases {
+        check(input, expected);
+        let records = parse_ndjson(input).unwrap();
+        let again = parse_ndjson(&write_ndjson(&records).unwrap()).unwrap();
+        assert_eq!(again, records, "write and parse again: {input}");
+    }
 }
 
 #[test]
@@ -164,7 +193,7 @@ fn errors_name_line_column_expected_and_found() {
         ),
         (
             r#"{"ts":1,"fields":{"a":1}}"#.into(),
-            r#"line 1, column 25: expected a "key" member, found }"#,
+            r#"line 1, column 25: expected a "key" member (or "tags"), found }"#,
         ),
         (
             r#"{"key":"k","ts":1}"#.into(),
@@ -189,8 +218,24 @@ fn errors_name_line_column_expected_and_found() {
             r#"line 1, column 12: expected each member at most once, found "key""#,
         ),
         (
-            r#"{"key":"k","tags":{},"ts":1,"fields":{"a":1}}"#.into(),
-            r#"line 1, column 12: expected one of the members "key", "ts" or "fields", found "tags""#,
+            r#"{"key":"k","tag":{},"ts":1,"fields":{"a":1}}"#.into(),
+            r#"line 1, column 12: expected one of the members "key", "tags", "ts" or "fields", found "tag""#,
+        ),
+        (
+            r#"{"tags":{"a":1},"ts":1,"fields":{}}"#.into(),
+            r#"line 1, column 14: expected a non-empty string for tag "a", found 1"#,
+        ),
+        (
+            r#"{"tags":{"a":"x","a":"y"},"ts":1,"fields":{}}"#.into(),
+            r#"line 1, column 18: expected a non-empty tag name not already used, found "a""#,
+        ),
+        (
+            r#"{"tags":{"a":""},"ts":1,"fields":{}}"#.into(),
+            r#"line 1, column 14: expected a non-empty string for tag "a", found """#,
+        ),
+        (
+            r#"{"tags":{},"ts":1,"fields":{}}"#.into(),
+            r#"line 1, column 30: expected a "key" member (or "tags"), found }"#,
         ),
         (
             r#"{"key":"k","ts":1,"fields":{"a":9223372036854775808}}"#.into(),
@@ -294,7 +339,7 @@ fn errors_name_line_column_expected_and_found() {
         ),
         (
             r#"{key:1}"#.into(),
-            r#"line 1, column 2: expected a member name ("key", "ts" or "fields"), found key"#,
+            r#"line 1, column 2: expected a member name ("key", "tags", "ts" or "fields"), found key"#,
         ),
         (
             // Columns count characters, not bytes.

@@ -1,7 +1,11 @@
 //! NDJSON ingest: one JSON object per line, and the matching writer.
 //!
 //! Each non-blank line is exactly one object with these members, in any order:
-//! - `"key"`: a non-empty string, the routing key;
+//! - `"key"`: a non-empty string, the routing key. It may be left out when `"tags"` is given:
+//!   the key is then derived from the tags ([`key_from_tags`]);
+//! - `"tags"`: an object of non-empty string values (`{"host":"gw-01","line":"3"}`), the
+//!   record's tags, in the order written; at most [`TAGS_MAX`], each name once. Absent or `{}`
+//!   means no tags. Tags and fields are separate: a tag and a field may share a name;
 //! - `"ts"`: an integer in [`ParseOptions::ts_unit`] (nanoseconds unless the request's
 //!   `precision` says otherwise), or an RFC 3339 string with `Z` or a numeric offset and any
 //!   fraction (`"2025-12-01T12:00:00.5+01:00"`, read by [`crate::time::parse_rfc3339`]). It may
@@ -35,8 +39,8 @@ use super::{
     FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX, column, epoch_ts, line_too_long, shorten, too_long,
     too_many_fields,
 };
-use super::{LINE_BYTES_MAX, ParseError, ParseOptions};
-use crate::record::{Record, Value};
+use super::{LINE_BYTES_MAX, ParseError, ParseOptions, TAGS_MAX};
+use crate::record::{Record, Value, key_from_tags};
 use thiserror::Error;
 
 /// Parses NDJSON with default options: a record without `"ts"` is an error.
@@ -143,22 +147,24 @@ impl LineParser<'_> {
     fn record(mut self, opts: &ParseOptions) -> Result<Record, ParseError> {
         self.ws();
         self.expect(b'{', r#"a JSON object {"key":..,"ts":..,"fields":{..}}"#)?;
-        let (mut key, mut ts, mut fields) = (None, None, None);
-        let mut seen = [false; 3];
+        let (mut key, mut ts, mut fields, mut tags) = (None, None, None, Vec::new());
+        let mut seen = [false; 4];
         self.ws();
         if !self.eat(b'}') {
             loop {
                 self.ws();
                 let name_at = self.pos;
-                let name = self.string(r#"a member name ("key", "ts" or "fields")"#)?;
+                let name = self.string(r#"a member name ("key", "tags", "ts" or "fields")"#)?;
                 let slot = match name.as_str() {
                     "key" => 0,
                     "ts" => 1,
                     "fields" => 2,
+                    "tags" => 3,
                     _ => {
-                        return Err(
-                            self.err_at(name_at, r#"one of the members "key", "ts" or "fields""#)
-                        );
+                        return Err(self.err_at(
+                            name_at,
+                            r#"one of the members "key", "tags", "ts" or "fields""#,
+                        ));
                     }
                 };
                 if std::mem::replace(&mut seen[slot], true) {
@@ -170,7 +176,8 @@ impl LineParser<'_> {
                 match slot {
                     0 => key = Some(self.key_value()?),
                     1 => ts = self.ts_value(opts)?,
-                    _ => fields = Some(self.fields()?),
+                    2 => fields = Some(self.fields()?),
+                    _ => tags = self.tags()?,
                 }
                 self.ws();
                 if self.eat(b',') {
@@ -187,7 +194,11 @@ impl LineParser<'_> {
         if self.pos != self.b.len() {
             return Err(self.err_at(self.pos, "end of line after the object"));
         }
-        let key = key.ok_or_else(|| self.err_at(close_at, r#"a "key" member"#))?;
+        let key = match key {
+            Some(key) => key,
+            None if !tags.is_empty() => self.derived_key(&tags, close_at)?,
+            None => return Err(self.err_at(close_at, r#"a "key" member (or "tags")"#)),
+        };
         let ts = ts.or(opts.default_ts).ok_or_else(|| {
             self.err_at(
                 close_at,
@@ -196,11 +207,69 @@ impl LineParser<'_> {
         })?;
         let fields = fields.ok_or_else(|| self.err_at(close_at, r#"a "fields" member"#))?;
         Ok(Record {
-            tags: Vec::new(),
             key,
+            tags,
             ts,
             fields,
         })
+    }
+
+    /// The key derived from `tags`, within the format's limit.
+    fn derived_key(&self, tags: &[(String, String)], at: usize) -> Result<String, ParseError> {
+        let key = key_from_tags(tags);
+        let what = r#"a key derived from "tags""#;
+        match too_long(what, key.len(), KEY_BYTES_MAX) {
+            Some(expected) => Err(self.err_at(at, expected)),
+            None => Ok(key),
+        }
+    }
+
+    /// The `"tags"` object: string values only, each name once, at most [`TAGS_MAX`].
+    fn tags(&mut self) -> Result<Vec<(String, String)>, ParseError> {
+        const EXPECTED: &str = r#"an object of strings for "tags""#;
+        if !self.eat(b'{') {
+            return Err(self.err_at(self.pos, EXPECTED));
+        }
+        let mut tags: Vec<(String, String)> = Vec::new();
+        self.ws();
+        if self.eat(b'}') {
+            return Ok(tags);
+        }
+        loop {
+            self.ws();
+            let name_at = self.pos;
+            let name = self.string("a tag name")?;
+            if name.is_empty() || tags.iter().any(|(n, _)| *n == name) {
+                return Err(self.err_at(name_at, "a non-empty tag name not already used"));
+            }
+            if let Some(expected) = too_long("a tag name", name.len(), FIELD_NAME_BYTES_MAX) {
+                return Err(self.err_at(name_at, expected));
+            }
+            if tags.len() == TAGS_MAX {
+                return Err(self.err_at(name_at, format!("at most {TAGS_MAX} tags in a record")));
+            }
+            self.ws();
+            self.expect(b':', "':' after the tag name")?;
+            self.ws();
+            let value_at = self.pos;
+            let expected = format!("a non-empty string for tag \"{name}\"");
+            if self.peek() != Some(b'"') {
+                return Err(self.err_at(value_at, expected));
+            }
+            let value = self.string(&expected)?;
+            if value.is_empty() {
+                return Err(self.err_at(value_at, expected));
+            }
+            tags.push((name, value));
+            self.ws();
+            if self.eat(b',') {
+                continue;
+            }
+            if self.eat(b'}') {
+                return Ok(tags);
+            }
+            return Err(self.err_at(self.pos, "',' or '}' in \"tags\""));
+        }
     }
 
     fn key_value(&mut self) -> Result<String, ParseError> {
@@ -692,6 +761,18 @@ pub fn write_ndjson(records: &[Record]) -> Result<String, WriteError> {
 pub fn write_ndjson_line(r: &Record, out: &mut String) -> Result<(), WriteError> {
     out.push_str(r#"{"key":"#);
     json_string(out, &r.key);
+    if !r.tags.is_empty() {
+        out.push_str(r#","tags":{"#);
+        for (i, (name, value)) in r.tags.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            json_string(out, name);
+            out.push(':');
+            json_string(out, value);
+        }
+        out.push('}');
+    }
     out.push_str(&format!(r#","ts":{},"fields":{{"#, r.ts));
     for (i, (name, value)) in r.fields.iter().enumerate() {
         if i > 0 {

@@ -2,10 +2,11 @@
 //!
 //! `measurement[,tag=value...] field=value[,field=value...] [timestamp]` maps to:
 //! - the measurement: [`LineRecord::measurement`]; the caller checks it against the stream;
-//! - the routing key: the tag values joined with `/` in the order written (tag keys are not
-//!   kept), or the measurement when there are no tags. `telemetry,device=truck-0007,unit=engine`
-//!   gives the key `truck-0007/engine`. A repeated tag key is an error, and so are more than
-//!   [`TAGS_MAX`] tags;
+//! - tags: kept as the record's tags, in the order written, each a string column in tier 2;
+//! - the routing key: derived from the tags by [`key_from_tags`] (sorted by name, so the order
+//!   they are written in does not matter), or the measurement when there are no tags.
+//!   `telemetry,unit=engine,device=truck-0007` gives the key `device=truck-0007/unit=engine`.
+//!   A repeated tag key is an error, and so are more than [`TAGS_MAX`] tags;
 //! - fields: `12i` -> [`Value::I64`]; `12u` -> [`Value::I64`] if it fits, else an error;
 //!   `1.5`, `12`, `1e3` -> [`Value::F64`] (refused if it overflows to infinity); `"s"` ->
 //!   [`Value::Str`]; `t`/`true`/`F`/... -> [`Value::Bool`]. Line protocol has no bytes type.
@@ -22,7 +23,7 @@
 use super::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 use super::{LINE_BYTES_MAX, ParseError, ParseOptions, TAGS_MAX};
 use super::{column, epoch_ts, line_too_long, shorten, too_long, too_many_fields};
-use crate::record::{Record, Value};
+use crate::record::{Record, Value, key_from_tags};
 use influxdb_line_protocol::{self as lp, EscapedStr, FieldValue, ParsedLine};
 
 /// One parsed line: the record and the measurement it was written to.
@@ -105,25 +106,12 @@ impl<'a> Line<'a> {
 
     fn convert(&self, p: ParsedLine<'a>, opts: &ParseOptions) -> Result<LineRecord, ParseError> {
         let measurement = String::from(&p.series.measurement);
-        let key = match &p.series.tag_set {
-            Some(tags) if !tags.is_empty() => {
-                if let Some((k, _)) = tags.get(TAGS_MAX) {
-                    let expected = format!("at most {TAGS_MAX} tags in a line");
-                    return Err(self.err_at(self.offset_of(k), expected));
-                }
-                for (i, (k, _)) in tags.iter().enumerate() {
-                    if tags[..i].iter().any(|(earlier, _)| earlier == k) {
-                        return Err(self.err_at(self.offset_of(k), "each tag key at most once"));
-                    }
-                }
-                tags.iter()
-                    .map(|(_, v)| v.as_str())
-                    .collect::<Vec<_>>()
-                    .join("/")
-            }
-            _ => measurement.clone(),
+        let tags = self.tags(&p)?;
+        let key = match tags.is_empty() {
+            true => measurement.clone(),
+            false => key_from_tags(&tags),
         };
-        let what = "a key (the tag values joined by '/', else the measurement)";
+        let what = "a key (derived from the tags, else the measurement)";
         if let Some(expected) = too_long(what, key.len(), KEY_BYTES_MAX) {
             return Err(self.err_at(self.offset_of(&p.series.measurement), expected));
         }
@@ -160,12 +148,35 @@ impl<'a> Line<'a> {
         Ok(LineRecord {
             measurement,
             record: Record {
-                tags: Vec::new(),
                 key,
+                tags,
                 ts,
                 fields,
             },
         })
+    }
+
+    /// The line's tags in the order written: at most [`TAGS_MAX`], each key once, each name
+    /// within the format's limit.
+    fn tags(&self, p: &ParsedLine<'a>) -> Result<Vec<(String, String)>, ParseError> {
+        let Some(tags) = &p.series.tag_set else {
+            return Ok(Vec::new());
+        };
+        if let Some((k, _)) = tags.get(TAGS_MAX) {
+            let expected = format!("at most {TAGS_MAX} tags in a line");
+            return Err(self.err_at(self.offset_of(k), expected));
+        }
+        let mut out = Vec::with_capacity(tags.len());
+        for (i, (k, v)) in tags.iter().enumerate() {
+            if tags[..i].iter().any(|(earlier, _)| earlier == k) {
+                return Err(self.err_at(self.offset_of(k), "each tag key at most once"));
+            }
+            if let Some(expected) = too_long("a tag name", k.len(), FIELD_NAME_BYTES_MAX) {
+                return Err(self.err_at(self.offset_of(k), expected));
+            }
+            out.push((String::from(k), String::from(v)));
+        }
+        Ok(out)
     }
 
     fn value(&self, name: &EscapedStr<'a>, value: &FieldValue<'a>) -> Result<Value, ParseError> {

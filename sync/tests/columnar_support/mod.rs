@@ -125,7 +125,10 @@ pub fn exact_json(r: &Record) -> Json {
             Value::Bytes(b) => json!([name, "bytes", hex(b)]),
         })
         .collect();
-    json!({ "key": r.key, "ts": r.ts, "fields": fields })
+    if r.tags.is_empty() {
+        return json!({ "key": r.key, "ts": r.ts, "fields": fields });
+    }
+    json!({ "key": r.key, "tags": r.tags, "ts": r.ts, "fields": fields })
 }
 
 /// Parses what [`exact_json`] wrote.
@@ -154,8 +157,12 @@ pub fn from_exact_json(j: &Json) -> anyhow::Result<Record> {
     let fields = j["fields"]
         .as_array()
         .ok_or_else(|| anyhow::anyhow!("fields"))?;
+    let tags = match j.get("tags") {
+        None => Vec::new(),
+        Some(t) => serde_json::from_value(t.clone())?,
+    };
     Ok(Record {
-        tags: Vec::new(),
+        tags,
         key: j["key"]
             .as_str()
             .ok_or_else(|| anyhow::anyhow!("key"))?
