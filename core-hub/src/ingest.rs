@@ -140,6 +140,15 @@ pub enum IngestError {
         key: String,
         why: &'static str,
     },
+    /// A record whose tags break the rule of `sync::record::tags_problem` (empty or repeated
+    /// names, empty values, NUL, too many). On the wire this is `UNAUTHORIZED_STREAM`, like a
+    /// bad key.
+    #[error("stream `{stream}` refuses the tags of the record with key {key:?}: {why}")]
+    BadTags {
+        stream: String,
+        key: String,
+        why: String,
+    },
     /// New state (a stream, epoch or lane of the device, or columns of the stream) beyond a
     /// per-device state quota (`ingest::quotas`); nothing was created. On the wire this is
     /// `QUOTA_EXCEEDED`, naming the stream first.
@@ -185,6 +194,7 @@ impl IngestError {
             IngestError::Unauthorized(_) => "unauthorized",
             IngestError::ForbiddenKey { .. } => "forbidden_key",
             IngestError::BadKey { .. } => "bad_key",
+            IngestError::BadTags { .. } => "bad_tags",
             IngestError::QuotaExceeded { .. } => "quota_exceeded",
             IngestError::TooLarge { .. } => "too_large",
             IngestError::BadBlock(_) => "bad_block",
@@ -1888,6 +1898,11 @@ mod tests {
                 stream: String::new(),
                 key: String::new(),
                 why: "",
+            },
+            IngestError::BadTags {
+                stream: String::new(),
+                key: String::new(),
+                why: String::new(),
             },
             IngestError::QuotaExceeded {
                 stream: String::new(),

@@ -136,7 +136,14 @@ pub mod mutation {
 /// the device name each read record carries, over the fields readers get ([`reader_fields`]),
 /// so a record counts the same read from either tier.
 pub fn record_bytes(device: &str, r: &Record) -> u64 {
-    parts_bytes(device, &r.key, &r.fields)
+    parts_bytes(device, &r.key, &r.fields) + tags_bytes(&r.tags)
+}
+
+/// What a record's tags count in a page, as `sync::decoded` counts them in a block.
+pub fn tags_bytes(tags: &[(String, String)]) -> u64 {
+    let per_tag =
+        |(n, v): &(String, String)| sync::decoded::TAG_OVERHEAD_BYTES + (n.len() + v.len()) as u64;
+    tags.iter().map(per_tag).sum()
 }
 
 /// [`record_bytes`] of a record given by its parts.
@@ -282,6 +289,9 @@ pub struct ReadRecord {
     pub epoch: u64,
     pub seq: u64,
     pub key: String,
+    /// The record's tags, in the producer's order (from tier 1) or the stream's column order
+    /// (from tier 2).
+    pub tags: Vec<(String, String)>,
     pub ts: i64,
     pub fields: Vec<(String, Value)>,
     /// The hub offset within the stream.
@@ -295,7 +305,7 @@ pub struct ReadRecord {
 impl ReadRecord {
     /// The decoded size this record counts in a page ([`record_bytes`]).
     pub fn decoded_bytes(&self) -> u64 {
-        parts_bytes(&self.device, &self.key, &self.fields)
+        parts_bytes(&self.device, &self.key, &self.fields) + tags_bytes(&self.tags)
     }
 }
 
@@ -542,6 +552,7 @@ fn scan_block(
                 epoch: row.epoch,
                 seq: row.first_seq + i as u64,
                 key: r.key.clone(),
+                tags: r.tags.clone(),
                 ts: r.ts,
                 fields: reader_fields(&r.fields),
                 offset: o,
@@ -638,6 +649,7 @@ fn scan_tier2(
                     epoch: tr.epoch,
                     seq: tr.seq,
                     key: r.key,
+                    tags: r.tags,
                     ts: r.ts,
                     fields: r.fields,
                     offset: o,
@@ -723,7 +735,8 @@ pub fn load_block(hub: &Hub, row: &BlockRow) -> Result<Arc<DecodedBlock>, ReadEr
 
 /// The NDJSON shape of a record.
 ///
-/// `{"device","epoch","seq","key","ts","fields":{name: value},"offset","ingest_ts","segment"}`. Field
+/// `{"device","epoch","seq","key","tags":{name: value},"ts","fields":{name: value},"offset",
+/// "ingest_ts","segment"}`, `tags` only when the record has any. Field
 /// values: f64 and i64 as JSON numbers (a non-finite f64 as `null`), bool, string, and bytes
 /// as an array of numbers 0..=255. Fields keep the producer's order.
 #[derive(Serialize)]
@@ -733,6 +746,8 @@ struct Line<'a> {
     epoch: u64,
     seq: u64,
     key: &'a str,
+    #[serde(skip_serializing_if = "Tags::is_empty")]
+    tags: Tags<'a>,
     ts: i64,
     fields: Fields<'a>,
     offset: u64,
@@ -741,6 +756,24 @@ struct Line<'a> {
 }
 
 struct Fields<'a>(&'a [(String, Value)]);
+
+struct Tags<'a>(&'a [(String, String)]);
+
+impl Tags<'_> {
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Serialize for Tags<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(self.0.len()))?;
+        for (name, value) in self.0 {
+            map.serialize_entry(name, value)?;
+        }
+        map.end()
+    }
+}
 
 impl Serialize for Fields<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -759,6 +792,7 @@ pub fn write_ndjson_line(r: &ReadRecord, out: &mut Vec<u8>) {
         epoch: r.epoch,
         seq: r.seq,
         key: &r.key,
+        tags: Tags(&r.tags),
         ts: r.ts,
         fields: Fields(&r.fields),
         offset: r.offset,
@@ -776,6 +810,7 @@ mod tests {
     #[test]
     fn ndjson_line_shape() {
         let r = ReadRecord {
+            tags: Vec::new(),
             device: "d1".into(),
             epoch: 2,
             seq: 3,

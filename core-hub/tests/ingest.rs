@@ -583,7 +583,7 @@ async fn a_decoded_size_bomb_is_refused_and_honest_devices_are_served() {
         assert_eq!(
             err,
             IngestError::DecodedTooLarge {
-                size: 1_000_000 * (64 + (16 << 10)),
+                size: 1_000_000 * (sync::decoded::RECORD_OVERHEAD_BYTES + (16 << 10)),
                 limit
             }
         );

@@ -100,7 +100,8 @@ fn ingest_status_inspect_round_trip() {
     assert_eq!(seqs.len(), 2501);
     assert_eq!(seqs[&1]["key"], "truck-0000/engine");
     assert_eq!(seqs[&1]["fields"]["temp_c"].as_f64(), Some(60.5));
-    assert_eq!(seqs[&2501]["key"], "truck-9/gps");
+    assert_eq!(seqs[&2501]["key"], "device=truck-9/unit=gps");
+    assert_eq!(seqs[&2501]["tags"]["device"], "truck-9");
     let out = setup.cli(
         &[
             "inspect",

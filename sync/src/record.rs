@@ -182,7 +182,7 @@ pub fn tags_problem(tags: &[(String, String)]) -> Option<String> {
             tags.len()
         ));
     }
-    for (i, (name, value)) in tags.iter().enumerate() {
+    for (name, value) in tags {
         if name.is_empty() {
             return Some("a tag name is empty".into());
         }
@@ -192,11 +192,21 @@ pub fn tags_problem(tags: &[(String, String)]) -> Option<String> {
         if name.contains('\0') || value.contains('\0') {
             return Some(format!("tag `{name}` holds a NUL character"));
         }
-        if tags[..i].iter().any(|(n, _)| n == name) {
-            return Some(format!("tag `{name}` appears twice"));
-        }
     }
-    None
+    // Quadratic for the usual handful of tags, sorted beyond: a hostile block cannot make the
+    // hub spend more than n log n per record here.
+    let twice = if tags.len() <= 16 {
+        (1..tags.len()).find_map(|i| tags[..i].iter().find(|(n, _)| *n == tags[i].0))
+    } else {
+        let mut names: Vec<&String> = tags.iter().map(|(n, _)| n).collect();
+        names.sort_unstable();
+        names
+            .windows(2)
+            .find(|w| w[0] == w[1])
+            .map(|w| w[0])
+            .and_then(|n| tags.iter().find(|(t, _)| t == n))
+    };
+    twice.map(|(name, _)| format!("tag `{name}` appears twice"))
 }
 
 /// Where a record came from: the agent stamps these, the hub deduplicates on them.

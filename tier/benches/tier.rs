@@ -595,6 +595,7 @@ fn to_tier_records(lines: &[&str]) -> Result<Vec<TierRecord>> {
         let device = l.key.split('/').next().unwrap_or("").to_owned();
         let seq = seqs.entry(device.clone()).or_default();
         out.push(TierRecord {
+            tags: Vec::new(),
             device,
             epoch: 1,
             seq: *seq,

@@ -68,6 +68,10 @@ pub struct TierRecord {
     /// The hub stream offset.
     pub offset: u64,
     pub key: String,
+    /// The record's tags; each is a string column of the stream (kind `tag`). After a decode,
+    /// in the stream's column order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<(String, String)>,
     /// Event time, nanoseconds since the Unix epoch (exact round trip).
     pub ts_ns: i64,
     /// Hub ingest time, nanoseconds since the Unix epoch (stored at microsecond precision).
@@ -92,6 +96,7 @@ impl TierRecord {
             seq,
             offset,
             key: record.key,
+            tags: record.tags,
             ts_ns: record.ts,
             ingest_ts_ns,
             fields: record.fields,
@@ -101,7 +106,7 @@ impl TierRecord {
     /// The record as readers see it (origin and position dropped).
     pub fn record(&self) -> Record {
         Record {
-            tags: Vec::new(),
+            tags: self.tags.clone(),
             key: self.key.clone(),
             ts: self.ts_ns,
             fields: self.fields.clone(),
@@ -111,7 +116,7 @@ impl TierRecord {
     /// Moves the record out (origin and position dropped).
     pub fn into_record(self) -> Record {
         Record {
-            tags: Vec::new(),
+            tags: self.tags,
             key: self.key,
             ts: self.ts_ns,
             fields: self.fields,
@@ -234,7 +239,7 @@ fn arrow_type(kind: ValueKind) -> DataType {
         ValueKind::F64 => DataType::Float64,
         ValueKind::I64 => DataType::Int64,
         ValueKind::Bool => DataType::Boolean,
-        ValueKind::Str => DataType::Utf8,
+        ValueKind::Str | ValueKind::Tag => DataType::Utf8,
         ValueKind::Bytes => DataType::Binary,
     }
 }
@@ -334,7 +339,7 @@ impl FieldColumn {
             ValueKind::F64 => FieldData::F64(vec![0.0; rows]),
             ValueKind::I64 => FieldData::I64(vec![0; rows]),
             ValueKind::Bool => FieldData::Bool(vec![0; rows.div_ceil(8)]),
-            ValueKind::Str => FieldData::Str(VarColumn::new(rows, 0)),
+            ValueKind::Str | ValueKind::Tag => FieldData::Str(VarColumn::new(rows, 0)),
             ValueKind::Bytes => FieldData::Bytes(VarColumn::new(rows, 0)),
         };
         FieldColumn {
@@ -368,6 +373,23 @@ impl FieldColumn {
             // the row null keeps the column aligned rather than panicking.
             _ => return Ok(true),
         }
+        self.valid[byte] |= mask;
+        self.present += 1;
+        Ok(true)
+    }
+
+    /// Sets a tag's value at `row` (a tag column holds strings); false if the row already
+    /// holds one (a duplicate tag).
+    #[inline]
+    fn set_tag(&mut self, row: usize, value: &str, name: &str) -> Result<bool, EncodeError> {
+        let (byte, mask) = (row >> 3, 1u8 << (row & 7));
+        if self.valid[byte] & mask != 0 {
+            return Ok(false);
+        }
+        let FieldData::Str(c) = &mut self.data else {
+            unreachable!("a tag column is a string column (FieldColumn::new)")
+        };
+        c.push(row, value.as_bytes(), name)?;
         self.valid[byte] |= mask;
         self.present += 1;
         Ok(true)
@@ -572,6 +594,31 @@ impl<'a> SeqRanges<'a> {
     }
 }
 
+/// Writes the tags of record `r` into their columns at `row`.
+fn set_tags(
+    registry: &FieldRegistry,
+    columns: &mut [FieldColumn],
+    row: usize,
+    r: &TierRecord,
+) -> Result<(), EncodeError> {
+    for (name, value) in &r.tags {
+        let Some(col) = registry.column_of(name, ValueKind::Tag) else {
+            return Err(EncodeError::UnregisteredField {
+                offset: r.offset,
+                field: name.clone(),
+                kind: ValueKind::Tag,
+            });
+        };
+        if !columns[col].set_tag(row, value, name)? {
+            return Err(EncodeError::DuplicateField {
+                offset: r.offset,
+                field: name.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Encodes `records` (one chunk, normally in offset order) as a Parquet file with the columns
 /// of `registry` that the records use (in the registry's order and names), which must already
 /// contain every (field, type) the records carry (see [`FieldRegistry::observe_records`]).
@@ -658,6 +705,7 @@ pub fn encode_chunk_with_threads(
         ts.push(r.ts_ns.div_euclid(1000));
         ts_rem.push(r.ts_ns.rem_euclid(1000) as i32);
         ingest.push(r.ingest_ts_ns.div_euclid(1000));
+        set_tags(registry, &mut columns, row, r)?;
         for (pos, (name, value)) in r.fields.iter().enumerate() {
             let kind = ValueKind::of(value);
             let col = match field_cache.get(pos) {
@@ -1197,7 +1245,7 @@ fn decode_batch(
                 ValueKind::F64 => FieldArray::F64(a.as_primitive::<Float64Type>()),
                 ValueKind::I64 => FieldArray::I64(a.as_primitive::<Int64Type>()),
                 ValueKind::Bool => FieldArray::Bool(a.as_boolean()),
-                ValueKind::Str => FieldArray::Str(a.as_string::<i32>()),
+                ValueKind::Str | ValueKind::Tag => FieldArray::Str(a.as_string::<i32>()),
                 ValueKind::Bytes => FieldArray::Bytes(a.as_binary::<i32>()),
             };
             (view, spec)
@@ -1227,7 +1275,14 @@ fn decode_batch(
     let ingests = ingest.values();
     for row in 0..batch.num_rows() {
         let mut rec_fields = Vec::with_capacity(fields.len());
+        let mut rec_tags = Vec::new();
         for (view, spec) in &fields {
+            if let (FieldArray::Str(a), ValueKind::Tag) = (view, spec.kind) {
+                if a.is_valid(row) {
+                    rec_tags.push((spec.field.clone(), a.value(row).to_owned()));
+                }
+                continue;
+            }
             let value = match view {
                 FieldArray::F64(a) => a.is_valid(row).then(|| Value::F64(a.value(row))),
                 FieldArray::I64(a) => a.is_valid(row).then(|| Value::I64(a.value(row))),
@@ -1248,6 +1303,7 @@ fn decode_batch(
             seq: nonneg(seqs[row], base + row, "seq")?,
             offset: nonneg(offsets[row], base + row, "offset")?,
             key: key.value(row).to_owned(),
+            tags: rec_tags,
             ts_ns: tss[row].saturating_mul(1000).saturating_add(rem_ns),
             ingest_ts_ns: ingests[row].saturating_mul(1000),
             fields: rec_fields,

@@ -9,6 +9,11 @@
 //!   written as doubles;
 //! - a later, different kind of the same field (number, bool, string, bytes) gets its own
 //!   column `{field}__{type}` with type in `f64|i64|bool|str|bytes`;
+//! - a tag is a column of kind `tag` (UTF-8, like a string field) named after the tag. Tags
+//!   and fields are separate namespaces: a tag and a field of one name are two columns, and
+//!   whichever the stream saw second gets the typed form (`{name}__tag`, or `{name}__str`
+//!   and so on for the field), as a later kind of a field does. A tag named like a fixed
+//!   column (`device`, `key`, ...) is `{name}__tag`;
 //! - a name that would collide (case-insensitively, because DuckDB and Spark resolve column names
 //!   case-insensitively) with a fixed column or an earlier column gets `__2`, `__3`, ... appended.
 //!
@@ -44,15 +49,18 @@ pub enum ValueKind {
     Bool,
     Str,
     Bytes,
+    /// A tag's column: UTF-8 strings, in the tags' own namespace.
+    Tag,
 }
 
 impl ValueKind {
-    pub const ALL: [ValueKind; 5] = [
+    pub const ALL: [ValueKind; 6] = [
         ValueKind::F64,
         ValueKind::I64,
         ValueKind::Bool,
         ValueKind::Str,
         ValueKind::Bytes,
+        ValueKind::Tag,
     ];
 
     pub fn of(value: &Value) -> ValueKind {
@@ -73,6 +81,7 @@ impl ValueKind {
             ValueKind::Bool => "bool",
             ValueKind::Str => "str",
             ValueKind::Bytes => "bytes",
+            ValueKind::Tag => "tag",
         }
     }
 
@@ -106,7 +115,7 @@ pub enum RegistryError {
 pub struct FieldRegistry {
     columns: Vec<ColumnSpec>,
     /// field name -> column index per [`ValueKind`] (looked up once per field per record).
-    by_field: HashMap<String, [Option<u32>; 5], FastHash>,
+    by_field: HashMap<String, [Option<u32>; 6], FastHash>,
     /// lower-cased column names in use (fixed columns included), for collision checks.
     taken: HashSet<String>,
     /// Fields the operator pinned to float: their first integer already makes a DOUBLE
@@ -314,6 +323,9 @@ impl FieldRegistry {
     {
         let mut changed = false;
         for r in records {
+            for (name, _) in &r.tags {
+                changed |= self.register(name, ValueKind::Tag).1;
+            }
             changed |= self.observe(&r.fields);
         }
         changed
@@ -330,6 +342,11 @@ impl FieldRegistry {
         // Records mostly repeat the previous record's fields: skip those lookups.
         let mut last: Vec<(&str, ValueKind)> = Vec::new();
         for r in records {
+            for (name, _) in &r.tags {
+                if let Some(i) = self.column_of(name, ValueKind::Tag) {
+                    used[i] = true;
+                }
+            }
             for (pos, (name, value)) in r.fields.iter().enumerate() {
                 let kind = ValueKind::of(value);
                 if last.get(pos) == Some(&(name.as_str(), kind)) {

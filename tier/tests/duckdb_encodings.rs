@@ -48,6 +48,7 @@ fn records() -> Vec<TierRecord> {
                 fields.push(("rare".into(), Value::F64(i as f64)));
             }
             TierRecord {
+                tags: Vec::new(),
                 device: format!("truck-{:04}", i % 37),
                 epoch: 1,
                 seq: i / 37,

@@ -43,7 +43,7 @@ fn reference_encode(records: &[TierRecord], registry: &FieldRegistry) -> Bytes {
             ValueKind::F64 => B::F(Float64Builder::new()),
             ValueKind::I64 => B::I(Int64Builder::new()),
             ValueKind::Bool => B::Bo(BooleanBuilder::new()),
-            ValueKind::Str => B::S(StringBuilder::new()),
+            ValueKind::Str | ValueKind::Tag => B::S(StringBuilder::new()),
             ValueKind::Bytes => B::By(BinaryBuilder::new()),
         })
         .collect();
@@ -60,6 +60,16 @@ fn reference_encode(records: &[TierRecord], registry: &FieldRegistry) -> Bytes {
         rem.push(r.ts_ns.rem_euclid(1000) as i32);
         ingest.push(r.ingest_ts_ns.div_euclid(1000));
         for (i, spec) in registry.columns().iter().enumerate() {
+            if spec.kind == ValueKind::Tag {
+                let B::S(b) = &mut cols[i] else {
+                    unreachable!()
+                };
+                match r.tags.iter().find(|(n, _)| *n == spec.field) {
+                    Some((_, v)) => b.append_value(v),
+                    None => b.append_null(),
+                }
+                continue;
+            }
             let v = r
                 .fields
                 .iter()
@@ -176,6 +186,7 @@ fn records(max: usize) -> impl Strategy<Value = Vec<TierRecord>> {
             .map(|(i, (d, epoch, key, ts_ns, fields))| {
                 let mut seen = std::collections::HashSet::new();
                 TierRecord {
+                    tags: Vec::new(),
                     device: format!("dev{d}"),
                     epoch,
                     seq: i as u64,
@@ -286,6 +297,7 @@ fn dense_and_sparse_columns_across_row_groups() {
                 fields.reverse();
             }
             TierRecord {
+                tags: Vec::new(),
                 device: format!("truck-{:04}", i % 37),
                 epoch: 1 + i / 4000,
                 seq: i / 37,

@@ -29,6 +29,7 @@ const TARGETS: [(&str, Target); 2] = [
 fn records() -> Vec<TierRecord> {
     (0..12u64)
         .map(|i| TierRecord {
+            tags: Vec::new(),
             device: format!("dev-{}", i % 2),
             epoch: 1,
             seq: i / 2 + 1,

@@ -43,6 +43,7 @@ print(json.dumps([list(r) for r in rows], default=str))
 fn records(first: u64, n: u64, value: impl Fn(u64) -> Value) -> Vec<TierRecord> {
     (0..n)
         .map(|i| TierRecord {
+            tags: Vec::new(),
             device: "dev-1".into(),
             epoch: 1,
             seq: first + i,

@@ -54,6 +54,7 @@ fn record() -> impl Strategy<Value = TierRecord> {
                 .filter(|(n, _)| seen.insert(n.clone()))
                 .collect();
             TierRecord {
+                tags: Vec::new(),
                 device: format!("d{d}"),
                 epoch,
                 seq,

@@ -248,7 +248,24 @@ fn record_of(line: &[u8]) -> Result<ReadRecord, String> {
         .iter()
         .filter_map(|(k, f)| value_of(f).map(|f| (k.clone(), f)))
         .collect();
+    let tags = match v.get("tags") {
+        None => Vec::new(),
+        Some(t) => t
+            .as_object()
+            .ok_or("`tags` is not an object")?
+            .iter()
+            .map(|(k, t)| {
+                Ok((
+                    k.clone(),
+                    t.as_str()
+                        .ok_or("a tag value that is not a string")?
+                        .to_owned(),
+                ))
+            })
+            .collect::<Result<_, &str>>()?,
+    };
     Ok(ReadRecord {
+        tags,
         device: text("device")?,
         epoch,
         seq: uint("seq")?,

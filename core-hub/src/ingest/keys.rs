@@ -22,7 +22,8 @@ pub fn key_in_device(key: &str, device: &str) -> bool {
 }
 
 impl Hub {
-    /// Refuses a block with any invalid key ([`key_problem`]), and on a stream configured
+    /// Refuses a block with any invalid key ([`key_problem`]) or tags
+    /// ([`sync::record::tags_problem`]), and on a stream configured
     /// with `keys_prefixed_by_device` a key whose first segment is not the device id. Every
     /// record of the block counts, resent ones included, so a block is either wholly
     /// admitted or wholly refused.
@@ -34,7 +35,18 @@ impl Hub {
     ) -> Result<(), IngestError> {
         let prefixed = self.policy.keys_prefixed_by_device.contains(stream);
         let mut last: Option<&str> = None;
+        let mut last_tags: Option<&[(String, String)]> = None;
         for r in records {
+            if !r.tags.is_empty() && last_tags != Some(r.tags.as_slice()) {
+                if let Some(why) = sync::record::tags_problem(&r.tags) {
+                    return Err(IngestError::BadTags {
+                        stream: stream.to_owned(),
+                        key: r.key.chars().take(120).collect(),
+                        why,
+                    });
+                }
+                last_tags = Some(&r.tags);
+            }
             // Blocks repeat keys: check each run once.
             if last == Some(r.key.as_str()) {
                 continue;

@@ -175,6 +175,7 @@ mod tests {
         }
         assert_eq!(Reason::parse("from-the-future"), Reason::Other);
         let rec = ReadRecord {
+            tags: Vec::new(),
             device: "d".into(),
             epoch: 1,
             seq: 2,

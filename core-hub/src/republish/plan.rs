@@ -201,6 +201,7 @@ mod tests {
 
     fn rec(offset: u64, key: &str, fields: Vec<(String, Value)>) -> ReadRecord {
         ReadRecord {
+            tags: Vec::new(),
             device: "d1".into(),
             epoch: 1,
             seq: offset + 1,

@@ -159,6 +159,7 @@ pub(super) fn refuses_stream(e: &IngestError) -> bool {
             | IngestError::Unauthorized(_)
             | IngestError::ForbiddenKey { .. }
             | IngestError::BadKey { .. }
+            | IngestError::BadTags { .. }
             | IngestError::QuotaExceeded { .. }
     )
 }
@@ -204,7 +205,8 @@ pub(super) fn error_code(e: &IngestError) -> ErrorCode {
         IngestError::BadStreamName(_)
         | IngestError::Unauthorized(_)
         | IngestError::ForbiddenKey { .. }
-        | IngestError::BadKey { .. } => ErrorCode::UnauthorizedStream,
+        | IngestError::BadKey { .. }
+        | IngestError::BadTags { .. } => ErrorCode::UnauthorizedStream,
         // Nothing was created; the stream is refused, its other lanes keep flowing.
         IngestError::QuotaExceeded { .. } => ErrorCode::QuotaExceeded,
         IngestError::TooLarge { .. } | IngestError::BadBlock(_) => ErrorCode::BadBlock,

@@ -462,6 +462,7 @@ async fn write_untiered(
 
 fn to_tier_record(r: crate::read::ReadRecord) -> TierRecord {
     TierRecord {
+        tags: r.tags,
         device: r.device,
         epoch: r.epoch,
         seq: r.seq,

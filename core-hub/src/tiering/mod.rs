@@ -1152,6 +1152,7 @@ fn append_block(
             continue;
         }
         out.push(TierRecord {
+            tags: r.tags,
             device: device.clone(),
             epoch: row.epoch,
             seq: row.first_seq + i as u64,
@@ -1187,6 +1188,7 @@ mod tests {
             ]
         );
         let record = TierRecord {
+            tags: Vec::new(),
             device: "dev-1".into(),
             epoch: 1,
             seq: 1,
@@ -1206,6 +1208,7 @@ mod tests {
     fn a_repeated_field_does_not_encode_as_it_arrives() {
         // Why the hub removes repeats before encoding: the encoder refuses them.
         let record = TierRecord {
+            tags: Vec::new(),
             device: "dev-1".into(),
             epoch: 1,
             seq: 1,

@@ -144,6 +144,7 @@ fn to_read_record(r: TierRecord, segment: u64) -> ReadRecord {
         epoch: r.epoch,
         seq: r.seq,
         key: r.key,
+        tags: r.tags,
         ts: r.ts_ns,
         fields: r.fields,
         offset: r.offset,
@@ -312,7 +313,8 @@ impl TierReader {
                     recs.pop_front();
                     continue;
                 }
-                let size = crate::read::parts_bytes(&r.device, &r.key, &r.fields);
+                let size = crate::read::parts_bytes(&r.device, &r.key, &r.fields)
+                    + crate::read::tags_bytes(&r.tags);
                 if !room.fits(size) {
                     // Left for the next page, which starts at its offset.
                     self.next = r.offset;

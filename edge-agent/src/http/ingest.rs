@@ -501,7 +501,8 @@ mod tests {
         let e = parse_body(BodyFormat::LineProtocol, "s", lp, 0).unwrap_err();
         assert_eq!(e.position(), Some((3, 1)), "{e}");
         let recs = parse_body(BodyFormat::LineProtocol, "s", b"s,dev=a x=1 5\n", 0).unwrap();
-        assert_eq!(recs[0].key, "a");
+        assert_eq!(recs[0].key, "dev=a");
+        assert_eq!(recs[0].tag("dev"), Some("a"));
     }
 
     #[test]

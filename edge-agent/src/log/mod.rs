@@ -227,7 +227,7 @@ pub enum AppendError {
 
 /// Whether record `index` of a batch can be stored: at most `fields_max` fields (not counting
 /// up to [`AGENT_FIELDS_MAX`] of the agent's own `_` fields), and a key and field names within
-/// the block format's maxima, and a key the hub accepts ([`sync::record::key_problem`]: a
+/// the block format's maxima, tags the hub accepts ([`sync::record::tags_problem`]), and a key the hub accepts ([`sync::record::key_problem`]: a
 /// bad key would have the hub refuse the whole block, so it is refused here, alone). What
 /// [`LogHandle::append`] checks for every record.
 pub fn sealable(index: usize, r: &Record, fields_max: usize) -> Result<(), AppendError> {
@@ -238,6 +238,9 @@ pub fn sealable(index: usize, r: &Record, fields_max: usize) -> Result<(), Appen
             key: r.key.chars().take(120).collect(),
             why,
         });
+    }
+    if let Some(why) = sync::record::tags_problem(&r.tags) {
+        return Err(AppendError::Unsealable { index, why });
     }
     let own = r.fields.iter().filter(|(n, _)| n.starts_with('_')).count();
     let fields = r.fields.len() - own;

@@ -12,7 +12,8 @@
 //! ```
 //!
 //! `row(record)` is the version-1 row encoding of one record (key, ts, fields; see
-//! `docs/format/segment.md`). Because the seq is hashed in, a reordering changes the sum; because
+//! `docs/format/segment.md`), followed, for a record with tags, by the tag count and each
+//! tag's name and value as varint-length bytes. Because the seq is hashed in, a reordering changes the sum; because
 //! the combination is a sum, the checksum of a range is the sum of the checksums of any split
 //! of it, which lets the hub compare a range sealed with other block boundaries record by
 //! record as the records arrive. This detects accidental divergence (restored or cloned
@@ -81,6 +82,15 @@ fn put_row(out: &mut Vec<u8>, r: &Record) {
             Value::Bytes(b) => varint::put_bytes(out, b),
         }
     }
+    // Tags follow the fields, only when there are any: a record without tags hashes as it
+    // did before tags existed, so checksums a hub already stored stay valid.
+    if !r.tags.is_empty() {
+        varint::put_u64(out, r.tags.len() as u64);
+        for (name, value) in &r.tags {
+            varint::put_bytes(out, name.as_bytes());
+            varint::put_bytes(out, value.as_bytes());
+        }
+    }
 }
 
 #[cfg(test)]
@@ -94,6 +104,22 @@ mod tests {
             ts: i,
             fields: vec![("v".into(), Value::I64(i))],
         }
+    }
+
+    #[test]
+    fn tags_change_the_hash_and_their_absence_keeps_it() {
+        let plain = rec(1);
+        let mut tagged = plain.clone();
+        tagged.tags = vec![("host".into(), "a".into())];
+        assert_ne!(record_hash(1, &plain), record_hash(1, &tagged));
+        let mut other = tagged.clone();
+        other.tags[0].1 = "b".into();
+        assert_ne!(record_hash(1, &tagged), record_hash(1, &other));
+        // A record without tags hashes over exactly its version-1 row, as before tags.
+        let mut row = vec![0x01];
+        row.extend_from_slice(&1u64.to_le_bytes());
+        put_row(&mut row, &plain);
+        assert_eq!(record_hash(1, &plain) as u32, crc32c::crc32c(&row));
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub fn telemetry(
     for s in 0..per_device {
         for d in 0..devices {
             out.push(TierRecord {
+                tags: Vec::new(),
                 device: format!("dev-{d:03}"),
                 epoch: 1,
                 seq: s as u64,
