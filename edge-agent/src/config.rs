@@ -144,6 +144,9 @@ pub struct HttpConfig {
     /// Timeouts, caps and allowed hosts (`http.header_timeout` ... `http.allowed_hosts`); its
     /// `body_bytes_max` is the one above.
     pub limits: crate::http::limits::HttpLimits,
+    /// `http.influx_streams`: Influx `db` (v1) or `bucket` (v2) names mapped to the streams
+    /// they write to; a name not listed is itself the stream.
+    pub influx_streams: std::collections::BTreeMap<String, String>,
 }
 
 /// What a `Debug` of a configuration shows instead of a secret.
@@ -156,6 +159,7 @@ impl std::fmt::Debug for HttpConfig {
             .field("body_bytes_max", &self.body_bytes_max)
             .field("token", &self.token.as_ref().map(|_| REDACTED))
             .field("limits", &self.limits)
+            .field("influx_streams", &self.influx_streams)
             .finish()
     }
 }
@@ -566,6 +570,7 @@ struct RawHttp {
     connections_max: Option<String>,
     requests_max: Option<String>,
     allowed_hosts: Option<Vec<String>>,
+    influx_streams: Option<std::collections::BTreeMap<String, String>>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -780,11 +785,17 @@ impl RawHttp {
         let limits = self.limits(body_bytes_max)?;
         // An empty token (for example an empty environment override) means "no token".
         let token = self.token.filter(|t| !t.is_empty());
+        let influx_streams = self.influx_streams.unwrap_or_default();
+        if let Some((name, stream)) = influx_streams.iter().find(|(_, s)| s.is_empty()) {
+            let why = format!("{name:?} maps to an empty stream name ({stream:?})");
+            return Err(ConfigError::invalid("http.influx_streams", why));
+        }
         Ok(HttpConfig {
             listen,
             body_bytes_max,
             token,
             limits,
+            influx_streams,
         })
     }
 

@@ -35,6 +35,7 @@
 
 pub mod client;
 pub mod idempotency;
+pub mod influx;
 pub mod ingest;
 pub mod limits;
 pub mod status;
@@ -65,6 +66,8 @@ use crate::metrics::{Limits, Metrics};
 pub struct AppState {
     pub ingest: Ingest,
     token: Option<String>,
+    /// `http.influx_streams`: Influx `db`/`bucket` names mapped to streams.
+    influx_streams: std::collections::BTreeMap<String, String>,
     body_bytes_max: usize,
     /// The HTTP limits and their counters (`limits.rs`), shared with the accept loop.
     pub guard: Arc<limits::HttpGuard>,
@@ -101,6 +104,7 @@ impl AppState {
         Arc::new(AppState {
             ingest: Ingest::with_streams(log, metrics, &cfg.streams),
             token: cfg.http.token.clone(),
+            influx_streams: cfg.http.influx_streams.clone(),
             guard: limits::HttpGuard::new(cfg.http.limits.clone(), error),
             #[cfg(feature = "fault-injection")]
             body_before_token: std::sync::atomic::AtomicBool::new(false),
@@ -167,6 +171,8 @@ pub fn router(app: Arc<AppState>) -> Router {
     let token = middleware::from_fn_with_state(app.clone(), require_token);
     let protected = Router::new()
         .route("/v1/streams/{stream}/records", post(post_records))
+        .route("/write", post(post_influx_v1))
+        .route("/api/v2/write", post(post_influx_v2))
         .route("/v1/status", get(get_status));
     #[cfg(feature = "fault-injection")]
     if app
@@ -311,6 +317,94 @@ async fn post_records(
             "count": ingest::stored_count(&ack),
         }))
         .into_response(),
+        Err(e) => append_error(&e),
+    }
+}
+
+async fn post_influx_v1(
+    State(app): State<Arc<AppState>>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    post_influx(&app, influx::Api::V1, query.as_deref(), &headers, body).await
+}
+
+async fn post_influx_v2(
+    State(app): State<Arc<AppState>>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    post_influx(&app, influx::Api::V2, query.as_deref(), &headers, body).await
+}
+
+/// An Influx write (see [`influx`]): 204 once the batch is durable.
+async fn post_influx(
+    app: &AppState,
+    api: influx::Api,
+    query: Option<&str>,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    use influx::influx_error as fail;
+    let q = match influx::parse_query(api, query) {
+        Ok(q) => q,
+        Err(e) => return fail(StatusCode::BAD_REQUEST, "invalid", &e, None),
+    };
+    if let Some(token) = &app.token {
+        let given = influx::given_token(headers, &q).unwrap_or("");
+        if !constant_time_eq(given.as_bytes(), token.as_bytes()) {
+            let msg = "missing or wrong token (http.token): send Authorization: Token <token>";
+            return fail(StatusCode::UNAUTHORIZED, "unauthorized", msg, None);
+        }
+    }
+    let stream = influx::stream_of(&q.target, &app.influx_streams);
+    if !app
+        .ingest
+        .log()
+        .config()
+        .streams
+        .iter()
+        .any(|s| s == stream)
+    {
+        let msg = format!(
+            "{:?} names the stream {stream:?}, which is not declared: add it as a [[streams]]              entry, or map the name to a stream in http.influx_streams",
+            q.target
+        );
+        return fail(StatusCode::NOT_FOUND, "not found", &msg, None);
+    }
+    if app.ingest.derived_from(stream).is_some() {
+        let msg = format!("stream {stream:?} is derived by filters and takes no writes");
+        return fail(StatusCode::CONFLICT, "conflict", &msg, None);
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return fail(e.status(), "invalid", &e.body_text(), None),
+    };
+    let Ok(text) = std::str::from_utf8(&body) else {
+        return fail(
+            StatusCode::BAD_REQUEST,
+            "invalid",
+            "the body is not UTF-8",
+            None,
+        );
+    };
+    let mut opts = app
+        .ingest
+        .request_options(None, now_ns())
+        .expect("no query, no error");
+    opts.ts_unit = q.precision;
+    let records = match influx::parse_body(text, &opts) {
+        Ok(r) => r,
+        Err(e) => return fail(StatusCode::BAD_REQUEST, "invalid", &e.message, Some(e.line)),
+    };
+    if let Some((i, field)) = ingest::first_reserved(&records) {
+        let msg = format!("record {i}: field names starting with `_` are reserved: {field:?}");
+        return fail(StatusCode::BAD_REQUEST, "invalid", &msg, None);
+    }
+    match app.ingest.ingest(stream, records).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => append_error(&e),
     }
 }
