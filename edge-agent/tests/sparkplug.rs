@@ -232,7 +232,7 @@ fn host_application_against_a_tahu_edge_node() {
             let (kind, value) = kind_of(v);
             let entry = serde_json::json!({
                 "device": tags.get("device"),
-                "historical": tags.get("historical").is_some(),
+                "historical": tags.contains_key("historical"),
                 "name": name,
                 "ts_ms": line["ts"].as_i64().unwrap() / 1_000_000,
                 "kind": kind,

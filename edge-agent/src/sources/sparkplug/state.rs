@@ -553,16 +553,10 @@ fn push_metrics(
         };
         let ts = m.timestamp.and_then(ms_to_ns).unwrap_or(ctx.ts);
         let historical = m.is_historical == Some(true);
-        place(
-            &mut out.records[start..],
-            tags,
-            ts,
-            historical,
-            cfg.fields_max,
-            name,
-            value,
-        )
-        .map(|r| out.records.push(r));
+        let records = &mut out.records[start..];
+        if let Some(r) = place(records, tags, ts, historical, cfg.fields_max, name, value) {
+            out.records.push(r);
+        }
     }
     unknown
 }
