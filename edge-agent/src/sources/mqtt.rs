@@ -210,6 +210,7 @@ struct Incoming {
 #[derive(Debug)]
 enum Out {
     Ack(Ack),
+    #[cfg_attr(not(feature = "sparkplug"), allow(dead_code))]
     Publish(Publish),
 }
 
