@@ -202,11 +202,9 @@ fn host_application_against_a_tahu_edge_node() {
         2,
         "the DDEATH and the NDEATH: {scrape}"
     );
-    assert_eq!(
-        metric(&scrape, "stale_deaths"),
-        1,
-        "the old session's NDEATH: {scrape}"
-    );
+    // The old session's NDEATH, sent late by the new one (and its will, should the broker
+    // have published it after the first session's disconnect).
+    assert!(metric(&scrape, "stale_deaths") >= 1, "{scrape}");
     assert!(metric(&scrape, "dropped_messages") >= 1, "{scrape}");
     assert_eq!(metric(&scrape, "bad_metrics"), 0, "{scrape}");
 
