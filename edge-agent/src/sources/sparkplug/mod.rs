@@ -8,7 +8,8 @@
 //! - Tags: `group`, `edge_node`, and `device` for device messages; the key is
 //!   `sync::record::key_from_tags` of them. Each metric is a field named by the metric's name,
 //!   its value typed by the BIRTH's datatype: Int8..Int64 and UInt8..UInt64 → `I64` (a UInt64
-//!   above `i64::MAX` is refused and counted in `spb_bad_metrics`), Float and Double → `F64`,
+//!   above `i64::MAX` is refused and counted in `spb_bad_metrics`), Float and Double → `F64`
+//!   (NaN and infinities refused likewise),
 //!   Boolean → `Bool`, String, Text and UUID → `Str`, Bytes and File → `Bytes`, DateTime →
 //!   `I64` milliseconds since the epoch, as sent. DataSet and Template metrics are not stored
 //!   (`spb_skipped_metrics`); a null metric (`is_null`) is no field.

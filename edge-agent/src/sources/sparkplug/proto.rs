@@ -142,8 +142,9 @@ pub fn decode_value(m: &Metric, dt: u32) -> Result<Option<Value>, MetricProblem>
             i64::try_from(*l)
                 .map_err(|_| bad("UInt64 above i64::MAX, which a field cannot hold"))?,
         ),
-        (FLOAT, V::FloatValue(f)) => Value::F64(f64::from(*f)),
-        (DOUBLE, V::DoubleValue(d)) => Value::F64(*d),
+        // NaN and infinities are refused as everywhere in the agent: no reader could show them.
+        (FLOAT, V::FloatValue(f)) if f.is_finite() => Value::F64(f64::from(*f)),
+        (DOUBLE, V::DoubleValue(d)) if d.is_finite() => Value::F64(*d),
         (BOOLEAN, V::BooleanValue(b)) => Value::Bool(*b),
         (STRING | TEXT | UUID, V::StringValue(s)) => Value::Str(s.clone()),
         (BYTES | FILE, V::BytesValue(b)) => Value::Bytes(b.clone()),
@@ -239,6 +240,8 @@ mod tests {
         bad(UINT8, V::IntValue(256));
         bad(UINT16, V::IntValue(65_536));
         bad(FLOAT, V::DoubleValue(1.0));
+        bad(FLOAT, V::FloatValue(f32::NAN));
+        bad(DOUBLE, V::DoubleValue(f64::INFINITY));
         bad(INT32, V::LongValue(1));
         bad(0, V::IntValue(1));
         bad(99, V::IntValue(1));
