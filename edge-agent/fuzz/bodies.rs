@@ -16,6 +16,7 @@ use edge_agent::filters::predicate;
 use edge_agent::filters::{Agg, DownsampleMode, FilterStats, Pipeline, StageSpec};
 use edge_agent::http::{BodyFormat, parse_body};
 use edge_agent::sources::mqtt::{Mapper, MqttStats, TOPIC_FIELD};
+use edge_agent::sources::sparkplug::{Host, HostConfig, Output};
 use rumqttc::{Publish, QoS};
 use sync::{Record, Value};
 
@@ -236,6 +237,7 @@ pub fn mqtt_map(data: &[u8]) {
         qos: 1,
         dedupe_window: 16,
         tls: None,
+        sparkplug: None,
     };
     let stats = Arc::new(MqttStats::default());
     let mapper = Mapper::new(&cfg, stats);
@@ -257,6 +259,40 @@ pub fn mqtt_map(data: &[u8]) {
             "every record keeps its topic"
         );
         check_fields(r);
+    }
+}
+
+/// Arbitrary Sparkplug messages through one `sparkplug::Host`, in order, so BIRTH state carries
+/// over from one to the next: each message is a topic length (1 byte), the topic, a payload
+/// length (2 bytes, big-endian) and the payload. Every record's key is its tags' key, its tags
+/// valid, its fields named once, finite and within the field limit.
+pub fn sparkplug_host(data: &[u8]) {
+    let stats = Arc::new(MqttStats::default());
+    let cfg = HostConfig {
+        rebirth_interval_ns: 1_000_000_000,
+        fields_max: 8,
+    };
+    let mut host = Host::new(cfg, stats);
+    let mut rest = data;
+    let mut now = 0i64;
+    while let Some((&topic_len, r)) = rest.split_first() {
+        let (topic, r) = r.split_at(usize::from(topic_len).min(r.len()));
+        let payload_len = match r {
+            [a, b, ..] => usize::from(u16::from_be_bytes([*a, *b])),
+            _ => 0,
+        };
+        let r = r.get(2..).unwrap_or(&[]);
+        let (payload, r) = r.split_at(payload_len.min(r.len()));
+        rest = r;
+        now += 500_000_000;
+        let mut out = Output::default();
+        host.handle(&String::from_utf8_lossy(topic), payload, now, &mut out);
+        for rec in &out.records {
+            assert_eq!(rec.key, sync::record::key_from_tags(&rec.tags));
+            assert_eq!(sync::record::tags_problem(&rec.tags), None);
+            assert!(!rec.fields.is_empty() && rec.fields.len() <= 8, "{rec:?}");
+            check_fields(rec);
+        }
     }
 }
 

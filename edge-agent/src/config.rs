@@ -309,6 +309,20 @@ pub struct MqttSourceConfig {
     pub dedupe_window: usize,
     /// For `mqtts://`: `tls_ca` (required), `tls_cert` and `tls_key` (both or neither).
     pub tls: Option<MqttTlsConfig>,
+    /// `format = "sparkplug"`: the source is a Sparkplug B host application (see
+    /// `sources::sparkplug`); `format` is then unused.
+    pub sparkplug: Option<SparkplugConfig>,
+}
+
+/// A Sparkplug B host application's settings (`format = "sparkplug"`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SparkplugConfig {
+    /// `host_id`: the host application id, in `spBv1.0/STATE/{host_id}`.
+    pub host_id: String,
+    /// `groups`: the Sparkplug groups subscribed to; default every group (`["+"]`).
+    pub groups: Vec<String>,
+    /// `rebirth_interval`: shortest time between two rebirth requests to one node; default 10 s.
+    pub rebirth_interval: Duration,
 }
 
 /// TLS to the broker (`mqtts://`): rustls with the ring provider.
@@ -637,6 +651,9 @@ struct RawSource {
     tls_ca: Option<String>,
     tls_cert: Option<String>,
     tls_key: Option<String>,
+    host_id: Option<String>,
+    groups: Option<Vec<String>>,
+    rebirth_interval: Option<String>,
     interval: Option<String>,
     key_prefix: Option<String>,
     sysfs_root: Option<String>,
@@ -928,6 +945,7 @@ impl RawSource {
         match kind.as_str() {
             "http" => Ok(None),
             "mqtt" => {
+                let sparkplug = self.sparkplug_typed(index)?;
                 let url = required(&key("url"), self.url)?;
                 if !(url.starts_with("mqtt://") || url.starts_with("mqtts://")) {
                     return Err(ConfigError::invalid(
@@ -935,7 +953,16 @@ impl RawSource {
                         format!("expected mqtt://host:port or mqtts://host:port, found {url:?}"),
                     ));
                 }
-                let topics = self.topics.unwrap_or_default();
+                let topics = match &sparkplug {
+                    Some(_) if self.topics.is_some() => {
+                        return Err(ConfigError::invalid(
+                            key("topics"),
+                            "not with format = \"sparkplug\": the subscriptions follow from groups",
+                        ));
+                    }
+                    Some(spb) => crate::sources::sparkplug_topics(&spb.groups),
+                    None => self.topics.unwrap_or_default(),
+                };
                 if topics.is_empty() || topics.iter().any(|t| t.is_empty()) {
                     return Err(ConfigError::invalid(
                         key("topics"),
@@ -958,8 +985,22 @@ impl RawSource {
                         ),
                     ));
                 }
-                let format =
-                    PayloadFormat::parse(&key("format"), self.format.as_deref().unwrap_or("json"))?;
+                let format = match self.format.as_deref().unwrap_or("json") {
+                    "sparkplug" => PayloadFormat::Json,
+                    f => PayloadFormat::parse(&key("format"), f).map_err(|_| {
+                        ConfigError::invalid(
+                            key("format"),
+                            format!("expected json | line | sparkplug, found {f:?}"),
+                        )
+                    })?,
+                };
+                if sparkplug.is_some() && (self.topic_template.is_some() || self.ts_field.is_some())
+                {
+                    return Err(ConfigError::invalid(
+                        key("format"),
+                        "sparkplug takes no topic_template or ts_field: the topic and payload say both",
+                    ));
+                }
                 if let Some(t) = &self.topic_template {
                     check_topic_template(&key("topic_template"), t)?;
                 }
@@ -1050,6 +1091,7 @@ impl RawSource {
                     qos,
                     dedupe_window,
                     tls,
+                    sparkplug,
                 })))
             }
             "hwmon" | "iio" | "nmea" | "simulator" => {
@@ -1073,6 +1115,59 @@ impl RawSource {
                 ),
             )),
         }
+    }
+
+    /// The Sparkplug settings when `format = "sparkplug"`; refuses them otherwise.
+    fn sparkplug_typed(&self, index: usize) -> Result<Option<SparkplugConfig>, ConfigError> {
+        let key = |k: &str| format!("sources[{index}].{k}");
+        if self.format.as_deref() != Some("sparkplug") {
+            let stray = [
+                ("host_id", self.host_id.is_some()),
+                ("groups", self.groups.is_some()),
+                ("rebirth_interval", self.rebirth_interval.is_some()),
+            ];
+            if let Some((k, _)) = stray.iter().find(|(_, set)| *set) {
+                return Err(ConfigError::invalid(
+                    key(k),
+                    "only with format = \"sparkplug\"",
+                ));
+            }
+            return Ok(None);
+        }
+        if !cfg!(feature = "sparkplug") {
+            return Err(ConfigError::invalid(
+                key("format"),
+                "this build has no Sparkplug support (cargo feature `sparkplug`)",
+            ));
+        }
+        let host_id = required(&key("host_id"), self.host_id.clone())?;
+        let level_ok = |s: &str| !s.is_empty() && !s.contains(['/', '#']);
+        if !level_ok(&host_id) || host_id.contains('+') {
+            return Err(ConfigError::invalid(
+                key("host_id"),
+                format!("expected one topic level without / + #, found {host_id:?}"),
+            ));
+        }
+        let groups = self.groups.clone().unwrap_or_else(|| vec!["+".into()]);
+        if groups.is_empty()
+            || groups
+                .iter()
+                .any(|g| !level_ok(g) || (g.contains('+') && g != "+"))
+        {
+            return Err(ConfigError::invalid(
+                key("groups"),
+                format!("expected a non-empty list of group ids (or \"+\"), found {groups:?}"),
+            ));
+        }
+        let rebirth_interval = match &self.rebirth_interval {
+            Some(s) => parse_duration(&key("rebirth_interval"), s)?,
+            None => Duration::from_secs(10),
+        };
+        Ok(Some(SparkplugConfig {
+            host_id,
+            groups,
+            rebirth_interval,
+        }))
     }
 
     fn into_sensor(

@@ -566,3 +566,56 @@ fn ingest_field_limit_is_typed_bounded_and_reaches_the_log() {
         "unknown keys are refused"
     );
 }
+
+#[test]
+fn sparkplug_source() {
+    let base = format!(
+        "{MINIMAL}[[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:1883\"\nstream = \"telemetry\"\n"
+    );
+    let c = parse(&format!(
+        "{base}format = \"sparkplug\"\nhost_id = \"h1\"\ngroups = [\"plant\", \"yard\"]\nrebirth_interval = \"2s\"\n"
+    ))
+    .unwrap();
+    let edge_agent::config::SourceConfig::Mqtt(m) = &c.sources[0] else {
+        panic!("not mqtt: {c:?}");
+    };
+    assert_eq!(m.topics, ["spBv1.0/plant/#", "spBv1.0/yard/#"]);
+    let spb = m.sparkplug.as_ref().unwrap();
+    assert_eq!(spb.host_id, "h1");
+    assert_eq!(spb.rebirth_interval, std::time::Duration::from_secs(2));
+    // Defaults: every group, 10 s between rebirth requests.
+    let c = parse(&format!("{base}format = \"sparkplug\"\nhost_id = \"h1\"\n")).unwrap();
+    let edge_agent::config::SourceConfig::Mqtt(m) = &c.sources[0] else {
+        panic!("not mqtt");
+    };
+    assert_eq!(m.topics, ["spBv1.0/+/#"]);
+    assert_eq!(
+        m.sparkplug.as_ref().unwrap().rebirth_interval,
+        std::time::Duration::from_secs(10)
+    );
+    expect_bad(
+        &format!("{base}format = \"sparkplug\"\n"),
+        "sources[0].host_id",
+    );
+    expect_bad(
+        &format!("{base}format = \"sparkplug\"\nhost_id = \"a/b\"\n"),
+        "sources[0].host_id",
+    );
+    expect_bad(
+        &format!("{base}format = \"sparkplug\"\nhost_id = \"h\"\ngroups = []\n"),
+        "sources[0].groups",
+    );
+    expect_bad(
+        &format!("{base}format = \"sparkplug\"\nhost_id = \"h\"\ntopics = [\"x\"]\n"),
+        "sources[0].topics",
+    );
+    expect_bad(
+        &format!("{base}topics = [\"x\"]\nhost_id = \"h\"\n"),
+        "sources[0].host_id",
+    );
+    let m = expect_bad(
+        &format!("{base}topics = [\"x\"]\nformat = \"xml\"\n"),
+        "sources[0].format",
+    );
+    assert!(m.contains("json | line | sparkplug"), "{m}");
+}

@@ -272,6 +272,7 @@ fn mqtt_cfg(format: PayloadFormat) -> MqttSourceConfig {
         qos: 1,
         dedupe_window: 16,
         tls: None,
+        sparkplug: None,
     }
 }
 

@@ -21,12 +21,13 @@ use edge_agent::filters::predicate;
 
 use replay::Target;
 
-const TARGETS: [(&str, Target); 5] = [
+const TARGETS: [(&str, Target); 6] = [
     ("edge_config", bodies::edge_config),
     ("filter_predicate", bodies::filter_predicate),
     ("filter_pipeline", bodies::filter_pipeline),
     ("mqtt_map", bodies::mqtt_map),
     ("http_body", bodies::http_body),
+    ("sparkplug_host", bodies::sparkplug_host),
 ];
 
 const FULL_CONFIG: &str = r#"data_dir = "/var/lib/tributary"
@@ -170,7 +171,71 @@ fn seeds() -> Vec<(&'static str, &'static str, Vec<u8>)> {
             b"telemetry x=1\nother x=2\n".to_vec(),
         ),
         ("http_body", "seed-not-utf8.txt", b"{\"key\":\"a\"}\n\xff\xfe\n".to_vec()),
+        ("sparkplug_host", "seed-birth-data-death.bin", sparkplug_seed(true)),
+        ("sparkplug_host", "seed-data-without-birth.bin", sparkplug_seed(false)),
+        (
+            "sparkplug_host",
+            "seed-not-protobuf.bin",
+            b"\x12spBv1.0/g/NDATA/n\x00\x05\xff\xff\xff\xff\xff\x03a/b".to_vec(),
+        ),
     ]
+}
+
+/// NBIRTH (when `born`), NDATA by alias (with a seq gap), DBIRTH, DDATA and NDEATH of one
+/// node, framed as `bodies::sparkplug_host` reads them.
+fn sparkplug_seed(born: bool) -> Vec<u8> {
+    use edge_agent::sources::sparkplug::proto::{Metric, MetricValue, Payload};
+    use prost::Message as _;
+    let metric = |name: Option<&str>, alias, dt, v| Metric {
+        name: name.map(str::to_owned),
+        alias: Some(alias),
+        datatype: dt,
+        value: Some(v),
+        ..Metric::default()
+    };
+    let msg = |out: &mut Vec<u8>, topic: &str, seq: Option<u64>, metrics: Vec<Metric>| {
+        let p = Payload {
+            timestamp: Some(1_700_000_000_000),
+            seq,
+            metrics,
+            ..Payload::default()
+        }
+        .encode_to_vec();
+        out.push(topic.len() as u8);
+        out.extend_from_slice(topic.as_bytes());
+        out.extend_from_slice(&(p.len() as u16).to_be_bytes());
+        out.extend_from_slice(&p);
+    };
+    let mut out = Vec::new();
+    let bd = || metric(Some("bdSeq"), 0, Some(4), MetricValue::LongValue(1));
+    let birth = vec![
+        bd(),
+        metric(Some("t"), 1, Some(1), MetricValue::IntValue(250)),
+        metric(Some("d"), 2, Some(10), MetricValue::DoubleValue(1.5)),
+    ];
+    if born {
+        msg(&mut out, "spBv1.0/g/NBIRTH/n", Some(0), birth.clone());
+    }
+    msg(
+        &mut out,
+        "spBv1.0/g/NDATA/n",
+        Some(2),
+        vec![metric(None, 1, None, MetricValue::IntValue(3))],
+    );
+    msg(
+        &mut out,
+        "spBv1.0/g/DBIRTH/n/x",
+        Some(3),
+        birth[1..].to_vec(),
+    );
+    msg(
+        &mut out,
+        "spBv1.0/g/DDATA/n/x",
+        Some(4),
+        vec![metric(None, 2, None, MetricValue::DoubleValue(2.5))],
+    );
+    msg(&mut out, "spBv1.0/g/NDEATH/n", None, vec![bd()]);
+    out
 }
 
 #[test]

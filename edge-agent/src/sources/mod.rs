@@ -10,6 +10,14 @@ pub mod flatten;
 pub mod modbus;
 pub mod mqtt;
 pub mod sensors;
+#[cfg(feature = "sparkplug")]
+pub mod sparkplug;
+
+/// The subscriptions of a Sparkplug host for `groups` (none in builds without the feature,
+/// whose config load refuses `format = "sparkplug"` first).
+pub fn sparkplug_topics(groups: &[String]) -> Vec<String> {
+    groups.iter().map(|g| format!("spBv1.0/{g}/#")).collect()
+}
 
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -217,13 +225,59 @@ impl SourcesState {
                 |s| s.bad_timestamps.load(Ordering::Relaxed),
             ),
         ];
-        for (name, help, get) in counters {
-            let _ = writeln!(out, "# HELP tributary_edge_mqtt_{name}_total {help}");
-            let _ = writeln!(out, "# TYPE tributary_edge_mqtt_{name}_total counter");
+        let sparkplug: [Counter; 8] = [
+            (
+                "rebirths_requested",
+                "Sparkplug rebirth requests (NCMD Node Control/Rebirth) sent",
+                |s| s.spb_rebirths_requested.load(Ordering::Relaxed),
+            ),
+            (
+                "seq_gaps",
+                "Sparkplug seq gaps recorded (spb_event = \"seq_gap\" records)",
+                |s| s.spb_seq_gaps.load(Ordering::Relaxed),
+            ),
+            (
+                "deaths",
+                "Sparkplug nodes and devices marked offline by a matching DEATH",
+                |s| s.spb_deaths.load(Ordering::Relaxed),
+            ),
+            (
+                "stale_deaths",
+                "Sparkplug DEATHs ignored as stale (no live BIRTH they match)",
+                |s| s.spb_stale_deaths.load(Ordering::Relaxed),
+            ),
+            (
+                "dropped_messages",
+                "Sparkplug DATA and DBIRTH messages dropped for lack of BIRTH state",
+                |s| s.spb_dropped_messages.load(Ordering::Relaxed),
+            ),
+            (
+                "unknown_metrics",
+                "Sparkplug metrics whose alias or name the BIRTH did not hold",
+                |s| s.spb_unknown_metrics.load(Ordering::Relaxed),
+            ),
+            (
+                "skipped_metrics",
+                "Sparkplug DataSet and Template metrics, not stored",
+                |s| s.spb_skipped_metrics.load(Ordering::Relaxed),
+            ),
+            (
+                "bad_metrics",
+                "Sparkplug metrics whose value did not fit their datatype",
+                |s| s.spb_bad_metrics.load(Ordering::Relaxed),
+            ),
+        ];
+        let all = counters
+            .into_iter()
+            .map(|c| ("mqtt", c))
+            .chain(sparkplug.into_iter().map(|c| ("sparkplug", c)));
+        for (family, (name, help, get)) in all {
+            let _ = writeln!(out, "# HELP tributary_edge_{family}_{name}_total {help}");
+            let _ = writeln!(out, "# TYPE tributary_edge_{family}_{name}_total counter");
             for (i, s) in self.mqtt_stats.iter().enumerate() {
                 let _ = writeln!(
                     out,
-                    "tributary_edge_mqtt_{name}_total{{source=\"{i}\"}} {}",
+                    "tributary_edge_{family}_{name}_total{{source=\"{i}\"}} {}",
                     get(s)
                 );
             }

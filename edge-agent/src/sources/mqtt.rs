@@ -124,6 +124,22 @@ pub struct MqttStats {
     pub bad_payloads: AtomicU64,
     pub topic_mismatches: AtomicU64,
     pub bad_timestamps: AtomicU64,
+    /// Sparkplug (`format = "sparkplug"`, see `sources::sparkplug`): rebirth requests sent.
+    pub spb_rebirths_requested: AtomicU64,
+    /// Sparkplug: seq gaps recorded.
+    pub spb_seq_gaps: AtomicU64,
+    /// Sparkplug: nodes and devices marked offline by a matching DEATH.
+    pub spb_deaths: AtomicU64,
+    /// Sparkplug: DEATHs ignored as stale (no live BIRTH they match).
+    pub spb_stale_deaths: AtomicU64,
+    /// Sparkplug: DATA and DBIRTH messages dropped for lack of BIRTH state.
+    pub spb_dropped_messages: AtomicU64,
+    /// Sparkplug: metrics whose alias or name the BIRTH did not hold.
+    pub spb_unknown_metrics: AtomicU64,
+    /// Sparkplug: DataSet and Template metrics, not stored.
+    pub spb_skipped_metrics: AtomicU64,
+    /// Sparkplug: metrics whose value did not fit their datatype.
+    pub spb_bad_metrics: AtomicU64,
 }
 
 /// One configured MQTT subscription set and where its records go.
@@ -185,8 +201,26 @@ pub fn tls_client_config(t: &crate::config::MqttTlsConfig) -> Result<rustls::Cli
 /// A received message and the ack channel of the connection it came on (to ack it there).
 struct Incoming {
     publish: Publish,
-    acks: mpsc::UnboundedSender<Ack>,
+    acks: mpsc::UnboundedSender<Out>,
     received_ns: i64,
+}
+
+/// What the writer hands back to a connection: an ack, or a QoS 0 message to publish
+/// (a Sparkplug rebirth request), written straight onto the connection like the acks.
+#[derive(Debug)]
+enum Out {
+    Ack(Ack),
+    #[cfg_attr(not(feature = "sparkplug"), allow(dead_code))]
+    Publish(Publish),
+}
+
+impl Out {
+    fn packet(self) -> Packet {
+        match self {
+            Out::Ack(a) => a.packet(),
+            Out::Publish(p) => Packet::Publish(p),
+        }
+    }
 }
 
 /// A PUBACK (QoS 1) or PUBREC (QoS 2) owed for a durable message.
@@ -208,8 +242,8 @@ impl Ack {
 /// Writes `first` and every ack queued behind it onto the connection, in order, and flushes.
 async fn send_acks(
     eventloop: &mut EventLoop,
-    first: Option<Ack>,
-    acks: &mut mpsc::UnboundedReceiver<Ack>,
+    first: Option<Out>,
+    acks: &mut mpsc::UnboundedReceiver<Out>,
 ) -> Result<(), String> {
     let Some(network) = eventloop.network.as_mut() else {
         return Ok(()); // not connected: these acks belong to a connection that is gone
@@ -271,6 +305,21 @@ impl MqttSource {
         })
     }
 
+    /// For a Sparkplug host: sets the STATE will on `opts` and returns the STATE topic and
+    /// the online payload to publish once subscribed, both with this connection's timestamp.
+    fn sparkplug_state(&self, opts: &mut MqttOptions) -> Option<(String, String)> {
+        #[cfg(feature = "sparkplug")]
+        if let Some(spb) = &self.cfg.sparkplug {
+            use super::sparkplug;
+            let ts = crate::http::status::now_ms();
+            opts.set_last_will(sparkplug::state_will(&spb.host_id, ts));
+            let topic = sparkplug::state_topic(&spb.host_id);
+            return Some((topic, sparkplug::state_payload(true, ts)));
+        }
+        let _ = opts;
+        None
+    }
+
     /// The client id used with the broker.
     pub fn client_id(&self) -> &str {
         &self.client_id
@@ -286,6 +335,15 @@ impl MqttSource {
             ingest: self.ingest.clone(),
             stats: self.stats.clone(),
             seen: Dedupe::load(&self.ingest, &self.cfg.stream, self.cfg.dedupe_window),
+            #[cfg(feature = "sparkplug")]
+            sparkplug: self.cfg.sparkplug.as_ref().map(|spb| {
+                let cfg = super::sparkplug::HostConfig {
+                    rebirth_interval_ns: i64::try_from(spb.rebirth_interval.as_nanos())
+                        .unwrap_or(i64::MAX),
+                    fields_max: self.ingest.log().config().fields_per_record_max,
+                };
+                super::sparkplug::Host::new(cfg, self.stats.clone())
+            }),
         };
         let writer = tokio::spawn(writer.run(rx));
         let qos = if self.cfg.qos == 2 {
@@ -317,8 +375,11 @@ impl MqttSource {
                     tls.clone(),
                 )));
             }
+            let state_birth = self.sparkplug_state(&mut opts);
             let (client, eventloop) = AsyncClient::new(opts, REQUEST_CHANNEL);
-            let outcome = self.connection(client, eventloop, &filters, &tx).await;
+            let outcome = self
+                .connection(client, eventloop, &filters, &tx, state_birth)
+                .await;
             self.state.set_mqtt_ready(self.index, false);
             match outcome {
                 Connection::WriterGone => {
@@ -345,21 +406,23 @@ impl MqttSource {
         mut eventloop: EventLoop,
         filters: &[SubscribeFilter],
         tx: &mpsc::Sender<Incoming>,
+        state_birth: Option<(String, String)>,
     ) -> Connection {
         let mut was_up = false;
         // Acks for this connection only: when it ends the receiver goes, and an ack the writer
         // sends for one of its messages fails there instead of reaching a new connection, where
         // its packet id could name another message.
-        let (ack_tx, mut ack_rx) = mpsc::unbounded_channel::<Ack>();
+        let (ack_tx, mut ack_rx) = mpsc::unbounded_channel::<Out>();
         let mut first_ack = None;
-        // Set once the subscription request is on the wire. From then on nothing goes through
-        // rumqttc's request channel, so a poll cancelled while it waits loses no request.
-        let mut requests_sent = false;
+        // Requests queued in rumqttc's request channel and not yet on the wire: the
+        // subscription, then a Sparkplug host's STATE. While any is pending the poll is not
+        // raced against the acks, so a poll cancelled while it waits loses no request.
+        let mut requests_pending = 1usize;
         loop {
             if let Err(why) = send_acks(&mut eventloop, first_ack.take(), &mut ack_rx).await {
                 return Connection::Lost { was_up, why };
             }
-            let polled = if requests_sent {
+            let polled = if requests_pending == 0 {
                 tokio::select! {
                     biased;
                     e = eventloop.poll() => Some(e),
@@ -408,12 +471,27 @@ impl MqttSource {
                         .collect();
                     if refused.is_empty() {
                         info!(source = self.index, topics = %crate::logging::List(&self.cfg.topics), "mqtt subscriptions granted");
+                        if let Some((topic, online)) = &state_birth {
+                            // Sparkplug 3.0: the host's STATE goes out once it is subscribed.
+                            requests_pending += 1;
+                            if let Err(e) = client
+                                .publish(topic.clone(), QoS::AtLeastOnce, true, online.clone())
+                                .await
+                            {
+                                return Connection::Lost {
+                                    was_up,
+                                    why: e.to_string(),
+                                };
+                            }
+                        }
                         self.state.set_mqtt_ready(self.index, true);
                     } else {
                         error!(source = self.index, refused = %crate::logging::List(&refused), "the broker refused subscriptions: check its ACLs");
                     }
                 }
-                Event::Outgoing(Outgoing::Subscribe(_)) => requests_sent = true,
+                Event::Outgoing(Outgoing::Subscribe(_) | Outgoing::Publish(_)) => {
+                    requests_pending = requests_pending.saturating_sub(1);
+                }
                 Event::Incoming(Packet::Publish(publish)) => {
                     self.stats.received.fetch_add(1, Ordering::Relaxed);
                     if publish.dup {
@@ -459,6 +537,9 @@ struct Writer {
     ingest: Ingest,
     stats: Arc<MqttStats>,
     seen: Dedupe,
+    /// The Sparkplug host state, for `format = "sparkplug"`.
+    #[cfg(feature = "sparkplug")]
+    sparkplug: Option<super::sparkplug::Host>,
 }
 
 impl Writer {
@@ -472,10 +553,10 @@ impl Writer {
             // a connection that has ended fails here, harmlessly, and is never sent.
             for m in batch.drain(..) {
                 if m.publish.qos != QoS::AtMostOnce {
-                    let _ = m.acks.send(Ack {
+                    let _ = m.acks.send(Out::Ack(Ack {
                         pkid: m.publish.pkid,
                         qos: m.publish.qos,
-                    });
+                    }));
                 }
             }
         }
@@ -493,8 +574,7 @@ impl Writer {
                 continue;
             }
             let before = records.len();
-            self.mapper
-                .map(&m.publish, m.received_ns, digest, &mut records);
+            self.map(m, digest, &mut records);
             if records.len() > before {
                 digests.push(digest);
             }
@@ -542,6 +622,34 @@ impl Writer {
             self.seen.insert(d);
         }
         true
+    }
+
+    /// Appends the records of one message: through the Sparkplug host for such a source
+    /// (sending the rebirth requests it asks for on the message's connection), else the mapper.
+    fn map(&mut self, m: &Incoming, digest: u64, records: &mut Vec<Record>) {
+        #[cfg(feature = "sparkplug")]
+        if let Some(host) = &mut self.sparkplug {
+            use super::sparkplug;
+            let mut out = sparkplug::Output::default();
+            host.handle(
+                &m.publish.topic,
+                &m.publish.payload,
+                m.received_ns,
+                &mut out,
+            );
+            if let Some(first) = out.records.first_mut() {
+                set_field(&mut first.fields, DIGEST_FIELD, Value::I64(digest as i64));
+            }
+            records.extend(out.records);
+            let now_ms = u64::try_from(m.received_ns / 1_000_000).unwrap_or_default();
+            for (group, node) in out.rebirths {
+                let _ = m.acks.send(Out::Publish(sparkplug::rebirth_command(
+                    &group, &node, now_ms,
+                )));
+            }
+            return;
+        }
+        self.mapper.map(&m.publish, m.received_ns, digest, records);
     }
 
     /// The fallback for a batch the log refused as a whole: each message's records alone.
@@ -981,6 +1089,7 @@ mod tests {
             qos: 1,
             dedupe_window: 16,
             tls: None,
+            sparkplug: None,
         }
     }
 
