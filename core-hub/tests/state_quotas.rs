@@ -525,3 +525,28 @@ async fn one_device_cannot_fill_a_shared_stream_with_columns() -> Result<()> {
     println!("columns_per_device unchecked: {}", outcome.unwrap_err());
     Ok(())
 }
+
+/// Tags are columns too: a device that floods a stream with new tag names is refused at its
+/// column quota as one that floods it with fields is.
+#[tokio::test]
+async fn tag_names_count_against_the_column_quota() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let hub = Hub::open(&shared_stream_config(dir.path()))?;
+    let tagged = |first: u64, n: usize| -> Result<Vec<u8>> {
+        let mut rs = records("bad", first, first + 1);
+        for r in &mut rs {
+            r.tags = (0..n).map(|i| (format!("t{i}"), "v".to_owned())).collect();
+            r.key = sync::record::key_from_tags(&r.tags);
+        }
+        Ok(encode_block(VERSION_ROWS, 1, first, &rs)?)
+    };
+    // `common::record`'s 4 fields and 4 tags: 8, the device's quota.
+    hub.commit_block("bad", "shared", &tagged(1, 4)?).await?;
+    let e = hub
+        .commit_block("bad", "shared", &tagged(3, 5)?)
+        .await
+        .err()
+        .context("a ninth column (a tag) of one device was admitted")?;
+    assert_eq!(quota_key(&e), Some("ingest.columns_per_device_max"), "{e}");
+    Ok(())
+}

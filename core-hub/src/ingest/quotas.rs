@@ -413,12 +413,19 @@ impl Hub {
     }
 }
 
-/// The distinct field names of `records`, cheaply: records of a block mostly repeat the
-/// previous record's names, which are skipped without hashing.
+/// The distinct field and tag names of `records`, cheaply: records of a block mostly repeat
+/// the previous record's names, which are skipped without hashing. A tag and a field of one
+/// name are two columns but count once here, so a device's columns are bounded by at most
+/// twice its quota.
 fn field_names(records: &[Record]) -> Vec<&str> {
     let mut seen: HashSet<&str> = HashSet::new();
     let mut prev: &[(String, sync::record::Value)] = &[];
+    let mut prev_tags: &[(String, String)] = &[];
     for r in records {
+        if r.tags.as_slice() != prev_tags {
+            seen.extend(r.tags.iter().map(|(n, _)| n.as_str()));
+            prev_tags = &r.tags;
+        }
         for (i, (name, _)) in r.fields.iter().enumerate() {
             if prev.get(i).is_some_and(|(p, _)| p == name) {
                 continue;
