@@ -5,7 +5,9 @@
 //! records accepted per stream, refusals by reason, HTTP answers by status code) lives here, in
 //! plain atomics fixed at start-up: the set of streams does not change while the agent runs.
 //! Filter pipelines register their [`FilterStats`] (records in, out and dropped per stage;
-//! missing fields, type mismatches and late records per stream).
+//! missing fields, type mismatches and late records per stream). With the `prometheus` feature,
+//! `tributary_edge_prometheus_dropped_total` counts the remote-write samples not stored
+//! (staleness markers, native histograms, exemplars) per stream.
 //! A `replicate = false` stream owes the hub nothing: it has no backlog and no replication lag,
 //! so `tributary_edge_backlog_bytes`, `tributary_edge_backlog_blocks` and
 //! `tributary_edge_oldest_unsent_age_seconds` carry no sample for it (an alert on them never
@@ -470,9 +472,7 @@ impl Metrics {
             );
         }
     }
-}
 
-impl Metrics {
     #[cfg(feature = "prometheus")]
     fn render_prom_dropped(&self, m: &mut Writer<'_>, names: &[&String]) {
         let name = "tributary_edge_prometheus_dropped_total";

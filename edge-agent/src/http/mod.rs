@@ -19,6 +19,18 @@
 //!   refused (400). Every 503 says in `"may_be_stored"` whether the batch may have been stored
 //!   (storage failed during the write): then retry with the same key after the agent restarted.
 //!   Retention and limits: `idempotency.rs`.
+//! - `POST /api/v1/write` (cargo feature `prometheus`): Prometheus remote write 1.0, from
+//!   Prometheus or Grafana Alloy, into the stream of `?stream=NAME` or else one named
+//!   `prometheus` (404 naming it when it is not declared). The snappy-compressed
+//!   `WriteRequest` becomes one record per sample: field = metric name (f64), tags = the other
+//!   labels, key = `sync::record::key_from_tags` of the tags, ts = ms × 1,000,000; staleness
+//!   markers, native histograms and exemplars are dropped and counted, other NaN/±Inf stored
+//!   ([`prom_write`]). 204 once the batch is durable; 400 for a body that does not decode or a
+//!   bad series (Prometheus does not retry a 4xx), 413 when it would decompress to over
+//!   `http.body_bytes_max` (checked before allocating), 415 for another content type or
+//!   encoding, 503 (with `Retry-After`) as above. Only this route takes
+//!   `Content-Encoding: snappy` ([`limits::read_body_snappy`]). Its end-to-end test runs
+//!   Debian's `prometheus` (`apt-get install prometheus`).
 //! - `GET /healthz` (liveness): `ok`, or 503 with the reason (the log is poisoned, or an MQTT
 //!   source's subscriptions are not all granted yet). A link down does not fail it: restarting
 //!   the agent cannot bring a hub back.
@@ -268,7 +280,7 @@ async fn post_records(
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return r;
     }
-    if let Err(r) = writable(&app, &stream) {
+    if let Some(r) = refuse_stream(&app, &stream) {
         return r;
     }
     let content_type = headers
@@ -321,8 +333,9 @@ async fn post_records(
     }
 }
 
-/// 404 for a stream the config does not declare, 409 for a derived one.
-fn writable(app: &AppState, stream: &str) -> Result<(), Response> {
+/// 404 for a stream the config does not declare, 409 for a derived one; `None` for a stream
+/// that takes records.
+fn refuse_stream(app: &AppState, stream: &str) -> Option<Response> {
     if !app
         .ingest
         .log()
@@ -331,7 +344,7 @@ fn writable(app: &AppState, stream: &str) -> Result<(), Response> {
         .iter()
         .any(|s| s == stream)
     {
-        return Err(error(
+        return Some(error(
             StatusCode::NOT_FOUND,
             format!(
                 "unknown stream {stream:?}: declare it as a [[streams]] entry in the agent's config"
@@ -339,7 +352,7 @@ fn writable(app: &AppState, stream: &str) -> Result<(), Response> {
         ));
     }
     if let Some(source) = app.ingest.derived_from(stream) {
-        return Err(error(
+        return Some(error(
             StatusCode::CONFLICT,
             format!(
                 "stream {stream:?} is derived from {source:?} by its filters and takes no records \
@@ -347,7 +360,7 @@ fn writable(app: &AppState, stream: &str) -> Result<(), Response> {
             ),
         ));
     }
-    Ok(())
+    None
 }
 
 /// Prometheus remote write: 204 once the batch is durable (decoding and mapping:
@@ -370,7 +383,7 @@ async fn post_prom_write(
         Ok(s) => s,
         Err(e) => return refused(e),
     };
-    if let Err(r) = writable(&app, &stream) {
+    if let Some(r) = refuse_stream(&app, &stream) {
         return r;
     }
     let text = |name| {
