@@ -5,7 +5,9 @@
 //! records accepted per stream, refusals by reason, HTTP answers by status code) lives here, in
 //! plain atomics fixed at start-up: the set of streams does not change while the agent runs.
 //! Filter pipelines register their [`FilterStats`] (records in, out and dropped per stage;
-//! missing fields, type mismatches and late records per stream).
+//! missing fields, type mismatches and late records per stream). With the `prometheus` feature,
+//! `tributary_edge_prometheus_dropped_total` counts the remote-write samples not stored
+//! (staleness markers, native histograms, exemplars) per stream.
 //! A `replicate = false` stream owes the hub nothing: it has no backlog and no replication lag,
 //! so `tributary_edge_backlog_bytes`, `tributary_edge_backlog_blocks` and
 //! `tributary_edge_oldest_unsent_age_seconds` carry no sample for it (an alert on them never
@@ -34,7 +36,12 @@ const ERROR_REASONS: [&str; 6] = [
 ];
 
 /// HTTP status codes counted in `tributary_edge_http_requests_total`; anything else is `other`.
-const HTTP_CODES: [u16; 9] = [200, 400, 401, 404, 413, 415, 500, 503, 0];
+const HTTP_CODES: [u16; 10] = [200, 204, 400, 401, 404, 413, 415, 500, 503, 0];
+
+/// What a Prometheus remote write held and the agent did not store, as the `reason` label of
+/// `tributary_edge_prometheus_dropped_total`.
+#[cfg(feature = "prometheus")]
+const PROM_DROP_REASONS: [&str; 3] = ["stale", "histogram", "exemplar"];
 
 /// The agent's own counters.
 #[derive(Debug)]
@@ -53,6 +60,8 @@ struct StreamCounters {
     records: AtomicU64,
     implausible_ts: AtomicU64,
     errors: [AtomicU64; ERROR_REASONS.len()],
+    #[cfg(feature = "prometheus")]
+    prom_dropped: [AtomicU64; PROM_DROP_REASONS.len()],
 }
 
 impl Metrics {
@@ -220,6 +229,18 @@ impl Metrics {
         };
         if let Some(c) = self.streams.get(stream) {
             c.errors[reason].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A Prometheus remote write to `stream` held samples that were not stored.
+    #[cfg(feature = "prometheus")]
+    pub fn prom_dropped(&self, stream: &str, dropped: crate::http::prom_write::Dropped) {
+        let Some(c) = self.streams.get(stream) else {
+            return;
+        };
+        let counts = [dropped.stale, dropped.histograms, dropped.exemplars];
+        for (counter, n) in c.prom_dropped.iter().zip(counts) {
+            counter.fetch_add(n, Ordering::Relaxed);
         }
     }
 
@@ -431,6 +452,8 @@ impl Metrics {
                 );
             }
         }
+        #[cfg(feature = "prometheus")]
+        self.render_prom_dropped(m, &names);
         m.family(
             "tributary_edge_http_requests_total",
             "counter",
@@ -447,6 +470,22 @@ impl Metrics {
                 &[("code", &label)],
                 self.http[i].load(Ordering::Relaxed) as f64,
             );
+        }
+    }
+
+    #[cfg(feature = "prometheus")]
+    fn render_prom_dropped(&self, m: &mut Writer<'_>, names: &[&String]) {
+        let name = "tributary_edge_prometheus_dropped_total";
+        m.family(
+            name,
+            "counter",
+            "Prometheus remote-write samples not stored: staleness markers, native histograms, exemplars.",
+        );
+        for s in names {
+            for (i, reason) in PROM_DROP_REASONS.iter().enumerate() {
+                let v = self.streams[*s].prom_dropped[i].load(Ordering::Relaxed) as f64;
+                m.sample(name, &[("stream", s), ("reason", reason)], v);
+            }
         }
     }
 }

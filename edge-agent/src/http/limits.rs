@@ -19,7 +19,8 @@
 //!   body bytes. A `Content-Length` over the cap is refused before a byte is read.
 //!   `Content-Encoding: gzip` bodies (Telegraf, Influx clients) are decompressed there, to at
 //!   most `body_bytes_max` again (a larger result is 413, however small the compressed body),
-//!   so handlers only see plain bodies; any other encoding is 415.
+//!   so handlers only see plain bodies; any other encoding is 415, except on a route behind
+//!   [`read_body_snappy`], whose handler takes `Content-Encoding: snappy` as it came.
 //! - Accept errors (EMFILE, ENFILE, aborted handshakes) are transient: counted, backed off,
 //!   retried; they never end the server.
 //! - [`check_host`]: a `Host` that names a host other than an IP literal, `localhost` or a name
@@ -607,15 +608,31 @@ fn strip_port(host: &str) -> &str {
 /// otherwise, and the connection is closed) and hands the handler a complete one. Put it
 /// inside the authorization layer, so a refused request costs no body bytes.
 pub async fn read_body(State(guard): State<Arc<HttpGuard>>, req: Request, next: Next) -> Response {
+    read_body_keeping(&guard, req, next, &[]).await
+}
+
+/// As [`read_body`], but a `Content-Encoding: snappy` body reaches the handler as it came,
+/// header and all: for a route whose handler undoes snappy itself, under the same cap
+/// (Prometheus remote write). Every other route refuses snappy with 415.
+pub async fn read_body_snappy(
+    State(guard): State<Arc<HttpGuard>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    read_body_keeping(&guard, req, next, &["snappy"]).await
+}
+
+/// [`read_body`], passing the encodings in `keep` through untouched.
+async fn read_body_keeping(guard: &HttpGuard, req: Request, next: Next, keep: &[&str]) -> Response {
     let max = guard.limits.body_bytes_max;
     let (parts, body) = req.into_parts();
     if content_length(&parts.headers).is_some_and(|n| n > max as u64) {
-        return too_large(&guard);
+        return too_large(guard);
     }
     let limited = http_body_util::Limited::new(body, max);
     let bytes = match tokio::time::timeout(guard.limits.body_timeout, limited.collect()).await {
         Ok(Ok(collected)) => collected.to_bytes(),
-        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return too_large(&guard),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => return too_large(guard),
         Ok(Err(e)) => {
             return guard.refuse(StatusCode::BAD_REQUEST, format!("reading the body: {e}"));
         }
@@ -629,7 +646,7 @@ pub async fn read_body(State(guard): State<Arc<HttpGuard>>, req: Request, next: 
         }
     };
     let mut parts = parts;
-    let bytes = match decode_content(&mut parts.headers, bytes, max) {
+    let bytes = match decode_content(&mut parts.headers, bytes, max, keep) {
         Ok(bytes) => bytes,
         Err(Refusal::TooLarge) => {
             inc(&guard.stats.body_too_large);
@@ -655,16 +672,21 @@ enum Refusal {
 
 /// Undoes the body's `Content-Encoding` (none, `identity` or `gzip`, members concatenated as
 /// `gzip` allows), reading at most `max` decoded bytes, and removes the header so the handler
-/// sees a plain body.
+/// sees a plain body. An encoding named in `keep` is left as it is, header and body, for the
+/// handler to undo.
 fn decode_content(
     headers: &mut HeaderMap,
     body: bytes::Bytes,
     max: usize,
+    keep: &[&str],
 ) -> Result<bytes::Bytes, Refusal> {
     let Some(value) = headers.get(header::CONTENT_ENCODING) else {
         return Ok(body);
     };
     let encoding = value.to_str().unwrap_or("").trim().to_ascii_lowercase();
+    if keep.contains(&encoding.as_str()) {
+        return Ok(body);
+    }
     match encoding.as_str() {
         "" | "identity" => {}
         "gzip" | "x-gzip" => {
@@ -760,14 +782,14 @@ mod tests {
     fn a_gzip_body_is_decoded_and_its_headers_removed() {
         let plain = b"{\"key\":\"k\",\"ts\":1,\"fields\":{\"v\":1}}\n".repeat(50);
         let mut h = encoded("gzip");
-        let out = decode_content(&mut h, gzip(&plain), 1 << 20).unwrap();
+        let out = decode_content(&mut h, gzip(&plain), 1 << 20, &[]).unwrap();
         assert_eq!(&out[..], &plain[..]);
         assert!(h.get(header::CONTENT_ENCODING).is_none());
         assert!(h.get(header::CONTENT_LENGTH).is_none());
         // Concatenated members, as gzip allows, decode as one body.
         let mut two = gzip(b"a\n").to_vec();
         two.extend_from_slice(&gzip(b"b\n"));
-        let out = decode_content(&mut encoded("GZIP"), two.into(), 1 << 20).unwrap();
+        let out = decode_content(&mut encoded("GZIP"), two.into(), 1 << 20, &[]).unwrap();
         assert_eq!(&out[..], b"a\nb\n");
     }
 
@@ -776,10 +798,15 @@ mod tests {
         // 64 MiB of zeros compress to about 64 KiB: the decoded cap decides, not the wire size.
         let bomb = gzip(&vec![0u8; 64 << 20]);
         assert!(bomb.len() < 1 << 20);
-        let r = decode_content(&mut encoded("gzip"), bomb, 1 << 20);
+        let r = decode_content(&mut encoded("gzip"), bomb, 1 << 20, &[]);
         assert_eq!(r, Err(Refusal::TooLarge));
         // Exactly the cap passes.
-        let r = decode_content(&mut encoded("gzip"), gzip(&vec![7u8; 1 << 20]), 1 << 20);
+        let r = decode_content(
+            &mut encoded("gzip"),
+            gzip(&vec![7u8; 1 << 20]),
+            1 << 20,
+            &[],
+        );
         assert_eq!(r.map(|b| b.len()), Ok(1 << 20));
     }
 
@@ -789,27 +816,52 @@ mod tests {
             &mut encoded("gzip"),
             bytes::Bytes::from_static(b"plain"),
             1024,
+            &[],
         ) {
             Err(Refusal::Status(StatusCode::BAD_REQUEST, msg)) => {
                 assert!(msg.contains("not valid gzip"), "{msg}")
             }
             other => panic!("{other:?}"),
         }
-        match decode_content(&mut encoded("br"), bytes::Bytes::from_static(b"x"), 1024) {
+        match decode_content(
+            &mut encoded("br"),
+            bytes::Bytes::from_static(b"x"),
+            1024,
+            &[],
+        ) {
             Err(Refusal::Status(StatusCode::UNSUPPORTED_MEDIA_TYPE, msg)) => {
                 assert!(msg.contains("\"br\"") && msg.contains("gzip"), "{msg}")
             }
             other => panic!("{other:?}"),
         }
         let mut h = encoded("identity");
-        let out = decode_content(&mut h, bytes::Bytes::from_static(b"x"), 1024).unwrap();
+        let out = decode_content(&mut h, bytes::Bytes::from_static(b"x"), 1024, &[]).unwrap();
         assert_eq!(&out[..], b"x");
         assert!(h.get(header::CONTENT_ENCODING).is_none());
         let mut none = HeaderMap::new();
         assert_eq!(
-            &decode_content(&mut none, bytes::Bytes::from_static(b"y"), 1024).unwrap()[..],
+            &decode_content(&mut none, bytes::Bytes::from_static(b"y"), 1024, &[]).unwrap()[..],
             b"y"
         );
+    }
+
+    #[test]
+    fn snappy_passes_only_where_it_is_kept() {
+        let body = bytes::Bytes::from_static(b"\x05\x10hello");
+        match decode_content(&mut encoded("snappy"), body.clone(), 1024, &[]) {
+            Err(Refusal::Status(StatusCode::UNSUPPORTED_MEDIA_TYPE, msg)) => {
+                assert!(msg.contains("\"snappy\""), "{msg}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut h = encoded("Snappy");
+        let out = decode_content(&mut h, body.clone(), 1024, &["snappy"]).unwrap();
+        assert_eq!(out, body);
+        assert_eq!(h.get(header::CONTENT_ENCODING).unwrap(), "Snappy");
+        assert!(h.get(header::CONTENT_LENGTH).is_some());
+        // Keeping snappy changes nothing for gzip.
+        let out = decode_content(&mut encoded("gzip"), gzip(b"a\n"), 1024, &["snappy"]).unwrap();
+        assert_eq!(&out[..], b"a\n");
     }
 
     #[test]

@@ -19,6 +19,18 @@
 //!   refused (400). Every 503 says in `"may_be_stored"` whether the batch may have been stored
 //!   (storage failed during the write): then retry with the same key after the agent restarted.
 //!   Retention and limits: `idempotency.rs`.
+//! - `POST /api/v1/write` (cargo feature `prometheus`): Prometheus remote write 1.0, from
+//!   Prometheus or Grafana Alloy, into the stream of `?stream=NAME` or else one named
+//!   `prometheus` (404 naming it when it is not declared). The snappy-compressed
+//!   `WriteRequest` becomes one record per sample: field = metric name (f64), tags = the other
+//!   labels, key = `sync::record::key_from_tags` of the tags, ts = ms × 1,000,000; staleness
+//!   markers, native histograms and exemplars are dropped and counted, other NaN/±Inf stored
+//!   ([`prom_write`]). 204 once the batch is durable; 400 for a body that does not decode or a
+//!   bad series (Prometheus does not retry a 4xx), 413 when it would decompress to over
+//!   `http.body_bytes_max` (checked before allocating), 415 for another content type or
+//!   encoding, 503 (with `Retry-After`) as above. Only this route takes
+//!   `Content-Encoding: snappy` ([`limits::read_body_snappy`]). Its end-to-end test runs
+//!   Debian's `prometheus` (`apt-get install prometheus`).
 //! - `GET /healthz` (liveness): `ok`, or 503 with the reason (the log is poisoned, or an MQTT
 //!   source's subscriptions are not all granted yet). A link down does not fail it: restarting
 //!   the agent cannot bring a hub back.
@@ -38,6 +50,8 @@ pub mod idempotency;
 pub mod influx;
 pub mod ingest;
 pub mod limits;
+#[cfg(feature = "prometheus")]
+pub mod prom_write;
 pub mod status;
 
 pub use ingest::{BodyError, BodyFormat, Ingest, now_ns, parse_body};
@@ -50,6 +64,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
+#[cfg(feature = "prometheus")]
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::middleware::{self, Next};
@@ -169,20 +185,36 @@ pub fn on_full_name(p: OnFull) -> &'static str {
 pub fn router(app: Arc<AppState>) -> Router {
     let read_body = middleware::from_fn_with_state(app.guard.clone(), limits::read_body);
     let token = middleware::from_fn_with_state(app.clone(), require_token);
-    let protected = Router::new()
+    let routes = Router::new()
         .route("/v1/streams/{stream}/records", post(post_records))
         .route("/write", post(post_influx_v1))
         .route("/api/v2/write", post(post_influx_v2))
         .route("/v1/status", get(get_status));
     #[cfg(feature = "fault-injection")]
-    if app
+    let body_first = app
         .body_before_token
-        .load(std::sync::atomic::Ordering::Relaxed)
-    {
-        return finish(protected.route_layer(token).route_layer(read_body), app);
-    }
+        .load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(feature = "fault-injection"))]
+    let body_first = false;
     // The token is checked before a byte of the body is read (`limits::read_body`).
-    finish(protected.route_layer(read_body).route_layer(token), app)
+    let protected = if body_first {
+        routes.route_layer(token.clone()).route_layer(read_body)
+    } else {
+        routes.route_layer(read_body).route_layer(token.clone())
+    };
+    #[cfg(feature = "prometheus")]
+    let protected = {
+        // Its own body layer: the snappy body reaches the handler as it came.
+        let read_snappy =
+            middleware::from_fn_with_state(app.guard.clone(), limits::read_body_snappy);
+        let write = Router::new().route(prom_write::PATH, post(post_prom_write));
+        protected.merge(if body_first {
+            write.route_layer(token).route_layer(read_snappy)
+        } else {
+            write.route_layer(read_snappy).route_layer(token)
+        })
+    };
+    finish(protected, app)
 }
 
 /// The open routes and the layers around every route.
@@ -254,22 +286,8 @@ async fn post_records(
             .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
         return r;
     }
-    if !app.ingest.log().config().streams.contains(&stream) {
-        return error(
-            StatusCode::NOT_FOUND,
-            format!(
-                "unknown stream {stream:?}: declare it as a [[streams]] entry in the agent's config"
-            ),
-        );
-    }
-    if let Some(source) = app.ingest.derived_from(&stream) {
-        return error(
-            StatusCode::CONFLICT,
-            format!(
-                "stream {stream:?} is derived from {source:?} by its filters and takes no records \
-                 directly: post to /v1/streams/{source}/records"
-            ),
-        );
+    if let Some(r) = refuse_stream(&app, &stream) {
+        return r;
     }
     let content_type = headers
         .get(header::CONTENT_TYPE)
@@ -369,7 +387,8 @@ async fn post_influx(
         .any(|s| s == stream)
     {
         let msg = format!(
-            "{:?} names the stream {stream:?}, which is not declared: add it as a [[streams]]              entry, or map the name to a stream in http.influx_streams",
+            "{:?} names the stream {stream:?}, which is not declared: add it as a [[streams]] \
+             entry, or map the name to a stream in http.influx_streams",
             q.target
         );
         return fail(StatusCode::NOT_FOUND, "not found", &msg, None);
@@ -404,6 +423,84 @@ async fn post_influx(
         return fail(StatusCode::BAD_REQUEST, "invalid", &msg, None);
     }
     match app.ingest.ingest(stream, records).await {
+        Ok(_) => StatusCode::NO_CONTENT.into_response(),
+        Err(e) => append_error(&e),
+    }
+}
+
+/// 404 for a stream the config does not declare, 409 for a derived one; `None` for a stream
+/// that takes records.
+fn refuse_stream(app: &AppState, stream: &str) -> Option<Response> {
+    if !app
+        .ingest
+        .log()
+        .config()
+        .streams
+        .iter()
+        .any(|s| s == stream)
+    {
+        return Some(error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "unknown stream {stream:?}: declare it as a [[streams]] entry in the agent's config"
+            ),
+        ));
+    }
+    if let Some(source) = app.ingest.derived_from(stream) {
+        return Some(error(
+            StatusCode::CONFLICT,
+            format!(
+                "stream {stream:?} is derived from {source:?} by its filters and takes no records \
+                 directly: post to /v1/streams/{source}/records"
+            ),
+        ));
+    }
+    None
+}
+
+/// Prometheus remote write: 204 once the batch is durable (decoding and mapping:
+/// `prom_write.rs`).
+#[cfg(feature = "prometheus")]
+async fn post_prom_write(
+    State(app): State<Arc<AppState>>,
+    query: Result<axum::extract::Query<std::collections::HashMap<String, String>>, QueryRejection>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    let refused = |e: prom_write::WriteError| {
+        let status = StatusCode::from_u16(e.status()).unwrap_or(StatusCode::BAD_REQUEST);
+        error(status, e.to_string())
+    };
+    let Ok(axum::extract::Query(query)) = query else {
+        return error(StatusCode::BAD_REQUEST, "the query string does not decode");
+    };
+    let stream = match prom_write::stream_from_query(&query) {
+        Ok(s) => s,
+        Err(e) => return refused(e),
+    };
+    if let Some(r) = refuse_stream(&app, &stream) {
+        return r;
+    }
+    let text = |name| {
+        headers
+            .get(name)
+            .and_then(|v: &HeaderValue| v.to_str().ok())
+    };
+    let checked =
+        prom_write::check_headers(text(header::CONTENT_TYPE), text(header::CONTENT_ENCODING));
+    if let Err(e) = checked {
+        return refused(e);
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => return error(e.status(), e.body_text()),
+    };
+    let batch = match prom_write::decode(&body, app.body_bytes_max) {
+        Ok(b) => b,
+        Err(e) => return refused(e),
+    };
+    app.ingest.metrics().prom_dropped(&stream, batch.dropped);
+    match app.ingest.ingest(&stream, batch.records).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => append_error(&e),
     }
