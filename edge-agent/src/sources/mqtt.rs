@@ -32,12 +32,26 @@
 //!
 //! # Mapping
 //!
-//! - key: with `topic_template` (such as `sensors/{device}/{sensor}`), the captured levels
-//!   joined by `/` (`dev7/temp`); a topic that does not match is counted in
-//!   `tributary_edge_mqtt_topic_mismatches_total` and keyed by the whole topic. Without a template:
-//!   the topic (JSON) or the line's tags (line protocol).
-//! - `_topic`: a string field holding the original topic, so the hub can republish on it.
-//! - JSON payloads must be one object. Nested objects flatten into `parent.child` names in one
+//! - key and tags: with `topic_template` (such as `sensors/{device}/{sensor}`), each capture
+//!   takes one non-empty level and becomes a tag (`device=dev7`, `sensor=temp`); the key is
+//!   [`sync::record::key_from_tags`] of the record's tags (`device=dev7/sensor=temp`, the same
+//!   whatever the captures' order). A line-protocol payload's own tags are kept, a capture
+//!   replacing a tag of its name. A template of literals only captures nothing and keeps the
+//!   topic as the key. Without a template: the topic (JSON) or the line's tags (line protocol).
+//! - a topic that does not match the template is counted in
+//!   `tributary_edge_mqtt_topic_mismatches_total` and logged as a WARN naming the topic and
+//!   the template, at most once per [`MISMATCH_WARN_EVERY`] per source with the number held
+//!   back since ([`RateLimit`]). `unmatched = "drop"` (the default) acks it and stores nothing;
+//!   `"store"` stores it keyed by the whole topic with no tags (line protocol: the line's key).
+//! - `_topic`: a string field holding the original topic, so the hub can republish on it (the
+//!   one `_` field the hub keeps as a tier-2 column). `_mqtt_digest` (below) is the only other
+//!   field the source adds; the hub leaves it out of tier 2. Tags and the unmatched policy add
+//!   no field.
+//! - A scalar JSON payload (a number, `true`/`false` or a string, such as `72.5` or `"on"`), or
+//!   plain text that reads as a finite number (`+7`), is one field named by `value_field`
+//!   (default `value`), typed as in objects (by the same parser). `null` is a bad payload. It
+//!   carries no event time: with `ts_field` set, `ts_invalid` decides as for a missing one.
+//! - Otherwise JSON payloads must be one object. Nested objects flatten into `parent.child` names in one
 //!   pass ([`super::flatten`]); arrays are kept as their JSON text; `null` is skipped; fields
 //!   come in name order (of two equal names the first wins); integers stay `i64`, other numbers
 //!   `f64`. A payload over `ingest.fields_per_record_max` fields, or with a top-level name
