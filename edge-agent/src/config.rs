@@ -1351,6 +1351,12 @@ fn check_topic_template(key: &str, t: &str) -> Result<(), ConfigError> {
                 format!("capture {level:?}: a tag name, not starting with '_'"),
             ));
         }
+        if name.len() > 1024 {
+            return Err(ConfigError::invalid(
+                key,
+                format!("a capture name of {} bytes: at most 1024", name.len()),
+            ));
+        }
         if names.contains(&name) {
             return Err(ConfigError::invalid(
                 key,
@@ -1359,13 +1365,13 @@ fn check_topic_template(key: &str, t: &str) -> Result<(), ConfigError> {
         }
         names.push(name);
     }
-    if names.len() > sync::record::TAGS_PER_RECORD_MAX {
+    if names.len() > sync::parse::TAGS_MAX {
         return Err(ConfigError::invalid(
             key,
             format!(
-                "{} captures, more than the {} tags a record may have",
+                "{} captures, more than the {} tags a record may have at ingest",
                 names.len(),
-                sync::record::TAGS_PER_RECORD_MAX
+                sync::parse::TAGS_MAX
             ),
         ));
     }
