@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::sync::Arc;
 
-use edge_agent::config::{EdgeConfig, MqttSourceConfig, PayloadFormat, TsUnit};
+use edge_agent::config::{EdgeConfig, MqttSourceConfig, MqttUnmatched, PayloadFormat, TsUnit};
 use edge_agent::filters::predicate;
 use edge_agent::filters::{Agg, DownsampleMode, FilterStats, Pipeline, StageSpec};
 use edge_agent::http::{BodyFormat, parse_body};
@@ -198,7 +198,7 @@ fn check_snapshot(pipeline: &mut Pipeline, mut fresh: Pipeline) {
 
 /// Arbitrary MQTT messages through the MQTT source's `Mapper`. Byte 0 picks the source's
 /// settings (bit 0: line protocol, bits 1-3: ts unit, bit 4: a topic template, bit 5: a
-/// `ts_field`); then, one per line, the template and the ts field when present and the topic;
+/// `ts_field`, bit 6: `ts_invalid = "receive_time"`, bit 7: `unmatched = "store"`); then, one per line, the template and the ts field when present and the topic;
 /// the rest is the payload.
 pub fn mqtt_map(data: &[u8]) {
     let Some((&selector, mut rest)) = data.split_first() else {
@@ -224,6 +224,12 @@ pub fn mqtt_map(data: &[u8]) {
             PayloadFormat::Line
         },
         topic_template,
+        value_field: "value".into(),
+        unmatched: if selector & 0x80 != 0 {
+            MqttUnmatched::Store
+        } else {
+            MqttUnmatched::Drop
+        },
         ts_field,
         ts_unit: [
             TsUnit::S,

@@ -288,9 +288,15 @@ pub struct MqttSourceConfig {
     pub topics: Vec<String>,
     pub stream: String,
     pub format: PayloadFormat,
-    /// `topic_template`: such as `sensors/{device}/{sensor}`; the key is the captured parts
-    /// joined by `/`. `None`: the key is the whole topic (JSON) or the line's tags (line).
+    /// `topic_template`: such as `sensors/{device}/{sensor}`; each capture becomes a tag
+    /// (`device=dev7`, `sensor=temp`) and the key is `sync::record::key_from_tags` of the
+    /// record's tags. `None`: the key is the whole topic (JSON) or the line's tags (line).
     pub topic_template: Option<String>,
+    /// `value_field`: the field a scalar JSON payload (`72.5`, `true`, `"on"`) or a plain-text
+    /// number is stored in; default `value`.
+    pub value_field: String,
+    /// `unmatched`: what happens to a message whose topic does not match `topic_template`.
+    pub unmatched: MqttUnmatched,
     /// `ts_field`: the JSON field holding the event time; `None`: the receive time.
     pub ts_field: Option<String>,
     /// `ts_unit`: how a number in `ts_field` is written; default `ms`. A string there is
@@ -312,6 +318,29 @@ pub struct MqttSourceConfig {
     /// `format = "sparkplug"`: the source is a Sparkplug B host application (see
     /// `sources::sparkplug`); `format` is then unused.
     pub sparkplug: Option<SparkplugConfig>,
+}
+
+/// `unmatched`: a message whose topic does not match `topic_template` is dropped (acked,
+/// counted, logged) or stored keyed by its whole topic, with no tags.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MqttUnmatched {
+    #[default]
+    Drop,
+    Store,
+}
+
+impl MqttUnmatched {
+    /// Parses `drop` or `store`, naming `key` on failure.
+    pub fn parse(key: &str, s: &str) -> Result<Self, ConfigError> {
+        match s {
+            "drop" => Ok(MqttUnmatched::Drop),
+            "store" => Ok(MqttUnmatched::Store),
+            other => Err(ConfigError::invalid(
+                key,
+                format!("expected drop | store, found {other:?}"),
+            )),
+        }
+    }
 }
 
 /// A Sparkplug B host application's settings (`format = "sparkplug"`).
@@ -642,6 +671,8 @@ struct RawSource {
     stream: Option<String>,
     format: Option<String>,
     topic_template: Option<String>,
+    value_field: Option<String>,
+    unmatched: Option<String>,
     ts_field: Option<String>,
     ts_unit: Option<String>,
     ts_invalid: Option<String>,
@@ -1004,6 +1035,18 @@ impl RawSource {
                 if let Some(t) = &self.topic_template {
                     check_topic_template(&key("topic_template"), t)?;
                 }
+                let value_field = self.value_field.unwrap_or_else(|| "value".into());
+                check_value_field(&key("value_field"), &value_field, self.ts_field.as_deref())?;
+                if self.unmatched.is_some() && self.topic_template.is_none() {
+                    return Err(ConfigError::invalid(
+                        key("unmatched"),
+                        "only with topic_template: without one every topic matches",
+                    ));
+                }
+                let unmatched = match self.unmatched.as_deref() {
+                    None => MqttUnmatched::Drop,
+                    Some(u) => MqttUnmatched::parse(&key("unmatched"), u)?,
+                };
                 let ts_unit = match self.ts_unit.as_deref().unwrap_or("ms") {
                     "s" => TsUnit::S,
                     "ms" => TsUnit::Ms,
@@ -1075,6 +1118,8 @@ impl RawSource {
                     stream,
                     format,
                     topic_template: self.topic_template.filter(|t| !t.is_empty()),
+                    value_field,
+                    unmatched,
                     ts_field: self.ts_field.filter(|t| !t.is_empty()),
                     ts_unit,
                     ts_invalid_receive_time: match self.ts_invalid.as_deref().unwrap_or("reject") {
@@ -1283,6 +1328,7 @@ fn host_name() -> String {
 
 /// A topic template is `/`-separated levels, each literal or one `{name}` capture.
 fn check_topic_template(key: &str, t: &str) -> Result<(), ConfigError> {
+    let mut names: Vec<&str> = Vec::new();
     for level in t.split('/') {
         let capture = level.starts_with('{') && level.ends_with('}') && level.len() > 2;
         if level.contains(['{', '}', '+', '#']) && !capture {
@@ -1294,6 +1340,57 @@ fn check_topic_template(key: &str, t: &str) -> Result<(), ConfigError> {
                 ),
             ));
         }
+        if !capture {
+            continue;
+        }
+        // Each capture names a tag: unique, and not `_`-prefixed (the agent's own names).
+        let name = &level[1..level.len() - 1];
+        if name.contains(['{', '}']) || name.starts_with('_') || name.contains('\0') {
+            return Err(ConfigError::invalid(
+                key,
+                format!("capture {level:?}: a tag name, not starting with '_'"),
+            ));
+        }
+        if name.len() > 1024 {
+            return Err(ConfigError::invalid(
+                key,
+                format!("a capture name of {} bytes: at most 1024", name.len()),
+            ));
+        }
+        if names.contains(&name) {
+            return Err(ConfigError::invalid(
+                key,
+                format!("capture {level:?} appears twice: each names one tag"),
+            ));
+        }
+        names.push(name);
+    }
+    if names.len() > sync::parse::TAGS_MAX {
+        return Err(ConfigError::invalid(
+            key,
+            format!(
+                "{} captures, more than the {} tags a record may have at ingest",
+                names.len(),
+                sync::parse::TAGS_MAX
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// `value_field`: a field name for scalar payloads; not reserved, and not the `ts_field`.
+fn check_value_field(key: &str, name: &str, ts_field: Option<&str>) -> Result<(), ConfigError> {
+    if name.is_empty() || name.starts_with('_') {
+        return Err(ConfigError::invalid(
+            key,
+            format!("expected a field name not starting with '_', found {name:?}"),
+        ));
+    }
+    if ts_field == Some(name) {
+        return Err(ConfigError::invalid(
+            key,
+            format!("{name:?} is also ts_field: a scalar payload would be taken as its event time"),
+        ));
     }
     Ok(())
 }

@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::Duration;
 
-use edge_agent::config::{ConfigError, EdgeConfig, PayloadFormat, SourceConfig, parse_bytes};
+use edge_agent::config::{
+    ConfigError, EdgeConfig, MqttUnmatched, PayloadFormat, SourceConfig, parse_bytes,
+};
 use edge_agent::log::{FsyncPolicy, OnFull};
 
 const FULL: &str = r#"
@@ -372,6 +374,46 @@ fn bad_sources_are_named() {
         panic!("expected an mqtt source: {:?}", c.sources[0])
     };
     assert_eq!(m.format, PayloadFormat::Line);
+}
+
+#[test]
+fn mqtt_mapping_keys_are_typed() {
+    let base = "data_dir = \"d\"\n[[streams]]\nname = \"telemetry\"\n[[sources]]\nkind = \"mqtt\"\n\
+                url = \"mqtt://127.0.0.1:1883\"\ntopics = [\"a/#\"]\nstream = \"telemetry\"\n";
+    let mqtt = |rest: &str| {
+        let c = parse(&format!("{base}{rest}")).unwrap();
+        let SourceConfig::Mqtt(m) = &c.sources[0] else {
+            panic!("expected an mqtt source: {:?}", c.sources[0])
+        };
+        m.clone()
+    };
+    let d = mqtt("topic_template = \"a/{device}\"\n");
+    assert_eq!(d.value_field, "value");
+    assert_eq!(d.unmatched, MqttUnmatched::Drop);
+    let s =
+        mqtt("topic_template = \"a/{device}\"\nunmatched = \"store\"\nvalue_field = \"temp\"\n");
+    assert_eq!(s.unmatched, MqttUnmatched::Store);
+    assert_eq!(s.value_field, "temp");
+    let bad = |rest: &str, key: &str| expect_bad(&format!("{base}{rest}"), key);
+    let m = bad(
+        "topic_template = \"a/{device}\"\nunmatched = \"keep\"\n",
+        "sources[0].unmatched",
+    );
+    assert!(m.contains("expected drop | store, found \"keep\""), "{m}");
+    bad("unmatched = \"store\"\n", "sources[0].unmatched");
+    for v in ["\"\"", "\"_v\""] {
+        bad(&format!("value_field = {v}\n"), "sources[0].value_field");
+    }
+    bad(
+        "value_field = \"ts\"\nts_field = \"ts\"\n",
+        "sources[0].value_field",
+    );
+    for t in ["a/{d}/{d}", "a/{_d}"] {
+        bad(
+            &format!("topic_template = \"{t}\"\n"),
+            "sources[0].topic_template",
+        );
+    }
 }
 
 #[test]

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use edge_agent::config::{EdgeConfig, MqttSourceConfig, PayloadFormat, TsUnit};
+use edge_agent::config::{EdgeConfig, MqttSourceConfig, MqttUnmatched, PayloadFormat, TsUnit};
 use edge_agent::http::AppState;
 use edge_agent::http::client::{Client, Response};
 use edge_agent::log::{Log, LogHandle, switches};
@@ -265,6 +265,8 @@ fn mqtt_cfg(format: PayloadFormat) -> MqttSourceConfig {
         stream: "telemetry".into(),
         format,
         topic_template: None,
+        value_field: "value".into(),
+        unmatched: MqttUnmatched::Drop,
         ts_field: None,
         ts_unit: TsUnit::Ms,
         ts_invalid_receive_time: false,

@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use process_support::{Agent, Setup, free_port};
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
+use sync::record::key_from_tags;
 
 /// A mosquitto process on a free loopback port, killed on drop.
 struct Broker {
@@ -267,11 +268,20 @@ fn kill9_during_qos1_stream_stores_every_message_exactly_once() {
             .as_u64()
             .unwrap_or_else(|| panic!("no id: {l}"));
         *seen.entry(id).or_default() += 1;
-        let key = l["key"].as_str().unwrap();
-        assert_eq!(key, format!("dev{}/temp", id % 16), "{l}");
+        // The template's captures are the record's tags; the key is theirs.
+        let device = format!("dev{}", id % 16);
+        let tags = [
+            ("device".into(), device.clone()),
+            ("sensor".into(), "temp".into()),
+        ];
+        assert_eq!(
+            l["key"].as_str(),
+            Some(key_from_tags(&tags).as_str()),
+            "{l}"
+        );
         assert_eq!(
             fields["_topic"].as_str(),
-            Some(format!("sensors/{key}").as_str())
+            Some(format!("sensors/{device}/temp").as_str())
         );
         assert_eq!(fields["meta.ok"].as_bool(), Some(true), "{l}");
     }
@@ -523,7 +533,7 @@ fn payloads_with_reserved_fields_or_too_many_fields_are_refused_and_the_stream_f
     .unwrap();
     let mut agent = setup.start();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !healthz(&setup).is_some_and(|(code, _)| code == 200) {
+    while healthz(&setup).is_none_or(|(code, _)| code != 200) {
         assert!(Instant::now() < deadline, "the agent never became ready");
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -570,4 +580,81 @@ fn payloads_with_reserved_fields_or_too_many_fields_are_refused_and_the_stream_f
         "the agent sets the topic: {fields}"
     );
     assert_eq!(fields["n.y"], 2);
+}
+
+/// Through a real broker: the template's captures key the records by their tags, a scalar
+/// payload becomes `value_field`, and under `unmatched = "drop"` a topic off the template is
+/// counted, logged naming topic and template, acked and not stored, while the stream flows.
+#[test]
+fn captures_key_by_tags_scalars_are_a_field_and_unmatched_topics_are_dropped() {
+    let broker = Broker::start();
+    let setup = Setup::new("fsync = \"always\"");
+    let config = std::fs::read_to_string(&setup.config).unwrap();
+    std::fs::write(
+        &setup.config,
+        format!(
+            "{config}[[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{}\"\n\
+             topics = [\"site/#\"]\nstream = \"telemetry\"\nformat = \"json\"\n\
+             topic_template = \"site/{{device}}/{{sensor}}\"\nvalue_field = \"reading\"\n",
+            broker.port
+        ),
+    )
+    .unwrap();
+    let mut agent = setup.start();
+    // In order on one connection: once the third is durable, the second was handled.
+    publish_payloads(
+        broker.port,
+        &[
+            ("site/d1/temp", "72.5"),
+            ("site/d1/extra/level", r#"{"v":1}"#),
+            ("site/d1/hum", r#"{"h":40}"#),
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while durable_seq(&setup) < 2 {
+        assert!(Instant::now() < deadline, "the two messages never arrived");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let metrics = rt.block_on(setup.client().get("/metrics")).unwrap().text();
+    let log = agent.log_text();
+    agent.terminate();
+    let mismatches = metrics
+        .lines()
+        .find(|l| l.starts_with("tributary_edge_mqtt_topic_mismatches_total"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok());
+    assert_eq!(mismatches, Some(1.0), "{metrics}");
+    assert!(
+        log.contains("site/d1/extra/level") && log.contains("site/{device}/{sensor}"),
+        "the warning names the topic and the template: {log}"
+    );
+    let stored = setup.inspect();
+    assert_eq!(
+        stored.len(),
+        2,
+        "the unmatched message is dropped: {stored:?}"
+    );
+    let tags = |sensor: &str| {
+        [
+            ("device".into(), "d1".into()),
+            ("sensor".into(), sensor.into()),
+        ]
+    };
+    assert_eq!(stored[0]["key"], key_from_tags(&tags("temp")).as_str());
+    assert_eq!(stored[0]["fields"]["reading"], 72.5);
+    assert_eq!(stored[1]["key"], key_from_tags(&tags("hum")).as_str());
+    assert_eq!(stored[1]["fields"]["h"], 40);
+    for r in &stored {
+        let names: Vec<&String> = r["fields"].as_object().unwrap().keys().collect();
+        assert!(
+            names
+                .iter()
+                .all(|n| !n.starts_with('_') || *n == "_topic" || *n == "_mqtt_digest"),
+            "no other bookkeeping field: {names:?}"
+        );
+    }
 }

@@ -425,7 +425,7 @@ fn mqtt_bridge_example_carries_published_messages_to_the_hub() -> Result<()> {
 }
 
 /// Publishes three messages as the README does, once the agent's subscription is up, and
-/// waits for the hub to hold them with the key the topic template captures.
+/// waits for the hub to hold them keyed by the tags the topic template captures.
 fn publish_until_stored(port: u16, hub: SocketAddr) -> Result<()> {
     let publish = |i: u32| {
         Command::new("mosquitto_pub")
@@ -458,8 +458,8 @@ fn publish_until_stored(port: u16, hub: SocketAddr) -> Result<()> {
     wait_records(hub, "mqtt", before + 2)?;
     let page = http::get(hub, "/v1/streams/mqtt/records?from=start&limit=10")?.text();
     assert!(
-        page.contains("press-4/temp"),
-        "the key the template captures: {page}"
+        page.contains("device=press-4/sensor=temp"),
+        "the key of the tags the template captures: {page}"
     );
     Ok(())
 }

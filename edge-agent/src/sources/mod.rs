@@ -216,7 +216,7 @@ impl SourcesState {
             ),
             (
                 "topic_mismatches",
-                "topics that did not match topic_template",
+                "topics that did not match topic_template (dropped, or stored keyed by the topic with unmatched = \"store\")",
                 |s| s.topic_mismatches.load(Ordering::Relaxed),
             ),
             (

@@ -32,12 +32,26 @@
 //!
 //! # Mapping
 //!
-//! - key: with `topic_template` (such as `sensors/{device}/{sensor}`), the captured levels
-//!   joined by `/` (`dev7/temp`); a topic that does not match is counted in
-//!   `tributary_edge_mqtt_topic_mismatches_total` and keyed by the whole topic. Without a template:
-//!   the topic (JSON) or the line's tags (line protocol).
-//! - `_topic`: a string field holding the original topic, so the hub can republish on it.
-//! - JSON payloads must be one object. Nested objects flatten into `parent.child` names in one
+//! - key and tags: with `topic_template` (such as `sensors/{device}/{sensor}`), each capture
+//!   takes one non-empty level and becomes a tag (`device=dev7`, `sensor=temp`); the key is
+//!   [`sync::record::key_from_tags`] of the record's tags (`device=dev7/sensor=temp`, the same
+//!   whatever the captures' order). A line-protocol payload's own tags are kept, a capture
+//!   replacing a tag of its name. A template of literals only captures nothing and keeps the
+//!   topic as the key. Without a template: the topic (JSON) or the line's tags (line protocol).
+//! - a topic that does not match the template is counted in
+//!   `tributary_edge_mqtt_topic_mismatches_total` and logged as a WARN naming the topic and
+//!   the template, at most once per [`MISMATCH_WARN_EVERY`] per source with the number held
+//!   back since ([`RateLimit`]). `unmatched = "drop"` (the default) acks it and stores nothing;
+//!   `"store"` stores it keyed by the whole topic with no tags (line protocol: the line's key).
+//! - `_topic`: a string field holding the original topic, so the hub can republish on it (the
+//!   one `_` field the hub keeps as a tier-2 column). `_mqtt_digest` (below) is the only other
+//!   field the source adds; the hub leaves it out of tier 2. Tags and the unmatched policy add
+//!   no field.
+//! - A scalar JSON payload (a number, `true`/`false` or a string, such as `72.5` or `"on"`), or
+//!   plain text that reads as a finite number (`+7`), is one field named by `value_field`
+//!   (default `value`), typed as in objects (by the same parser). `null` is a bad payload. It
+//!   carries no event time: with `ts_field` set, `ts_invalid` decides as for a missing one.
+//! - Otherwise JSON payloads must be one object. Nested objects flatten into `parent.child` names in one
 //!   pass ([`super::flatten`]); arrays are kept as their JSON text; `null` is skipped; fields
 //!   come in name order (of two equal names the first wins); integers stay `i64`, other numbers
 //!   `f64`. A payload over `ingest.fields_per_record_max` fields, or with a top-level name
@@ -80,9 +94,9 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use rumqttc::{
     AsyncClient, Event, EventLoop, MqttOptions, Outgoing, Packet, PubAck, PubRec, Publish, QoS,
@@ -90,12 +104,13 @@ use rumqttc::{
 };
 use sync::block::{DecodeLimits, decode_block};
 use sync::parse::{ParseOptions, parse_line_protocol};
+use sync::record::key_from_tags;
 use sync::{Record, Value};
 use tokio::sync::mpsc;
 use tracing::{debug, error, info, warn};
 
 use super::SourcesState;
-use crate::config::{MqttSourceConfig, PayloadFormat, TsUnit};
+use crate::config::{MqttSourceConfig, MqttUnmatched, PayloadFormat, TsUnit};
 use crate::http::ingest::RESERVED_PREFIX;
 use crate::http::{Ingest, now_ns};
 use crate::log::AppendError;
@@ -846,6 +861,11 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
 pub struct Mapper {
     format: PayloadFormat,
     template: Option<Vec<TemplateLevel>>,
+    /// `topic_template` as written, for the mismatch warning.
+    template_text: String,
+    unmatched: MqttUnmatched,
+    /// `value_field`: the field a scalar payload becomes.
+    value_field: String,
     ts_field: Option<String>,
     ts_unit: TsUnit,
     /// `ts_invalid = "receive_time"`: see [`MqttSourceConfig`].
@@ -853,11 +873,50 @@ pub struct Mapper {
     stats: Arc<MqttStats>,
     /// `ingest.fields_per_record_max`: a payload over it is refused as a bad payload.
     fields_max: usize,
+    /// The mismatch warning, at most once per [`MISMATCH_WARN_EVERY`].
+    mismatch_warn: Mutex<RateLimit>,
 }
 
 enum TemplateLevel {
     Literal(String),
-    Capture,
+    /// `{name}`: the level becomes the tag `name`.
+    Capture(String),
+}
+
+/// Shortest time between two mismatch warnings of one source.
+pub const MISMATCH_WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// Lets one event through per period and counts the ones held back meanwhile.
+#[derive(Debug)]
+pub struct RateLimit {
+    every: Duration,
+    last: Option<Instant>,
+    suppressed: u64,
+}
+
+impl RateLimit {
+    pub fn new(every: Duration) -> Self {
+        RateLimit {
+            every,
+            last: None,
+            suppressed: 0,
+        }
+    }
+
+    /// An event at `now`: `Some(held back since the last one let through)` when this one may
+    /// go out, `None` when it is held back (and counted).
+    pub fn hit(&mut self, now: Instant) -> Option<u64> {
+        match self.last {
+            Some(t) if now.saturating_duration_since(t) < self.every => {
+                self.suppressed += 1;
+                None
+            }
+            _ => {
+                self.last = Some(now);
+                Some(std::mem::take(&mut self.suppressed))
+            }
+        }
+    }
 }
 
 impl Mapper {
@@ -865,8 +924,8 @@ impl Mapper {
         let template = cfg.topic_template.as_ref().map(|t| {
             t.split('/')
                 .map(|l| {
-                    if l.starts_with('{') && l.ends_with('}') {
-                        TemplateLevel::Capture
+                    if l.len() > 2 && l.starts_with('{') && l.ends_with('}') {
+                        TemplateLevel::Capture(l[1..l.len() - 1].to_owned())
                     } else {
                         TemplateLevel::Literal(l.to_owned())
                     }
@@ -876,11 +935,15 @@ impl Mapper {
         Mapper {
             format: cfg.format,
             template,
+            template_text: cfg.topic_template.clone().unwrap_or_default(),
+            unmatched: cfg.unmatched,
+            value_field: cfg.value_field.clone(),
             ts_field: cfg.ts_field.clone(),
             ts_unit: cfg.ts_unit,
             ts_invalid_receive_time: cfg.ts_invalid_receive_time,
             stats,
             fields_max: crate::log::FIELDS_PER_RECORD_DEFAULT,
+            mismatch_warn: Mutex::new(RateLimit::new(MISMATCH_WARN_EVERY)),
         }
     }
 
@@ -890,44 +953,67 @@ impl Mapper {
         self
     }
 
-    /// The key from the template, or `None` without one or on a mismatch (counted).
-    fn template_key(&self, topic: &str) -> Option<String> {
-        let levels = self.template.as_ref()?;
-        let mut key = String::new();
+    /// The tags the template captures from `topic`, or `None` when it does not match (each
+    /// capture takes one non-empty level).
+    fn captures(levels: &[TemplateLevel], topic: &str) -> Option<Vec<(String, String)>> {
+        let mut tags = Vec::new();
         let mut parts = topic.split('/');
         for level in levels {
-            let Some(part) = parts.next() else {
-                self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
-                return None;
-            };
+            let part = parts.next()?;
             match level {
-                TemplateLevel::Literal(l) if l != part => {
-                    self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
+                TemplateLevel::Literal(l) if l != part => return None,
+                TemplateLevel::Literal(_) => {}
+                TemplateLevel::Capture(_) if part.is_empty() || part.contains('\0') => {
                     return None;
                 }
-                TemplateLevel::Literal(_) => {}
-                TemplateLevel::Capture => {
-                    if !key.is_empty() {
-                        key.push('/');
-                    }
-                    key.push_str(part);
-                }
+                TemplateLevel::Capture(name) => tags.push((name.clone(), part.to_owned())),
             }
         }
-        if parts.next().is_some() {
-            self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
-            return None;
+        match parts.next() {
+            Some(_) => None,
+            None => Some(tags),
         }
-        Some(key)
     }
 
-    /// Appends the records of one message to `out`; a bad payload adds none (counted, logged).
+    /// Counts and warns about a topic off the template (rate-limited); true when the message
+    /// is still stored (`unmatched = "store"`).
+    fn on_mismatch(&self, topic: &str) -> bool {
+        self.stats.topic_mismatches.fetch_add(1, Ordering::Relaxed);
+        let let_through = self
+            .mismatch_warn
+            .lock()
+            .map(|mut w| w.hit(Instant::now()))
+            .unwrap_or(None);
+        if let Some(suppressed) = let_through {
+            warn!(
+                topic,
+                template = %self.template_text,
+                unmatched = ?self.unmatched,
+                suppressed,
+                "mqtt: topic does not match topic_template ({suppressed} more since the last warning)"
+            );
+        }
+        self.unmatched == MqttUnmatched::Store
+    }
+
+    /// Appends the records of one message to `out`; a bad payload adds none (counted, logged),
+    /// and so does a topic off the template under `unmatched = "drop"`.
     pub fn map(&self, p: &Publish, received_ns: i64, digest: u64, out: &mut Vec<Record>) {
-        let key = self.template_key(&p.topic);
+        let tags = match self
+            .template
+            .as_deref()
+            .map(|t| Self::captures(t, &p.topic))
+        {
+            None => None,
+            // A template of literals only captures nothing: keyed as without one.
+            Some(Some(tags)) => Some(tags).filter(|t| !t.is_empty()),
+            Some(None) if self.on_mismatch(&p.topic) => None,
+            Some(None) => return,
+        };
         let start = out.len();
         let ok = match self.format {
-            PayloadFormat::Json => self.map_json(p, key, received_ns, out),
-            PayloadFormat::Line => self.map_line(p, key, received_ns, out),
+            PayloadFormat::Json => self.map_json(p, tags, received_ns, out),
+            PayloadFormat::Line => self.map_line(p, tags, received_ns, out),
         };
         if let Err(why) = ok {
             out.truncate(start);
@@ -943,16 +1029,53 @@ impl Mapper {
         }
     }
 
+    /// A scalar payload (a JSON number, bool or string, or plain text that reads as a number)
+    /// as its one field, `value_field`; `None` for anything else (an object goes on to the
+    /// flattener). Numbers are typed as in objects: by the same parser, on `{"v": payload}`.
+    fn scalar(&self, payload: &[u8]) -> Result<Option<(String, Value)>, String> {
+        let text = payload.trim_ascii();
+        if text.first().is_none_or(|b| matches!(b, b'{' | b'[')) {
+            return Ok(None);
+        }
+        match serde_json::from_slice::<serde_json::Value>(text) {
+            Ok(serde_json::Value::Null) => return Err("the payload is null: no value".into()),
+            Ok(_) => {
+                // One scalar, checked above: wrapping it cannot add fields.
+                let wrapped = [b"{\"v\":".as_slice(), text, b"}"].concat();
+                let mut fields = super::flatten::flatten_json(&wrapped, self.fields_max)
+                    .map_err(|e| e.to_string())?
+                    .fields;
+                return Ok(fields.pop().map(|(_, v)| (self.value_field.clone(), v)));
+            }
+            Err(_) => {}
+        }
+        let Ok(text) = std::str::from_utf8(text) else {
+            return Ok(None);
+        };
+        if let Ok(i) = text.parse::<i64>() {
+            return Ok(Some((self.value_field.clone(), Value::I64(i))));
+        }
+        match text.parse::<f64>() {
+            Ok(f) if f.is_finite() => Ok(Some((self.value_field.clone(), Value::F64(f)))),
+            _ => Ok(None),
+        }
+    }
+
     fn map_json(
         &self,
         p: &Publish,
-        key: Option<String>,
+        tags: Option<Vec<(String, String)>>,
         received_ns: i64,
         out: &mut Vec<Record>,
     ) -> Result<(), String> {
-        let mut fields = super::flatten::flatten_json(&p.payload, self.fields_max)
-            .map_err(|e| e.to_string())?
-            .fields;
+        let mut fields = match self.scalar(&p.payload)? {
+            Some(field) => vec![field],
+            None => {
+                super::flatten::flatten_json(&p.payload, self.fields_max)
+                    .map_err(|e| e.to_string())?
+                    .fields
+            }
+        };
         let mut ts = received_ns;
         if let Some(name) = &self.ts_field {
             let found = fields
@@ -977,9 +1100,13 @@ impl Mapper {
                 }
             }
         }
+        let (key, tags) = match tags {
+            Some(tags) => (key_from_tags(&tags), tags),
+            None => (p.topic.clone(), Vec::new()),
+        };
         out.push(Record {
-            tags: Vec::new(),
-            key: key.unwrap_or_else(|| p.topic.clone()),
+            tags,
+            key,
             ts,
             fields,
         });
@@ -989,7 +1116,7 @@ impl Mapper {
     fn map_line(
         &self,
         p: &Publish,
-        key: Option<String>,
+        captured: Option<Vec<(String, String)>>,
         received_ns: i64,
         out: &mut Vec<Record>,
     ) -> Result<(), String> {
@@ -1015,8 +1142,15 @@ impl Mapper {
         }
         for l in lines {
             let mut r = l.record;
-            if let Some(k) = &key {
-                r.key = k.clone();
+            if let Some(captured) = &captured {
+                // The topic's captures join the line's tags, replacing any of the same name.
+                for (name, value) in captured {
+                    match r.tags.iter_mut().find(|(n, _)| n == name) {
+                        Some(t) => t.1 = value.clone(),
+                        None => r.tags.push((name.clone(), value.clone())),
+                    }
+                }
+                r.key = key_from_tags(&r.tags);
             }
             out.push(r);
         }
@@ -1082,6 +1216,8 @@ mod tests {
             stream: "telemetry".into(),
             format,
             topic_template: Some("sensors/{device}/{sensor}".into()),
+            value_field: "value".into(),
+            unmatched: MqttUnmatched::Drop,
             ts_field: Some("ts".into()),
             ts_unit: TsUnit::Ms,
             ts_invalid_receive_time: false,
@@ -1107,7 +1243,9 @@ mod tests {
         );
         m.map(&p, 42, 9, &mut out);
         let r = &out[0];
-        assert_eq!(r.key, "dev7/temp");
+        assert_eq!(r.key, "device=dev7/sensor=temp");
+        assert_eq!(r.tag("device"), Some("dev7"));
+        assert_eq!(r.tag("sensor"), Some("temp"));
         assert_eq!(r.ts, 1_500_000_000);
         let names: Vec<&str> = r.fields.iter().map(|(n, _)| n.as_str()).collect();
         // The payload's order, flattened as over HTTP; null is no field.
@@ -1124,28 +1262,162 @@ mod tests {
             ]
         );
         assert_eq!(r.fields[5].1, Value::Str("sensors/dev7/temp".into()));
-        // A topic off the template keeps the whole topic as the key (counted). A missing or
-        // unreadable ts refuses the message (counted twice: bad timestamp, bad payload).
-        m.map(&publish("other/x", r#"{"ts":7,"v":1}"#), 42, 9, &mut out);
-        assert_eq!(out[1].key, "other/x");
-        assert_eq!(m.stats.topic_mismatches.load(Ordering::Relaxed), 1);
+        // A missing or unreadable ts refuses the message (counted twice: bad timestamp, bad
+        // payload).
         for no_time in [r#"{"v":1}"#, r#"{"ts":"noon","v":1}"#] {
             m.map(&publish("sensors/a/b", no_time), 42, 9, &mut out);
         }
-        assert_eq!(out.len(), 2, "never silently stored at the receive time");
+        assert_eq!(out.len(), 1, "never silently stored at the receive time");
         assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 2);
-        for bad in ["[1]", "{", "\u{1}"] {
+        for bad in ["[1]", "{", "\u{1}", "null", "on"] {
             m.map(&publish("sensors/a/b", bad), 0, 0, &mut out);
         }
-        assert_eq!(out.len(), 2);
-        assert_eq!(m.stats.bad_payloads.load(Ordering::Relaxed), 5);
+        assert_eq!(out.len(), 1);
+        assert_eq!(m.stats.bad_payloads.load(Ordering::Relaxed), 7);
         // ts_invalid = "receive_time" stores them at the receive time, still counted.
         let mut c = cfg(PayloadFormat::Json);
         c.ts_invalid_receive_time = true;
         let m = Mapper::new(&c, Arc::default());
         m.map(&publish("sensors/a/b", r#"{"v":1}"#), 42, 9, &mut out);
-        assert_eq!(out[2].ts, 42);
+        assert_eq!(out[1].ts, 42);
         assert_eq!(m.stats.bad_timestamps.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn captures_are_tags_and_the_key_is_theirs() {
+        let mut c = cfg(PayloadFormat::Json);
+        c.ts_field = None;
+        // Captured in either order, the same tags give the same key.
+        c.topic_template = Some("site/{sensor}/x/{device}".into());
+        let swapped = Mapper::new(&c, Arc::default());
+        let m = Mapper::new(&cfg(PayloadFormat::Json), Arc::default());
+        let mut out = Vec::new();
+        m.map(
+            &publish("sensors/dev7/temp", r#"{"ts":1,"v":1}"#),
+            0,
+            1,
+            &mut out,
+        );
+        swapped.map(&publish("site/temp/x/dev7", r#"{"v":1}"#), 0, 2, &mut out);
+        let tags = vec![
+            ("device".to_owned(), "dev7".to_owned()),
+            ("sensor".to_owned(), "temp".to_owned()),
+        ];
+        assert_eq!(out[0].tags, tags);
+        assert_eq!(out[0].key, key_from_tags(&tags));
+        assert_eq!(out[1].key, out[0].key);
+        // Values that need escaping in a key are escaped there, kept as sent in the tag.
+        m.map(
+            &publish("sensors/a=b/t%", r#"{"ts":1,"v":1}"#),
+            0,
+            3,
+            &mut out,
+        );
+        assert_eq!(out[2].key, "device=a%3Db/sensor=t%25");
+        assert_eq!(out[2].tag("device"), Some("a=b"));
+        // No captured tag and no bookkeeping becomes a field: only `_` fields are added.
+        for r in &out {
+            let extra: Vec<&str> = r.fields.iter().map(|(n, _)| n.as_str()).collect();
+            assert!(
+                extra.iter().all(|n| *n == "v" || n.starts_with('_')),
+                "{extra:?}"
+            );
+        }
+        // A literal-only template still matches (no tags: the key is the topic).
+        c.topic_template = Some("plant/line1".into());
+        let literal = Mapper::new(&c, Arc::default());
+        literal.map(&publish("plant/line1", r#"{"v":1}"#), 0, 4, &mut out);
+        assert_eq!(out[3].key, "plant/line1");
+        assert!(out[3].tags.is_empty());
+        assert_eq!(literal.stats.topic_mismatches.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn scalar_payloads_become_value_field() {
+        let mut c = cfg(PayloadFormat::Json);
+        c.ts_field = None;
+        c.value_field = "reading".into();
+        let m = Mapper::new(&c, Arc::default());
+        let cases = [
+            ("72.5", Value::F64(72.5)),
+            ("  42\n", Value::I64(42)),
+            ("-3", Value::I64(-3)),
+            ("1e3", Value::F64(1000.0)),
+            ("true", Value::Bool(true)),
+            (r#""on""#, Value::Str("on".into())),
+            // Plain text numbers that are not JSON.
+            ("+7", Value::I64(7)),
+            ("5.", Value::F64(5.0)),
+        ];
+        let mut out = Vec::new();
+        for (payload, _) in &cases {
+            m.map(&publish("sensors/d/s", payload), 5, 1, &mut out);
+        }
+        assert_eq!(out.len(), cases.len());
+        for (r, (payload, want)) in out.iter().zip(&cases) {
+            assert_eq!(r.field("reading"), Some(want), "{payload}");
+            assert_eq!(r.ts, 5);
+            assert_eq!(r.key, "device=d/sensor=s");
+        }
+        // Not numbers, not JSON: refused as before.
+        for bad in ["nan", "inf", "12 13", "1,\"w\":2", ""] {
+            m.map(&publish("sensors/d/s", bad), 5, 1, &mut out);
+        }
+        assert_eq!(out.len(), cases.len());
+        assert_eq!(m.stats.bad_payloads.load(Ordering::Relaxed), 5);
+        // Objects keep working; with ts_field, a scalar has no event time: ts_invalid decides.
+        m.map(&publish("sensors/d/s", r#"{"reading":1}"#), 5, 1, &mut out);
+        assert_eq!(out.last().unwrap().field("reading"), Some(&Value::I64(1)));
+        let strict = Mapper::new(&cfg(PayloadFormat::Json), Arc::default());
+        strict.map(&publish("sensors/d/s", "1"), 5, 1, &mut out);
+        assert_eq!(strict.stats.bad_timestamps.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn unmatched_topics_drop_or_store() {
+        let mut c = cfg(PayloadFormat::Json);
+        c.ts_field = None;
+        let drop = Mapper::new(&c, Arc::default());
+        c.unmatched = MqttUnmatched::Store;
+        let store = Mapper::new(&c, Arc::default());
+        let off = ["other/x", "sensors/x", "sensors/a/b/c", "sensors//b"];
+        let mut out = Vec::new();
+        for t in off {
+            drop.map(&publish(t, r#"{"v":1}"#), 0, 1, &mut out);
+        }
+        assert!(out.is_empty(), "dropped: {out:?}");
+        assert_eq!(drop.stats.topic_mismatches.load(Ordering::Relaxed), 4);
+        assert_eq!(drop.stats.bad_payloads.load(Ordering::Relaxed), 0);
+        for t in off {
+            store.map(&publish(t, r#"{"v":1}"#), 0, 1, &mut out);
+        }
+        assert_eq!(store.stats.topic_mismatches.load(Ordering::Relaxed), 4);
+        let keys: Vec<&str> = out.iter().map(|r| r.key.as_str()).collect();
+        assert_eq!(keys, off, "stored keyed by the whole topic");
+        assert!(out.iter().all(|r| r.tags.is_empty()));
+        // Line protocol under "store" keeps the line's own key, as without a template.
+        let mut l = cfg(PayloadFormat::Line);
+        l.unmatched = MqttUnmatched::Store;
+        let line = Mapper::new(&l, Arc::default());
+        out.clear();
+        line.map(&publish("other", "m,dev=x v=1 5"), 0, 1, &mut out);
+        assert_eq!(out[0].key, "dev=x");
+    }
+
+    #[test]
+    fn mismatch_warnings_are_rate_limited() {
+        let mut w = RateLimit::new(Duration::from_secs(10));
+        let t0 = Instant::now();
+        assert_eq!(w.hit(t0), Some(0));
+        assert_eq!(w.hit(t0), None);
+        assert_eq!(w.hit(t0 + Duration::from_secs(9)), None);
+        assert_eq!(
+            w.hit(t0 + Duration::from_secs(10)),
+            Some(2),
+            "two held back"
+        );
+        assert_eq!(w.hit(t0 + Duration::from_secs(11)), None);
+        assert_eq!(w.hit(t0 + Duration::from_secs(30)), Some(1));
     }
 
     #[test]
@@ -1176,7 +1448,9 @@ mod tests {
             &mut out,
         );
         assert_eq!(out.len(), 2);
-        assert_eq!(out[0].key, "d/s");
+        // The captures join the line's tags; the key is theirs.
+        assert_eq!(out[0].key, "dev=x/device=d/sensor=s");
+        assert_eq!(out[1].tag("device"), Some("d"));
         assert_eq!(out[1].ts, 6);
         assert!(out[0].fields.iter().any(|(n, _)| n == DIGEST_FIELD));
         assert!(!out[1].fields.iter().any(|(n, _)| n == DIGEST_FIELD));
