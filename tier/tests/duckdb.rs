@@ -8,34 +8,13 @@ mod common;
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
-use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use sync::record::Value;
 use tier::{
     EncodeOptions, FieldRegistry, Tier2, TierConfig, TierRecord, chunk_path, encode_chunk,
     ingest_date,
 };
-
-/// Runs one query in DuckDB and returns its rows as JSON arrays.
-fn duckdb(sql: &str) -> Result<Vec<Vec<serde_json::Value>>> {
-    let script = r#"
-import sys, json, duckdb
-rows = duckdb.connect().execute(sys.argv[1]).fetchall()
-print(json.dumps([list(r) for r in rows], default=str))
-"#;
-    let out = Command::new("python3")
-        .args(["-c", script, sql])
-        .output()
-        .context("running python3")?;
-    if !out.status.success() {
-        bail!(
-            "duckdb query failed (is `pip install duckdb` done?): {sql}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).context("parsing duckdb output")
-}
 
 const DAY1: i64 = 1_767_225_600_000_000_000; // 2026-01-01T00:00:00Z
 const DAY2: i64 = DAY1 + 86_400_000_000_000;
@@ -148,7 +127,7 @@ async fn duckdb_reads_what_was_written() -> Result<()> {
     // The plain form the issue asks for: it binds the first file's columns, which every later
     // file also has (files only gain trailing columns), so counts and averages are right.
     for opts in ["", ", union_by_name=true"] {
-        let rows = duckdb(&format!(
+        let rows = common::duckdb(&format!(
             "SELECT count(*), count(DISTINCT (device, epoch, seq)), count(DISTINCT hub_offset), \
              min(hub_offset), max(hub_offset) FROM read_parquet('{glob}'{opts})"
         ))?;
@@ -163,7 +142,7 @@ async fn duckdb_reads_what_was_written() -> Result<()> {
             ]),
             "opts {opts:?}"
         );
-        let rows = duckdb(&format!(
+        let rows = common::duckdb(&format!(
             "SELECT device, avg(temp), count(temp) FROM read_parquet('{glob}'{opts}) \
              GROUP BY device ORDER BY device"
         ))?;
@@ -177,7 +156,7 @@ async fn duckdb_reads_what_was_written() -> Result<()> {
 
     // Columns added after the first file need union_by_name=true (DuckDB binds the first
     // file's schema otherwise).
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT sum(rpm), count(rpm), count(state), count(ok), count(DISTINCT ingest_date), \
          any_value(typeof(rpm)) FROM read_parquet('{glob}', union_by_name=true)"
     ))?;
@@ -188,26 +167,26 @@ async fn duckdb_reads_what_was_written() -> Result<()> {
     assert_eq!(rows[0][4], serde_json::json!(2));
     assert_eq!(rows[0][5], serde_json::json!("DOUBLE"));
     assert!(
-        duckdb(&format!("SELECT count(state) FROM read_parquet('{glob}')")).is_err(),
+        common::duckdb(&format!("SELECT count(state) FROM read_parquet('{glob}')")).is_err(),
         "plain form unexpectedly sees a column added later; update docs/format/parquet.md"
     );
     // The plain form binds the first file's INT64 `rpm` and casts the later doubles to it:
     // docs/format/parquet.md says to read a widened field with union_by_name.
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT any_value(typeof(rpm)) FROM read_parquet('{glob}')"
     ))?;
     assert_eq!(rows[0][0], serde_json::json!("BIGINT"));
 
     // Event time is a UTC timestamp with microsecond precision; pruning by time and key.
     let first = &records[0];
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT typeof(ts), epoch_us(min(ts)), typeof(ingest_ts), typeof(epoch) \
          FROM read_parquet('{glob}') GROUP BY ALL"
     ))?;
     assert_eq!(rows[0][0], serde_json::json!("TIMESTAMP WITH TIME ZONE"));
     assert_eq!(rows[0][1], serde_json::json!(first.ts_ns / 1000));
     assert_eq!(rows[0][3], serde_json::json!("BIGINT"));
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT count(*) FROM read_parquet('{glob}') WHERE key = 'truck-003/engine' \
          AND ts >= make_timestamptz({}::BIGINT)",
         first.ts_ns / 1000 + 10_000_000

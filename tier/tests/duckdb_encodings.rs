@@ -7,31 +7,9 @@
 
 mod common;
 
-use std::process::Command;
-
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use sync::record::Value;
 use tier::{EncodeOptions, TierRecord, encode_chunk};
-
-/// Runs one query in DuckDB and returns its rows as JSON arrays.
-fn duckdb(sql: &str) -> Result<Vec<Vec<serde_json::Value>>> {
-    let script = r#"
-import sys, json, duckdb
-rows = duckdb.connect().execute(sys.argv[1]).fetchall()
-print(json.dumps([list(r) for r in rows], default=str))
-"#;
-    let out = Command::new("python3")
-        .args(["-c", script, sql])
-        .output()
-        .context("running python3")?;
-    if !out.status.success() {
-        bail!(
-            "duckdb query failed (is `pip install duckdb` done?): {sql}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).context("parsing duckdb output")
-}
 
 fn records() -> Vec<TierRecord> {
     (0..6000u64)
@@ -77,7 +55,7 @@ fn duckdb_reads_every_encoding() -> Result<()> {
     let file = path.display().to_string();
 
     // The file really holds the encodings this test is about.
-    let encodings = duckdb(&format!(
+    let encodings = common::duckdb(&format!(
         "SELECT path_in_schema, string_agg(DISTINCT encodings, ',') FROM parquet_metadata('{file}') GROUP BY 1"
     ))?;
     let enc_of = |col: &str| {
@@ -91,7 +69,7 @@ fn duckdb_reads_every_encoding() -> Result<()> {
     assert!(!enc_of("odometer").contains("DICTIONARY"), "{encodings:?}");
     assert!(enc_of("temp").contains("DICTIONARY"), "{encodings:?}");
 
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT count(*), sum(lat), min(lat), max(lat), sum(odometer), max(odometer), \
          sum(temp), count(rare), sum(rare), count(DISTINCT device) FROM read_parquet('{file}')"
     ))?;

@@ -8,9 +8,7 @@
 
 mod common;
 
-use std::process::Command;
-
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use bytes::Bytes;
 use parquet::file::reader::{FileReader, SerializedFileReader};
 use sync::record::Value;
@@ -70,7 +68,7 @@ fn chunks_carry_only_the_columns_their_records_use() -> Result<()> {
     std::fs::write(dir.path().join("1.parquet"), &f1)?;
     std::fs::write(dir.path().join("2.parquet"), &f2)?;
     let glob = format!("{}/*.parquet", dir.path().display());
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT count(*), sum(a), sum(b), count(a), count(b) \
          FROM read_parquet('{glob}', union_by_name = true)"
     ))?;
@@ -80,24 +78,4 @@ fn chunks_carry_only_the_columns_their_records_use() -> Result<()> {
         serde_json::json!([100, sum(0..50), sum(50..100), 50, 50])
     );
     Ok(())
-}
-
-/// Runs one query in DuckDB and returns its rows as JSON arrays.
-fn duckdb(sql: &str) -> Result<Vec<Vec<serde_json::Value>>> {
-    let script = r#"
-import sys, json, duckdb
-rows = duckdb.connect().execute(sys.argv[1]).fetchall()
-print(json.dumps([list(r) for r in rows], default=str))
-"#;
-    let out = Command::new("python3")
-        .args(["-c", script, sql])
-        .output()
-        .context("running python3")?;
-    if !out.status.success() {
-        bail!(
-            "duckdb query failed (is `pip install duckdb` done?): {sql}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).context("parsing duckdb output")
 }

@@ -9,9 +9,8 @@
 mod common;
 
 use std::path::Path;
-use std::process::Command;
 
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use sync::record::Value;
 use tier::{
     ColumnChange, ColumnSpec, EncodeOptions, FieldRegistry, TierRecord, ValueKind, chunk_path,
@@ -19,25 +18,6 @@ use tier::{
 };
 
 const DAY1: i64 = 1_767_225_600_000_000_000; // 2026-01-01T00:00:00Z
-
-fn duckdb(sql: &str) -> Result<Vec<Vec<serde_json::Value>>> {
-    let script = r#"
-import sys, json, duckdb
-rows = duckdb.connect().execute(sys.argv[1]).fetchall()
-print(json.dumps([list(r) for r in rows], default=str))
-"#;
-    let out = Command::new("python3")
-        .args(["-c", script, sql])
-        .output()
-        .context("running python3")?;
-    if !out.status.success() {
-        bail!(
-            "duckdb query failed (is `pip install duckdb` done?): {sql}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).context("parsing duckdb output")
-}
 
 /// `n` records from offset `first` with one field `temp`, from `value(i)`.
 fn records(first: u64, n: u64, value: impl Fn(u64) -> Value) -> Vec<TierRecord> {
@@ -200,7 +180,7 @@ fn read_back(root: &Path, union_by_name: bool) -> Result<(Vec<String>, Vec<f64>)
         ""
     };
     let glob = format!("{}/streams/s/**/*.parquet", root.display());
-    let cols = duckdb(&format!(
+    let cols = common::duckdb(&format!(
         "SELECT column_name || ' ' || column_type FROM (DESCRIBE SELECT * FROM read_parquet('{glob}'{opts})) \
          WHERE column_name LIKE 'temp%'"
     ))?;
@@ -208,7 +188,7 @@ fn read_back(root: &Path, union_by_name: bool) -> Result<(Vec<String>, Vec<f64>)
         .iter()
         .map(|r| r[0].as_str().unwrap().to_owned())
         .collect();
-    let vals = duckdb(&format!(
+    let vals = common::duckdb(&format!(
         "SELECT temp FROM read_parquet('{glob}'{opts}) ORDER BY hub_offset"
     ))?;
     let vals = vals.iter().map(|r| r[0].as_f64().unwrap()).collect();

@@ -7,32 +7,11 @@
 
 mod common;
 
-use std::process::Command;
-
-use anyhow::{Context, Result, bail};
+use anyhow::Result;
 use sync::record::Value;
 use tier::{EncodeOptions, FieldRegistry, TierRecord, ValueKind, decode_chunk, encode_chunk};
 
 const DAY1: i64 = 1_767_225_600_000_000_000; // 2026-01-01T00:00:00Z
-
-fn duckdb(sql: &str) -> Result<Vec<Vec<serde_json::Value>>> {
-    let script = r#"
-import sys, json, duckdb
-rows = duckdb.connect().execute(sys.argv[1]).fetchall()
-print(json.dumps([list(r) for r in rows], default=str))
-"#;
-    let out = Command::new("python3")
-        .args(["-c", script, sql])
-        .output()
-        .context("running python3")?;
-    if !out.status.success() {
-        bail!(
-            "duckdb query failed (is `pip install duckdb` done?): {sql}\n{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    serde_json::from_slice(&out.stdout).context("parsing duckdb output")
-}
 
 fn tag(n: &str, v: &str) -> (String, String) {
     (n.into(), v.into())
@@ -124,13 +103,13 @@ fn duckdb_filters_and_groups_by_a_tag_column() -> Result<()> {
     let path = dir.path().join("c.parquet");
     std::fs::write(&path, &bytes)?;
     let file = path.display();
-    let types = duckdb(&format!(
+    let types = common::duckdb(&format!(
         "SELECT column_name || ' ' || column_type FROM (DESCRIBE SELECT * FROM read_parquet('{file}')) \
          WHERE column_name IN ('host', 'line', 'host__str')"
     ))?;
     let types: Vec<&str> = types.iter().map(|r| r[0].as_str().unwrap()).collect();
     assert_eq!(types, ["host VARCHAR", "host__str VARCHAR", "line VARCHAR"]);
-    let rows = duckdb(&format!(
+    let rows = common::duckdb(&format!(
         "SELECT host, count(*), count(line) FROM read_parquet('{file}') \
          WHERE host = 'gw-01' GROUP BY host"
     ))?;

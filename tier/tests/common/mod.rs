@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+use anyhow::{Context, Result, bail};
+use std::process::Command;
 use sync::record::Value;
 use tier::{FieldRegistry, TierRecord};
 
@@ -78,4 +80,24 @@ pub fn as_stored(records: &[TierRecord], registry: &FieldRegistry) -> Vec<TierRe
             r
         })
         .collect()
+}
+
+/// Runs `sql` in DuckDB (Python) and returns its rows as JSON values.
+pub fn duckdb(sql: &str) -> Result<Vec<Vec<serde_json::Value>>> {
+    let script = r#"
+import sys, json, duckdb
+rows = duckdb.connect().execute(sys.argv[1]).fetchall()
+print(json.dumps([list(r) for r in rows], default=str))
+"#;
+    let out = Command::new("python3")
+        .args(["-c", script, sql])
+        .output()
+        .context("running python3")?;
+    if !out.status.success() {
+        bail!(
+            "duckdb query failed (is `pip install duckdb` done?): {sql}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout).context("parsing duckdb output")
 }
