@@ -24,7 +24,7 @@ pub use crate::decoded::{FIELD_NAME_BYTES_MAX, KEY_BYTES_MAX};
 pub use json::{
     WriteError, parse_json_fields, parse_ndjson, parse_ndjson_with, write_ndjson, write_ndjson_line,
 };
-pub use line::{LineRecord, parse_line_protocol};
+pub use line::{LineRecord, parse_line_protocol, parse_line_protocol_with};
 
 use crate::time::{TimeUnit, format_rfc3339, likely_unit, parse_epoch_number};
 use serde::Serialize;

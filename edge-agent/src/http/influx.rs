@@ -22,8 +22,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde_json::json;
 use sync::Record;
-use sync::parse::{ParseOptions, parse_line_protocol};
-use sync::record::key_from_tags;
+use sync::parse::{ParseOptions, parse_line_protocol_with};
 use sync::time::TimeUnit;
 
 /// The tag each record's measurement is kept in.
@@ -122,26 +121,12 @@ pub struct LineError {
 /// Parses a line-protocol body of any measurements: each record gets its measurement as the
 /// [`MEASUREMENT_TAG`] tag, and its key derived from all its tags.
 pub fn parse_body(text: &str, opts: &ParseOptions) -> Result<Vec<Record>, LineError> {
-    let lines = parse_line_protocol(text, opts).map_err(|e| LineError {
-        line: e.line,
-        message: e.to_string(),
-    })?;
-    let mut records = Vec::with_capacity(lines.len());
-    for (i, l) in lines.into_iter().enumerate() {
-        let mut r = l.record;
-        if r.tag(MEASUREMENT_TAG).is_some() {
-            return Err(LineError {
-                line: record_line(text, i),
-                message: format!(
-                    "a tag named {MEASUREMENT_TAG:?}: the agent keeps each line's measurement \
-                     in that tag, so a line may not set it"
-                ),
-            });
-        }
-        r.tags.push((MEASUREMENT_TAG.to_owned(), l.measurement));
-        r.key = key_from_tags(&r.tags);
-        records.push(r);
-    }
+    let lines =
+        parse_line_protocol_with(text, opts, Some(MEASUREMENT_TAG)).map_err(|e| LineError {
+            line: e.line,
+            message: e.to_string(),
+        })?;
+    let records: Vec<Record> = lines.into_iter().map(|l| l.record).collect();
     if records.is_empty() {
         return Err(LineError {
             line: 1,
@@ -149,18 +134,6 @@ pub fn parse_body(text: &str, opts: &ParseOptions) -> Result<Vec<Record>, LineEr
         });
     }
     Ok(records)
-}
-
-/// The 1-based line of the `index`-th record (one per line that is neither blank nor `#`).
-fn record_line(text: &str, index: usize) -> usize {
-    text.lines()
-        .enumerate()
-        .filter(|(_, l)| {
-            let l = l.trim();
-            !l.is_empty() && !l.starts_with('#')
-        })
-        .nth(index)
-        .map_or(1, |(i, _)| i + 1)
 }
 
 /// An error in the shape Influx clients log: `{"code","message"}`, plus the line when known.

@@ -38,6 +38,17 @@ pub fn parse_line_protocol(
     input: &str,
     opts: &ParseOptions,
 ) -> Result<Vec<LineRecord>, ParseError> {
+    parse_line_protocol_with(input, opts, None)
+}
+
+/// As [`parse_line_protocol`]; with `measurement_tag`, each record also gets its measurement
+/// as a tag of that name (before its key is derived), and a line that sets such a tag itself is
+/// an error. The Influx write endpoints keep mixed measurements apart this way.
+pub fn parse_line_protocol_with(
+    input: &str,
+    opts: &ParseOptions,
+    measurement_tag: Option<&str>,
+) -> Result<Vec<LineRecord>, ParseError> {
     let mut records = Vec::new();
     let (mut line_no, mut counted) = (1, 0);
     // `split_lines` knows that a quoted string field may contain a newline.
@@ -53,7 +64,7 @@ pub fn parse_line_protocol(
             return Err(line_too_long(line_no, line.s));
         }
         if let Some(body) = line.skip_comments() {
-            records.extend(line.parse(body, opts)?);
+            records.extend(line.parse(body, opts, measurement_tag)?);
         }
     }
     Ok(records)
@@ -89,7 +100,12 @@ impl<'a> Line<'a> {
     }
 
     /// Parses `body`, a suffix of the line.
-    fn parse(&self, body: &'a str, opts: &ParseOptions) -> Result<Option<LineRecord>, ParseError> {
+    fn parse(
+        &self,
+        body: &'a str,
+        opts: &ParseOptions,
+        measurement_tag: Option<&str>,
+    ) -> Result<Option<LineRecord>, ParseError> {
         // Trailing blanks are harmless, but the crate refuses them; keep an escaped one.
         let trimmed = body.trim_end_matches([' ', '\t']);
         let body = if trimmed.ends_with('\\') {
@@ -99,14 +115,32 @@ impl<'a> Line<'a> {
         };
         match lp::parse_lines(body).next() {
             None => Ok(None),
-            Some(Ok(parsed)) => self.convert(parsed, opts).map(Some),
+            Some(Ok(parsed)) => self.convert(parsed, opts, measurement_tag).map(Some),
             Some(Err(e)) => Err(self.crate_error(body, &e)),
         }
     }
 
-    fn convert(&self, p: ParsedLine<'a>, opts: &ParseOptions) -> Result<LineRecord, ParseError> {
+    fn convert(
+        &self,
+        p: ParsedLine<'a>,
+        opts: &ParseOptions,
+        measurement_tag: Option<&str>,
+    ) -> Result<LineRecord, ParseError> {
         let measurement = String::from(&p.series.measurement);
-        let tags = self.tags(&p)?;
+        let mut tags = self.tags(&p)?;
+        if let Some(name) = measurement_tag {
+            let own = p
+                .series
+                .tag_set
+                .iter()
+                .flatten()
+                .find(|(k, _)| k.as_str() == name);
+            if let Some((k, _)) = own {
+                let expected = format!("no tag named {name:?}: it holds the line's measurement");
+                return Err(self.err_at(self.offset_of(k), expected));
+            }
+            tags.push((name.to_owned(), measurement.clone()));
+        }
         let key = match tags.is_empty() {
             true => measurement.clone(),
             false => key_from_tags(&tags),
