@@ -10,7 +10,7 @@ mod columnar_support;
 
 use std::path::{Path, PathBuf};
 
-use columnar_support::{exact_json, from_exact_json, odd_records, telemetry, write_fixtures};
+use columnar_support::{from_exact_json, odd_records, telemetry, write_fixture, write_fixtures};
 use sync::Record;
 use sync::block::{self, DecodeLimits, VERSION_COLUMNAR};
 use sync::segment;
@@ -27,21 +27,7 @@ fn fixture_blocks() -> Vec<Vec<Record>> {
 }
 
 fn write() {
-    std::fs::create_dir_all(dir()).unwrap();
-    let mut seg = segment::segment_header().to_vec();
-    let mut ndjson = String::new();
-    let mut seq = 1u64;
-    for records in fixture_blocks() {
-        let b = block::encode_block(VERSION_COLUMNAR, 3, seq, &records).unwrap();
-        seg.extend(segment::encode_frame(&b));
-        seq += records.len() as u64;
-        for r in &records {
-            ndjson.push_str(&exact_json(r).to_string());
-            ndjson.push('\n');
-        }
-    }
-    std::fs::write(dir().join("blocks.seg"), seg).unwrap();
-    std::fs::write(dir().join("records.ndjson"), ndjson).unwrap();
+    write_fixture(&dir(), fixture_blocks(), VERSION_COLUMNAR);
 }
 
 #[test]

@@ -188,3 +188,23 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
 pub fn write_fixtures() -> bool {
     std::env::var("TRIBUTARY_WRITE_FIXTURES").as_deref() == Ok("1")
 }
+
+/// Writes `blocks` as a fixture under `dir`: `blocks.seg`, a segment of blocks sealed with
+/// `version` (epoch 3, seqs from 1), and `records.ndjson`, their records in exact form.
+pub fn write_fixture(dir: &std::path::Path, blocks: Vec<Vec<Record>>, version: u8) {
+    std::fs::create_dir_all(dir).unwrap();
+    let mut seg = sync::segment::segment_header().to_vec();
+    let mut ndjson = String::new();
+    let mut seq = 1u64;
+    for records in blocks {
+        let b = sync::block::encode_block(version, 3, seq, &records).unwrap();
+        seg.extend(sync::segment::encode_frame(&b));
+        seq += records.len() as u64;
+        for r in &records {
+            ndjson.push_str(&exact_json(r).to_string());
+            ndjson.push('\n');
+        }
+    }
+    std::fs::write(dir.join("blocks.seg"), seg).unwrap();
+    std::fs::write(dir.join("records.ndjson"), ndjson).unwrap();
+}
