@@ -939,9 +939,15 @@ impl Hub {
             .cloned()
     }
 
-    /// Fences `device`: every later block is refused until an operator clears it.
+    /// Fences `device`: every later block is refused until an operator clears it. Every path
+    /// that fences comes through here, so the alarm is logged the same way whichever finds it.
     pub fn fence(&self, device: &str, reason: &str) {
-        tracing::error!(device, reason, alarm = "device_fenced", "fencing device");
+        tracing::error!(
+            device,
+            reason,
+            alarm = "device_fenced",
+            "ALARM: device fenced"
+        );
         self.fenced
             .write()
             .expect("fenced lock")

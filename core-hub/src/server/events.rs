@@ -82,7 +82,6 @@ pub(super) async fn handle_event(
             let reason = format!(
                 "conflicting content for {stream} epoch {epoch} seqs {first_seq}..={last_seq}"
             );
-            tracing::error!(%device, %reason, "ALARM: device fenced");
             ctx.hub
                 .stats()
                 .conflicts
