@@ -11,6 +11,16 @@
 //! Run: `cargo bench -p edge-agent --bench mqtt_ingest` (target: the agent at least 80% of the
 //! plain subscriber). `MQTT_BENCH_MESSAGES` (default 200,000), `MQTT_BENCH_FSYNC` (default
 //! `interval:10ms`), `MOSQUITTO` (default: found on `PATH` or in /usr/sbin).
+//!
+//! `MQTT_BENCH_FORMAT=sparkplug`: the same comparison for the Sparkplug B host. Each side's
+//! publisher is an edge node that sends NBIRTH (`bdSeq`), DBIRTH (three metrics with aliases)
+//! and then `N` DDATA, each the three metrics by alias (Double, Int64, Boolean) with a payload
+//! timestamp and the node's `seq`, encoded with the agent's own prost messages
+//! (`sources::sparkplug::proto`). The plain subscriber counts the messages of group `plain`;
+//! the agent (`format = "sparkplug"`, group `agent`) is timed until the DBIRTH's record and the
+//! `N` DDATA records are durable, and must report no seq gap. Published at QoS 1, like the JSON
+//! mode, so that no message is lost and both sides count the same messages (a Sparkplug node
+//! sends DATA at QoS 0).
 
 use std::net::TcpStream;
 use std::path::PathBuf;
@@ -22,7 +32,9 @@ use anyhow::{Context, bail};
 use edge_agent::config::EdgeConfig;
 use edge_agent::http::AppState;
 use edge_agent::log::Log;
+use edge_agent::sources::sparkplug::proto::{self, Metric, MetricValue, Payload};
 use edge_agent::storage::RealStorage;
+use prost::Message as _;
 use rumqttc::{AsyncClient, Event, MqttOptions, Packet, QoS};
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -91,23 +103,128 @@ fn start_broker() -> anyhow::Result<Broker> {
     Ok(broker)
 }
 
-/// Publishes `n` QoS 1 messages on `topic`, pipelined up to the broker's inflight window.
+/// What the publishers send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Format {
+    /// One JSON object per message on `bench/{side}/x`.
+    Json,
+    /// A Sparkplug B edge node: NBIRTH, DBIRTH, then DDATA.
+    Sparkplug,
+}
+
+impl Format {
+    /// Messages published for `n` data messages.
+    fn messages(self, n: u64) -> u64 {
+        match self {
+            Format::Json => n,
+            Format::Sparkplug => n + 2,
+        }
+    }
+
+    /// Records the agent stores for `n` data messages (the DBIRTH's metrics are one record).
+    fn records(self, n: u64) -> u64 {
+        match self {
+            Format::Json => n,
+            Format::Sparkplug => n + 1,
+        }
+    }
+
+    /// The plain subscriber's filter for `side`.
+    fn filter(self, side: &str) -> String {
+        match self {
+            Format::Json => format!("bench/{side}/#"),
+            Format::Sparkplug => format!("spBv1.0/{side}/#"),
+        }
+    }
+
+    /// Message `i` of `side`: topic and payload.
+    fn message(self, side: &str, i: u64) -> (String, Vec<u8>) {
+        match self {
+            Format::Json => (
+                format!("bench/{side}/x"),
+                format!("{{\"v\":{}.5,\"i\":{i}}}", i % 1000).into_bytes(),
+            ),
+            Format::Sparkplug => sparkplug_message(side, i),
+        }
+    }
+}
+
+/// The device's three metrics: alias, name, datatype.
+const SPB_METRICS: [(u64, &str, u32); 3] = [
+    (1, "temperature", proto::datatype::DOUBLE),
+    (2, "counter", proto::datatype::INT64),
+    (3, "running", proto::datatype::BOOLEAN),
+];
+
+/// Message `i` of the bench's edge node in group `side`: NBIRTH, DBIRTH, then DDATA.
+fn sparkplug_message(side: &str, i: u64) -> (String, Vec<u8>) {
+    let ts = 1_764_374_400_000 + i;
+    let value = |alias: u64| match alias {
+        1 => MetricValue::DoubleValue(20.0 + (i % 100) as f64 / 10.0),
+        2 => MetricValue::LongValue(i),
+        _ => MetricValue::BooleanValue(i % 2 == 0),
+    };
+    let (kind, metrics) = match i {
+        0 => {
+            let bd_seq = Metric {
+                name: Some("bdSeq".into()),
+                datatype: Some(proto::datatype::INT64),
+                value: Some(MetricValue::LongValue(0)),
+                ..Metric::default()
+            };
+            ("NBIRTH", vec![bd_seq])
+        }
+        1 => {
+            let born = SPB_METRICS.iter().map(|&(alias, name, datatype)| Metric {
+                name: Some(name.into()),
+                alias: Some(alias),
+                datatype: Some(datatype),
+                value: Some(value(alias)),
+                ..Metric::default()
+            });
+            ("DBIRTH", born.collect())
+        }
+        _ => {
+            let data = SPB_METRICS.iter().map(|&(alias, _, _)| Metric {
+                alias: Some(alias),
+                value: Some(value(alias)),
+                ..Metric::default()
+            });
+            ("DDATA", data.collect())
+        }
+    };
+    let payload = Payload {
+        timestamp: Some(ts),
+        metrics,
+        seq: Some(i % 256),
+        ..Payload::default()
+    };
+    let device = if kind == "NBIRTH" { "" } else { "/dev-1" };
+    (
+        format!("spBv1.0/{side}/{kind}/node-1{device}"),
+        payload.encode_to_vec(),
+    )
+}
+
+/// Publishes the messages of `side` for `n` data messages at QoS 1, pipelined up to the
+/// broker's inflight window.
 async fn publish(
     port: u16,
-    topic: &str,
+    format: Format,
+    side: &'static str,
     n: u64,
     progress: Arc<std::sync::atomic::AtomicU64>,
 ) -> anyhow::Result<()> {
-    let mut opts = MqttOptions::new(format!("bench-pub-{topic}"), "127.0.0.1", port);
+    let mut opts = MqttOptions::new(format!("bench-pub-{side}"), "127.0.0.1", port);
     opts.set_inflight(1000);
     opts.set_keep_alive(Duration::from_secs(30));
     let (client, mut eventloop) = AsyncClient::new(opts, 1000);
-    let topic = topic.to_owned();
+    let n = format.messages(n);
     let sender = tokio::spawn(async move {
         for i in 0..n {
-            let payload = format!("{{\"v\":{}.5,\"i\":{i}}}", i % 1000);
+            let (topic, payload) = format.message(side, i);
             client
-                .publish(topic.as_str(), QoS::AtLeastOnce, false, payload)
+                .publish(topic, QoS::AtLeastOnce, false, payload)
                 .await?;
         }
         Ok::<_, anyhow::Error>(client)
@@ -123,21 +240,24 @@ async fn publish(
     Ok(())
 }
 
-/// The plain subscriber: seconds from the first publish to the `n`-th delivery.
-async fn plain(port: u16, n: u64) -> anyhow::Result<f64> {
+/// The plain subscriber: seconds from the first publish to the last delivery.
+async fn plain(port: u16, format: Format, n: u64) -> anyhow::Result<f64> {
     let mut opts = MqttOptions::new("bench-plain-sub", "127.0.0.1", port);
     opts.set_inflight(1000);
     let (client, mut eventloop) = AsyncClient::new(opts, 1000);
-    client.subscribe("bench/plain/#", QoS::AtLeastOnce).await?;
+    client
+        .subscribe(format.filter("plain"), QoS::AtLeastOnce)
+        .await?;
     loop {
         if let Event::Incoming(Packet::SubAck(_)) = eventloop.poll().await? {
             break;
         }
     }
     let start = Instant::now();
-    let publisher = tokio::spawn(publish(port, "bench/plain/x", n, Default::default()));
+    let publisher = tokio::spawn(publish(port, format, "plain", n, Default::default()));
+    let total = format.messages(n);
     let mut got = 0;
-    while got < n {
+    while got < total {
         if let Event::Incoming(Packet::Publish(_)) = eventloop.poll().await? {
             got += 1;
         }
@@ -147,17 +267,28 @@ async fn plain(port: u16, n: u64) -> anyhow::Result<f64> {
     Ok(secs)
 }
 
-/// The agent: seconds from the first publish until `n` records are durable.
-async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow::Result<f64> {
+/// The agent: seconds from the first publish until the records of `n` messages are durable.
+async fn agent(
+    port: u16,
+    format: Format,
+    n: u64,
+    fsync: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<f64> {
+    let source = match format {
+        Format::Json => "topics = [\"bench/agent/#\"]\n",
+        Format::Sparkplug => "format = \"sparkplug\"\nhost_id = \"bench\"\ngroups = [\"agent\"]\n",
+    };
     let cfg = EdgeConfig::from_toml(
         &format!(
             "data_dir = \"data\"\n[storage]\nfsync = \"{fsync}\"\n[[streams]]\nname = \"telemetry\"\n\
              [[sources]]\nkind = \"mqtt\"\nurl = \"mqtt://127.0.0.1:{port}\"\n\
-             topics = [\"bench/agent/#\"]\nstream = \"telemetry\"\n"
+             {source}stream = \"telemetry\"\n"
         ),
         dir,
         Some(Default::default()),
     )?;
+    let records = format.records(n);
     let (log, _) = Log::open(cfg.log_config(), Arc::new(RealStorage))?;
     let app = AppState::new(&cfg, log.clone());
     edge_agent::sources::spawn_all(&cfg, app.ingest.clone(), app.sources.clone())?;
@@ -171,7 +302,7 @@ async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow:
     let mut durable = log.durable_watch();
     let start = Instant::now();
     let published = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let publisher = tokio::spawn(publish(port, "bench/agent/x", n, published.clone()));
+    let publisher = tokio::spawn(publish(port, format, "agent", n, published.clone()));
     let stored = || {
         log.status()
             .streams
@@ -181,7 +312,7 @@ async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow:
     };
     // A stall (the source stops taking messages) is reported, not waited on forever.
     let waited = tokio::time::timeout(Duration::from_secs(120), async {
-        while stored() < n {
+        while stored() < records {
             if durable.changed().await.is_err() {
                 break;
             }
@@ -195,7 +326,7 @@ async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow:
             .context("the MQTT source's counters")?;
         let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
         bail!(
-            "the agent stalled: {} of {n} messages durable after 120 s ({:.0} msg/s until then); \
+            "the agent stalled: {} of {records} records durable after 120 s ({:.0} msg/s until then); \
              the broker acked {} publishes; the source received {} ({} DUP) and stored {}",
             stored(),
             stored() as f64 / start.elapsed().as_secs_f64(),
@@ -207,6 +338,23 @@ async fn agent(port: u16, n: u64, fsync: &str, dir: &std::path::Path) -> anyhow:
     }
     let secs = start.elapsed().as_secs_f64();
     publisher.await??;
+    if format == Format::Sparkplug {
+        let stats = app
+            .sources
+            .mqtt_stats(0)
+            .context("the MQTT source's counters")?;
+        let gaps = stats.spb_seq_gaps.load(std::sync::atomic::Ordering::Relaxed);
+        let dropped = stats
+            .spb_dropped_messages
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if gaps != 0 || dropped != 0 || stored() != records {
+            bail!(
+                "the Sparkplug host saw {gaps} seq gaps and dropped {dropped} messages; {} records \
+                 durable, {records} expected",
+                stored()
+            );
+        }
+    }
     log.shutdown();
     Ok(secs)
 }
@@ -222,16 +370,22 @@ fn main() -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let plain_s = rt.block_on(plain(broker.port, n))?;
-    let agent_s = rt.block_on(agent(broker.port, n, &fsync, dir.path()))?;
+    let format = match std::env::var("MQTT_BENCH_FORMAT").as_deref() {
+        Err(_) | Ok("json") => Format::Json,
+        Ok("sparkplug") => Format::Sparkplug,
+        Ok(other) => bail!("MQTT_BENCH_FORMAT={other:?}: use json or sparkplug"),
+    };
+    let plain_s = rt.block_on(plain(broker.port, format, n))?;
+    let agent_s = rt.block_on(agent(broker.port, format, n, &fsync, dir.path()))?;
     let (p, a) = (n as f64 / plain_s, n as f64 / agent_s);
-    println!("mqtt qos1: plain subscriber {n} messages in {plain_s:.2} s = {p:.0} msg/s");
+    let what = match format {
+        Format::Json => "mqtt qos1",
+        Format::Sparkplug => "sparkplug DDATA qos1",
+    };
+    println!("{what}: plain subscriber {n} messages in {plain_s:.2} s = {p:.0} msg/s");
     println!(
-        "mqtt qos1: agent (durable, fsync {fsync}) {n} messages in {agent_s:.2} s = {a:.0} msg/s"
+        "{what}: agent (durable, fsync {fsync}) {n} messages in {agent_s:.2} s = {a:.0} msg/s"
     );
-    println!(
-        "mqtt qos1: agent / plain = {:.1}% (target >= 80%)",
-        100.0 * a / p
-    );
+    println!("{what}: agent / plain = {:.1}% (target >= 80%)", 100.0 * a / p);
     Ok(())
 }

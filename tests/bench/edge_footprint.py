@@ -4,7 +4,8 @@
 Starts the given edge-agent binary with a throwaway data dir (interval:10ms fsync, one stream),
 posts NDJSON batches at --rate records/s for --seconds, and reports the agent's peak and final
 RSS and its CPU time as a share of one core, read from /proc. The producer's own CPU is not
-counted. Prints one JSON object.
+counted. Before the load, the agent's RSS once it has been up and idle for --idle-seconds
+(healthy, nothing posted) is reported as idle_rss_mib. Prints one JSON object.
 
   tests/bench/edge_footprint.py --bin target/edge/edge-agent --rate 10000 --seconds 30
 """
@@ -30,6 +31,7 @@ def main():
     ap.add_argument("--rate", type=int, default=10000)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--idle-seconds", type=float, default=3)
     a = ap.parse_args()
     d = tempfile.mkdtemp(prefix="tributary-footprint-")
     port = free_port()
@@ -45,6 +47,10 @@ def main():
                 if c.getresponse().status == 200: break
             except OSError: pass
             time.sleep(0.05)
+        else:
+            raise SystemExit("the agent did not answer /healthz")
+        time.sleep(a.idle_seconds)
+        _, idle_rss, _ = proc_stats(agent.pid)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         per_s = a.rate / a.batch
         seq = 0
@@ -69,6 +75,7 @@ def main():
         print(json.dumps({"records": n, "seconds": round(elapsed, 2), "records_per_s": round(n / elapsed),
                           "agent_cpu_pct_of_one_core": round(100 * (cpu1 - cpu0) / elapsed, 2),
                           "agent_cpu_ns_per_record": round(1e9 * (cpu1 - cpu0) / n),
+                          "idle_rss_mib": round(idle_rss / 2**20, 2),
                           "rss_mib": round(rss / 2**20, 2), "peak_rss_mib": round(hwm / 2**20, 2),
                           "binary_bytes": os.path.getsize(a.bin)}))
     finally:

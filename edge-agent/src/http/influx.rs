@@ -15,6 +15,9 @@
 //!   parse error, naming the line; 401; 404; 413; 503 with `Retry-After` when the disk budget
 //!   is full. `Content-Encoding: gzip` bodies are decompressed by the shared body layer
 //!   ([`super::limits`]).
+//! - `Idempotency-Key`: the records route's keyed path (`super::idempotency`); the body digest
+//!   covers the precision too ([`digest_label`]). A replay is 204 with
+//!   `Idempotency-Replayed: true`; 409, 422 and 503 answer as on the records route.
 
 use std::collections::BTreeMap;
 
@@ -109,6 +112,12 @@ pub fn given_token<'a>(headers: &'a HeaderMap, query: &'a WriteQuery) -> Option<
             .or_else(|| v.strip_prefix("Bearer "))
     })
     .or(query.password.as_deref())
+}
+
+/// What an `Idempotency-Key`'s body digest covers besides the body: the precision, which
+/// changes the records the same lines become. Stored in the log with the key: stable.
+pub fn digest_label(precision: TimeUnit) -> String {
+    format!("text/plain; influx precision={}", precision.name())
 }
 
 /// Why a body could not be taken, with the 1-based line it names.

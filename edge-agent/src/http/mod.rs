@@ -18,7 +18,9 @@
 //!   retry while the first request runs gets 409. A field named `_idempotency` in a body is
 //!   refused (400). Every 503 says in `"may_be_stored"` whether the batch may have been stored
 //!   (storage failed during the write): then retry with the same key after the agent restarted.
-//!   Retention and limits: `idempotency.rs`.
+//!   Retention and limits: `idempotency.rs`. The Influx writes and Prometheus remote write
+//!   take the same header through the same path (`ingest_idempotent`): a replay is 204 with
+//!   `Idempotency-Replayed: true`, the refusals are the ones above.
 //! - `POST /api/v1/write` (cargo feature `prometheus`): Prometheus remote write 1.0, from
 //!   Prometheus or Grafana Alloy, into the stream of `?stream=NAME` or else one named
 //!   `prometheus` (404 naming it when it is not declared). The snappy-compressed
@@ -422,6 +424,15 @@ async fn post_influx(
         let msg = format!("record {i}: field names starting with `_` are reserved: {field:?}");
         return fail(StatusCode::BAD_REQUEST, "invalid", &msg, None);
     }
+    if let Some(key) = headers.get("idempotency-key") {
+        // The precision is part of the batch: the same lines at another precision are another
+        // batch.
+        let digest = ingest::body_digest(&influx::digest_label(q.precision), &body);
+        return match ingest_idempotent(app, stream, key, digest, || Ok(records)).await {
+            Ok(answer) => no_content(answer.replayed),
+            Err(r) => r,
+        };
+    }
     match app.ingest.ingest(stream, records).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => append_error(&e),
@@ -499,6 +510,19 @@ async fn post_prom_write(
         Ok(b) => b,
         Err(e) => return refused(e),
     };
+    if let Some(key) = headers.get("idempotency-key") {
+        let digest = ingest::body_digest(prom_write::CONTENT_TYPE, &body);
+        let records = || Ok(batch.records);
+        return match ingest_idempotent(&app, &stream, key, digest, records).await {
+            Ok(answer) => {
+                if !answer.replayed {
+                    app.ingest.metrics().prom_dropped(&stream, batch.dropped);
+                }
+                no_content(answer.replayed)
+            }
+            Err(r) => r,
+        };
+    }
     app.ingest.metrics().prom_dropped(&stream, batch.dropped);
     match app.ingest.ingest(&stream, batch.records).await {
         Ok(_) => StatusCode::NO_CONTENT.into_response(),
@@ -506,7 +530,7 @@ async fn post_prom_write(
     }
 }
 
-/// A batch with an `Idempotency-Key`: see `ingest.rs` for the semantics and retention.
+/// A batch with an `Idempotency-Key`: see `idempotency.rs` for the semantics and retention.
 async fn post_idempotent(
     app: &AppState,
     stream: &str,
@@ -516,43 +540,11 @@ async fn post_idempotent(
     body: &[u8],
     opts: &sync::parse::ParseOptions,
 ) -> Response {
-    use ingest::{IdempotencyError, IdempotentStart};
-    let failed = |e: IdempotencyError| match e {
-        IdempotencyError::BadKey => error(StatusCode::BAD_REQUEST, e.to_string()),
-        IdempotencyError::InProgress => error(StatusCode::CONFLICT, e.to_string()),
-        IdempotencyError::BodyMismatch => error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
-        IdempotencyError::Append(e) => append_error(&e),
-        IdempotencyError::Store { .. }
-        | IdempotencyError::Scan { .. }
-        | IdempotencyError::MaybeStored(_)
-        | IdempotencyError::EarlierMaybeStored => unavailable(&e.to_string(), e.may_be_stored()),
-    };
-    let Ok(key) = key.to_str() else {
-        return failed(IdempotencyError::BadKey);
-    };
     let digest = ingest::body_digest(content_type, body);
-    let answer = match app.ingest.begin_idempotent(stream, key, digest).await {
-        Err(e) => return failed(e),
-        Ok(IdempotentStart::Replay(answer)) => answer,
-        Ok(IdempotentStart::Claimed(claim)) => {
-            let records = match ingest::parse_body_with(format, stream, body, opts) {
-                Ok(r) => r,
-                Err(e) => return body_error(&e),
-            };
-            // Its own task: a client that disconnects must not cut the work between the
-            // append and the cache write.
-            let ingest = app.ingest.clone();
-            let task = tokio::spawn(async move { ingest.ingest_claimed(claim, records).await });
-            match task.await {
-                Ok(Ok(answer)) => answer,
-                Ok(Err(e)) => return failed(e),
-                Err(e) => {
-                    return failed(IdempotencyError::MaybeStored(AppendError::Storage(
-                        format!("the request task failed: {e}"),
-                    )));
-                }
-            }
-        }
+    let parse = || ingest::parse_body_with(format, stream, body, opts).map_err(|e| body_error(&e));
+    let answer = match ingest_idempotent(app, stream, key, digest, parse).await {
+        Ok(answer) => answer,
+        Err(r) => return r,
     };
     let mut r = axum::Json(json!({
         "stream": answer.stream,
@@ -563,6 +555,67 @@ async fn post_idempotent(
     }))
     .into_response();
     if answer.replayed {
+        r.headers_mut()
+            .insert("idempotency-replayed", HeaderValue::from_static("true"));
+    }
+    r
+}
+
+/// The keyed path every write route shares (the native records route, the Influx writes and
+/// Prometheus remote write): the stored answer for a retried key and body (nothing is
+/// appended), or the claim, the records of `records` (called only for a new key) and their
+/// append with the key record. `Err` is the response to send: 400 bad key, 409 in progress,
+/// 422 the key with another body, 503 saying whether the batch may be stored, or the refusal
+/// of `records`.
+async fn ingest_idempotent(
+    app: &AppState,
+    stream: &str,
+    key: &HeaderValue,
+    digest: u64,
+    records: impl FnOnce() -> Result<Vec<sync::Record>, Response>,
+) -> Result<idempotency::BatchAnswer, Response> {
+    use ingest::{IdempotencyError, IdempotentStart};
+    let Ok(key) = key.to_str() else {
+        return Err(idempotency_error(IdempotencyError::BadKey));
+    };
+    let claim = match app.ingest.begin_idempotent(stream, key, digest).await {
+        Err(e) => return Err(idempotency_error(e)),
+        Ok(IdempotentStart::Replay(answer)) => return Ok(answer),
+        Ok(IdempotentStart::Claimed(claim)) => claim,
+    };
+    let records = records()?;
+    // Its own task: a client that disconnects must not cut the work between the append and
+    // the cache write.
+    let ingest = app.ingest.clone();
+    let task = tokio::spawn(async move { ingest.ingest_claimed(claim, records).await });
+    match task.await {
+        Ok(Ok(answer)) => Ok(answer),
+        Ok(Err(e)) => Err(idempotency_error(e)),
+        Err(e) => Err(idempotency_error(IdempotencyError::MaybeStored(
+            AppendError::Storage(format!("the request task failed: {e}")),
+        ))),
+    }
+}
+
+/// The answer to a keyed write that failed.
+fn idempotency_error(e: ingest::IdempotencyError) -> Response {
+    use ingest::IdempotencyError;
+    match e {
+        IdempotencyError::BadKey => error(StatusCode::BAD_REQUEST, e.to_string()),
+        IdempotencyError::InProgress => error(StatusCode::CONFLICT, e.to_string()),
+        IdempotencyError::BodyMismatch => error(StatusCode::UNPROCESSABLE_ENTITY, e.to_string()),
+        IdempotencyError::Append(e) => append_error(&e),
+        IdempotencyError::Store { .. }
+        | IdempotencyError::Scan { .. }
+        | IdempotencyError::MaybeStored(_)
+        | IdempotencyError::EarlierMaybeStored => unavailable(&e.to_string(), e.may_be_stored()),
+    }
+}
+
+/// 204 for a write route, with `Idempotency-Replayed: true` when the answer was replayed.
+fn no_content(replayed: bool) -> Response {
+    let mut r = StatusCode::NO_CONTENT.into_response();
+    if replayed {
         r.headers_mut()
             .insert("idempotency-replayed", HeaderValue::from_static("true"));
     }

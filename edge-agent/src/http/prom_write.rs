@@ -32,6 +32,9 @@
 //! [`sync::record::TAGS_PER_RECORD_MAX`], a NUL) or a metric name the agent reserves (starting
 //! with `_`), and a timestamp out of range in nanoseconds are refused whole with 400, naming
 //! the series: Prometheus does not retry a 4xx, so a batch it cannot fix is not sent again.
+//!
+//! A request with an `Idempotency-Key` goes through the records route's keyed path
+//! (`super::idempotency`), its digest taken over the compressed body as sent.
 
 use std::collections::HashMap;
 
@@ -207,12 +210,38 @@ pub fn decode(body: &[u8], max: usize) -> Result<Batch, WriteError> {
 pub fn decompress(body: &[u8], max: usize) -> Result<Vec<u8>, WriteError> {
     let snappy = |e: snap::Error| WriteError::Snappy(e.to_string());
     let len = snap::raw::decompress_len(body).map_err(snappy)?;
-    if len > max {
+    if len > max && switches::length_check() {
         return Err(WriteError::TooLarge { len, max });
     }
     snap::raw::Decoder::new()
         .decompress_vec(body)
         .map_err(snappy)
+}
+
+/// Test-only mutation switch (feature `fault-injection`; without it the check is always on):
+/// off, [`decompress`] allocates whatever length the snappy header promises, as a receiver
+/// that trusts the header would. Per thread: the decoder runs on the caller's thread, and tests
+/// run in parallel threads.
+pub mod switches {
+    #[cfg(feature = "fault-injection")]
+    thread_local! {
+        static LENGTH_CHECK: std::cell::Cell<bool> = const { std::cell::Cell::new(true) };
+    }
+
+    /// Turns the decompressed-length check on or off for decoding on this thread.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_length_check(on: bool) {
+        LENGTH_CHECK.with(|c| c.set(on));
+    }
+
+    /// Whether the decompressed length is checked against the cap (always, without the
+    /// feature).
+    pub(crate) fn length_check() -> bool {
+        #[cfg(feature = "fault-injection")]
+        return LENGTH_CHECK.with(std::cell::Cell::get);
+        #[cfg(not(feature = "fault-injection"))]
+        true
+    }
 }
 
 /// One record per sample (see the module doc).
@@ -502,6 +531,19 @@ mod tests {
             decode(&b, len - 1),
             Err(WriteError::TooLarge { .. })
         ));
+    }
+
+    /// Mutation check: with the length check off (`switches`) the test above fails.
+    #[cfg(feature = "fault-injection")]
+    #[test]
+    fn mutation_without_the_length_check_the_size_test_fails() {
+        switches::set_length_check(false);
+        let caught = std::panic::catch_unwind(the_decompressed_length_is_checked_before_allocating);
+        switches::set_length_check(true);
+        assert!(
+            caught.is_err(),
+            "the size test passed with the decompressed-length check off"
+        );
     }
 
     #[test]

@@ -1,5 +1,8 @@
 //! The host state machine, message by message: alias resolution, typed decoding by the BIRTH
 //! datatype, seq wrap and gaps, bdSeq and stale deaths, and when a rebirth is requested.
+//!
+//! Mutation check (feature `fault-injection`): with `state::switches::set_gap_check(false)` the
+//! seq test must fail.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -223,6 +226,19 @@ fn seq_wraps_and_gaps_are_recorded() {
     run(&mut h, "spBv1.0/g/NDATA/n", &data(256), 0);
     run(&mut h, "spBv1.0/g/NDATA/n", &payload(None, 5, vec![]), 0);
     assert_eq!(stats.bad_payloads.load(Ordering::Relaxed), 2);
+}
+
+/// Mutation check: with gap detection off (`state::switches`) the test above fails.
+#[cfg(feature = "fault-injection")]
+#[test]
+fn mutation_without_gap_detection_the_seq_test_fails() {
+    state::switches::set_gap_check(false);
+    let caught = std::panic::catch_unwind(seq_wraps_and_gaps_are_recorded);
+    state::switches::set_gap_check(true);
+    assert!(
+        caught.is_err(),
+        "the seq test passed with gap detection off"
+    );
 }
 
 #[test]
