@@ -608,4 +608,120 @@ mod tests {
             );
         }
     }
+
+    const CH: &str = "[[sources.channels]]\nname = \"a\"\nfunction = \"holding\"\naddress = 1\n";
+
+    /// An RTU source for unit `unit` with `serial` as the body of its `[sources.serial]`.
+    fn rtu(unit: u8, serial: &str) -> String {
+        format!(
+            "[[sources]]\nkind = \"modbus\"\ntransport = \"rtu\"\nunit_id = {unit}\nstream = \"plc\"\n\
+             [sources.serial]\n{serial}{CH}"
+        )
+    }
+
+    fn load_sources(sources: &str) -> Result<EdgeConfig, ConfigError> {
+        let text = format!("data_dir = \"d\"\n[[streams]]\nname = \"plc\"\n{sources}");
+        EdgeConfig::from_toml(&text, Path::new("/etc/tributary"), None)
+    }
+
+    #[test]
+    fn rtu_units_on_one_line_load_into_types() {
+        let line = "path = \"/dev/ttyUSB0\"\nbaud = 19200\n";
+        let cfg = load_sources(&format!("{}{}", rtu(1, line), rtu(2, line))).unwrap();
+        let SourceConfig::Modbus(m) = &cfg.sources[1] else {
+            panic!("not a modbus source: {:?}", cfg.sources[1]);
+        };
+        let super::ModbusTransport::Rtu(l) = &m.transport else {
+            panic!("not RTU: {m:?}");
+        };
+        assert_eq!(l.path, Path::new("/dev/ttyUSB0"));
+        assert_eq!(
+            (l.baud, l.parity, l.data_bits, l.stop_bits),
+            (19200, super::Parity::Even, 8, 1)
+        );
+        assert_eq!(m.unit_id, 2);
+        assert_eq!(m.describe(), "/dev/ttyUSB0 19200 8E1 unit 2");
+        let odd = "path = \"tty\"\nbaud = 9600\nparity = \"odd\"\ndata_bits = 7\nstop_bits = 2\n";
+        let cfg = load_sources(&rtu(5, odd)).unwrap();
+        let SourceConfig::Modbus(m) = &cfg.sources[0] else {
+            panic!("not a modbus source");
+        };
+        assert_eq!(
+            m.describe(),
+            "/etc/tributary/tty 9600 7O2 unit 5",
+            "relative to the config"
+        );
+    }
+
+    #[test]
+    fn each_bad_transport_setting_names_its_key() {
+        let line = "path = \"/dev/ttyS0\"\nbaud = 19200\n";
+        let tcp = "[[sources]]\nkind = \"modbus\"\naddress = \"127.0.0.1:502\"\nstream = \"plc\"\n";
+        let cases = [
+            (
+                rtu(1, line).replace("\"rtu\"", "\"udp\""),
+                "sources[0].transport",
+            ),
+            (
+                format!(
+                    "[[sources]]\nkind = \"modbus\"\ntransport = \"rtu\"\nstream = \"plc\"\n{CH}"
+                ),
+                "sources[0].serial",
+            ),
+            (
+                rtu(1, line).replace("unit_id = 1", "unit_id = 1\naddress = \"127.0.0.1:502\""),
+                "sources[0].address",
+            ),
+            (
+                format!("{tcp}[sources.serial]\n{line}{CH}"),
+                "sources[0].serial",
+            ),
+            (rtu(1, "path = \"/dev/ttyS0\"\n"), "sources[0].serial.baud"),
+            (rtu(1, "baud = 9600\n"), "sources[0].serial.path"),
+            (
+                rtu(1, &format!("{line}baud_rate = 1\n")),
+                "sources[0].serial.baud_rate",
+            ),
+            (
+                rtu(1, &format!("{line}parity = \"mark\"\n")),
+                "sources[0].serial.parity",
+            ),
+            (
+                rtu(1, &format!("{line}data_bits = 9\n")),
+                "sources[0].serial.data_bits",
+            ),
+            (
+                rtu(1, &format!("{line}stop_bits = 3\n")),
+                "sources[0].serial.stop_bits",
+            ),
+            (
+                rtu(1, "path = \"/dev/ttyS0\"\nbaud = 0\n"),
+                "sources[0].serial.baud",
+            ),
+            (rtu(0, line), "sources[0].unit_id"),
+            (rtu(248, line), "sources[0].unit_id"),
+            (
+                format!("{}{}", rtu(1, line), rtu(2, &line.replace("19200", "9600"))),
+                "sources[1].serial",
+            ),
+            (
+                format!("{}{}", rtu(4, line), rtu(4, line)),
+                "sources[1].unit_id",
+            ),
+        ];
+        for (sources, key) in cases {
+            let got = load_sources(&sources)
+                .expect_err("config should be refused")
+                .key()
+                .unwrap_or_default()
+                .to_owned();
+            assert!(
+                got.ends_with(key) || got == key,
+                "{sources:?}: key {got:?}, expected {key:?}"
+            );
+        }
+        // The same unit id on two different lines is two devices.
+        let other = "path = \"/dev/ttyS1\"\nbaud = 19200\n";
+        load_sources(&format!("{}{}", rtu(4, line), rtu(4, other))).unwrap();
+    }
 }
