@@ -20,7 +20,10 @@ use crate::filters::{Agg, DownsampleMode, StageSpec};
 use crate::log::{FsyncPolicy, LogConfig, OnFull};
 
 mod modbus;
-pub use modbus::{ModbusChannel, ModbusFunction, ModbusSourceConfig, ModbusType, Order};
+pub use modbus::{
+    ModbusChannel, ModbusFunction, ModbusSourceConfig, ModbusTransport, ModbusType, Order, Parity,
+    SerialLine,
+};
 
 /// The environment variable prefix: `TRIBUTARY_EDGE__HUB__ADDR` overrides `[hub] addr`.
 pub const ENV_PREFIX: &str = "TRIBUTARY_EDGE";
@@ -694,6 +697,8 @@ struct RawSource {
     hz: Option<String>,
     seed: Option<String>,
     address: Option<String>,
+    transport: Option<String>,
+    serial: Option<modbus::RawSerial>,
     unit_id: Option<String>,
     poll_interval: Option<String>,
     timeout: Option<String>,
@@ -718,8 +723,21 @@ impl RawConfig {
             .sources
             .into_iter()
             .enumerate()
-            .filter_map(|(i, s)| s.into_typed(i, &streams, base).transpose())
+            .filter_map(|(i, s)| {
+                s.into_typed(i, &streams, base)
+                    .map(|o| o.map(|s| (i, s)))
+                    .transpose()
+            })
             .collect::<Result<Vec<_>, _>>()?;
+        let modbus: Vec<_> = sources
+            .iter()
+            .filter_map(|(i, s)| match s {
+                SourceConfig::Modbus(m) => Some((*i, m)),
+                _ => None,
+            })
+            .collect();
+        modbus::check_buses(&modbus)?;
+        let sources = sources.into_iter().map(|(_, s)| s).collect();
         Ok(EdgeConfig {
             data_dir,
             hub,
@@ -1143,7 +1161,9 @@ impl RawSource {
                 self.into_sensor(&kind, index, streams).map(Some)
             }
             "modbus" => modbus::RawModbus {
+                transport: self.transport,
                 address: self.address,
+                serial: self.serial,
                 unit_id: self.unit_id,
                 poll_interval: self.poll_interval,
                 timeout: self.timeout,
@@ -1151,7 +1171,7 @@ impl RawSource {
                 key: self.key,
                 channels: self.channels,
             }
-            .into_typed(index, streams)
+            .into_typed(index, streams, base)
             .map(|m| Some(SourceConfig::Modbus(m))),
             other => Err(ConfigError::invalid(
                 key("kind"),

@@ -305,6 +305,7 @@ pub fn spawn_all(
 ) -> Result<(), StartError> {
     let mut mqtt_index = 0;
     let mut modbus_index = 0;
+    let mut modbus = Vec::new();
     for (index, source) in cfg.sources.iter().enumerate() {
         match source {
             SourceConfig::Mqtt(m) => {
@@ -326,29 +327,50 @@ pub fn spawn_all(
                 tokio::spawn(sensors::run(sensor, ingest.clone(), stats));
             }
             SourceConfig::Modbus(m) => {
-                spawn_modbus(m, modbus_index, &ingest, &state);
+                modbus.push((modbus_index, m));
                 modbus_index += 1;
             }
         }
     }
+    spawn_modbus(modbus, &ingest, &state);
     Ok(())
 }
 
-/// Starts the `index`-th Modbus source.
+/// Starts the Modbus sources, each with its place among them: a task per TCP device, and a
+/// task per serial line for the RTU devices on it (`modbus::run_bus`).
 #[cfg(feature = "modbus")]
 fn spawn_modbus(
-    cfg: &crate::config::ModbusSourceConfig,
-    index: usize,
+    sources: Vec<(usize, &crate::config::ModbusSourceConfig)>,
     ingest: &Ingest,
     state: &SourcesState,
 ) {
-    if let Some(stats) = state.modbus_stats(index) {
-        tokio::spawn(modbus::run(
-            cfg.clone(),
-            index,
-            ingest.clone(),
-            stats.clone(),
-        ));
+    use crate::config::ModbusTransport;
+    let mut buses: Vec<(crate::config::SerialLine, Vec<modbus::RtuUnit>)> = Vec::new();
+    for (index, cfg) in sources {
+        let Some(stats) = state.modbus_stats(index).cloned() else {
+            continue;
+        };
+        match &cfg.transport {
+            ModbusTransport::Tcp { .. } => {
+                tokio::spawn(modbus::run(cfg.clone(), index, ingest.clone(), stats));
+            }
+            ModbusTransport::Rtu(line) => {
+                let unit = modbus::RtuUnit {
+                    index,
+                    cfg: cfg.clone(),
+                    stats,
+                };
+                // Config load made sure every source on one path gives the line the same
+                // settings.
+                match buses.iter_mut().find(|(l, _)| l.path == line.path) {
+                    Some((_, units)) => units.push(unit),
+                    None => buses.push((line.clone(), vec![unit])),
+                }
+            }
+        }
+    }
+    for (line, units) in buses {
+        tokio::spawn(modbus::run_bus(line, units, ingest.clone()));
     }
 }
 
@@ -356,8 +378,7 @@ fn spawn_modbus(
 /// `kind = "modbus"` in such builds.
 #[cfg(not(feature = "modbus"))]
 fn spawn_modbus(
-    _cfg: &crate::config::ModbusSourceConfig,
-    _index: usize,
+    _sources: Vec<(usize, &crate::config::ModbusSourceConfig)>,
     _ingest: &Ingest,
     _state: &SourcesState,
 ) {

@@ -1,5 +1,6 @@
-//! The Modbus TCP source: polls a device's registers and coils on an interval and appends one
-//! record per poll, one field per channel, through the one ingest path ([`Ingest::ingest`]).
+//! The Modbus source: polls a device's registers and coils on an interval, over TCP or over a
+//! serial line (RTU, [`rtu`]), and appends one record per poll, one field per channel, through
+//! the one ingest path ([`Ingest::ingest`]).
 //!
 //! A channel whose read fails (an exception code, a timeout) is left out of that poll's record
 //! and counted (`tributary_edge_modbus_errors_total{source,channel}`), with a WARN at most once a
@@ -22,15 +23,18 @@ use crate::config::{ModbusChannel, ModbusSourceConfig, ModbusType, Order};
 /// Counters and connection state of one Modbus source, for `/metrics` and `/v1/status`.
 #[derive(Debug)]
 pub struct ModbusStats {
-    address: String,
+    /// The device as `/v1/status` names it (`host:port`, or the serial line and unit).
+    device: String,
     stream: String,
     channels: Vec<String>,
     pub polls: AtomicU64,
     pub records: AtomicU64,
     /// Per channel, in config order: reads that failed.
     pub channel_errors: Vec<AtomicU64>,
-    /// Connects that failed or timed out.
+    /// Connects (or serial port opens) that failed or timed out.
     pub connect_errors: AtomicU64,
+    /// Reads that got no answer within the timeout.
+    pub timeouts: AtomicU64,
     /// Records the log refused (disk full under `on_full = "block"`).
     pub refused_records: AtomicU64,
     conn: Mutex<Conn>,
@@ -47,13 +51,14 @@ struct Conn {
 impl ModbusStats {
     pub fn new(cfg: &ModbusSourceConfig) -> Self {
         ModbusStats {
-            address: cfg.address.clone(),
+            device: cfg.describe(),
             stream: cfg.stream.clone(),
             channels: cfg.channels.iter().map(|c| c.name.clone()).collect(),
             polls: AtomicU64::new(0),
             records: AtomicU64::new(0),
             channel_errors: cfg.channels.iter().map(|_| AtomicU64::new(0)).collect(),
             connect_errors: AtomicU64::new(0),
+            timeouts: AtomicU64::new(0),
             refused_records: AtomicU64::new(0),
             conn: Mutex::new(Conn {
                 since_ms: crate::http::status::now_ms(),
@@ -100,7 +105,7 @@ impl ModbusStats {
         crate::http::status::SourceReport {
             source: index,
             kind: "modbus".into(),
-            broker: self.address.clone(),
+            broker: self.device.clone(),
             stream: self.stream.clone(),
             state: state.into(),
             last_error: c.last_error.clone(),
@@ -125,7 +130,7 @@ pub fn render(all: &[std::sync::Arc<ModbusStats>]) -> String {
     if all.is_empty() {
         return out;
     }
-    let per_source: [Metric; 5] = [
+    let per_source: [Metric; 6] = [
         ("polls_total", "counter", "polls of the device", |s| {
             s.polls.load(Ordering::Relaxed)
         }),
@@ -137,6 +142,12 @@ pub fn render(all: &[std::sync::Arc<ModbusStats>]) -> String {
             "counter",
             "connects that failed or timed out",
             |s| s.connect_errors.load(Ordering::Relaxed),
+        ),
+        (
+            "timeouts_total",
+            "counter",
+            "reads the device did not answer within the timeout",
+            |s| s.timeouts.load(Ordering::Relaxed),
         ),
         (
             "refused_records_total",
@@ -234,6 +245,11 @@ fn raw_bytes(regs: &[u16], byte_order: Order, word_order: Order) -> Vec<u8> {
 
 #[cfg(feature = "modbus")]
 pub use driver::run;
+#[cfg(feature = "modbus")]
+pub use rtu::{RtuUnit, run_bus};
+
+#[cfg(feature = "modbus")]
+mod rtu;
 
 #[cfg(feature = "modbus")]
 mod driver {
@@ -248,113 +264,103 @@ mod driver {
     use tokio_modbus::prelude::Slave;
 
     use super::{ModbusStats, decode};
-    use crate::config::{ModbusChannel, ModbusFunction, ModbusSourceConfig};
+    use crate::config::{ModbusChannel, ModbusFunction, ModbusSourceConfig, ModbusTransport};
     use crate::http::ingest::{Ingest, now_ns};
 
     /// The longest wait between reconnects to a device that does not answer.
-    const BACKOFF_MAX: Duration = Duration::from_secs(30);
+    pub(super) const BACKOFF_MAX: Duration = Duration::from_secs(30);
     /// A channel's failures are logged at most this often.
     const WARN_EVERY: Duration = Duration::from_secs(60);
 
     /// Why one read failed.
-    enum ReadError {
+    pub(super) enum ReadError {
         /// The device answered with an exception code: the connection is fine.
         Exception(String),
-        /// Timeout, IO error, or a broken frame: the connection is dropped.
-        Transport(String),
+        /// No answer within the timeout.
+        Timeout(String),
+        /// An answer that does not fit the request (another unit's, a late one, the wrong
+        /// function or size): the line is fine, the answer is not used.
+        Protocol(String),
+        /// The connection or the port failed.
+        Io(String),
     }
 
-    /// Runs one Modbus source until the process ends. `index` is its place among the Modbus
-    /// sources (the `source` label).
+    impl ReadError {
+        pub(super) fn message(&self) -> &str {
+            match self {
+                ReadError::Exception(e)
+                | ReadError::Timeout(e)
+                | ReadError::Protocol(e)
+                | ReadError::Io(e) => e,
+            }
+        }
+    }
+
+    /// Runs one Modbus TCP source until the process ends. `index` is its place among the
+    /// Modbus sources (the `source` label).
     pub async fn run(
         cfg: ModbusSourceConfig,
         index: usize,
         ingest: Ingest,
         stats: Arc<ModbusStats>,
     ) {
+        let ModbusTransport::Tcp { address } = cfg.transport.clone() else {
+            unreachable!("RTU sources run on a bus (run_bus)");
+        };
         let mut poller = Poller {
-            index,
+            address,
             ctx: None,
             backoff: cfg.poll_interval,
             next_connect: Instant::now(),
-            warned: vec![None; cfg.channels.len()],
-            cfg,
-            stats,
+            device: Device::new(cfg, index, stats),
         };
-        let mut tick = tokio::time::interval(poller.cfg.poll_interval);
+        let mut tick = tokio::time::interval(poller.device.cfg.poll_interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            let Some(record) = poller.poll().await else {
-                continue;
-            };
-            match ingest.ingest(&poller.cfg.stream, vec![record]).await {
-                Ok(_) => {
-                    poller.stats.records.fetch_add(1, Ordering::Relaxed);
-                }
-                Err(e) => {
-                    poller.stats.refused_records.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(source = index, stream = %poller.cfg.stream, error = %e, "modbus poll refused by the log");
-                }
+            if let Some(record) = poller.poll().await {
+                poller.device.append(&ingest, record).await;
             }
         }
     }
 
-    /// One source's connection and bookkeeping between polls.
-    struct Poller {
-        index: usize,
-        cfg: ModbusSourceConfig,
-        stats: Arc<ModbusStats>,
-        ctx: Option<Context>,
-        /// The wait before the next connect after a failed one.
-        backoff: Duration,
-        next_connect: Instant,
+    /// One device's config, counters and log throttle: what TCP and RTU polling share.
+    pub(super) struct Device {
+        pub(super) index: usize,
+        pub(super) cfg: ModbusSourceConfig,
+        pub(super) stats: Arc<ModbusStats>,
         /// Per channel: when its failure was last logged, and how many since.
         warned: Vec<Option<(Instant, u64)>>,
     }
 
-    impl Poller {
-        /// Reads every channel; `None` when nothing could be read.
-        async fn poll(&mut self) -> Option<Record> {
-            if self.ctx.is_none() && !self.connect().await {
-                return None;
+    impl Device {
+        pub(super) fn new(cfg: ModbusSourceConfig, index: usize, stats: Arc<ModbusStats>) -> Self {
+            Device {
+                index,
+                warned: vec![None; cfg.channels.len()],
+                cfg,
+                stats,
             }
-            self.stats.polls.fetch_add(1, Ordering::Relaxed);
-            let mut fields = Vec::with_capacity(self.cfg.channels.len());
-            let (mut reconnected, mut answered) = (false, false);
-            let mut lost = None;
-            for i in 0..self.cfg.channels.len() {
-                if self.ctx.is_none() {
-                    // One reconnect per poll: a device that accepts connections but never
-                    // answers costs at most two timeouts a poll, and then the backoff.
-                    if reconnected || !self.connect().await {
-                        break;
-                    }
-                    reconnected = true;
+        }
+
+        /// Reads channel `i`, counting and logging a failure.
+        pub(super) async fn read(
+            &mut self,
+            ctx: &mut Context,
+            i: usize,
+        ) -> Result<Value, ReadError> {
+            let r = read_channel(ctx, &self.cfg.channels[i], self.cfg.timeout).await;
+            if let Err(e) = &r {
+                if matches!(e, ReadError::Timeout(_)) {
+                    self.stats.timeouts.fetch_add(1, Ordering::Relaxed);
                 }
-                match self.read(i).await {
-                    Ok(v) => {
-                        answered = true;
-                        fields.push((self.cfg.channels[i].name.clone(), v));
-                    }
-                    Err(ReadError::Exception(e)) => {
-                        answered = true;
-                        self.channel_failed(i, &e);
-                    }
-                    Err(ReadError::Transport(e)) => {
-                        self.ctx = None;
-                        self.stats.set_down(&e);
-                        self.channel_failed(i, &e);
-                        lost = Some(e);
-                    }
-                }
+                self.channel_failed(i, e.message());
             }
-            if answered {
-                self.stats.set_up();
-                self.backoff = self.cfg.poll_interval;
-            } else if let Some(e) = lost.filter(|_| self.ctx.is_none() && !self.waiting()) {
-                self.back_off(&e);
-            }
+            r
+        }
+
+        /// The record of one poll from the fields read; `None` when nothing was.
+        pub(super) fn record(&self, fields: Vec<(String, Value)>) -> Option<Record> {
             if fields.is_empty() {
                 return None;
             }
@@ -366,81 +372,17 @@ mod driver {
             })
         }
 
-        /// Opens the connection unless the backoff says wait; false when there is none. The
-        /// device counts as up only once it answers a read.
-        async fn connect(&mut self) -> bool {
-            if self.waiting() {
-                return false;
-            }
-            match try_connect(&self.cfg).await {
-                Ok(ctx) => {
-                    self.ctx = Some(ctx);
-                    tracing::debug!(source = self.index, address = %self.cfg.address, "modbus device connected");
-                    true
+        /// Appends one poll's record, counting it or its refusal.
+        pub(super) async fn append(&self, ingest: &Ingest, record: Record) {
+            match ingest.ingest(&self.cfg.stream, vec![record]).await {
+                Ok(_) => {
+                    self.stats.records.fetch_add(1, Ordering::Relaxed);
                 }
                 Err(e) => {
-                    self.stats.connect_errors.fetch_add(1, Ordering::Relaxed);
-                    self.back_off(&e);
-                    false
+                    self.stats.refused_records.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(source = self.index, stream = %self.cfg.stream, error = %e, "modbus poll refused by the log");
                 }
             }
-        }
-
-        /// A failed connect already set the wait.
-        fn waiting(&self) -> bool {
-            Instant::now() < self.next_connect
-        }
-
-        /// Nothing answered because of `e`: waits before the next connect, doubling the wait
-        /// each time up to [`BACKOFF_MAX`], and logs the first failure of each outage.
-        fn back_off(&mut self, e: &str) {
-            let first = self.stats.is_up() || self.backoff == self.cfg.poll_interval;
-            self.stats.set_down(e);
-            self.next_connect = Instant::now() + self.backoff;
-            if first {
-                tracing::warn!(source = self.index, address = %self.cfg.address, error = %e, retry_in = ?self.backoff, "modbus device not answering");
-            }
-            self.backoff = (self.backoff * 2).min(BACKOFF_MAX.max(self.cfg.poll_interval));
-        }
-
-        async fn read(&mut self, i: usize) -> Result<Value, ReadError> {
-            let ch: &ModbusChannel = &self.cfg.channels[i];
-            let ctx = self
-                .ctx
-                .as_mut()
-                .ok_or_else(|| ReadError::Transport("not connected".into()))?;
-            let (addr, count) = (ch.address, ch.ty.count());
-            let timeout = self.cfg.timeout;
-            let done = tokio::time::timeout(timeout, async {
-                match ch.function {
-                    ModbusFunction::Holding => ctx
-                        .read_holding_registers(addr, count)
-                        .await
-                        .map(|r| r.map(Answer::Words)),
-                    ModbusFunction::Input => ctx
-                        .read_input_registers(addr, count)
-                        .await
-                        .map(|r| r.map(Answer::Words)),
-                    ModbusFunction::Coil => ctx
-                        .read_coils(addr, count)
-                        .await
-                        .map(|r| r.map(Answer::Bits)),
-                    ModbusFunction::Discrete => ctx
-                        .read_discrete_inputs(addr, count)
-                        .await
-                        .map(|r| r.map(Answer::Bits)),
-                }
-            })
-            .await;
-            let answer = match done {
-                Err(_) => return Err(ReadError::Transport(format!("timed out after {timeout:?}"))),
-                Ok(Err(e)) => return Err(ReadError::Transport(e.to_string())),
-                Ok(Ok(Err(code))) => {
-                    return Err(ReadError::Exception(format!("exception: {code}")));
-                }
-                Ok(Ok(Ok(a))) => a,
-            };
-            answer.value(ch)
         }
 
         /// Counts a failed read of channel `i` and logs it unless logged within a minute.
@@ -467,24 +409,186 @@ mod driver {
         }
     }
 
-    /// One connect, bounded by the timeout. Takes the config, not the poller: a `&Context`
-    /// held across an await would make the task's future not `Send`.
-    async fn try_connect(cfg: &ModbusSourceConfig) -> Result<Context, String> {
-        let addr: SocketAddr = lookup_host(&cfg.address)
+    /// One TCP source's connection and bookkeeping between polls.
+    struct Poller {
+        address: String,
+        device: Device,
+        ctx: Option<Context>,
+        /// The wait before the next connect after a failed one.
+        backoff: Duration,
+        next_connect: Instant,
+    }
+
+    impl Poller {
+        /// Reads every channel; `None` when nothing could be read.
+        async fn poll(&mut self) -> Option<Record> {
+            if self.ctx.is_none() && !self.connect().await {
+                return None;
+            }
+            self.device.stats.polls.fetch_add(1, Ordering::Relaxed);
+            let mut fields = Vec::with_capacity(self.device.cfg.channels.len());
+            let (mut reconnected, mut answered) = (false, false);
+            let mut lost = None;
+            for i in 0..self.device.cfg.channels.len() {
+                if self.ctx.is_none() {
+                    // One reconnect per poll: a device that accepts connections but never
+                    // answers costs at most two timeouts a poll, and then the backoff.
+                    if reconnected || !self.connect().await {
+                        break;
+                    }
+                    reconnected = true;
+                }
+                let Some(ctx) = self.ctx.as_mut() else { break };
+                match self.device.read(ctx, i).await {
+                    Ok(v) => {
+                        answered = true;
+                        fields.push((self.device.cfg.channels[i].name.clone(), v));
+                    }
+                    Err(ReadError::Exception(_)) => answered = true,
+                    // Over TCP any other failure drops the connection: a late answer would
+                    // arrive as the reply to the next request.
+                    Err(e) => {
+                        self.ctx = None;
+                        self.device.stats.set_down(e.message());
+                        lost = Some(e.message().to_owned());
+                    }
+                }
+            }
+            if answered {
+                self.device.stats.set_up();
+                self.backoff = self.device.cfg.poll_interval;
+            } else if let Some(e) = lost.filter(|_| self.ctx.is_none() && !self.waiting()) {
+                self.back_off(&e);
+            }
+            self.device.record(fields)
+        }
+
+        /// Opens the connection unless the backoff says wait; false when there is none. The
+        /// device counts as up only once it answers a read.
+        async fn connect(&mut self) -> bool {
+            if self.waiting() {
+                return false;
+            }
+            let cfg = &self.device.cfg;
+            match try_connect(&self.address, cfg.unit_id, cfg.timeout).await {
+                Ok(ctx) => {
+                    self.ctx = Some(ctx);
+                    tracing::debug!(source = self.device.index, address = %self.address, "modbus device connected");
+                    true
+                }
+                Err(e) => {
+                    self.device
+                        .stats
+                        .connect_errors
+                        .fetch_add(1, Ordering::Relaxed);
+                    self.back_off(&e);
+                    false
+                }
+            }
+        }
+
+        /// A failed connect already set the wait.
+        fn waiting(&self) -> bool {
+            Instant::now() < self.next_connect
+        }
+
+        /// Nothing answered because of `e`: waits before the next connect, doubling the wait
+        /// each time up to [`BACKOFF_MAX`], and logs the first failure of each outage.
+        fn back_off(&mut self, e: &str) {
+            let d = &self.device;
+            let first = d.stats.is_up() || self.backoff == d.cfg.poll_interval;
+            d.stats.set_down(e);
+            self.next_connect = Instant::now() + self.backoff;
+            if first {
+                tracing::warn!(source = d.index, device = %d.cfg.describe(), error = %e, retry_in = ?self.backoff, "modbus device not answering");
+            }
+            self.backoff = (self.backoff * 2).min(BACKOFF_MAX.max(d.cfg.poll_interval));
+        }
+    }
+
+    /// One read of `ch`, bounded by `timeout`.
+    async fn read_channel(
+        ctx: &mut Context,
+        ch: &ModbusChannel,
+        timeout: Duration,
+    ) -> Result<Value, ReadError> {
+        let (addr, count) = (ch.address, ch.ty.count());
+        let done = tokio::time::timeout(no_timeout_mutation(timeout), async {
+            match ch.function {
+                ModbusFunction::Holding => ctx
+                    .read_holding_registers(addr, count)
+                    .await
+                    .map(|r| r.map(Answer::Words)),
+                ModbusFunction::Input => ctx
+                    .read_input_registers(addr, count)
+                    .await
+                    .map(|r| r.map(Answer::Words)),
+                ModbusFunction::Coil => ctx
+                    .read_coils(addr, count)
+                    .await
+                    .map(|r| r.map(Answer::Bits)),
+                ModbusFunction::Discrete => ctx
+                    .read_discrete_inputs(addr, count)
+                    .await
+                    .map(|r| r.map(Answer::Bits)),
+            }
+        })
+        .await;
+        let answer = match done {
+            Err(_) => return Err(ReadError::Timeout(format!("timed out after {timeout:?}"))),
+            Ok(Err(tokio_modbus::Error::Protocol(e))) => {
+                return Err(ReadError::Protocol(e.to_string()));
+            }
+            Ok(Err(e)) => return Err(ReadError::Io(e.to_string())),
+            Ok(Ok(Err(code))) => {
+                return Err(ReadError::Exception(format!("exception: {code}")));
+            }
+            Ok(Ok(Ok(a))) => a,
+        };
+        answer.value(ch)
+    }
+
+    /// The read timeout. Test-only mutation switch (`fault-injection` builds only): with
+    /// `TRIBUTARY_TEST_EDGE_MODBUS_NO_READ_TIMEOUT=1` a read waits a day for its answer, as a
+    /// driver with no read timeout would, so `tests/sources_modbus_rtu.rs` can show that its
+    /// checks catch a unit that never answers stalling the other units on its line.
+    fn no_timeout_mutation(timeout: Duration) -> Duration {
+        #[cfg(feature = "fault-injection")]
+        {
+            const ENV: &str = "TRIBUTARY_TEST_EDGE_MODBUS_NO_READ_TIMEOUT";
+            static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            let on = *ON.get_or_init(|| {
+                let on = std::env::var_os(ENV).is_some_and(|v| v == "1");
+                if on {
+                    tracing::error!(
+                        "{ENV}=1: MODBUS READS HAVE NO TIMEOUT (test-only mutation switch)"
+                    );
+                }
+                on
+            });
+            if on {
+                return Duration::from_secs(86_400);
+            }
+        }
+        timeout
+    }
+
+    /// One TCP connect, bounded by the timeout.
+    async fn try_connect(address: &str, unit_id: u8, timeout: Duration) -> Result<Context, String> {
+        let addr: SocketAddr = lookup_host(address)
             .await
-            .map_err(|e| format!("resolve {}: {e}", cfg.address))?
+            .map_err(|e| format!("resolve {address}: {e}"))?
             .next()
-            .ok_or_else(|| format!("{} resolves to no address", cfg.address))?;
-        let slave = Slave(cfg.unit_id);
+            .ok_or_else(|| format!("{address} resolves to no address"))?;
         match tokio::time::timeout(
-            cfg.timeout,
-            tokio_modbus::client::tcp::connect_slave(addr, slave),
+            timeout,
+            tokio_modbus::client::tcp::connect_slave(addr, Slave(unit_id)),
         )
         .await
         {
             Ok(Ok(ctx)) => Ok(ctx),
             Ok(Err(e)) => Err(format!("connect {addr}: {e}")),
-            Err(_) => Err(format!("connect {addr}: timed out after {:?}", cfg.timeout)),
+            Err(_) => Err(format!("connect {addr}: timed out after {timeout:?}")),
         }
     }
 
@@ -498,7 +602,7 @@ mod driver {
         fn value(self, ch: &ModbusChannel) -> Result<Value, ReadError> {
             match self {
                 Answer::Words(w) if w.len() == usize::from(ch.ty.count()) => Ok(decode(ch, &w)),
-                Answer::Words(w) => Err(ReadError::Transport(format!(
+                Answer::Words(w) => Err(ReadError::Protocol(format!(
                     "asked for {} registers, got {}",
                     ch.ty.count(),
                     w.len()
@@ -506,7 +610,7 @@ mod driver {
                 Answer::Bits(b) => b
                     .first()
                     .map(|b| Value::Bool(*b))
-                    .ok_or_else(|| ReadError::Transport("no bit in the answer".into())),
+                    .ok_or_else(|| ReadError::Protocol("no bit in the answer".into())),
             }
         }
     }
@@ -638,7 +742,9 @@ mod tests {
     #[test]
     fn metrics_name_source_and_channel() {
         let cfg = ModbusSourceConfig {
-            address: "127.0.0.1:502".into(),
+            transport: crate::config::ModbusTransport::Tcp {
+                address: "127.0.0.1:502".into(),
+            },
             unit_id: 1,
             poll_interval: std::time::Duration::from_secs(1),
             timeout: std::time::Duration::from_secs(1),
