@@ -18,6 +18,8 @@ pub mod parse;
 pub mod protocol;
 pub mod record;
 pub mod segment;
+#[cfg(feature = "sparkplug")]
+pub mod sparkplug;
 pub mod time;
 pub mod varint;
 

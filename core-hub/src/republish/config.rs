@@ -1,6 +1,10 @@
 //! `[republish]` in `hub.toml`: the raw table and its typed form, checked once at start-up.
 
-use super::topic::{TOPIC_BYTES_LIMIT, Template};
+use super::sparkplug::{
+    DEFAULT_EDGE_NODE_ID, DEFAULT_GROUP_ID, DEFAULT_HISTORICAL_AFTER, DEFAULT_METRICS_MAX,
+    Historical, SparkplugConfig,
+};
+use super::topic::{TOPIC_BYTES_LIMIT, Template, check_topic};
 use crate::config::{ConfigError, parse_bytes};
 use serde::Deserialize;
 use std::time::Duration;
@@ -38,9 +42,21 @@ pub struct RepublishConfig {
     pub batch_bytes_max: u64,
     pub dead_letters_max: u64,
     pub poll_interval: Duration,
+    /// What a record is published as.
+    pub format: Format,
     /// A test-only switch that turns one guard off (feature `fault-injection`).
     #[cfg(feature = "fault-injection")]
     pub mutation: Mutation,
+}
+
+/// `republish.format`: what each record is published as.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Format {
+    /// One JSON object per record on the template's topic (the default).
+    #[default]
+    Json,
+    /// Sparkplug B, the hub as an edge node ([`super::sparkplug`]).
+    Sparkplug(SparkplugConfig),
 }
 
 /// Test-only switches that leave one republish guard out, so that
@@ -74,6 +90,20 @@ pub struct RawRepublish {
     pub batch_bytes_max: Option<String>,
     pub dead_letters_max: Option<u64>,
     pub poll_interval: Option<String>,
+    /// `"json"` (the default) or `"sparkplug"`.
+    pub format: Option<String>,
+    /// `[republish.sparkplug]`, only with `format = "sparkplug"`.
+    pub sparkplug: Option<RawSparkplug>,
+}
+
+/// The raw `[republish.sparkplug]` table.
+#[derive(Debug, Default, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawSparkplug {
+    pub group_id: Option<String>,
+    pub edge_node_id: Option<String>,
+    pub historical_after: Option<String>,
+    pub metrics_max: Option<usize>,
 }
 
 fn key_err(key: &str, problem: impl Into<String>) -> ConfigError {
@@ -137,7 +167,7 @@ impl RawRepublish {
                 .client_id
                 .clone()
                 .unwrap_or_else(|| "tributary-hub".into()),
-            streams,
+            streams: streams.clone(),
             topic_template: self.template()?,
             topic_from_record,
             topic_bytes_max: bytes_in(
@@ -161,6 +191,7 @@ impl RawRepublish {
             )?,
             dead_letters_max,
             poll_interval: self.poll_interval()?,
+            format: self.format(&streams)?,
             #[cfg(feature = "fault-injection")]
             mutation: Mutation::None,
         })
@@ -187,6 +218,36 @@ impl RawRepublish {
         Template::parse(text).map_err(|p| key_err("topic_template", format!("`{text}`: {p}")))
     }
 
+    fn format(&self, streams: &[String]) -> Result<Format, ConfigError> {
+        match self.format.as_deref().unwrap_or("json") {
+            "json" if self.sparkplug.is_some() => Err(key_err(
+                "sparkplug",
+                "is only read with republish.format = \"sparkplug\"",
+            )),
+            "json" => Ok(Format::Json),
+            "sparkplug" => {
+                // Sparkplug fixes the topics; a template or a record's topic would be ignored.
+                for (key, set) in [
+                    ("topic_template", self.topic_template.is_some()),
+                    ("topic_from_record", self.topic_from_record.is_some()),
+                ] {
+                    if set {
+                        return Err(key_err(
+                            key,
+                            "does not apply with format = \"sparkplug\" (Sparkplug fixes the topics)",
+                        ));
+                    }
+                }
+                let raw = self.sparkplug.clone().unwrap_or_default();
+                Ok(Format::Sparkplug(raw.parse(streams)?))
+            }
+            other => Err(key_err(
+                "format",
+                format!("`{other}` is not a format; use \"json\" or \"sparkplug\""),
+            )),
+        }
+    }
+
     fn poll_interval(&self) -> Result<Duration, ConfigError> {
         match self.poll_interval.as_deref() {
             None => Ok(DEFAULT_POLL_INTERVAL),
@@ -194,6 +255,54 @@ impl RawRepublish {
                 .map_err(|e| key_err("poll_interval", format!("`{s}`: {e}"))),
         }
     }
+}
+
+impl RawSparkplug {
+    fn parse(&self, streams: &[String]) -> Result<SparkplugConfig, ConfigError> {
+        let group_id = self.group_id.as_deref().unwrap_or(DEFAULT_GROUP_ID);
+        level("sparkplug.group_id", group_id)?;
+        let edge_node_id = self.edge_node_id.as_deref().unwrap_or(DEFAULT_EDGE_NODE_ID);
+        if streams.len() > 1 && !edge_node_id.contains("{stream}") {
+            return Err(key_err(
+                "sparkplug.edge_node_id",
+                format!(
+                    "`{edge_node_id}` has no {{stream}}: each of the {} streams is its own \
+                     edge node and needs its own id",
+                    streams.len()
+                ),
+            ));
+        }
+        level(
+            "sparkplug.edge_node_id",
+            &edge_node_id.replace("{stream}", "s"),
+        )?;
+        let after = match self.historical_after.as_deref() {
+            None => DEFAULT_HISTORICAL_AFTER,
+            Some(s) => humantime::parse_duration(s.trim())
+                .map_err(|e| key_err("sparkplug.historical_after", format!("`{s}`: {e}")))?,
+        };
+        let metrics_max = self.metrics_max.unwrap_or(DEFAULT_METRICS_MAX);
+        if !(1..=10_000_000).contains(&metrics_max) {
+            return Err(key_err("sparkplug.metrics_max", "must be 1..=10000000"));
+        }
+        Ok(SparkplugConfig {
+            group_id: group_id.to_string(),
+            edge_node_id: edge_node_id.to_string(),
+            historical: Historical { after },
+            metrics_max,
+        })
+    }
+}
+
+/// A Sparkplug id fills exactly one topic level.
+fn level(key: &str, id: &str) -> Result<(), ConfigError> {
+    if id.contains('/') {
+        return Err(key_err(
+            key,
+            format!("`{id}` has a `/`; an id is one topic level"),
+        ));
+    }
+    check_topic(id, 256).map_err(|e| key_err(key, format!("`{id}`: {e}")))
 }
 
 pub(crate) fn parse_url(url: &str) -> Option<(String, u16)> {
@@ -257,6 +366,99 @@ mod tests {
         let unknown = text.replace("dead_letters_max", "dead_letter_max");
         let e = crate::config::HubConfig::from_toml(&unknown).unwrap_err();
         assert!(e.to_string().contains("dead_letter_max"), "{e}");
+    }
+
+    #[test]
+    fn sparkplug_keys_read_and_problems_name_their_key() {
+        let text = "data_dir = \"/tmp/x\"\n[republish]\nurl = \"mqtt://127.0.0.1:1883\"\n\
+            streams = [\"t\", \"b\"]\nformat = \"sparkplug\"\n[republish.sparkplug]\n\
+            group_id = \"plant\"\nedge_node_id = \"hub-{stream}\"\n\
+            historical_after = \"30s\"\nmetrics_max = 50\n";
+        let c = crate::config::HubConfig::from_toml(text)
+            .unwrap()
+            .republish
+            .unwrap();
+        let Format::Sparkplug(s) = c.format else {
+            panic!("{:?}", c.format)
+        };
+        assert_eq!(
+            (s.group_id.as_str(), s.edge_node_of("b")),
+            ("plant", "hub-b".into())
+        );
+        assert_eq!(s.historical.after, Duration::from_secs(30));
+        assert_eq!(s.metrics_max, 50);
+        assert_eq!(
+            raw().parse().unwrap().format,
+            Format::Json,
+            "json by default"
+        );
+        let e = crate::config::HubConfig::from_toml(&text.replace("metrics_max", "metric_max"))
+            .unwrap_err();
+        assert!(e.to_string().contains("metric_max"), "{e}");
+
+        let spb = |edit: fn(&mut RawSparkplug)| {
+            let mut r = raw();
+            r.format = Some("sparkplug".into());
+            let mut s = RawSparkplug::default();
+            edit(&mut s);
+            r.sparkplug = Some(s);
+            r
+        };
+        type Edit = fn(&mut RawRepublish);
+        let mut two = spb(|s| s.edge_node_id = Some("hub".into()));
+        two.streams = Some(vec!["a".into(), "b".into()]);
+        let cases: Vec<(RawRepublish, &str)> = vec![
+            (
+                spb(|s| s.group_id = Some("a/b".into())),
+                "republish.sparkplug.group_id",
+            ),
+            (
+                spb(|s| s.group_id = Some("+".into())),
+                "republish.sparkplug.group_id",
+            ),
+            (
+                spb(|s| s.edge_node_id = Some("".into())),
+                "republish.sparkplug.edge_node_id",
+            ),
+            (two, "republish.sparkplug.edge_node_id"),
+            (
+                spb(|s| s.historical_after = Some("soon".into())),
+                "republish.sparkplug.historical_after",
+            ),
+            (
+                spb(|s| s.metrics_max = Some(0)),
+                "republish.sparkplug.metrics_max",
+            ),
+            (
+                {
+                    let mut r = spb(|_| {});
+                    r.topic_template = Some("a/{key}".into());
+                    r
+                },
+                "republish.topic_template",
+            ),
+            (
+                {
+                    let mut r = raw();
+                    r.sparkplug = Some(RawSparkplug::default());
+                    r
+                },
+                "republish.sparkplug",
+            ),
+            (
+                {
+                    let e: Edit = |r| r.format = Some("xml".into());
+                    let mut r = raw();
+                    e(&mut r);
+                    r
+                },
+                "republish.format",
+            ),
+        ];
+        for (r, key) in cases {
+            let e = err(&r);
+            assert!(e.contains(key), "{key}: {e}");
+        }
     }
 
     #[test]

@@ -29,6 +29,9 @@ pub enum Reason {
     /// (`republish::SUSPECT_FAILURES` times, after as many with its batch): a record the
     /// checks above did not catch but the broker will not take.
     BrokerDisconnected,
+    /// `format = "sparkplug"`: the record's new metrics would take the edge node over
+    /// `republish.sparkplug.metrics_max` metric definitions.
+    TooManyMetrics,
     /// A reason this build does not know (read from a newer catalog).
     Other,
 }
@@ -42,6 +45,7 @@ impl Reason {
             Reason::Encoding => "encoding",
             Reason::BrokerRefused => "broker_refused",
             Reason::BrokerDisconnected => "broker_disconnected",
+            Reason::TooManyMetrics => "too_many_metrics",
             Reason::Other => "other",
         }
     }
@@ -54,6 +58,7 @@ impl Reason {
             Reason::Encoding,
             Reason::BrokerRefused,
             Reason::BrokerDisconnected,
+            Reason::TooManyMetrics,
         ]
         .into_iter()
         .find(|r| r.as_str() == s)

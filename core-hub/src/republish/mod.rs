@@ -32,11 +32,17 @@
 //! counted, logged once per reason per episode, and skipped with its batch's checkpoint.
 //!
 //! When caught up the task polls the stream every `poll_interval` for new commits.
+//!
+//! **Sparkplug B.** With `format = "sparkplug"` the sink is a Sparkplug edge node instead
+//! ([`sparkplug`]): an NDEATH Will and an NBIRTH per connection, a DBIRTH before a device's
+//! data, one DDATA per record with `is_historical` set on backfill, and rebirths on request.
+//! Checkpoints, dead letters and at-least-once are the same.
 
 pub mod api;
 mod config;
 pub mod dead_letter;
 pub mod plan;
+pub mod sparkplug;
 pub mod store;
 pub mod topic;
 
@@ -45,7 +51,7 @@ pub use config::Mutation;
 pub use config::{
     DEFAULT_BATCH_BYTES_MAX, DEFAULT_BATCH_RECORDS, DEFAULT_DEAD_LETTERS_MAX,
     DEFAULT_PACKET_BYTES_MAX, DEFAULT_POLL_INTERVAL, DEFAULT_TOPIC_BYTES_MAX,
-    DEFAULT_TOPIC_TEMPLATE, RawRepublish, RepublishConfig,
+    DEFAULT_TOPIC_TEMPLATE, Format, RawRepublish, RawSparkplug, RepublishConfig,
 };
 pub use dead_letter::{DeadLetter, Reason};
 pub use plan::{DIGEST_FIELD, TOPIC_FIELD, payload_of};
@@ -56,8 +62,10 @@ use crate::read::{PageLimit, read_records_with};
 use dead_letter::Episode;
 use plan::{Batch, Plan, plan_batch};
 use rumqttc::v5::mqttbytes::QoS;
-use rumqttc::v5::mqttbytes::v5::{Packet, PubAckReason};
+use rumqttc::v5::mqttbytes::v5::LastWill;
+use rumqttc::v5::mqttbytes::v5::{Packet, PubAckReason, PublishProperties};
 use rumqttc::v5::{AsyncClient, Event, EventLoop, MqttOptions};
+use sparkplug::{EdgeNode, Outgoing};
 use std::sync::Arc;
 use std::time::Duration;
 use thiserror::Error;
@@ -94,6 +102,8 @@ enum Conn {
     /// CONNACK, with the broker's maximum packet size if it has one.
     Connected(Option<u32>),
     Ack(PubAckReason),
+    /// A message on a subscribed topic (Sparkplug's NCMD), its payload.
+    Command(bytes::Bytes),
     Lost(String),
 }
 
@@ -135,6 +145,8 @@ struct Memory {
     single_until: u64,
     /// A batch was committed in the current connection.
     progressed: bool,
+    /// `format = "sparkplug"`: the edge node, which outlives connections.
+    node: Option<EdgeNode>,
 }
 
 impl Memory {
@@ -169,7 +181,13 @@ async fn run_stream(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut delay = RECONNECT_DELAY;
-    let mut mem = Memory::default();
+    let mut mem = Memory {
+        node: match &cfg.format {
+            Format::Sparkplug(spb) => Some(EdgeNode::new(spb, &stream)),
+            Format::Json => None,
+        },
+        ..Memory::default()
+    };
     loop {
         if *stop.borrow() {
             return;
@@ -200,6 +218,7 @@ async fn drive(mut ev: EventLoop, tx: mpsc::UnboundedSender<Conn>) {
                 Conn::Connected(c.properties.and_then(|p| p.max_packet_size))
             }
             Ok(Event::Incoming(Packet::PubAck(a))) => Conn::Ack(a.reason),
+            Ok(Event::Incoming(Packet::Publish(p))) => Conn::Command(p.payload),
             Ok(Event::Incoming(Packet::Disconnect(d))) => {
                 Conn::Lost(format!("the broker disconnected: {:?}", d.reason_code))
             }
@@ -227,6 +246,16 @@ async fn session(
     );
     opts.set_keep_alive(Duration::from_secs(30));
     opts.set_clean_start(true);
+    if let Some(node) = &mut mem.node {
+        let will = node.start_session();
+        opts.set_last_will(LastWill::new(
+            will.topic,
+            will.payload,
+            QoS::AtLeastOnce,
+            false,
+            None,
+        ));
+    }
     let (client, ev) = AsyncClient::new(opts, cfg.batch_records.max(10));
     let (tx, mut conn) = mpsc::unbounded_channel();
     let driver = tokio::spawn(drive(ev, tx));
@@ -243,13 +272,41 @@ async fn session(
             conn: &mut conn,
             packet_max,
             mem,
+            rebirth: false,
         };
         sink.publish_loop(stop).await
     }
     .await;
+    if let (Err(RepublishError::Stopped), Some(node)) = (&result, &mem.node) {
+        graceful_death(&client, &mut conn, node).await;
+    }
     let _ = client.try_disconnect();
     driver.abort();
     result
+}
+
+/// A Sparkplug node that stops sends its NDEATH itself: a normal DISCONNECT discards the Will.
+/// It waits a moment for the PUBACK (the Will covers every other way the connection ends).
+async fn graceful_death(
+    client: &AsyncClient,
+    conn: &mut mpsc::UnboundedReceiver<Conn>,
+    node: &EdgeNode,
+) {
+    let death = node.ndeath();
+    if client
+        .try_publish(death.topic, QoS::AtLeastOnce, false, death.payload)
+        .is_err()
+    {
+        return;
+    }
+    let acked = async {
+        while let Some(c) = conn.recv().await {
+            if matches!(c, Conn::Ack(_) | Conn::Lost(_)) {
+                return;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(2), acked).await;
 }
 
 /// Waits for the CONNACK; returns the broker's maximum packet size.
@@ -262,7 +319,7 @@ async fn connected(
             c = conn.recv() => match c {
                 Some(Conn::Connected(max)) => return Ok(max),
                 Some(Conn::Lost(e)) => return Err(RepublishError::Connection(e)),
-                Some(Conn::Ack(_)) => {}
+                Some(Conn::Ack(_) | Conn::Command(_)) => {}
                 None => return Err(RepublishError::Connection("event loop ended".into())),
             },
             _ = stop.changed() => return Err(RepublishError::Stopped),
@@ -280,6 +337,8 @@ struct Sink<'a> {
     /// The lower of `packet_bytes_max` and the broker's maximum packet size.
     packet_max: u64,
     mem: &'a mut Memory,
+    /// Sparkplug: a rebirth was requested; the next batch starts with an NBIRTH.
+    rebirth: bool,
 }
 
 impl Sink<'_> {
@@ -289,9 +348,15 @@ impl Sink<'_> {
     ) -> Result<(), RepublishError> {
         let (h, s) = (self.hub.clone(), self.stream.to_string());
         let mut next = tokio::task::spawn_blocking(move || checkpoint(&h, &s)).await??;
+        if self.mem.node.is_some() {
+            self.birth(stop).await?;
+        }
         loop {
             if *stop.borrow() {
                 return Err(RepublishError::Stopped);
+            }
+            if self.rebirth {
+                self.birth(stop).await?;
             }
             let batch = self.next_batch(next).await?;
             if batch.records.is_empty() {
@@ -346,8 +411,12 @@ impl Sink<'_> {
             self.stream,
             self.cfg,
             self.packet_max,
+            now_ns(),
         );
-        if give_up && let Some(plan @ Plan::Publish { .. }) = batch.plans.first_mut() {
+        if give_up
+            && let Some(plan @ (Plan::Publish { .. } | Plan::Sparkplug(_))) =
+                batch.plans.first_mut()
+        {
             *plan = Plan::Dead {
                 reason: Reason::BrokerDisconnected,
                 detail: format!(
@@ -369,6 +438,10 @@ impl Sink<'_> {
                 // Nothing is outstanding, so this is a connection error.
                 Some(Conn::Lost(e)) => Err(RepublishError::Connection(e)),
                 None => Err(RepublishError::Connection("event loop ended".into())),
+                Some(Conn::Command(p)) => {
+                    self.command(&p);
+                    Ok(())
+                }
                 Some(_) => Ok(()),
             },
         }
@@ -382,33 +455,102 @@ impl Sink<'_> {
         stop: &mut watch::Receiver<bool>,
     ) -> Result<Vec<DeadLetter>, RepublishError> {
         let mut sent = Vec::new();
-        for (i, plan) in batch.plans.iter().enumerate() {
-            if let Plan::Publish {
-                topic,
-                payload,
-                properties,
-            } = plan
-            {
-                self.client
-                    .publish_with_properties(
-                        topic.clone(),
-                        QoS::AtLeastOnce,
-                        false,
-                        payload.clone(),
-                        properties.clone(),
-                    )
-                    .await?;
-                sent.push(i);
-            }
-        }
         let mut refused = Vec::new();
-        for &i in &sent {
-            match self.ack(stop).await? {
-                None => {}
-                Some(reason) => refused.push((i, format!("the broker answered {reason:?}"))),
+        let now_ms = (now_ns() / 1_000_000) as u64;
+        for (i, plan) in batch.plans.iter().enumerate() {
+            match plan {
+                Plan::Publish {
+                    topic,
+                    payload,
+                    properties,
+                } => {
+                    self.send(topic, payload.clone(), properties.clone())
+                        .await?;
+                    sent.push(i);
+                }
+                Plan::Sparkplug(d) => {
+                    let node = self.mem.node.as_mut().expect("a sparkplug sink has a node");
+                    let ids = plan::properties_of(&batch.records[i], None);
+                    let props = |o: &Outgoing| {
+                        if o.data {
+                            ids.clone()
+                        } else {
+                            PublishProperties::default()
+                        }
+                    };
+                    let packet_max = self.packet_max;
+                    let fits = |o: &Outgoing| {
+                        let size =
+                            plan::packet_size_with(&o.topic, o.payload.clone().into(), &props(o));
+                        size <= packet_max
+                    };
+                    match node.device_data(d, now_ms, fits) {
+                        Ok(messages) => {
+                            for m in messages {
+                                let p = props(&m);
+                                self.send(&m.topic, m.payload.into(), p).await?;
+                                sent.push(i);
+                            }
+                        }
+                        Err((reason, detail)) => refused.push((i, reason, detail)),
+                    }
+                }
+                Plan::Dead { .. } => {}
             }
         }
+        for &i in &sent {
+            if let Some(reason) = self.ack(stop).await? {
+                let detail = format!("the broker answered {reason:?}");
+                refused.push((i, Reason::BrokerRefused, detail));
+            }
+        }
+        // A record whose DBIRTH and DDATA were both refused is dead-lettered once.
+        refused.sort_by_key(|(i, _, _)| *i);
+        refused.dedup_by_key(|(i, _, _)| *i);
         Ok(self.dead_letters(batch, refused))
+    }
+
+    async fn send(
+        &self,
+        topic: &str,
+        payload: bytes::Bytes,
+        properties: PublishProperties,
+    ) -> Result<(), RepublishError> {
+        self.client
+            .publish_with_properties(topic, QoS::AtLeastOnce, false, payload, properties)
+            .await?;
+        Ok(())
+    }
+
+    /// Sparkplug: subscribes to the node's NCMD (once per connection) and publishes the
+    /// NBIRTH, waiting for its PUBACK.
+    async fn birth(&mut self, stop: &mut watch::Receiver<bool>) -> Result<(), RepublishError> {
+        let node = self.mem.node.as_mut().expect("a sparkplug sink has a node");
+        if !self.rebirth {
+            self.client
+                .subscribe(node.ncmd_topic(), QoS::AtLeastOnce)
+                .await?;
+        }
+        self.rebirth = false;
+        let birth = node.nbirth((now_ns() / 1_000_000) as u64);
+        self.send(
+            &birth.topic,
+            birth.payload.into(),
+            PublishProperties::default(),
+        )
+        .await?;
+        if let Some(reason) = self.ack(stop).await? {
+            tracing::warn!(stream = %self.stream, ?reason, "republish: the broker refused the NBIRTH");
+        }
+        Ok(())
+    }
+
+    /// A message on the NCMD subscription: a rebirth request is answered before the next batch.
+    fn command(&mut self, payload: &[u8]) {
+        if sparkplug::asks_rebirth(payload) {
+            tracing::info!(stream = %self.stream, "republish: Sparkplug rebirth requested");
+            self.rebirth = true;
+        }
     }
 
     /// The next PUBACK: `None` when it is a success, the reason when it is a refusal that a
@@ -417,9 +559,15 @@ impl Sink<'_> {
         &mut self,
         stop: &mut watch::Receiver<bool>,
     ) -> Result<Option<PubAckReason>, RepublishError> {
-        let c = tokio::select! {
-            c = self.conn.recv() => c,
-            _ = stop.changed() => return Err(RepublishError::Stopped),
+        let c = loop {
+            let c = tokio::select! {
+                c = self.conn.recv() => c,
+                _ = stop.changed() => return Err(RepublishError::Stopped),
+            };
+            match c {
+                Some(Conn::Command(p)) => self.command(&p),
+                c => break c,
+            }
         };
         match c {
             Some(Conn::Ack(PubAckReason::Success | PubAckReason::NoMatchingSubscribers)) => {
@@ -430,6 +578,7 @@ impl Sink<'_> {
             )) => Err(RepublishError::Refused(r)),
             Some(Conn::Ack(r)) => Ok(Some(r)),
             Some(Conn::Connected(_)) => Err(RepublishError::Connection("reconnected".into())),
+            Some(Conn::Command(_)) => unreachable!("handled above"),
             Some(Conn::Lost(e)) => Err(RepublishError::Connection(e)),
             None => Err(RepublishError::Connection("event loop ended".into())),
         }
@@ -437,7 +586,11 @@ impl Sink<'_> {
 
     /// The batch's dead letters (planned ones and `refused` by the broker), logged through
     /// the episode in offset order.
-    fn dead_letters(&mut self, batch: &Batch, refused: Vec<(usize, String)>) -> Vec<DeadLetter> {
+    fn dead_letters(
+        &mut self,
+        batch: &Batch,
+        refused: Vec<(usize, Reason, String)>,
+    ) -> Vec<DeadLetter> {
         let mut refused = refused.into_iter().peekable();
         let mut dead = Vec::new();
         for (i, (r, plan)) in batch.records.iter().zip(&batch.plans).enumerate() {
@@ -445,9 +598,9 @@ impl Sink<'_> {
                 Plan::Dead { reason, detail } => {
                     Some(DeadLetter::new(self.stream, r, *reason, detail.clone()))
                 }
-                Plan::Publish { .. } => refused
-                    .next_if(|(j, _)| *j == i)
-                    .map(|(_, d)| DeadLetter::new(self.stream, r, Reason::BrokerRefused, d)),
+                Plan::Publish { .. } | Plan::Sparkplug(_) => refused
+                    .next_if(|(j, _, _)| *j == i)
+                    .map(|(_, reason, d)| DeadLetter::new(self.stream, r, reason, d)),
             };
             match letter {
                 Some(d) => {
@@ -459,4 +612,11 @@ impl Sink<'_> {
         }
         dead
     }
+}
+
+/// The hub's clock in nanoseconds since the Unix epoch.
+fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }

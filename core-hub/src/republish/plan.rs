@@ -1,10 +1,13 @@
 //! Planning a batch (pure): which records of a page go into it (bounded by
 //! `republish.batch_records` and `republish.batch_bytes_max`), and for each one either the
 //! PUBLISH to send (topic checked, packet size known) or why it is dead-lettered instead.
-//! Nothing unchecked is ever handed to the MQTT client.
+//! Nothing unchecked is ever handed to the MQTT client. With `format = "sparkplug"` a record
+//! is planned as its DDATA metrics; the births and sequence numbers around it are the edge
+//! node's, decided as the batch is published ([`super::sparkplug`]).
 
-use super::config::RepublishConfig;
+use super::config::{Format, RepublishConfig};
 use super::dead_letter::Reason;
+use super::sparkplug::{DeviceData, SparkplugConfig, metric_value};
 use super::topic::{Values, check_topic};
 use crate::read::{ReadRecord, write_ndjson_line};
 use bytes::Bytes;
@@ -27,6 +30,8 @@ pub enum Plan {
         payload: Bytes,
         properties: PublishProperties,
     },
+    /// `format = "sparkplug"`: the record's DDATA, sent with the births it needs.
+    Sparkplug(DeviceData),
     Dead {
         reason: Reason,
         detail: String,
@@ -43,13 +48,15 @@ pub struct Batch {
 
 /// Plans a batch from the head of a page whose end is `page_next`. `packet_max` is the lower
 /// of `republish.packet_bytes_max` and the broker's maximum packet size. At least one record
-/// goes into a non-empty page's batch, whatever its size.
+/// goes into a non-empty page's batch, whatever its size. `now_ns` is the hub's clock, for
+/// Sparkplug's backfill rule.
 pub fn plan_batch(
     page: Vec<ReadRecord>,
     page_next: u64,
     stream: &str,
     cfg: &RepublishConfig,
     packet_max: u64,
+    now_ns: i64,
 ) -> Batch {
     let mut batch = Batch {
         records: Vec::new(),
@@ -58,9 +65,19 @@ pub fn plan_batch(
     };
     let mut bytes = 0u64;
     for r in page {
-        let plan = plan_record(&r, stream, cfg, packet_max);
+        let plan = match &cfg.format {
+            Format::Json => plan_record(&r, stream, cfg, packet_max),
+            Format::Sparkplug(spb) => plan_sparkplug(&r, stream, cfg, spb, now_ns),
+        };
         let cost = match &plan {
             Plan::Publish { topic, payload, .. } => (topic.len() + payload.len()) as u64,
+            Plan::Sparkplug(d) => {
+                d.device.len() as u64
+                    + d.metrics
+                        .iter()
+                        .map(prost::Message::encoded_len)
+                        .sum::<usize>() as u64
+            }
             Plan::Dead { .. } => r.key.len() as u64,
         };
         if !batch.records.is_empty() && bytes + cost > cfg.batch_bytes_max {
@@ -97,15 +114,8 @@ pub fn plan_record(r: &ReadRecord, stream: &str, cfg: &RepublishConfig, packet_m
         };
     }
     let payload = Bytes::from(payload_of(r));
-    let properties = properties_of(r);
-    let mut packet = Publish::new(
-        topic.as_str(),
-        QoS::AtLeastOnce,
-        payload.clone(),
-        Some(properties.clone()),
-    );
-    packet.pkid = 1;
-    let size = packet.size() as u64;
+    let properties = properties_of(r, Some("application/json"));
+    let size = packet_size_with(&topic, payload.clone(), &properties);
     if size > packet_max {
         return Plan::Dead {
             reason: Reason::PacketTooLarge,
@@ -117,6 +127,73 @@ pub fn plan_record(r: &ReadRecord, stream: &str, cfg: &RepublishConfig, packet_m
         payload,
         properties,
     }
+}
+
+/// A record as Sparkplug DDATA metrics (see [`super::sparkplug`] for the mapping). The packet
+/// sizes are checked when the edge node builds the messages.
+pub fn plan_sparkplug(
+    r: &ReadRecord,
+    stream: &str,
+    republish: &RepublishConfig,
+    cfg: &SparkplugConfig,
+    now_ns: i64,
+) -> Plan {
+    let dead = |reason, detail: String| Plan::Dead { reason, detail };
+    let device = super::topic::escape(&r.device);
+    // The DBIRTH topic is the longest this record is published on.
+    let topic = format!(
+        "{}/{}/DBIRTH/{}/{device}",
+        super::sparkplug::NAMESPACE,
+        cfg.group_id,
+        cfg.edge_node_of(stream)
+    );
+    if device.is_empty() {
+        return dead(Reason::TopicInvalid, "the device id is empty".into());
+    }
+    if let Err(e) = check_topic(&topic, republish.topic_bytes_max) {
+        return dead(Reason::TopicTooLong, e.to_string());
+    }
+    if r.ts < 0 {
+        return dead(
+            Reason::Encoding,
+            format!(
+                "ts {} is before 1970, which a Sparkplug timestamp cannot hold",
+                r.ts
+            ),
+        );
+    }
+    let timestamp = (r.ts / 1_000_000) as u64;
+    let historical = cfg.historical.is_historical(r.ts, now_ns);
+    let metrics: Vec<_> = r
+        .fields
+        .iter()
+        .filter(|(n, _)| n != TOPIC_FIELD && n != DIGEST_FIELD)
+        .map(|(name, v)| {
+            let (datatype, value) = metric_value(v);
+            sync::sparkplug::Metric {
+                name: Some(format!("{}/{name}", r.key)),
+                timestamp: Some(timestamp),
+                datatype: Some(datatype),
+                is_historical: historical.then_some(true),
+                value: Some(value),
+                ..Default::default()
+            }
+        })
+        .collect();
+    if metrics.is_empty() {
+        return dead(
+            Reason::Encoding,
+            "the record has no fields to publish as metrics".into(),
+        );
+    }
+    Plan::Sparkplug(DeviceData { device, metrics })
+}
+
+/// The size of the QoS 1 PUBLISH of `payload` on `topic` with `properties`.
+pub fn packet_size_with(topic: &str, payload: Bytes, properties: &PublishProperties) -> u64 {
+    let mut packet = Publish::new(topic, QoS::AtLeastOnce, payload, Some(properties.clone()));
+    packet.pkid = 1;
+    packet.size() as u64
 }
 
 /// The topic check, unless a test switched it off.
@@ -170,7 +247,7 @@ pub fn payload_of(r: &ReadRecord) -> Vec<u8> {
 
 /// `device`, `epoch`, `seq` and `offset` as MQTT 5 user properties, so subscribers can
 /// deduplicate.
-fn properties_of(r: &ReadRecord) -> PublishProperties {
+pub fn properties_of(r: &ReadRecord, content_type: Option<&str>) -> PublishProperties {
     PublishProperties {
         user_properties: vec![
             ("device".into(), r.device.clone()),
@@ -178,7 +255,7 @@ fn properties_of(r: &ReadRecord) -> PublishProperties {
             ("seq".into(), r.seq.to_string()),
             ("offset".into(), r.offset.to_string()),
         ],
-        content_type: Some("application/json".into()),
+        content_type: content_type.map(str::to_owned),
         ..PublishProperties::default()
     }
 }
@@ -246,7 +323,7 @@ mod tests {
         let with_topic = |t: &str| rec(0, "k", vec![(TOPIC_FIELD.into(), Value::Str(t.into()))]);
         let dead = |p: Plan| match p {
             Plan::Dead { reason, .. } => Some(reason),
-            Plan::Publish { .. } => None,
+            Plan::Publish { .. } | Plan::Sparkplug(_) => None,
         };
         let cases = [
             ("a/+/b", Some(Reason::TopicInvalid)),
@@ -275,12 +352,60 @@ mod tests {
     }
 
     #[test]
+    fn sparkplug_metrics_from_fields() {
+        let c = cfg(|c| {
+            c.topic_template = None;
+            c.format = Some("sparkplug".into());
+            c.sparkplug = Some(crate::republish::RawSparkplug {
+                historical_after: Some("10s".into()),
+                ..Default::default()
+            });
+        });
+        let Format::Sparkplug(spb) = &c.format else {
+            unreachable!()
+        };
+        let mut r = steered(0);
+        r.device = "truck/7".into();
+        r.ts = 100_000_000_123_456;
+        r.fields.push(("n".into(), Value::I64(-1)));
+        let now = r.ts + 10_000_000_000;
+        let Plan::Sparkplug(d) = plan_sparkplug(&r, "t", &c, spb, now) else {
+            panic!()
+        };
+        assert_eq!(d.device, "truck%2F7");
+        let names: Vec<_> = d.metrics.iter().map(|m| m.name.clone().unwrap()).collect();
+        assert_eq!(
+            names,
+            ["d1/temp/v", "d1/temp/n"],
+            "internal fields stay out"
+        );
+        assert_eq!(
+            d.metrics[1].datatype,
+            Some(sync::sparkplug::datatype::INT64)
+        );
+        assert_eq!(d.metrics[0].timestamp, Some(100_000_000));
+        assert!(d.metrics.iter().all(|m| m.is_historical.is_none()));
+        let Plan::Sparkplug(d) = plan_sparkplug(&r, "t", &c, spb, now + 1) else {
+            panic!()
+        };
+        assert!(d.metrics.iter().all(|m| m.is_historical == Some(true)));
+        r.ts = -1;
+        assert!(matches!(
+            plan_sparkplug(&r, "t", &c, spb, now),
+            Plan::Dead {
+                reason: Reason::Encoding,
+                ..
+            }
+        ));
+    }
+
+    #[test]
     fn batches_are_bounded_in_bytes_but_never_empty() {
         let c = cfg(|c| c.batch_bytes_max = Some("1KiB".into()));
         let page: Vec<_> = (0..10)
             .map(|i| rec(i, "k", vec![("s".into(), Value::Str("x".repeat(300)))]))
             .collect();
-        let b = plan_batch(page, 10, "t", &c, 1 << 20);
+        let b = plan_batch(page, 10, "t", &c, 1 << 20, 0);
         assert_eq!(b.records.len(), 2, "two ~450-byte records fit in 1 KiB");
         assert_eq!(
             b.next, 2,
@@ -291,7 +416,7 @@ mod tests {
             "k",
             vec![("s".into(), Value::Str("x".repeat(5000)))],
         )];
-        let b = plan_batch(huge, 6, "t", &c, 1 << 20);
+        let b = plan_batch(huge, 6, "t", &c, 1 << 20, 0);
         assert_eq!((b.records.len(), b.next), (1, 6));
     }
 }

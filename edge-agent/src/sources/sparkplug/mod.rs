@@ -40,7 +40,8 @@
 //! specification's host, the agent keeps its persistent session (`clean_session = false`):
 //! messages sent while it was away are still delivered and stored.
 
-pub mod proto;
+/// The payload types live in `sync` (feature `sparkplug`), shared with the hub's republisher.
+pub use sync::sparkplug as proto;
 pub mod state;
 
 pub use state::{Host, HostConfig, Output};

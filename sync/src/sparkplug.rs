@@ -1,5 +1,8 @@
 //! The Sparkplug B payload (Eclipse Tahu `sparkplug_b.proto`, `org.eclipse.tahu.protobuf`) as
-//! hand-written prost messages, and the decoding of one metric's value by its datatype.
+//! hand-written prost messages, and the decoding of one metric's value by its datatype
+//! (cargo feature `sparkplug`). One copy of the wire types for both sides: the edge agent's
+//! host application decodes them (`edge-agent/src/sources/sparkplug/`), the hub's Sparkplug
+//! republisher encodes them (`core-hub/src/republish/sparkplug.rs`).
 //!
 //! Only what a host application reads is declared: `Payload` and `Metric` with their scalar
 //! fields and the value `oneof`. Metadata, properties, data sets, templates and extensions are
@@ -13,7 +16,7 @@
 //! carry one, and small signed integers arrive as two's complement in the unsigned `int_value`,
 //! so `-1` as an Int8 is `255` (Tahu's Python) or `0xFFFF_FFFF` (Tahu's Java); both read as -1.
 
-use sync::Value;
+use crate::Value;
 
 /// `Payload`.
 #[derive(Clone, PartialEq, prost::Message)]
