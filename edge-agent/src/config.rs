@@ -20,7 +20,9 @@ use crate::filters::{Agg, DownsampleMode, StageSpec};
 use crate::log::{FsyncPolicy, LogConfig, OnFull};
 
 mod modbus;
+mod opcua;
 pub use modbus::{ModbusChannel, ModbusFunction, ModbusSourceConfig, ModbusType, Order};
+pub use opcua::{Deadband, OpcuaItem, OpcuaSourceConfig, SecurityMode};
 
 /// The environment variable prefix: `TRIBUTARY_EDGE__HUB__ADDR` overrides `[hub] addr`.
 pub const ENV_PREFIX: &str = "TRIBUTARY_EDGE";
@@ -247,6 +249,7 @@ pub enum SourceConfig {
     Mqtt(MqttSourceConfig),
     Sensor(SensorSourceConfig),
     Modbus(ModbusSourceConfig),
+    Opcua(OpcuaSourceConfig),
 }
 
 /// A device sensor source from the `firmware` crate, polled by the agent. See `sources::sensors`.
@@ -699,6 +702,16 @@ struct RawSource {
     timeout: Option<String>,
     key: Option<String>,
     channels: Option<Vec<modbus::RawChannel>>,
+    endpoint: Option<String>,
+    security_policy: Option<String>,
+    security_mode: Option<String>,
+    user: Option<String>,
+    password: Option<String>,
+    pki_dir: Option<String>,
+    trust_unknown: Option<String>,
+    publishing_interval: Option<String>,
+    queue_max: Option<String>,
+    items: Option<Vec<opcua::RawItem>>,
 }
 
 impl RawConfig {
@@ -718,7 +731,7 @@ impl RawConfig {
             .sources
             .into_iter()
             .enumerate()
-            .filter_map(|(i, s)| s.into_typed(i, &streams, base).transpose())
+            .filter_map(|(i, s)| s.into_typed(i, &streams, base, &data_dir).transpose())
             .collect::<Result<Vec<_>, _>>()?;
         Ok(EdgeConfig {
             data_dir,
@@ -970,6 +983,7 @@ impl RawSource {
         index: usize,
         streams: &[StreamConfig],
         base: &Path,
+        data_dir: &Path,
     ) -> Result<Option<SourceConfig>, ConfigError> {
         let key = |k: &str| format!("sources[{index}].{k}");
         let kind = required(&key("kind"), self.kind.clone())?;
@@ -1153,10 +1167,27 @@ impl RawSource {
             }
             .into_typed(index, streams)
             .map(|m| Some(SourceConfig::Modbus(m))),
+            "opcua" => opcua::RawOpcua {
+                endpoint: self.endpoint,
+                security_policy: self.security_policy,
+                security_mode: self.security_mode,
+                user: self.user,
+                password: self.password,
+                pki_dir: self.pki_dir,
+                trust_unknown: self.trust_unknown,
+                publishing_interval: self.publishing_interval,
+                timeout: self.timeout,
+                stream: self.stream,
+                key: self.key,
+                queue_max: self.queue_max,
+                items: self.items,
+            }
+            .into_typed(index, streams, base, data_dir)
+            .map(|o| Some(SourceConfig::Opcua(o))),
             other => Err(ConfigError::invalid(
                 key("kind"),
                 format!(
-                    "expected mqtt | hwmon | iio | nmea | simulator | modbus | http, found {other:?} (stdin goes through `edge-agent ingest`)"
+                    "expected mqtt | hwmon | iio | nmea | simulator | modbus | opcua | http, found {other:?} (stdin goes through `edge-agent ingest`)"
                 ),
             )),
         }

@@ -64,6 +64,12 @@ impl Setup {
 
     /// Starts the agent and waits until `/healthz` answers `ok`.
     pub fn start(&self) -> Agent {
+        self.start_with_env(&[])
+    }
+
+    /// Starts the agent with `env` added to its environment (test switches of the
+    /// `fault-injection` build) and waits until `/healthz` answers `ok`.
+    pub fn start_with_env(&self, env: &[(&str, &str)]) -> Agent {
         let log = self.dir.path().join("agent.log");
         let stderr = std::fs::OpenOptions::new()
             .create(true)
@@ -74,6 +80,7 @@ impl Setup {
             .args(["run", "--config"])
             .arg(&self.config)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(stderr)
