@@ -343,7 +343,9 @@ async fn agent(
             .sources
             .mqtt_stats(0)
             .context("the MQTT source's counters")?;
-        let gaps = stats.spb_seq_gaps.load(std::sync::atomic::Ordering::Relaxed);
+        let gaps = stats
+            .spb_seq_gaps
+            .load(std::sync::atomic::Ordering::Relaxed);
         let dropped = stats
             .spb_dropped_messages
             .load(std::sync::atomic::Ordering::Relaxed);
@@ -386,6 +388,9 @@ fn main() -> anyhow::Result<()> {
     println!(
         "{what}: agent (durable, fsync {fsync}) {n} messages in {agent_s:.2} s = {a:.0} msg/s"
     );
-    println!("{what}: agent / plain = {:.1}% (target >= 80%)", 100.0 * a / p);
+    println!(
+        "{what}: agent / plain = {:.1}% (target >= 80%)",
+        100.0 * a / p
+    );
     Ok(())
 }

@@ -24,6 +24,8 @@ pub use modbus::{
     ModbusChannel, ModbusFunction, ModbusSourceConfig, ModbusTransport, ModbusType, Order, Parity,
     SerialLine,
 };
+mod opcua;
+pub use opcua::{Deadband, OpcuaItem, OpcuaSourceConfig, SecurityMode};
 
 /// The environment variable prefix: `TRIBUTARY_EDGE__HUB__ADDR` overrides `[hub] addr`.
 pub const ENV_PREFIX: &str = "TRIBUTARY_EDGE";
@@ -250,6 +252,7 @@ pub enum SourceConfig {
     Mqtt(MqttSourceConfig),
     Sensor(SensorSourceConfig),
     Modbus(ModbusSourceConfig),
+    Opcua(OpcuaSourceConfig),
 }
 
 /// A device sensor source from the `firmware` crate, polled by the agent. See `sources::sensors`.
@@ -704,6 +707,16 @@ struct RawSource {
     timeout: Option<String>,
     key: Option<String>,
     channels: Option<Vec<modbus::RawChannel>>,
+    endpoint: Option<String>,
+    security_policy: Option<String>,
+    security_mode: Option<String>,
+    user: Option<String>,
+    password: Option<String>,
+    pki_dir: Option<String>,
+    trust_unknown: Option<String>,
+    publishing_interval: Option<String>,
+    queue_max: Option<String>,
+    items: Option<Vec<opcua::RawItem>>,
 }
 
 impl RawConfig {
@@ -724,7 +737,7 @@ impl RawConfig {
             .into_iter()
             .enumerate()
             .filter_map(|(i, s)| {
-                s.into_typed(i, &streams, base)
+                s.into_typed(i, &streams, base, &data_dir)
                     .map(|o| o.map(|s| (i, s)))
                     .transpose()
             })
@@ -988,6 +1001,7 @@ impl RawSource {
         index: usize,
         streams: &[StreamConfig],
         base: &Path,
+        data_dir: &Path,
     ) -> Result<Option<SourceConfig>, ConfigError> {
         let key = |k: &str| format!("sources[{index}].{k}");
         let kind = required(&key("kind"), self.kind.clone())?;
@@ -1173,10 +1187,27 @@ impl RawSource {
             }
             .into_typed(index, streams, base)
             .map(|m| Some(SourceConfig::Modbus(m))),
+            "opcua" => opcua::RawOpcua {
+                endpoint: self.endpoint,
+                security_policy: self.security_policy,
+                security_mode: self.security_mode,
+                user: self.user,
+                password: self.password,
+                pki_dir: self.pki_dir,
+                trust_unknown: self.trust_unknown,
+                publishing_interval: self.publishing_interval,
+                timeout: self.timeout,
+                stream: self.stream,
+                key: self.key,
+                queue_max: self.queue_max,
+                items: self.items,
+            }
+            .into_typed(index, streams, base, data_dir)
+            .map(|o| Some(SourceConfig::Opcua(o))),
             other => Err(ConfigError::invalid(
                 key("kind"),
                 format!(
-                    "expected mqtt | hwmon | iio | nmea | simulator | modbus | http, found {other:?} (stdin goes through `edge-agent ingest`)"
+                    "expected mqtt | hwmon | iio | nmea | simulator | modbus | opcua | http, found {other:?} (stdin goes through `edge-agent ingest`)"
                 ),
             )),
         }

@@ -1,5 +1,5 @@
 //! Record sources besides the HTTP API: the MQTT subscriber ([`mqtt`]), the device sensors
-//! ([`sensors`]) and the Modbus TCP poller ([`modbus`]).
+//! ([`sensors`]), the Modbus TCP poller ([`modbus`]) and the OPC UA client ([`opcua`]).
 //!
 //! Every source hands whole batches to [`crate::http::Ingest::ingest`], the agent's one front
 //! door, so counting, durability and (later) filters apply the same way to every source. This
@@ -9,6 +9,7 @@
 pub mod flatten;
 pub mod modbus;
 pub mod mqtt;
+pub mod opcua;
 pub mod sensors;
 #[cfg(feature = "sparkplug")]
 pub mod sparkplug;
@@ -39,6 +40,8 @@ pub struct SourcesState {
     mqtt_conn: Vec<Mutex<MqttConn>>,
     /// One per Modbus source, in config order: counters and the device's state.
     modbus: Vec<Arc<modbus::ModbusStats>>,
+    /// One per OPC UA source, in config order: counters and the session's state.
+    opcua: Vec<Arc<opcua::OpcuaStats>>,
 }
 
 /// What `/v1/status` shows of one MQTT source's connection.
@@ -91,7 +94,20 @@ impl SourcesState {
                     _ => None,
                 })
                 .collect(),
+            opcua: cfg
+                .sources
+                .iter()
+                .filter_map(|s| match s {
+                    SourceConfig::Opcua(o) => Some(Arc::new(opcua::OpcuaStats::new(o))),
+                    _ => None,
+                })
+                .collect(),
         }
+    }
+
+    /// The counters of the `index`-th OPC UA source.
+    pub fn opcua_stats(&self, index: usize) -> Option<&Arc<opcua::OpcuaStats>> {
+        self.opcua.get(index)
     }
 
     /// The counters of the `index`-th Modbus source.
@@ -154,6 +170,7 @@ impl SourcesState {
     /// Each MQTT source's connection, for `/v1/status`.
     pub fn reports(&self) -> Vec<crate::http::status::SourceReport> {
         let modbus = self.modbus.iter().enumerate().map(|(i, m)| m.report(i));
+        let opcua = self.opcua.iter().enumerate().map(|(i, o)| o.report(i));
         self.mqtt_conn
             .iter()
             .zip(&self.mqtt_stats)
@@ -178,6 +195,7 @@ impl SourcesState {
                 }
             })
             .chain(modbus)
+            .chain(opcua)
             .collect()
     }
 
@@ -189,6 +207,7 @@ impl SourcesState {
     /// Prometheus text for the source counters (empty without sources).
     pub fn render(&self) -> String {
         let mut out = modbus::render(&self.modbus);
+        out.push_str(&opcua::render(&self.opcua));
         if self.mqtt_stats.is_empty() {
             return out;
         }
@@ -306,6 +325,7 @@ pub fn spawn_all(
     let mut mqtt_index = 0;
     let mut modbus_index = 0;
     let mut modbus = Vec::new();
+    let mut opcua_index = 0;
     for (index, source) in cfg.sources.iter().enumerate() {
         match source {
             SourceConfig::Mqtt(m) => {
@@ -329,6 +349,10 @@ pub fn spawn_all(
             SourceConfig::Modbus(m) => {
                 modbus.push((modbus_index, m));
                 modbus_index += 1;
+            }
+            SourceConfig::Opcua(o) => {
+                spawn_opcua(o, opcua_index, &ingest, &state);
+                opcua_index += 1;
             }
         }
     }
@@ -379,6 +403,35 @@ fn spawn_modbus(
 #[cfg(not(feature = "modbus"))]
 fn spawn_modbus(
     _sources: Vec<(usize, &crate::config::ModbusSourceConfig)>,
+    _ingest: &Ingest,
+    _state: &SourcesState,
+) {
+}
+
+/// Starts the `index`-th OPC UA source.
+#[cfg(feature = "opcua")]
+fn spawn_opcua(
+    cfg: &crate::config::OpcuaSourceConfig,
+    index: usize,
+    ingest: &Ingest,
+    state: &SourcesState,
+) {
+    if let Some(stats) = state.opcua_stats(index) {
+        tokio::spawn(opcua::run(
+            cfg.clone(),
+            index,
+            ingest.clone(),
+            stats.clone(),
+        ));
+    }
+}
+
+/// Without the `opcua` feature there is nothing to start: config load refuses
+/// `kind = "opcua"` in such builds.
+#[cfg(not(feature = "opcua"))]
+fn spawn_opcua(
+    _cfg: &crate::config::OpcuaSourceConfig,
+    _index: usize,
     _ingest: &Ingest,
     _state: &SourcesState,
 ) {
