@@ -162,7 +162,7 @@ fn sparkplug_message(side: &str, i: u64) -> (String, Vec<u8>) {
     let value = |alias: u64| match alias {
         1 => MetricValue::DoubleValue(20.0 + (i % 100) as f64 / 10.0),
         2 => MetricValue::LongValue(i),
-        _ => MetricValue::BooleanValue(i % 2 == 0),
+        _ => MetricValue::BooleanValue(i.is_multiple_of(2)),
     };
     let (kind, metrics) = match i {
         0 => {

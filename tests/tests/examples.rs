@@ -77,6 +77,7 @@ fn source_kind(s: &SourceConfig) -> &'static str {
             SensorKind::Simulator { .. } => "simulator",
         },
         SourceConfig::Modbus(_) => "modbus",
+        SourceConfig::Opcua(_) => "opcua",
     }
 }
 
@@ -94,7 +95,16 @@ fn edge_examples_load_and_cover_every_source_kind() {
             .unwrap_or_else(|e| panic!("{} with its commented sources: {e}", path.display()));
         kinds.extend(cfg.sources.iter().map(source_kind));
     }
-    let want: BTreeSet<&str> = ["hwmon", "iio", "modbus", "mqtt", "nmea", "simulator"].into();
+    let want: BTreeSet<&str> = [
+        "hwmon",
+        "iio",
+        "modbus",
+        "mqtt",
+        "nmea",
+        "opcua",
+        "simulator",
+    ]
+    .into();
     assert_eq!(kinds, want, "source kinds the examples cover");
     let stdin = std::fs::read_to_string(examples().join("edge-stdin.toml")).unwrap();
     assert!(stdin.contains("edge-agent ingest --stream logs"));

@@ -541,7 +541,9 @@ async fn post_idempotent(
     opts: &sync::parse::ParseOptions,
 ) -> Response {
     let digest = ingest::body_digest(content_type, body);
-    let parse = || ingest::parse_body_with(format, stream, body, opts).map_err(|e| body_error(&e));
+    let parse = || {
+        ingest::parse_body_with(format, stream, body, opts).map_err(|e| Box::new(body_error(&e)))
+    };
     let answer = match ingest_idempotent(app, stream, key, digest, parse).await {
         Ok(answer) => answer,
         Err(r) => return r,
@@ -572,7 +574,7 @@ async fn ingest_idempotent(
     stream: &str,
     key: &HeaderValue,
     digest: u64,
-    records: impl FnOnce() -> Result<Vec<sync::Record>, Response>,
+    records: impl FnOnce() -> Result<Vec<sync::Record>, Box<Response>>,
 ) -> Result<idempotency::BatchAnswer, Response> {
     use ingest::{IdempotencyError, IdempotentStart};
     let Ok(key) = key.to_str() else {
@@ -583,7 +585,7 @@ async fn ingest_idempotent(
         Ok(IdempotentStart::Replay(answer)) => return Ok(answer),
         Ok(IdempotentStart::Claimed(claim)) => claim,
     };
-    let records = records()?;
+    let records = records().map_err(|r| *r)?;
     // Its own task: a client that disconnects must not cut the work between the append and
     // the cache write.
     let ingest = app.ingest.clone();
