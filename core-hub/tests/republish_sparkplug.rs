@@ -12,7 +12,8 @@
 //! `is_historical` (and they are counted: the case happened); the NBIRTH came first with a
 //! `bdSeq` and every DDATA after a DBIRTH of its device that names each of its metrics with its
 //! datatype; seq runs 0..=255 and wraps; the rebirth brought a new NBIRTH with the same `bdSeq`
-//! and new DBIRTHs; the stop an NDEATH with that `bdSeq`.
+//! and new DBIRTHs; the stop an NDEATH with that `bdSeq`. A hub restarted on the same data
+//! directory births the node with the next `bdSeq`.
 //!
 //! Needs `mosquitto` (see `mqtt_support`) and the Python packages below (`.ci/test` installs
 //! them).
@@ -251,6 +252,7 @@ async fn sparkplug_births_data_and_backfill_as_historical() {
     }
     .parse()
     .unwrap();
+    let cfg_again = cfg.clone();
     let (stop_tx, stop_rx) = watch::channel(false);
     let tasks = republish::start(hub.clone(), cfg, stop_rx);
 
@@ -294,8 +296,35 @@ async fn sparkplug_births_data_and_backfill_as_historical() {
     }
     host.until("the NDEATH", |s| s.iter().any(|m| kind(m) == "NDEATH"));
     hub.shutdown();
+    drop(hub);
+    let before_restart = host.seen.clone();
+    check(&before_restart, want);
 
-    check(&host.seen, want);
+    // A restarted hub's node takes the next bdSeq: the stored one goes on, so a Will of the
+    // dead process that reaches the host late never names the new session.
+    let hub = common::open(dir.path());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let tasks = republish::start(hub.clone(), cfg_again, stop_rx);
+    host.until("the NBIRTH after the restart", |s| {
+        s.len() > before_restart.len()
+            && s[before_restart.len()..]
+                .iter()
+                .any(|m| kind(m) == "NBIRTH")
+    });
+    stop_tx.send(true).unwrap();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    hub.shutdown();
+    let reborn = host.seen[before_restart.len()..]
+        .iter()
+        .find(|m| kind(m) == "NBIRTH")
+        .unwrap();
+    assert_eq!(
+        bd_seq_of(reborn),
+        (bd_seq_of(&before_restart[0]) + 1) % 256,
+        "the restarted node's bdSeq follows the last one: {reborn}"
+    );
 }
 
 /// Every property the module docs promise, over everything the host received.

@@ -247,7 +247,9 @@ async fn session(
     opts.set_keep_alive(Duration::from_secs(30));
     opts.set_clean_start(true);
     if let Some(node) = &mut mem.node {
-        let will = node.start_session();
+        let (h, s) = (hub.clone(), stream.to_string());
+        let bd_seq = tokio::task::spawn_blocking(move || store::next_bd_seq(&h, &s)).await??;
+        let will = node.start_session(bd_seq);
         opts.set_last_will(LastWill::new(
             will.topic,
             will.payload,

@@ -4,7 +4,7 @@
 //!
 //! - **One edge node per republished stream:** `spBv1.0/{group_id}/{NBIRTH,NDEATH,NCMD}/
 //!   {edge_node_id}` (the id with `{stream}` filled in). Each connection takes the next
-//!   `bdSeq` (0..=255, wrapping; 0 for the first connection of a hub process): the Will set at
+//!   `bdSeq` (0..=255, wrapping, stored in the catalog so it goes on across restarts): the Will set at
 //!   CONNECT is an NDEATH with that `bdSeq`, and the NBIRTH sent after the CONNACK carries the
 //!   same one, with `Node Control/Rebirth = false`.
 //! - **One Sparkplug device per record device:** `spBv1.0/{group_id}/{DBIRTH,DDATA}/
@@ -151,10 +151,10 @@ impl EdgeNode {
         }
     }
 
-    /// A new connection: the next `bdSeq`; returns the Will to set at CONNECT (an NDEATH with
-    /// that `bdSeq`).
-    pub fn start_session(&mut self) -> Outgoing {
-        self.bd_seq = Some(self.bd_seq.map_or(0, |b| b.wrapping_add(1)));
+    /// A new connection with `bd_seq` (the stored next one, `store::next_bd_seq`); returns the
+    /// Will to set at CONNECT (an NDEATH with that `bdSeq`).
+    pub fn start_session(&mut self, bd_seq: u8) -> Outgoing {
+        self.bd_seq = Some(bd_seq);
         self.ndeath()
     }
 
@@ -363,7 +363,7 @@ mod tests {
     #[test]
     fn births_come_before_data_and_seq_wraps() {
         let mut n = EdgeNode::new(&cfg(), "t");
-        let will = n.start_session();
+        let will = n.start_session(0);
         assert_eq!(will.topic, "spBv1.0/g/NDEATH/hub-t");
         let birth = n.nbirth(1);
         assert_eq!(birth.topic, "spBv1.0/g/NBIRTH/hub-t");
@@ -399,13 +399,13 @@ mod tests {
         assert_eq!(out.len(), 2);
         assert_eq!(decode(&out[1]).seq, Some(2));
         // The next session takes the next bdSeq.
-        assert_eq!(decode(&n.start_session()).metrics[0], bd_seq_metric(1));
+        assert_eq!(decode(&n.start_session(1)).metrics[0], bd_seq_metric(1));
     }
 
     #[test]
     fn refusals_change_nothing() {
         let mut n = EdgeNode::new(&cfg(), "t");
-        n.start_session();
+        n.start_session(2);
         n.nbirth(1);
         let big = data(
             "d1",

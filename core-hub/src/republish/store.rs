@@ -30,6 +30,10 @@ CREATE TABLE IF NOT EXISTS republish_dead_letters (
     detail TEXT NOT NULL,
     at_ns INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS republish_sparkplug_sessions (
+    stream TEXT PRIMARY KEY,
+    bd_seq INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS republish_dead_letter_counts (
     stream TEXT NOT NULL,
     reason TEXT NOT NULL,
@@ -54,6 +58,32 @@ pub fn checkpoint(hub: &Hub, stream: &str) -> rusqlite::Result<u64> {
         .optional()
     })?;
     Ok(v.map_or(0, |v| v as u64))
+}
+
+/// The `bdSeq` of `stream`'s next Sparkplug connection: one above the last one taken (0 for
+/// the first ever, wrapping after 255), stored before it is used. Kept across restarts so that
+/// the Will of a dead connection, which the broker may deliver after the next connection's
+/// NBIRTH, never carries the new connection's `bdSeq`.
+pub fn next_bd_seq(hub: &Hub, stream: &str) -> rusqlite::Result<u8> {
+    ensure_schema(hub)?;
+    hub.catalog().with_write_conn(|c| {
+        let tx = c.transaction()?;
+        let last: Option<i64> = tx
+            .query_row(
+                "SELECT bd_seq FROM republish_sparkplug_sessions WHERE stream = ?1",
+                [stream],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let next = last.map_or(0, |b| (b + 1) & 0xff) as u8;
+        tx.execute(
+            "INSERT INTO republish_sparkplug_sessions (stream, bd_seq) VALUES (?1, ?2)
+             ON CONFLICT (stream) DO UPDATE SET bd_seq = excluded.bd_seq",
+            params![stream, i64::from(next)],
+        )?;
+        tx.commit()?;
+        Ok(next)
+    })
 }
 
 /// Records `dead`, counts them, moves `stream`'s checkpoint to `next` and trims the list to
