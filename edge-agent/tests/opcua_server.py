@@ -1,9 +1,15 @@
-"""An OPC UA server for the agent's OPC UA source test (edge-agent/tests/opcua.rs).
+"""An OPC UA server for the agent's OPC UA source tests (edge-agent/tests/opcua.rs and
+edge-agent/tests/opcua_security.rs).
 
-Usage: python3 opcua_server.py PORT [BASE]
+Usage: python3 opcua_server.py PORT [BASE] [--secure CERT KEY]
 
 Serves opc.tcp://127.0.0.1:PORT/tributary/ with asyncua (pinned in .ci/test), security policy
-None, anonymous access. Namespace "urn:tributary:test" (index 2) holds four variables, all
+None, anonymous access. With --secure it offers only Basic256Sha256 with SignAndEncrypt
+(still anonymous), its application URI "urn:tributary:test-server", with the certificate CERT
+(DER) and the private key KEY (PEM); when CERT does not exist yet, a self-signed pair is
+written there first: common name "Tributary test server", subjectAltName the application URI
+(first, as OPC UA wants it), then DNS localhost and IP 127.0.0.1, valid for one day. Any client
+certificate is accepted (no certificate validator is set). Namespace "urn:tributary:test" (index 2) holds four variables, all
 changed every 100 ms with a fresh source timestamp:
 
 - ns=2;s=Counter  Int32, counts up from BASE + 1 (BASE defaults to 0), so the test can tell
@@ -17,19 +23,58 @@ Prints "ready" on stdout once it listens.
 
 import asyncio
 import datetime
+import ipaddress
 import logging
+import os
 import sys
 
 from asyncua import Server, ua
 
+APPLICATION_URI = "urn:tributary:test-server"
 
-async def main(port: int, base: int) -> None:
+
+def make_cert(cert_path: str, key_path: str) -> None:
+    """Writes a self-signed server certificate (DER) and its key (PEM)."""
+    from asyncua.crypto import cert_gen
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    key = cert_gen.generate_private_key()
+    cert = cert_gen.generate_self_signed_app_certificate(
+        key,
+        "Tributary test server",
+        {},
+        [
+            x509.UniformResourceIdentifier(APPLICATION_URI),
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        ],
+        [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+        days=1,
+    )
+    with open(key_path, "wb") as f:
+        f.write(cert_gen.dump_private_key_as_pem(key))
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(Encoding.DER))
+
+
+async def main(port: int, base: int, secure) -> None:
     logging.basicConfig(level=logging.WARNING)
     server = Server()
     await server.init()
     server.set_endpoint(f"opc.tcp://127.0.0.1:{port}/tributary/")
     server.set_server_name("Tributary test server")
-    server.set_security_policy([ua.SecurityPolicyType.NoSecurity])
+    if secure is None:
+        server.set_security_policy([ua.SecurityPolicyType.NoSecurity])
+    else:
+        cert_path, key_path = secure
+        if not os.path.exists(cert_path):
+            make_cert(cert_path, key_path)
+        await server.set_application_uri(APPLICATION_URI)
+        server.set_security_policy([ua.SecurityPolicyType.Basic256Sha256_SignAndEncrypt])
+        await server.load_certificate(cert_path)
+        await server.load_private_key(key_path)
     ns = await server.register_namespace("urn:tributary:test")
     assert ns == 2, ns
     plant = await server.nodes.objects.add_object(ua.NodeId("Plant", ns), "Plant")
@@ -63,4 +108,10 @@ async def main(port: int, base: int) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    args = sys.argv[1:]
+    secure = None
+    if "--secure" in args:
+        at = args.index("--secure")
+        secure = (args[at + 1], args[at + 2])
+        del args[at : at + 3]
+    asyncio.run(main(int(args[0]), int(args[1]) if len(args) > 1 else 0, secure))

@@ -417,11 +417,13 @@ fn spawn_opcua(
     state: &SourcesState,
 ) {
     if let Some(stats) = state.opcua_stats(index) {
+        let client = opcua::build_client(cfg);
         tokio::spawn(opcua::run(
             cfg.clone(),
             index,
             ingest.clone(),
             stats.clone(),
+            client,
         ));
     }
 }

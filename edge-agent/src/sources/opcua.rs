@@ -249,7 +249,7 @@ fn resubscribe_after_loss() -> bool {
 }
 
 #[cfg(feature = "opcua")]
-pub use driver::{run, time_ns, value_of};
+pub use driver::{build_client, run, time_ns, value_of};
 
 #[cfg(feature = "opcua")]
 mod driver {
@@ -287,10 +287,19 @@ mod driver {
 
     /// Runs one OPC UA source until the process ends. `index` is its place among the OPC UA
     /// sources (the `source` label).
-    pub async fn run(cfg: OpcuaSourceConfig, index: usize, ingest: Ingest, stats: Arc<OpcuaStats>) {
+    /// Runs the source with `client`, the result of [`build_client`] (called before the task is
+    /// spawned, one source after the other, so that sources sharing a `pki_dir` do not race to
+    /// create its key pair).
+    pub async fn run(
+        cfg: OpcuaSourceConfig,
+        index: usize,
+        ingest: Ingest,
+        stats: Arc<OpcuaStats>,
+        client: Result<Client, String>,
+    ) {
         let (tx, rx) = mpsc::channel(cfg.queue_max);
         tokio::spawn(write(cfg.stream.clone(), index, ingest, stats.clone(), rx));
-        let mut client = match build_client(&cfg) {
+        let mut client = match client {
             Ok(c) => c,
             Err(e) => {
                 stats.set_down(&e);
@@ -410,7 +419,8 @@ mod driver {
         }
     }
 
-    fn build_client(cfg: &OpcuaSourceConfig) -> Result<Client, String> {
+    /// The client of `cfg`, creating the key pair in `pki_dir` if there is none.
+    pub fn build_client(cfg: &OpcuaSourceConfig) -> Result<Client, String> {
         for dir in ["trusted", "rejected"] {
             let path = cfg.pki_dir.join(dir);
             std::fs::create_dir_all(&path)
@@ -459,7 +469,15 @@ mod driver {
     /// A connect error in words an operator can act on; an untrusted server certificate says
     /// where the trust list is.
     fn explain(cfg: &OpcuaSourceConfig, e: &str) -> String {
-        if e.contains("BadCertificateUntrusted") || e.contains("rejected directory") {
+        // After the first refusal the client finds the certificate in `rejected/` and reports
+        // only `BadSecurityChecksFailed`; the operator still has to move it.
+        let rejected_held = || {
+            std::fs::read_dir(cfg.pki_dir.join("rejected")).is_ok_and(|mut d| d.next().is_some())
+        };
+        if e.contains("BadCertificateUntrusted")
+            || e.contains("rejected directory")
+            || (e.contains("BadSecurityChecksFailed") && rejected_held())
+        {
             return format!(
                 "the server's certificate is not in the trust list: move it from {} to {} \
                  (or set trust_unknown = true): {e}",
@@ -467,7 +485,8 @@ mod driver {
                 cfg.pki_dir.join("trusted").display()
             );
         }
-        if e.contains("no matching endpoint") || e.contains("BadSecurityPolicyRejected") {
+        let lower = e.to_ascii_lowercase();
+        if lower.contains("matching endpoint") || e.contains("BadSecurityPolicyRejected") {
             return format!(
                 "the server offers no endpoint with security_policy = {:?} and security_mode = {:?}: {e}",
                 cfg.security_policy, cfg.security_mode
