@@ -338,7 +338,7 @@ fn bad_sources_are_named() {
     let mqtt = |rest: &str| format!("{base}kind = \"mqtt\"\n{rest}");
     let m = expect_bad(&format!("{base}kind = \"kafka\"\n"), "sources[0].kind");
     assert!(
-        m.contains("mqtt | hwmon | iio | nmea | simulator | modbus | http"),
+        m.contains("mqtt | hwmon | iio | nmea | simulator | modbus | opcua | http"),
         "{m}"
     );
     expect_bad(&format!("{base}url = \"mqtt://h:1\"\n"), "sources[0].kind");

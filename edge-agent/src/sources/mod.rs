@@ -211,10 +211,15 @@ impl SourcesState {
         if self.mqtt_stats.is_empty() {
             return out;
         }
-        let counters: [Counter; 7] = [
+        let counters: [Counter; 8] = [
             ("received", "MQTT PUBLISH packets received", |s| {
                 s.received.load(Ordering::Relaxed)
             }),
+            (
+                "acks_sent",
+                "PUBACKs and PUBRECs sent for durable (or refused) messages",
+                |s| s.acks_sent.load(Ordering::Relaxed),
+            ),
             (
                 "dup_received",
                 "received with DUP set (redeliveries)",

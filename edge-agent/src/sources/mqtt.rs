@@ -133,6 +133,8 @@ const PACKET_BYTES_MAX: usize = 1 << 20;
 #[derive(Debug, Default)]
 pub struct MqttStats {
     pub received: AtomicU64,
+    /// PUBACKs and PUBRECs written onto the connection and flushed.
+    pub acks_sent: AtomicU64,
     pub dup_received: AtomicU64,
     pub duplicates_dropped: AtomicU64,
     pub records: AtomicU64,
@@ -259,15 +261,17 @@ async fn send_acks(
     eventloop: &mut EventLoop,
     first: Option<Out>,
     acks: &mut mpsc::UnboundedReceiver<Out>,
+    stats: &MqttStats,
 ) -> Result<(), String> {
     let Some(network) = eventloop.network.as_mut() else {
         return Ok(()); // not connected: these acks belong to a connection that is gone
     };
-    let mut wrote = false;
+    let (mut wrote, mut acked) = (false, 0);
     let mut next = first.or_else(|| acks.try_recv().ok());
-    while let Some(ack) = next {
+    while let Some(out) = next {
+        acked += u64::from(matches!(out, Out::Ack(_)));
         network
-            .write(ack.packet())
+            .write(out.packet())
             .await
             .map_err(|e| format!("sending an ack: {e}"))?;
         wrote = true;
@@ -278,6 +282,7 @@ async fn send_acks(
             .flush()
             .await
             .map_err(|e| format!("sending acks: {e}"))?;
+        stats.acks_sent.fetch_add(acked, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -434,7 +439,9 @@ impl MqttSource {
         // raced against the acks, so a poll cancelled while it waits loses no request.
         let mut requests_pending = 1usize;
         loop {
-            if let Err(why) = send_acks(&mut eventloop, first_ack.take(), &mut ack_rx).await {
+            if let Err(why) =
+                send_acks(&mut eventloop, first_ack.take(), &mut ack_rx, &self.stats).await
+            {
                 return Connection::Lost { was_up, why };
             }
             let polled = if requests_pending == 0 {
@@ -523,7 +530,7 @@ impl MqttSource {
                         tokio::select! {
                             p = tx.reserve() => break p,
                             ack = ack_rx.recv() => {
-                                if let Err(why) = send_acks(&mut eventloop, ack, &mut ack_rx).await {
+                                if let Err(why) = send_acks(&mut eventloop, ack, &mut ack_rx, &self.stats).await {
                                     return Connection::Lost { was_up, why };
                                 }
                             }

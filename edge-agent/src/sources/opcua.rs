@@ -389,16 +389,18 @@ mod driver {
             Ok(None) => return Err("session ended before it was established".into()),
             Err(_) => return Err(format!("session to {} timed out", cfg.endpoint)),
         }
+        // The gap record goes into the queue before the new subscription's first change, so
+        // the log holds it between the values of the two sessions.
+        let gap_end = match lost_at.take() {
+            Some(start) => Some(record_gap(cfg, index, stats, tx, start).await),
+            None => None,
+        };
         if !subscribed_once || resubscribe_after_loss() {
-            subscribe(cfg, index, &session, stats, tx).await?;
-        }
-        if let Some(start) = lost_at.take() {
-            stats.reconnects.fetch_add(1, Ordering::Relaxed);
-            stats.gaps.fetch_add(1, Ordering::Relaxed);
-            let end = now_ns();
-            tracing::warn!(source = index, endpoint = %cfg.endpoint, gap_ms = (end - start) / 1_000_000, "opcua session back; values in the outage were not received, gap recorded");
-            // The queue may be full: the gap record waits for room rather than being lost.
-            let _ = tx.send(gap_record(&cfg.key, start, end)).await;
+            if let Err(e) = subscribe(cfg, index, &session, stats, tx).await {
+                // Nothing was received since the recorded gap ended: the next one starts there.
+                *lost_at = gap_end;
+                return Err(e);
+            }
         }
         stats.set_up();
         tracing::info!(source = index, endpoint = %cfg.endpoint, items = cfg.items.len(), "opcua subscription in place");
@@ -408,6 +410,24 @@ mod driver {
         };
         let _ = session.disconnect().await;
         Ok(why)
+    }
+
+    /// Counts and queues the gap record of a session lost at `start`, ending now; returns the
+    /// end.
+    async fn record_gap(
+        cfg: &OpcuaSourceConfig,
+        index: usize,
+        stats: &OpcuaStats,
+        tx: &mpsc::Sender<Record>,
+        start: i64,
+    ) -> i64 {
+        stats.reconnects.fetch_add(1, Ordering::Relaxed);
+        stats.gaps.fetch_add(1, Ordering::Relaxed);
+        let end = now_ns();
+        tracing::warn!(source = index, endpoint = %cfg.endpoint, gap_ms = (end - start) / 1_000_000, "opcua session back; values in the outage were not received, gap recorded");
+        // The queue may be full: the gap record waits for room rather than being lost.
+        let _ = tx.send(gap_record(&cfg.key, start, end)).await;
+        end
     }
 
     /// Aborts the session's event loop when the session is given up.
