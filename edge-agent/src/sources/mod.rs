@@ -7,6 +7,7 @@
 //! source counters for `/metrics`.
 
 pub mod flatten;
+pub mod link;
 pub mod modbus;
 pub mod mqtt;
 pub mod opcua;

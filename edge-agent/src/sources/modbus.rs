@@ -12,13 +12,12 @@
 //! Decoding ([`decode`]) is pure and tested for every type and order. The network driver needs
 //! the `modbus` feature (`tokio-modbus`); without it the agent refuses `kind = "modbus"` at load.
 
-use std::fmt::Write as _;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sync::Value;
 
 use crate::config::{ModbusChannel, ModbusSourceConfig, ModbusType, Order};
+use super::link::{Link, Metric, ReportLine, render_labelled, render_per_source};
 
 /// Counters and connection state of one Modbus source, for `/metrics` and `/v1/status`.
 #[derive(Debug)]
@@ -37,15 +36,8 @@ pub struct ModbusStats {
     pub timeouts: AtomicU64,
     /// Records the log refused (disk full under `on_full = "block"`).
     pub refused_records: AtomicU64,
-    conn: Mutex<Conn>,
-}
-
-/// The device's state as last seen.
-#[derive(Debug, Default)]
-struct Conn {
-    connected: bool,
-    last_error: Option<String>,
-    since_ms: u64,
+    /// Whether the device answers.
+    pub link: Link,
 }
 
 impl ModbusStats {
@@ -60,69 +52,22 @@ impl ModbusStats {
             connect_errors: AtomicU64::new(0),
             timeouts: AtomicU64::new(0),
             refused_records: AtomicU64::new(0),
-            conn: Mutex::new(Conn {
-                since_ms: crate::http::status::now_ms(),
-                ..Conn::default()
-            }),
+            link: Link::default(),
         }
-    }
-
-    /// The device answered (possibly with an exception): it is up.
-    pub fn set_up(&self) {
-        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        if !c.connected {
-            c.connected = true;
-            c.since_ms = crate::http::status::now_ms();
-        }
-        c.last_error = None;
-    }
-
-    /// The device did not answer, or the connection broke, because of `why`.
-    pub fn set_down(&self, why: &str) {
-        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        if c.connected || c.last_error.is_none() {
-            c.since_ms = crate::http::status::now_ms();
-        }
-        c.connected = false;
-        c.last_error = Some(why.to_owned());
-    }
-
-    fn is_up(&self) -> bool {
-        self.conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .connected
     }
 
     /// This source's line in `/v1/status`; `index` is its place among the Modbus sources.
     pub fn report(&self, index: usize) -> crate::http::status::SourceReport {
-        let c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let state = match (c.connected, &c.last_error) {
-            (true, _) => "connected",
-            (false, Some(_)) => "disconnected",
-            (false, None) => "connecting",
-        };
-        crate::http::status::SourceReport {
-            source: index,
-            kind: "modbus".into(),
-            broker: self.device.clone(),
-            stream: self.stream.clone(),
-            state: state.into(),
-            last_error: c.last_error.clone(),
-            since: Some(crate::http::status::rfc3339_ms(c.since_ms)),
-            messages_received: self.polls.load(Ordering::Relaxed),
+        self.link.report(ReportLine {
+            index,
+            kind: "modbus",
+            peer: &self.device,
+            stream: &self.stream,
+            messages: self.polls.load(Ordering::Relaxed),
             records: self.records.load(Ordering::Relaxed),
-        }
+        })
     }
 }
-
-/// A per-source metric's name, Prometheus type, help text and reader, for [`render`].
-type Metric = (
-    &'static str,
-    &'static str,
-    &'static str,
-    fn(&ModbusStats) -> u64,
-);
 
 /// Prometheus text for every Modbus source (empty without any).
 pub fn render(all: &[std::sync::Arc<ModbusStats>]) -> String {
@@ -130,7 +75,7 @@ pub fn render(all: &[std::sync::Arc<ModbusStats>]) -> String {
     if all.is_empty() {
         return out;
     }
-    let per_source: [Metric; 6] = [
+    let per_source: [Metric<ModbusStats>; 6] = [
         ("polls_total", "counter", "polls of the device", |s| {
             s.polls.load(Ordering::Relaxed)
         }),
@@ -159,35 +104,23 @@ pub fn render(all: &[std::sync::Arc<ModbusStats>]) -> String {
             "up",
             "gauge",
             "1 while the device answers, 0 while it does not",
-            |s| u64::from(s.is_up()),
+            |s| u64::from(s.link.is_up()),
         ),
     ];
-    for (name, kind, help, get) in per_source {
-        let _ = writeln!(out, "# HELP tributary_edge_modbus_{name} {help}");
-        let _ = writeln!(out, "# TYPE tributary_edge_modbus_{name} {kind}");
-        for (i, s) in all.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "tributary_edge_modbus_{name}{{source=\"{i}\"}} {}",
-                get(s)
-            );
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP tributary_edge_modbus_errors_total channel reads that failed (exception, timeout, connection lost)"
+    render_per_source(&mut out, "tributary_edge_modbus_", &per_source, all);
+    let rows = all.iter().enumerate().flat_map(|(i, s)| {
+        s.channels
+            .iter()
+            .zip(&s.channel_errors)
+            .map(move |(name, n)| (i, name.as_str(), n.load(Ordering::Relaxed)))
+    });
+    render_labelled(
+        &mut out,
+        "tributary_edge_modbus_errors_total",
+        "channel reads that failed (exception, timeout, connection lost)",
+        "channel",
+        rows,
     );
-    let _ = writeln!(out, "# TYPE tributary_edge_modbus_errors_total counter");
-    for (i, s) in all.iter().enumerate() {
-        for (name, n) in s.channels.iter().zip(&s.channel_errors) {
-            let _ = writeln!(
-                out,
-                "tributary_edge_modbus_errors_total{{source=\"{i}\",channel=\"{}\"}} {}",
-                name.replace('\\', "\\\\").replace('"', "\\\""),
-                n.load(Ordering::Relaxed)
-            );
-        }
-    }
     out
 }
 
@@ -449,13 +382,13 @@ mod driver {
                     // arrive as the reply to the next request.
                     Err(e) => {
                         self.ctx = None;
-                        self.device.stats.set_down(e.message());
+                        self.device.stats.link.set_down(e.message());
                         lost = Some(e.message().to_owned());
                     }
                 }
             }
             if answered {
-                self.device.stats.set_up();
+                self.device.stats.link.set_up();
                 self.backoff = self.device.cfg.poll_interval;
             } else if let Some(e) = lost.filter(|_| self.ctx.is_none() && !self.waiting()) {
                 self.back_off(&e);
@@ -496,8 +429,8 @@ mod driver {
         /// each time up to [`BACKOFF_MAX`], and logs the first failure of each outage.
         fn back_off(&mut self, e: &str) {
             let d = &self.device;
-            let first = d.stats.is_up() || self.backoff == d.cfg.poll_interval;
-            d.stats.set_down(e);
+            let first = d.stats.link.is_up() || self.backoff == d.cfg.poll_interval;
+            d.stats.link.set_down(e);
             self.next_connect = Instant::now() + self.backoff;
             if first {
                 tracing::warn!(source = d.index, device = %d.cfg.describe(), error = %e, retry_in = ?self.backoff, "modbus device not answering");

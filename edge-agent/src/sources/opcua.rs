@@ -23,11 +23,10 @@
 //! Value conversion ([`value_of`]) and time conversion are pure and tested here; the client
 //! needs the `opcua` feature (async-opcua); without it the agent refuses `kind = "opcua"` at load.
 
-use std::fmt::Write as _;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::config::OpcuaSourceConfig;
+use super::link::{Link, Metric, ReportLine, render_labelled, render_per_source};
 
 /// The tag naming an event record of this source (`gap`).
 pub const EVENT_TAG: &str = "opcua_event";
@@ -53,15 +52,8 @@ pub struct OpcuaStats {
     pub dropped: AtomicU64,
     /// Records the log refused (disk full under `on_full = "block"`).
     pub refused_records: AtomicU64,
-    conn: Mutex<Conn>,
-}
-
-/// The session's state as last seen.
-#[derive(Debug, Default)]
-struct Conn {
-    connected: bool,
-    last_error: Option<String>,
-    since_ms: u64,
+    /// Whether the subscription is in place on a live session.
+    pub link: Link,
 }
 
 impl OpcuaStats {
@@ -78,69 +70,22 @@ impl OpcuaStats {
             item_errors: cfg.items.iter().map(|_| AtomicU64::new(0)).collect(),
             dropped: AtomicU64::new(0),
             refused_records: AtomicU64::new(0),
-            conn: Mutex::new(Conn {
-                since_ms: crate::http::status::now_ms(),
-                ..Conn::default()
-            }),
+            link: Link::default(),
         }
-    }
-
-    /// The subscription is in place on a live session.
-    pub fn set_up(&self) {
-        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        if !c.connected {
-            c.connected = true;
-            c.since_ms = crate::http::status::now_ms();
-        }
-        c.last_error = None;
-    }
-
-    /// There is no session, because of `why`.
-    pub fn set_down(&self, why: &str) {
-        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        if c.connected || c.last_error.is_none() {
-            c.since_ms = crate::http::status::now_ms();
-        }
-        c.connected = false;
-        c.last_error = Some(why.to_owned());
-    }
-
-    fn is_up(&self) -> bool {
-        self.conn
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .connected
     }
 
     /// This source's line in `/v1/status`; `index` is its place among the OPC UA sources.
     pub fn report(&self, index: usize) -> crate::http::status::SourceReport {
-        let c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let state = match (c.connected, &c.last_error) {
-            (true, _) => "connected",
-            (false, Some(_)) => "disconnected",
-            (false, None) => "connecting",
-        };
-        crate::http::status::SourceReport {
-            source: index,
-            kind: "opcua".into(),
-            broker: self.endpoint.clone(),
-            stream: self.stream.clone(),
-            state: state.into(),
-            last_error: c.last_error.clone(),
-            since: Some(crate::http::status::rfc3339_ms(c.since_ms)),
-            messages_received: self.changes.load(Ordering::Relaxed),
+        self.link.report(ReportLine {
+            index,
+            kind: "opcua",
+            peer: &self.endpoint,
+            stream: &self.stream,
+            messages: self.changes.load(Ordering::Relaxed),
             records: self.records.load(Ordering::Relaxed),
-        }
+        })
     }
 }
-
-/// A per-source metric's name, Prometheus type, help text and reader, for [`render`].
-type Metric = (
-    &'static str,
-    &'static str,
-    &'static str,
-    fn(&OpcuaStats) -> u64,
-);
 
 /// Prometheus text for every OPC UA source (empty without any).
 pub fn render(all: &[std::sync::Arc<OpcuaStats>]) -> String {
@@ -148,7 +93,7 @@ pub fn render(all: &[std::sync::Arc<OpcuaStats>]) -> String {
     if all.is_empty() {
         return out;
     }
-    let per_source: [Metric; 8] = [
+    let per_source: [Metric<OpcuaStats>; 8] = [
         ("changes_total", "counter", "data changes received", |s| {
             s.changes.load(Ordering::Relaxed)
         }),
@@ -189,35 +134,23 @@ pub fn render(all: &[std::sync::Arc<OpcuaStats>]) -> String {
             "up",
             "gauge",
             "1 while the subscription is in place, 0 while it is not",
-            |s| u64::from(s.is_up()),
+            |s| u64::from(s.link.is_up()),
         ),
     ];
-    for (name, kind, help, get) in per_source {
-        let _ = writeln!(out, "# HELP tributary_edge_opcua_{name} {help}");
-        let _ = writeln!(out, "# TYPE tributary_edge_opcua_{name} {kind}");
-        for (i, s) in all.iter().enumerate() {
-            let _ = writeln!(
-                out,
-                "tributary_edge_opcua_{name}{{source=\"{i}\"}} {}",
-                get(s)
-            );
-        }
-    }
-    let _ = writeln!(
-        out,
-        "# HELP tributary_edge_opcua_errors_total items refused, values with a bad status or of no storable type"
+    render_per_source(&mut out, "tributary_edge_opcua_", &per_source, all);
+    let rows = all.iter().enumerate().flat_map(|(i, s)| {
+        s.items
+            .iter()
+            .zip(&s.item_errors)
+            .map(move |(name, n)| (i, name.as_str(), n.load(Ordering::Relaxed)))
+    });
+    render_labelled(
+        &mut out,
+        "tributary_edge_opcua_errors_total",
+        "items refused, values with a bad status or of no storable type",
+        "item",
+        rows,
     );
-    let _ = writeln!(out, "# TYPE tributary_edge_opcua_errors_total counter");
-    for (i, s) in all.iter().enumerate() {
-        for (name, n) in s.items.iter().zip(&s.item_errors) {
-            let _ = writeln!(
-                out,
-                "tributary_edge_opcua_errors_total{{source=\"{i}\",item=\"{}\"}} {}",
-                name.replace('\\', "\\\\").replace('"', "\\\""),
-                n.load(Ordering::Relaxed)
-            );
-        }
-    }
     out
 }
 
@@ -302,7 +235,7 @@ mod driver {
         let mut client = match client {
             Ok(c) => c,
             Err(e) => {
-                stats.set_down(&e);
+                stats.link.set_down(&e);
                 tracing::error!(source = index, endpoint = %cfg.endpoint, error = %e, "opcua client could not be set up");
                 return;
             }
@@ -327,15 +260,15 @@ mod driver {
                     subscribed_once = true;
                     backoff = BACKOFF_MIN;
                     lost_at.get_or_insert_with(now_ns);
-                    stats.set_down(&why);
+                    stats.link.set_down(&why);
                     tracing::warn!(source = index, endpoint = %cfg.endpoint, error = %why, "opcua session lost; reconnecting");
                 }
                 Err(e) => {
                     stats.connect_errors.fetch_add(1, Ordering::Relaxed);
-                    if stats.is_up() || backoff == BACKOFF_MIN {
+                    if stats.link.is_up() || backoff == BACKOFF_MIN {
                         tracing::warn!(source = index, endpoint = %cfg.endpoint, error = %e, "opcua server not answering");
                     }
-                    stats.set_down(&e);
+                    stats.link.set_down(&e);
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(BACKOFF_MAX);
                 }
@@ -402,7 +335,7 @@ mod driver {
                 return Err(e);
             }
         }
-        stats.set_up();
+        stats.link.set_up();
         tracing::info!(source = index, endpoint = %cfg.endpoint, items = cfg.items.len(), "opcua subscription in place");
         let why = match ev_rx.recv().await {
             Some(Err(e)) => e,

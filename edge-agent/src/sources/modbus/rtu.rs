@@ -133,7 +133,7 @@ impl Bus {
             (false, Some(e)) => unit.back_off(&e),
             _ => {
                 if answered {
-                    unit.device.stats.set_up();
+                    unit.device.stats.link.set_up();
                     unit.backoff = unit.device.cfg.poll_interval;
                 }
                 unit.next_due = (due + unit.device.cfg.poll_interval).max(Instant::now());
@@ -148,8 +148,8 @@ impl Unit {
     /// backoff, which doubles up to [`BACKOFF_MAX`]. Logs the first failure of each outage.
     fn back_off(&mut self, e: &str) {
         let d = &self.device;
-        let first = d.stats.is_up() || self.backoff == d.cfg.poll_interval;
-        d.stats.set_down(e);
+        let first = d.stats.link.is_up() || self.backoff == d.cfg.poll_interval;
+        d.stats.link.set_down(e);
         self.next_due = Instant::now() + self.backoff;
         if first {
             tracing::warn!(source = d.index, device = %d.cfg.describe(), error = %e, retry_in = ?self.backoff, "modbus device not answering");
