@@ -149,7 +149,10 @@ mod tests {
         assert_eq!(line(&link).state, "connecting");
         link.set_down("refused");
         let down = line(&link);
-        assert_eq!((down.state.as_str(), down.last_error.as_deref()), ("disconnected", Some("refused")));
+        assert_eq!(
+            (down.state.as_str(), down.last_error.as_deref()),
+            ("disconnected", Some("refused"))
+        );
         link.set_up();
         assert!(link.is_up());
         let up = line(&link);
@@ -162,7 +165,13 @@ mod tests {
         let mut out = String::new();
         let metrics: [Metric<u64>; 1] = [("polls_total", "counter", "polls", |s| *s)];
         render_per_source(&mut out, "tributary_edge_x_", &metrics, &all);
-        render_labelled(&mut out, "tributary_edge_x_errors_total", "errors", "channel", [(1, "a\"b", 2)].into_iter());
+        render_labelled(
+            &mut out,
+            "tributary_edge_x_errors_total",
+            "errors",
+            "channel",
+            [(1, "a\"b", 2)].into_iter(),
+        );
         assert!(out.contains("# TYPE tributary_edge_x_polls_total counter\n"));
         assert!(out.contains("tributary_edge_x_polls_total{source=\"0\"} 3\n"));
         assert!(out.contains("tributary_edge_x_polls_total{source=\"1\"} 5\n"));

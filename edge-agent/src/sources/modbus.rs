@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use sync::Value;
 
-use crate::config::{ModbusChannel, ModbusSourceConfig, ModbusType, Order};
 use super::link::{Link, Metric, ReportLine, render_labelled, render_per_source};
+use crate::config::{ModbusChannel, ModbusSourceConfig, ModbusType, Order};
 
 /// Counters and connection state of one Modbus source, for `/metrics` and `/v1/status`.
 #[derive(Debug)]

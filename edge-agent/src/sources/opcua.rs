@@ -25,8 +25,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::config::OpcuaSourceConfig;
 use super::link::{Link, Metric, ReportLine, render_labelled, render_per_source};
+use crate::config::OpcuaSourceConfig;
 
 /// The tag naming an event record of this source (`gap`).
 pub const EVENT_TAG: &str = "opcua_event";
@@ -328,12 +328,11 @@ mod driver {
             Some(start) => Some(record_gap(cfg, index, stats, tx, start).await),
             None => None,
         };
-        if !subscribed_once || resubscribe_after_loss() {
-            if let Err(e) = subscribe(cfg, index, &session, stats, tx).await {
-                // Nothing was received since the recorded gap ended: the next one starts there.
-                *lost_at = gap_end;
-                return Err(e);
-            }
+        let resubscribe = !subscribed_once || resubscribe_after_loss();
+        if resubscribe && let Err(e) = subscribe(cfg, index, &session, stats, tx).await {
+            // Nothing was received since the recorded gap ended: the next one starts there.
+            *lost_at = gap_end;
+            return Err(e);
         }
         stats.link.set_up();
         tracing::info!(source = index, endpoint = %cfg.endpoint, items = cfg.items.len(), "opcua subscription in place");
