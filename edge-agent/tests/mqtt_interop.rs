@@ -392,8 +392,8 @@ fn a_broker_without_an_inflight_limit_never_stalls_the_source() {
     }
     let drained = started.elapsed();
     // A stop drops acks not yet written (the broker redelivers those, and the digest check
-    // keeps them from being stored twice): the clean restart below comes after every ack went
-    // out, so no redelivery may follow it.
+    // keeps them from being stored twice): the clean restart below comes after every ack was
+    // written out, so that what the broker redelivers is only what it had not read yet.
     let deadline = Instant::now() + Duration::from_secs(30);
     while acks_sent(&setup) < n {
         assert!(
@@ -426,14 +426,18 @@ fn a_broker_without_an_inflight_limit_never_stalls_the_source() {
     }
     let log = agent.log_text();
     let dup = log_sum(&log, "mqtt: redeliveries received", "dup");
+    let dropped = log_sum(&log, "mqtt: redeliveries received", "dropped");
     println!(
-        "{n} messages without an inflight limit: queued while the agent was down, all stored {drained:.1?} after it came back; {dup} redelivered after a clean restart"
+        "{n} messages without an inflight limit: queued while the agent was down, all stored {drained:.1?} after it came back; {dup} redelivered after a clean restart, {dropped} of them recognised as stored"
     );
+    // Acks written just before the stop can still be lost with the connection (the agent
+    // closes it without a DISCONNECT, and a broker that has not read them yet drops them), so
+    // the broker may redeliver: each such message must be recognised as stored and dropped.
     assert_eq!(
-        dup, 0,
-        "the broker redelivered messages the agent had acked"
+        dropped, dup,
+        "redelivered messages that were already stored must not be appended again"
     );
-    assert_eq!(durable_seq(&setup), n + 1);
+    assert_eq!(durable_seq(&setup), n + 1, "every message stored once");
 }
 
 /// `GET /healthz` from the agent at `setup`: status and body.
