@@ -7,11 +7,12 @@
 //! Mutation check: with the `fault-injection` switch that skips re-creating the subscription
 //! after a session loss, the same scenario sees the session come back but no records resume.
 
+mod opcua_support;
 mod process_support;
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use opcua_support::{Server, metric};
 use process_support::Setup;
 use serde_json::Value as Json;
 
@@ -23,61 +24,11 @@ const SECOND_BASE: i64 = 1_000_000;
 /// How long the mutated run waits for records that must not come: 50 sampling intervals.
 const MUTATION_WAIT: Duration = Duration::from_secs(5);
 
-/// The asyncua server on `port`, killed on drop.
-struct Server(Child);
-
-impl Server {
-    /// Starts the server, its counter above `base`, and waits for its "ready" line.
-    fn start(port: u16, base: i64) -> Server {
-        let check = Command::new("python3")
-            .args(["-c", "import asyncua"])
-            .status()
-            .expect("python3 is needed for the OPC UA test");
-        assert!(
-            check.success(),
-            "asyncua is not installed: pip install asyncua==1.1.5 (as .ci/test does)"
-        );
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/opcua_server.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .arg(port.to_string())
-            .arg(base.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the OPC UA server did not start");
-        Server(child)
-    }
-
-    fn kill(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
 fn now_ns() -> i64 {
     let d = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap();
     i64::try_from(d.as_nanos()).unwrap()
-}
-
-/// The value of the metric line starting with `prefix` (name and labels), if present.
-fn metric(text: &str, prefix: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
 }
 
 const ITEMS: &str = r#"
@@ -130,7 +81,7 @@ fn run(env: &[(&str, &str)], resume: Duration) -> Run {
         http = setup.port,
     );
     std::fs::write(&setup.config, config).unwrap();
-    let mut server = Server::start(port, 0);
+    let mut server = Server::start(port, 0, &[]);
     let mut agent = setup.start_with_env(env);
     let client = setup.client();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -178,7 +129,7 @@ fn run(env: &[(&str, &str)], resume: Duration) -> Run {
         m("up") == 0.0 && m("connect_errors_total") >= 1.0
     });
     let restarted_ns = now_ns();
-    let _server = Server::start(port, SECOND_BASE);
+    let _server = Server::start(port, SECOND_BASE, &[]);
     must("the reconnect counted", &|| m("reconnects_total") >= 1.0);
     let reconnected_ns = now_ns();
     let seq_back = next_seq();

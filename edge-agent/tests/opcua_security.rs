@@ -19,12 +19,13 @@
 //!   server does not offer, stay `disconnected` with an error naming both settings, and store
 //!   nothing.
 
+mod opcua_support;
 mod process_support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use opcua_support::{Server, metric};
 use process_support::{Agent, Setup};
 use serde_json::Value as Json;
 
@@ -38,60 +39,6 @@ const RECORDS: u64 = 20;
 const REFUSALS: f64 = 3.0;
 
 const TRUST_LIST_ERROR: &str = "the server's certificate is not in the trust list";
-
-/// The secure asyncua server on `port`, killed on drop.
-struct Server(Child);
-
-impl Server {
-    /// Starts the server with the certificate `cert` and key `key` (created by the server
-    /// when `cert` does not exist) and waits for its "ready" line.
-    fn start(port: u16, cert: &Path, key: &Path) -> Server {
-        let check = Command::new("python3")
-            .args(["-c", "import asyncua"])
-            .status()
-            .expect("python3 is needed for the OPC UA test");
-        assert!(
-            check.success(),
-            "asyncua is not installed: pip install asyncua==1.1.5 (as .ci/test does)"
-        );
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/opcua_server.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .arg(port.to_string())
-            .arg("0")
-            .arg("--secure")
-            .arg(cert)
-            .arg(key)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        std::io::BufRead::read_line(&mut out, &mut line).unwrap();
-        assert_eq!(
-            line.trim(),
-            "ready",
-            "the secure OPC UA server did not start"
-        );
-        Server(child)
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The value of the metric line starting with `prefix` (name and labels), if present.
-fn metric(text: &str, prefix: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(prefix))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
 
 /// The files in `dir`, sorted; none when it does not exist.
 fn files(dir: &Path) -> Vec<PathBuf> {
@@ -137,7 +84,11 @@ impl Case {
         let setup = Setup::new("fsync = \"always\"");
         let port = process_support::free_port();
         let cert = setup.dir.path().join("server_cert.der");
-        let server = Server::start(port, &cert, &setup.dir.path().join("server_key.pem"));
+        let server = {
+            let key = setup.dir.path().join("server_key.pem");
+            let secure = ["--secure".as_ref(), cert.as_os_str(), key.as_os_str()];
+            Server::start(port, 0, &secure)
+        };
         let server_cert = std::fs::read(&cert).unwrap();
         let config = format!(
             "data_dir = \"data\"\n[http]\nlisten = \"127.0.0.1:{http}\"\n[[streams]]\nname = \"telemetry\"\n{}",
