@@ -1,7 +1,7 @@
 //! Fuzz target bodies for the hub: its decoders of text and bytes from outside the process
 //! (configuration, stream-cut tokens and the other request parameters, the revocation list,
 //! client certificates). Frames and blocks from devices are fuzzed in `sync/fuzz`, tier-2
-//! chunks in `tier/fuzz`.
+//! chunks in `core-hub/tier/fuzz`.
 //!
 //! This file is the `core-hub/fuzz` crate's library, so each cargo-fuzz target is a one-line
 //! wrapper, and `core-hub/tests/fuzz_corpus.rs` compiles the very same file (by path) to replay

@@ -619,7 +619,7 @@ fn data_path() -> Result<PathBuf> {
     if !path.exists() {
         let script = concat!(
             env!("CARGO_MANIFEST_DIR"),
-            "/../../shared/data/gen_telemetry.py"
+            "/../../../shared/data/gen_telemetry.py"
         );
         println!("generating {DEFAULT_DATA} with {script}");
         let out = Command::new("python3")

@@ -96,7 +96,7 @@ pub fn s3s_fs_bin() -> Option<PathBuf> {
 /// Ports below the kernel's ephemeral range (the test harness's picker, shared by path): the
 /// server keeps its port across [`S3sFs::stop`] and [`S3sFs::restart`], and meanwhile no
 /// outgoing connection can take it as its source port.
-#[path = "../../tests/src/ports.rs"]
+#[path = "../../../tests/src/ports.rs"]
 #[allow(dead_code)]
 mod ports;
 

@@ -10,7 +10,7 @@
 
 #[path = "../fuzz/bodies.rs"]
 mod bodies;
-#[path = "../../sync/fuzz/replay.rs"]
+#[path = "../../../sync/fuzz/replay.rs"]
 mod replay;
 
 use sync::record::Value;
