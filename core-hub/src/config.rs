@@ -154,6 +154,21 @@ pub struct Tier2Config {
     /// a field pinned to float gets a DOUBLE column from its first integer on. Copied from
     /// [`StreamPolicy::field_types`].
     pub field_types: BTreeMap<String, BTreeMap<String, tier::ValueKind>>,
+    /// How tier 2 presents a stream to SQL engines: Parquet files to glob, or an Iceberg table.
+    pub table: TableFormat,
+    /// The embedded Iceberg SQL catalog (SQLite) when `table` is Iceberg.
+    pub iceberg_catalog: PathBuf,
+}
+
+/// `[tier2] table`: what a stream is in tier 2.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TableFormat {
+    /// Hive-partitioned Parquet files under `streams/{stream}/` (read with a glob).
+    #[default]
+    Parquet,
+    /// The same files, committed as an Apache Iceberg table (format v2) in an SQL catalog.
+    Iceberg,
 }
 
 /// The tier-1 write-ahead log.
@@ -477,6 +492,8 @@ pub struct RawTier2 {
     pub tier2_retention_bytes: Option<String>,
     pub scrub_interval: Option<String>,
     pub scrub_bytes_per_sec_max: Option<String>,
+    pub table: Option<TableFormat>,
+    pub iceberg_catalog: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -893,6 +910,17 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         .as_deref()
         .map(|s| opt_bytes("tier2.tier2_retention_bytes", Some(s), 0))
         .transpose()?;
+    let table = raw.table.unwrap_or_default();
+    if table == TableFormat::Iceberg
+        && (raw.tier2_retention_time.is_some() || tier2_retention_bytes.is_some())
+    {
+        return Err(ConfigError::key(
+            "tier2.table",
+            "`iceberg` does not apply tier2_retention_time or tier2_retention_bytes yet \
+             (deleting a file an Iceberg snapshot references would break its readers); \
+             remove them or use table = \"parquet\"",
+        ));
+    }
     Ok(Tier2Config {
         field_types: BTreeMap::new(),
         url,
@@ -933,6 +961,10 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
             &raw.scrub_bytes_per_sec_max,
             crate::scrub::DEFAULT_TIER2_BYTES_PER_SEC_MAX,
         )?,
+        table,
+        iceberg_catalog: raw
+            .iceberg_catalog
+            .map_or_else(|| data_dir.join("iceberg.sqlite"), PathBuf::from),
     })
 }
 

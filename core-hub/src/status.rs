@@ -518,7 +518,7 @@ async fn probe_store(cfg: &crate::config::Tier2Config) -> Result<(), Probe> {
 fn is_permanent(e: &crate::tiering::TierOpenError) -> bool {
     use crate::tiering::TierOpenError as E;
     match e {
-        E::Config(_) => true,
+        E::Config(_) | E::Lake(_) => true,
         E::Store(tier::OpenError::MissingCredential { .. } | tier::OpenError::Store { .. }) => true,
         E::Store(_) | E::Catalog(_) => false,
         E::LocalRoot { source, .. } | E::Io(source) => !is_transient_io(source),

@@ -20,8 +20,10 @@ pub const FAULT_EXIT_CODE: i32 = 86;
 pub enum TierFaultPoint {
     /// After the chunk object was uploaded and verified, before any manifest is written.
     AfterUpload,
-    /// After the manifests were written, before the catalog commit.
+    /// After the manifests were written, before the Iceberg commit (or the catalog commit).
     AfterManifest,
+    /// After the range's Iceberg snapshot was committed, before the hub's catalog commit.
+    AfterTableCommit,
     /// After the catalog commit, before WAL files are evicted.
     BeforeEvict,
 }
@@ -32,6 +34,7 @@ impl TierFaultPoint {
         match self {
             TierFaultPoint::AfterUpload => "after_upload",
             TierFaultPoint::AfterManifest => "after_manifest",
+            TierFaultPoint::AfterTableCommit => "after_table_commit",
             TierFaultPoint::BeforeEvict => "before_evict",
         }
     }

@@ -35,7 +35,7 @@ pub mod recover;
 pub mod store;
 
 use crate::catalog::{BlockRow, CatalogError, StreamId};
-use crate::config::{HubConfig, Tier2Config};
+use crate::config::{HubConfig, TableFormat, Tier2Config};
 use crate::ingest::Hub;
 use crate::wal::{KIND_BLOCK, WalReadError};
 pub use faults::{TierFaultHook, TierFaultPoint};
@@ -112,6 +112,8 @@ pub enum TierOpenError {
     Catalog(#[from] CatalogError),
     #[error("tier 1: {0}")]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Lake(#[from] tier::table::LakeError),
     #[error("creating tier-2 directory {}: {source}", path.display())]
     LocalRoot {
         path: std::path::PathBuf,
@@ -135,6 +137,8 @@ pub enum TierRunError {
     },
     #[error("tier 2: {0}")]
     Tier2(#[from] tier::TierError),
+    #[error(transparent)]
+    Lake(#[from] tier::table::LakeError),
     #[error("tier 2 did not answer within {0:?}")]
     Timeout(Duration),
     #[error("fault injected at {0:?}")]
@@ -273,6 +277,8 @@ pub struct Tiering {
     /// Serializes rounds (the loop, tests and `flush` may call `run_once`).
     round: tokio::sync::Mutex<()>,
     encode: EncodeOptions,
+    /// The streams' Iceberg tables, when `[tier2] table = "iceberg"`.
+    lake: Option<tier::table::Lake>,
 }
 
 impl std::fmt::Debug for Tiering {
@@ -390,6 +396,17 @@ impl Tiering {
             .copied()
             .find(|&f| f >= recorded)
             .unwrap_or(recorded);
+        let lake = match cfg.tier2.table {
+            TableFormat::Parquet => None,
+            TableFormat::Iceberg => Some(
+                tier::table::Lake::open(
+                    &store,
+                    cfg.tier2.url.trim_end_matches('/'),
+                    &cfg.tier2.iceberg_catalog,
+                )
+                .await?,
+            ),
+        };
         let (tiered_tx, _) = watch::channel(0);
         let t = Arc::new(Tiering {
             hub,
@@ -401,6 +418,7 @@ impl Tiering {
             tiered_tx,
             round: tokio::sync::Mutex::new(()),
             encode: EncodeOptions::default(),
+            lake,
         });
         t.install_gate();
         // Readers of the hub read evicted offsets through tier 2 (`crate::read::scan`).
@@ -429,6 +447,15 @@ impl Tiering {
             ))
         });
         self.hub.set_admission_gate(Some(gate));
+    }
+
+    /// Mutation switch of the tests: off, a range the Iceberg table already holds is appended
+    /// again on a re-run.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_table_recheck(&self, on: bool) {
+        if let Some(lake) = &self.lake {
+            lake.set_recheck(on);
+        }
     }
 
     /// The hub this tiering serves.
@@ -606,6 +633,13 @@ impl Tiering {
                         if b.hub_offset_base + b.count() > readable {
                             break 'scan None;
                         }
+                        // A chunk lies in one ingest day: its path's `ingest_date` and its
+                        // Iceberg partition hold for every record in it.
+                        if let Some(first) = first_ingest
+                            && tier::ingest_date(b.ingest_ts) != tier::ingest_date(first)
+                        {
+                            break 'scan Some(seen_end);
+                        }
                         records += b.count();
                         bytes += u64::from(b.frame_len);
                         first_ingest.get_or_insert(b.ingest_ts);
@@ -667,12 +701,16 @@ impl Tiering {
         fields: Option<FieldRegistry>,
     ) -> Result<BuildTask, TierRunError> {
         let name = self.stream_name(stream)?;
-        let mut registry = match fields {
+        let registry = match fields {
             Some(r) => r,
             None => {
                 let specs = store::fields(self.hub.catalog(), stream)?;
                 FieldRegistry::from_columns(specs).map_err(tier::TierError::from)?
             }
+        };
+        let mut registry = match self.lake {
+            Some(_) => registry.without_widening(),
+            None => registry,
         };
         let before = registry.clone();
         if let Some(types) = self.cfg.field_types.get(&name) {
@@ -830,6 +868,26 @@ impl Tiering {
         }
         self.fault(TierFaultPoint::AfterManifest)?;
         durable.assert_covers(&commit.chunks);
+        if let Some(lake) = self.lake.as_ref().filter(|_| !manifests.is_empty()) {
+            let files: Vec<tier::table::LakeFile> = manifests
+                .iter()
+                .map(|m| tier::table::LakeFile {
+                    path: m.path.clone(),
+                    summary: m.summary.clone(),
+                })
+                .collect();
+            let range_first = chunks.first().map_or(0, |c| c.range_first);
+            let limit = self.cfg.request_timeout;
+            let committed =
+                lake.commit_range(&name, &registry, &files, range_first, commit.tiered_end);
+            match tokio::time::timeout(limit, committed).await {
+                Ok(r) => {
+                    r?;
+                }
+                Err(_) => return Err(TierRunError::Timeout(limit)),
+            }
+            self.fault(TierFaultPoint::AfterTableCommit)?;
+        }
         commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();
         commit.committed_ns = now_ns();
         // The commit moves `tiered_end` (eviction follows it) and the lanes' `tiered_seq`

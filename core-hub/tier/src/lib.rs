@@ -21,6 +21,7 @@ pub mod durable;
 pub mod layout;
 pub mod schema;
 pub mod store;
+pub mod table;
 pub mod testing;
 
 pub use chunk::{

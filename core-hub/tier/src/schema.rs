@@ -121,6 +121,10 @@ pub struct FieldRegistry {
     /// Fields the operator pinned to float: their first integer already makes a DOUBLE
     /// column. Configuration, not data: it is not serialized.
     float_fields: HashSet<String>,
+    /// Iceberg's type rules: an INT64 column never widens to DOUBLE (Iceberg allows only
+    /// int to long and float to double); a decimal after integers gets a column of its own,
+    /// `{field}__f64`. Configuration, not data: it is not serialized.
+    no_widening: bool,
 }
 
 /// How a field's columns changed between two snapshots of a registry
@@ -182,6 +186,9 @@ impl FieldRegistry {
     /// written keep their INT64 column). Returns true if the registry's columns changed.
     pub fn pin_float(&mut self, field: &str) -> bool {
         self.float_fields.insert(field.to_owned());
+        if self.no_widening {
+            return false;
+        }
         match self.by_field.get(field) {
             Some(slots) if slots[ValueKind::F64.index()].is_none() => {
                 match slots[ValueKind::I64.index()] {
@@ -194,6 +201,13 @@ impl FieldRegistry {
             }
             _ => false,
         }
+    }
+
+    /// Applies Iceberg's type rules from now on: a number column keeps the type it was
+    /// created with (see `no_widening`).
+    pub fn without_widening(mut self) -> FieldRegistry {
+        self.no_widening = true;
+        self
     }
 
     /// What changed from `before` (an earlier snapshot of this registry) to this one.
@@ -253,6 +267,7 @@ impl FieldRegistry {
         }
         // A decimal for a field whose integers have an INT64 column: widen that column.
         if kind == ValueKind::F64
+            && !self.no_widening
             && let Some(i) = self.column_of(field, ValueKind::I64)
         {
             self.widen(field, i);

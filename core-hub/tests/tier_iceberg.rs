@@ -1,0 +1,252 @@
+//! `[tier2] table = "iceberg"`: each stream is an Iceberg table in the embedded SQL catalog,
+//! and readers nobody here wrote see every tiered record exactly once.
+//!
+//! The hub ingests tagged records in batches, tiers each batch as one range (one snapshot),
+//! and then pyiceberg (its SqlCatalog on the hub's SQLite file), DuckDB's iceberg extension
+//! and polars read the table (`lake_read.py`):
+//! - every record once, tags and fields as typed columns, a decimal after integers in a
+//!   column of its own (Iceberg does not widen long to double);
+//! - one snapshot per range, each carrying `tributary.tiered-end`; time travel to an earlier
+//!   snapshot returns exactly what was committed then;
+//! - a crash after the Iceberg commit and before the hub's catalog commit (the fault point
+//!   `AfterTableCommit`, counted) re-runs the range, finds it in the table and appends nothing;
+//!   with that check switched off (the `fault-injection` mutation) the table holds the range twice.
+//!
+//! Needs the interpreter `.ci/test` prepares (`TRIBUTARY_LAKE_PYTHON`, by default
+//! `/opt/tributary-lake/bin/python`, with pyiceberg, duckdb + its iceberg extension, polars).
+
+mod tier_support;
+
+use core_hub::config::TableFormat;
+use core_hub::tiering::{TierFaultPoint, TierRunError, Tiering};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use sync::block::{VERSION_TAGGED, encode_block};
+use sync::{Record, Value};
+use tier_support::*;
+
+const STREAM: &str = "telemetry";
+
+fn python() -> String {
+    std::env::var("TRIBUTARY_LAKE_PYTHON")
+        .unwrap_or_else(|_| "/opt/tributary-lake/bin/python".into())
+}
+
+/// Record `seq` of `dev`: a `site` tag, an integer `temp` (a decimal from `decimal_from` on)
+/// and a string field.
+fn record(dev: &str, seq: u64, decimal_from: u64) -> Record {
+    let temp = if seq >= decimal_from {
+        Value::F64(20.5 + seq as f64)
+    } else {
+        Value::I64(20 + seq as i64)
+    };
+    let site = format!("site-{}", seq % 3);
+    Record {
+        key: format!("{dev}/{site}"),
+        tags: vec![("site".into(), site)],
+        ts: 1_764_374_400_000_000_000 + seq as i64 * 1_000_000,
+        fields: vec![
+            ("temp".into(), temp),
+            ("state".into(), Value::Str(format!("s{seq}"))),
+        ],
+    }
+}
+
+fn config(dir: &Path) -> core_hub::HubConfig {
+    let root = dir.join("tier2");
+    common::config(&dir.join("hub"), |c| {
+        let t = &mut c.tier2;
+        t.url = format!("file://{}", root.display());
+        t.scheme = "file".into();
+        t.chunk_records_max = 1_000;
+        t.chunk_age_max = Duration::from_secs(3600);
+        t.tier1_budget_bytes = 1 << 40;
+        t.table = TableFormat::Iceberg;
+        t.iceberg_catalog = dir.join("iceberg.sqlite");
+    })
+}
+
+/// Ships records `first..=last` of `dev` as one block.
+async fn ship(hub: &core_hub::Hub, dev: &str, first: u64, last: u64, decimal_from: u64) {
+    let recs: Vec<Record> = (first..=last)
+        .map(|s| record(dev, s, decimal_from))
+        .collect();
+    let block = encode_block(VERSION_TAGGED, 1, first, &recs).unwrap();
+    hub.commit_block(dev, STREAM, &block).await.unwrap();
+}
+
+/// What `lake_read.py` reports about the stream's table.
+fn read_lake(dir: &Path) -> serde_json::Value {
+    let uri = format!("sqlite:///{}", dir.join("iceberg.sqlite").display());
+    let warehouse = format!("file://{}", dir.join("tier2").display());
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lake_read.py");
+    let out = std::process::Command::new(python())
+        .args([script, &uri, &warehouse, STREAM])
+        .output()
+        .unwrap_or_else(|e| panic!("{} (prepared by .ci/test): {e}", python()));
+    assert!(
+        out.status.success(),
+        "lake_read.py failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("lake_read.py prints one JSON object")
+}
+
+fn rows(v: &serde_json::Value) -> Vec<(String, u64, u64)> {
+    v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r[0].as_str().unwrap().to_owned(),
+                r[1].as_u64().unwrap(),
+                r[2].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_record_is_in_the_table_once_with_typed_columns_and_snapshots_per_range() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let (hub, t) = open(&cfg).await;
+    // Three ranges: integers, then integers and decimals, then a second device.
+    ship(&hub, "dev-1", 1, 40, u64::MAX).await;
+    flush(&t).await;
+    ship(&hub, "dev-1", 41, 80, 61).await;
+    flush(&t).await;
+    ship(&hub, "dev-2", 1, 25, u64::MAX).await;
+    flush(&t).await;
+
+    let v = read_lake(dir.path());
+    let got = rows(&v);
+    let mut want: Vec<(String, u64)> = (1..=80).map(|s| ("dev-1".to_owned(), s)).collect();
+    want.extend((1..=25).map(|s| ("dev-2".to_owned(), s)));
+    want.sort();
+    let got_keys: Vec<(String, u64)> = got.iter().map(|(d, s, _)| (d.clone(), *s)).collect();
+    assert_eq!(got_keys, want, "pyiceberg: every record exactly once");
+    let offsets: std::collections::BTreeSet<u64> = got.iter().map(|r| r.2).collect();
+    assert_eq!(offsets.len(), 105, "hub offsets are distinct");
+
+    let cols = &v["columns"];
+    assert_eq!(cols["site"], "string", "the tag is a string column: {cols}");
+    assert_eq!(cols["temp"], "long", "integers keep a long column: {cols}");
+    assert_eq!(
+        cols["temp__f64"], "double",
+        "decimals get their own column: {cols}"
+    );
+    assert_eq!(cols["state"], "string");
+    assert_eq!(cols["ts"], "timestamptz");
+
+    let snaps = v["snapshots"].as_array().unwrap();
+    assert_eq!(snaps.len(), 3, "one snapshot per range: {snaps:?}");
+    let ends: Vec<u64> = snaps
+        .iter()
+        .map(|s| s["tiered_end"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        ends,
+        vec![40, 80, 105],
+        "each snapshot records the range end"
+    );
+    for (s, end) in snaps.iter().zip(&ends) {
+        let held: Vec<u64> = s["offsets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            held,
+            (0..*end).collect::<Vec<_>>(),
+            "time travel to the snapshot of end {end}"
+        );
+    }
+    assert_eq!(v["duckdb"]["rows"], 105, "DuckDB iceberg_scan");
+    assert_eq!(v["duckdb"]["distinct_offsets"], 105);
+    assert_eq!(v["polars_rows"], 105, "polars scan_iceberg");
+    for f in v["data_files"].as_array().unwrap() {
+        let f = f.as_str().unwrap();
+        assert!(
+            f.contains("/streams/telemetry/ingest_date=") && f.ends_with(".parquet"),
+            "data files are the chunk files: {f}"
+        );
+    }
+    drop((hub, t));
+}
+
+/// A hub whose tiering fails once at `AfterTableCommit` (counted).
+async fn open_failing_once(
+    cfg: &core_hub::HubConfig,
+    hits: Arc<AtomicU64>,
+) -> (Arc<core_hub::Hub>, Arc<Tiering>) {
+    let hub = reopen(cfg).await;
+    let fired = Arc::new(AtomicU64::new(0));
+    let hook: core_hub::tiering::TierFaultHook = Arc::new(move |p| {
+        p == TierFaultPoint::AfterTableCommit && fired.fetch_add(1, Ordering::SeqCst) == 0 && {
+            hits.fetch_add(1, Ordering::SeqCst);
+            true
+        }
+    });
+    let t = Tiering::open(hub.clone(), cfg, Some(hook)).await.unwrap();
+    (hub, t)
+}
+
+async fn crash_after_table_commit(recheck: bool) -> (serde_json::Value, u64) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let hits = Arc::new(AtomicU64::new(0));
+    {
+        let (hub, t) = open_failing_once(&cfg, hits.clone()).await;
+        ship(&hub, "dev-1", 1, 30, u64::MAX).await;
+        match t.run_once(true).await {
+            Err(TierRunError::Fault(TierFaultPoint::AfterTableCommit)) => {}
+            other => panic!("the round must stop at the fault point, got {other:?}"),
+        }
+        // The hub's catalog did not move: the range is still to tier.
+        let stream = hub.stream_id(STREAM).unwrap();
+        let st = core_hub::tiering::store::state(hub.catalog(), stream).unwrap();
+        assert_eq!(
+            st.tiered_end, 0,
+            "tiered_end moves only with the hub's catalog commit"
+        );
+    }
+    // A restart re-runs the range.
+    let hub = reopen(&cfg).await;
+    let t = Tiering::open(hub.clone(), &cfg, None).await.unwrap();
+    t.set_table_recheck(recheck);
+    flush(&t).await;
+    let stream = hub.stream_id(STREAM).unwrap();
+    let st = core_hub::tiering::store::state(hub.catalog(), stream).unwrap();
+    assert_eq!(st.tiered_end, 30);
+    (read_lake(dir.path()), hits.load(Ordering::SeqCst))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_table_commit_and_the_catalog_commit_appends_nothing_twice() {
+    let (v, hits) = crash_after_table_commit(true).await;
+    assert_eq!(hits, 1, "the fault landed once");
+    let got = rows(&v);
+    assert_eq!(got.len(), 30, "each record once after the re-run: {got:?}");
+    assert_eq!(
+        v["snapshots"].as_array().unwrap().len(),
+        1,
+        "no second snapshot"
+    );
+    assert_eq!(v["duckdb"]["rows"], 30);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_without_the_table_recheck_the_range_lands_twice() {
+    let (v, hits) = crash_after_table_commit(false).await;
+    assert_eq!(hits, 1);
+    assert_eq!(
+        rows(&v).len(),
+        60,
+        "the check is what keeps the re-run out of the table"
+    );
+}

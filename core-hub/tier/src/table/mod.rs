@@ -1,0 +1,384 @@
+//! Streams as Apache Iceberg tables (format v2) over the tier-2 chunk files.
+//!
+//! Each stream is the table `tributary.{stream}` of an Iceberg SQL catalog ([`catalog`]); its
+//! location is the stream's chunk prefix (`streams/{stream}/`), its data files are the chunk
+//! files the hub already writes, and its metadata lives in `streams/{stream}/metadata/`
+//! (JSON and Avro, which a `*.parquet` glob never matches). Nothing is stored twice.
+//!
+//! - **Schema**: the chunk's fixed columns with fixed field ids 1 to 8, then one column per
+//!   registry column, added by a schema update the first time a range carries it. Chunk files
+//!   carry no Parquet field ids, so the table's `schema.name-mapping.default` maps every
+//!   column name to its id (the mapping every Iceberg reader applies to such files).
+//! - **Partitioning**: by the day of `ingest_ts`. Tiering cuts its ranges where the ingest day
+//!   changes, so every chunk lies in one partition and a day's chunks are one contiguous run
+//!   of hub offsets. `ts` (event time) bounds are in every data file's metrics, so engines
+//!   prune event-time filters from the manifests.
+//! - **Exactly once**: [`Lake::commit_range`] appends a range's files in one snapshot whose
+//!   summary records `tributary.tiered-end` (the range's end offset). Before it commits it
+//!   reads the current snapshot's mark: a range at or below it was committed before a crash,
+//!   and is not appended again. The hub's own catalog moves `tiered_end` only after this
+//!   returns, so a crash anywhere leaves each record in the table once.
+
+pub mod catalog;
+pub mod io;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use iceberg::spec::{
+    DataContentType, DataFileBuilder, DataFileFormat, Datum, Literal, NestedField, PrimitiveType,
+    Schema, Struct, Transform, Type, UnboundPartitionSpec,
+};
+use iceberg::table::Table;
+use iceberg::transaction::AddColumn;
+use iceberg::transaction::{ApplyTransactionAction, Transaction};
+use iceberg::{Catalog, NamespaceIdent, TableCreation, TableIdent};
+
+use crate::chunk::ChunkSummary;
+use crate::schema::{FieldRegistry, ValueKind};
+use crate::store::Tier2;
+
+pub use catalog::{CATALOG_NAME, SqliteCatalog};
+pub use io::ObjectStoreIo;
+
+/// The namespace of every stream's table.
+pub const NAMESPACE: &str = "tributary";
+/// Snapshot summary key: the stream offset every record below which is in the table.
+pub const TIERED_END: &str = "tributary.tiered-end";
+/// Snapshot summary key: the first stream offset of the range the snapshot appended.
+pub const RANGE_FIRST: &str = "tributary.range-first";
+/// The table property Iceberg readers resolve file columns by, when files carry no field ids.
+pub const NAME_MAPPING: &str = "schema.name-mapping.default";
+
+/// Why a table operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LakeError {
+    #[error("iceberg table {table}: {what}: {source}")]
+    Iceberg {
+        table: String,
+        what: &'static str,
+        #[source]
+        source: iceberg::Error,
+    },
+    #[error("iceberg catalog {path}: {source}")]
+    Catalog {
+        path: String,
+        #[source]
+        source: iceberg::Error,
+    },
+}
+
+/// The fixed columns of every chunk, with their field ids and Iceberg types.
+fn fixed_fields() -> Vec<NestedField> {
+    use PrimitiveType::{Int, Long, String as Str, Timestamptz};
+    let f = |id, name: &str, t| NestedField::required(id, name, Type::Primitive(t));
+    vec![
+        f(1, "device", Str),
+        f(2, "epoch", Long),
+        f(3, "seq", Long),
+        f(4, "hub_offset", Long),
+        f(5, "key", Str),
+        f(6, "ts", Timestamptz),
+        f(7, "ts_ns_rem", Int),
+        f(8, "ingest_ts", Timestamptz),
+    ]
+}
+
+const HUB_OFFSET_ID: i32 = 4;
+const TS_ID: i32 = 6;
+const INGEST_TS_ID: i32 = 8;
+
+fn iceberg_type(kind: ValueKind) -> Type {
+    Type::Primitive(match kind {
+        ValueKind::F64 => PrimitiveType::Double,
+        ValueKind::I64 => PrimitiveType::Long,
+        ValueKind::Bool => PrimitiveType::Boolean,
+        ValueKind::Str | ValueKind::Tag => PrimitiveType::String,
+        ValueKind::Bytes => PrimitiveType::Binary,
+    })
+}
+
+/// The name mapping (`schema.name-mapping.default`) of `schema`: each top-level column's name
+/// to its field id.
+fn name_mapping(schema: &Schema) -> String {
+    let entries: Vec<serde_json::Value> = schema
+        .as_struct()
+        .fields()
+        .iter()
+        .map(|f| serde_json::json!({"field-id": f.id, "names": [f.name]}))
+        .collect();
+    serde_json::Value::Array(entries).to_string()
+}
+
+/// One chunk file to append: its object key and what it holds.
+#[derive(Debug, Clone)]
+pub struct LakeFile {
+    pub path: String,
+    pub summary: ChunkSummary,
+}
+
+/// What [`Lake::commit_range`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// A new snapshot holds the range.
+    Committed { snapshot_id: i64 },
+    /// The table already held the range (committed before a crash): nothing was appended.
+    AlreadyCommitted,
+}
+
+/// The Iceberg tables of one hub's tier 2.
+#[derive(Debug, Clone)]
+pub struct Lake {
+    catalog: Arc<SqliteCatalog>,
+    io: ObjectStoreIo,
+    namespace: NamespaceIdent,
+    /// Mutation switch of the tests: off, a range is appended even if the table holds it.
+    #[cfg(feature = "fault-injection")]
+    recheck: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn day_of(ns: i64) -> i32 {
+    i32::try_from(ns.div_euclid(86_400 * 1_000_000_000)).unwrap_or(i32::MAX)
+}
+
+impl Lake {
+    /// Opens the catalog at `catalog_path` for the tables of `tier2`, whose root URI is
+    /// `base` (`file:///srv/tier2`, `s3://bucket`).
+    pub async fn open(
+        tier2: &Tier2,
+        base: &str,
+        catalog_path: &std::path::Path,
+    ) -> Result<Lake, LakeError> {
+        let io = ObjectStoreIo::new(base, tier2.store().clone());
+        let cat_err = |source| LakeError::Catalog {
+            path: catalog_path.display().to_string(),
+            source,
+        };
+        let catalog = SqliteCatalog::open(catalog_path, io.file_io(), base).map_err(cat_err)?;
+        let namespace = NamespaceIdent::new(NAMESPACE.to_owned());
+        if !catalog
+            .namespace_exists(&namespace)
+            .await
+            .map_err(cat_err)?
+        {
+            catalog
+                .create_namespace(&namespace, HashMap::new())
+                .await
+                .map_err(cat_err)?;
+        }
+        Ok(Lake {
+            catalog: Arc::new(catalog),
+            io,
+            namespace,
+            #[cfg(feature = "fault-injection")]
+            recheck: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+        })
+    }
+
+    /// Turns the already-committed check of [`Lake::commit_range`] off or on (tests only).
+    #[cfg(feature = "fault-injection")]
+    pub fn set_recheck(&self, on: bool) {
+        self.recheck.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn rechecks(&self) -> bool {
+        self.recheck.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[cfg(not(feature = "fault-injection"))]
+    fn rechecks(&self) -> bool {
+        true
+    }
+
+    /// The catalog.
+    pub fn catalog(&self) -> &Arc<SqliteCatalog> {
+        &self.catalog
+    }
+
+    fn ident(&self, stream: &str) -> TableIdent {
+        TableIdent::new(self.namespace.clone(), stream.to_owned())
+    }
+
+    fn err<'a>(
+        stream: &'a str,
+        what: &'static str,
+    ) -> impl FnOnce(iceberg::Error) -> LakeError + 'a {
+        move |source| LakeError::Iceberg {
+            table: format!("{NAMESPACE}.{stream}"),
+            what,
+            source,
+        }
+    }
+
+    /// The stream's table, created (empty, with the fixed columns) if it does not exist.
+    pub async fn table(&self, stream: &str) -> Result<Table, LakeError> {
+        let ident = self.ident(stream);
+        let exists = (self.catalog.table_exists(&ident).await)
+            .map_err(Self::err(stream, "looking it up"))?;
+        if exists {
+            return (self.catalog.load_table(&ident).await)
+                .map_err(Self::err(stream, "loading it"));
+        }
+        let schema = Schema::builder()
+            .with_fields(fixed_fields().into_iter().map(Arc::new))
+            .build()
+            .map_err(Self::err(stream, "building its schema"))?;
+        let spec = UnboundPartitionSpec::builder()
+            .add_partition_field(INGEST_TS_ID, "ingest_day", Transform::Day)
+            .map_err(Self::err(stream, "building its partition spec"))?
+            .build();
+        let creation = TableCreation::builder()
+            .name(stream.to_owned())
+            .location(
+                self.io
+                    .uri(crate::layout::chunks_prefix(stream).trim_end_matches('/')),
+            )
+            .properties([(NAME_MAPPING.to_owned(), name_mapping(&schema))])
+            .format_version(iceberg::spec::FormatVersion::V2)
+            .schema(schema)
+            .partition_spec(spec)
+            .build();
+        (self.catalog.create_table(&self.namespace, creation).await)
+            .map_err(Self::err(stream, "creating it"))
+    }
+
+    /// The offset below which every record of `stream` is in its table (0 for a new table).
+    pub async fn tiered_end(&self, stream: &str) -> Result<u64, LakeError> {
+        Ok(tiered_end_of(&self.table(stream).await?))
+    }
+
+    /// Adds the registry's columns the table lacks (in registry order, so field ids follow
+    /// the registry's ordinals) and refreshes the name mapping. Returns the table after it.
+    async fn evolve(
+        &self,
+        stream: &str,
+        table: Table,
+        registry: &FieldRegistry,
+    ) -> Result<Table, LakeError> {
+        let schema = table.metadata().current_schema().clone();
+        let missing: Vec<_> = registry
+            .columns()
+            .iter()
+            .filter(|c| schema.field_by_name(&c.name).is_none())
+            .collect();
+        if missing.is_empty() {
+            return Ok(table);
+        }
+        let tx = Transaction::new(&table);
+        let mut update = tx.update_schema();
+        for c in &missing {
+            update = update.add_column(AddColumn::optional(&c.name, iceberg_type(c.kind)));
+        }
+        let tx = update
+            .apply(tx)
+            .map_err(Self::err(stream, "adding columns"))?;
+        let table =
+            (tx.commit(&*self.catalog).await).map_err(Self::err(stream, "adding columns"))?;
+        let mapping = name_mapping(table.metadata().current_schema());
+        let tx = Transaction::new(&table);
+        let tx = tx
+            .update_table_properties()
+            .set(NAME_MAPPING.to_owned(), mapping)
+            .apply(tx)
+            .map_err(Self::err(stream, "updating its name mapping"))?;
+        (tx.commit(&*self.catalog).await).map_err(Self::err(stream, "updating its name mapping"))
+    }
+
+    /// Appends one tiering range (`[range_first, range_end)` of `stream`, its chunk `files`)
+    /// in one snapshot, unless the table already holds it.
+    pub async fn commit_range(
+        &self,
+        stream: &str,
+        registry: &FieldRegistry,
+        files: &[LakeFile],
+        range_first: u64,
+        range_end: u64,
+    ) -> Result<CommitOutcome, LakeError> {
+        let table = self.table(stream).await?;
+        if self.rechecks() && tiered_end_of(&table) >= range_end {
+            return Ok(CommitOutcome::AlreadyCommitted);
+        }
+        let table = self.evolve(stream, table, registry).await?;
+        let data_files = files
+            .iter()
+            .map(|f| self.data_file(stream, f))
+            .collect::<Result<Vec<_>, _>>()?;
+        let props = HashMap::from([
+            (TIERED_END.to_owned(), range_end.to_string()),
+            (RANGE_FIRST.to_owned(), range_first.to_string()),
+        ]);
+        let tx = Transaction::new(&table);
+        let tx = tx
+            .fast_append()
+            // The mark above is the check: iceberg-rust's own duplicate check reads every
+            // manifest of the table on every commit, a cost that grows with the table.
+            .with_check_duplicate(false)
+            .add_data_files(data_files)
+            .set_snapshot_properties(props)
+            .apply(tx)
+            .map_err(Self::err(stream, "appending a range"))?;
+        let table =
+            (tx.commit(&*self.catalog).await).map_err(Self::err(stream, "appending a range"))?;
+        let snapshot_id = table.metadata().current_snapshot_id().unwrap_or(-1);
+        assert_eq!(
+            tiered_end_of(&table),
+            range_end,
+            "the new snapshot carries the range's end"
+        );
+        Ok(CommitOutcome::Committed { snapshot_id })
+    }
+
+    fn data_file(&self, stream: &str, f: &LakeFile) -> Result<iceberg::spec::DataFile, LakeError> {
+        let s = &f.summary;
+        let micros = |ns: i64| ns.div_euclid(1000);
+        let day = day_of(s.min_ingest_ts_ns);
+        assert_eq!(
+            day,
+            day_of(s.max_ingest_ts_ns),
+            "a chunk lies in one ingest day ({})",
+            f.path
+        );
+        let lower = HashMap::from([
+            (HUB_OFFSET_ID, Datum::long(s.min_offset as i64)),
+            (TS_ID, Datum::timestamptz_micros(micros(s.min_ts_ns))),
+            (
+                INGEST_TS_ID,
+                Datum::timestamptz_micros(micros(s.min_ingest_ts_ns)),
+            ),
+        ]);
+        let upper = HashMap::from([
+            (HUB_OFFSET_ID, Datum::long(s.max_offset as i64)),
+            (TS_ID, Datum::timestamptz_micros(micros(s.max_ts_ns))),
+            (
+                INGEST_TS_ID,
+                Datum::timestamptz_micros(micros(s.max_ingest_ts_ns)),
+            ),
+        ]);
+        DataFileBuilder::default()
+            .content(DataContentType::Data)
+            .file_path(self.io.uri(&f.path))
+            .file_format(DataFileFormat::Parquet)
+            .partition(Struct::from_iter([Some(Literal::date(day))]))
+            .record_count(s.rows)
+            .file_size_in_bytes(s.bytes)
+            .lower_bounds(lower)
+            .upper_bounds(upper)
+            .build()
+            .map_err(|e| LakeError::Iceberg {
+                table: format!("{NAMESPACE}.{stream}"),
+                what: "describing a data file",
+                source: iceberg::Error::new(iceberg::ErrorKind::DataInvalid, e.to_string()),
+            })
+    }
+}
+
+/// The `tributary.tiered-end` of the table's current snapshot (0 without one).
+pub fn tiered_end_of(table: &Table) -> u64 {
+    table
+        .metadata()
+        .current_snapshot()
+        .and_then(|s| s.summary().additional_properties.get(TIERED_END).cloned())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
