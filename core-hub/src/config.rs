@@ -161,8 +161,7 @@ pub struct Tier2Config {
 }
 
 /// `[tier2] table`: what a stream is in tier 2.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum TableFormat {
     /// Hive-partitioned Parquet files under `streams/{stream}/` (read with a glob).
     #[default]
@@ -492,7 +491,7 @@ pub struct RawTier2 {
     pub tier2_retention_bytes: Option<String>,
     pub scrub_interval: Option<String>,
     pub scrub_bytes_per_sec_max: Option<String>,
-    pub table: Option<TableFormat>,
+    pub table: Option<String>,
     pub iceberg_catalog: Option<String>,
 }
 
@@ -910,7 +909,16 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         .as_deref()
         .map(|s| opt_bytes("tier2.tier2_retention_bytes", Some(s), 0))
         .transpose()?;
-    let table = raw.table.unwrap_or_default();
+    let table = match raw.table.as_deref() {
+        None | Some("parquet") => TableFormat::Parquet,
+        Some("iceberg") => TableFormat::Iceberg,
+        Some(other) => {
+            return Err(ConfigError::key(
+                "tier2.table",
+                format!("`{other}` is neither \"parquet\" nor \"iceberg\""),
+            ));
+        }
+    };
     if table == TableFormat::Iceberg
         && (raw.tier2_retention_time.is_some() || tier2_retention_bytes.is_some())
     {
@@ -1558,6 +1566,30 @@ mod tests {
         assert_eq!(with(Some("s3://bucket/prefix".into())), None);
         // /proc is its own filesystem on every Linux: a stand-in for another disk.
         assert_eq!(with(Some("file:///proc/tier2".into())), None);
+    }
+
+    #[test]
+    fn tier2_table_format_parses_and_refuses_what_iceberg_cannot_do_yet() {
+        let d = HubConfig::from_toml("data_dir = \"/d\"").unwrap().tier2;
+        assert_eq!(d.table, TableFormat::Parquet);
+        assert_eq!(d.iceberg_catalog, PathBuf::from("/d/iceberg.sqlite"));
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\niceberg_catalog = \"/c/cat.db\"",
+        )
+        .unwrap()
+        .tier2;
+        assert_eq!(c.table, TableFormat::Iceberg);
+        assert_eq!(c.iceberg_catalog, PathBuf::from("/c/cat.db"));
+        let bad = HubConfig::from_toml("data_dir = \"/d\"\n[tier2]\ntable = \"delta\"")
+            .unwrap_err()
+            .to_string();
+        assert!(bad.contains("delta") && bad.contains("iceberg"), "{bad}");
+        assert_eq!(
+            problem_key(
+                "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\ntier2_retention_time = \"30days\""
+            ),
+            "tier2.table"
+        );
     }
 
     #[test]
