@@ -58,13 +58,13 @@ pub enum LakeError {
         table: String,
         what: &'static str,
         #[source]
-        source: iceberg::Error,
+        source: Box<iceberg::Error>,
     },
     #[error("iceberg catalog {path}: {source}")]
     Catalog {
         path: String,
         #[source]
-        source: iceberg::Error,
+        source: Box<iceberg::Error>,
     },
 }
 
@@ -152,7 +152,7 @@ impl Lake {
         let io = ObjectStoreIo::new(base, tier2.store().clone());
         let cat_err = |source| LakeError::Catalog {
             path: catalog_path.display().to_string(),
-            source,
+            source: Box::new(source),
         };
         let catalog = SqliteCatalog::open(catalog_path, io.file_io(), base).map_err(cat_err)?;
         let namespace = NamespaceIdent::new(NAMESPACE.to_owned());
@@ -207,7 +207,7 @@ impl Lake {
         move |source| LakeError::Iceberg {
             table: format!("{NAMESPACE}.{stream}"),
             what,
-            source,
+            source: Box::new(source),
         }
     }
 
@@ -368,7 +368,10 @@ impl Lake {
             .map_err(|e| LakeError::Iceberg {
                 table: format!("{NAMESPACE}.{stream}"),
                 what: "describing a data file",
-                source: iceberg::Error::new(iceberg::ErrorKind::DataInvalid, e.to_string()),
+                source: Box::new(iceberg::Error::new(
+                    iceberg::ErrorKind::DataInvalid,
+                    e.to_string(),
+                )),
             })
     }
 }
