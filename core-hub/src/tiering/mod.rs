@@ -137,8 +137,6 @@ pub enum TierRunError {
     },
     #[error("tier 2: {0}")]
     Tier2(#[from] tier::TierError),
-    #[error(transparent)]
-    Lake(#[from] tier::table::LakeError),
     #[error("tier 2 did not answer within {0:?}")]
     Timeout(Duration),
     #[error("fault injected at {0:?}")]
@@ -877,15 +875,14 @@ impl Tiering {
                 })
                 .collect();
             let range_first = chunks.first().map_or(0, |c| c.range_first);
-            let limit = self.cfg.request_timeout;
-            let committed =
-                lake.commit_range(&name, &registry, &files, range_first, commit.tiered_end);
-            match tokio::time::timeout(limit, committed).await {
-                Ok(r) => {
-                    r?;
-                }
-                Err(_) => return Err(TierRunError::Timeout(limit)),
-            }
+            self.bounded(lake.commit_range(
+                &name,
+                &registry,
+                &files,
+                range_first,
+                commit.tiered_end,
+            ))
+            .await?;
             self.fault(TierFaultPoint::AfterTableCommit)?;
         }
         commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();

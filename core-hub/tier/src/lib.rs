@@ -59,4 +59,6 @@ pub enum TierError {
     List(#[from] ListError),
     #[error(transparent)]
     Delete(#[from] DeleteError),
+    #[error(transparent)]
+    Lake(#[from] table::LakeError),
 }
