@@ -399,13 +399,31 @@ async fn read_lines(
 ) {
     let deadline = Duration::from_secs(60);
     while seqs.len() < n {
+        let got = seqs.len();
         let line = tokio::time::timeout(deadline, out.next_line())
             .await
-            .expect("the follow reader went quiet")
+            .unwrap_or_else(|_| panic!("the follow reader went quiet after {got} of {n} records"))
             .unwrap()
-            .expect("the follow reader ended");
+            .unwrap_or_else(|| panic!("the follow reader ended after {got} of {n} records"));
         let v: Value = serde_json::from_str(&line).unwrap();
         seqs.push(v["seq"].as_u64().unwrap());
+    }
+}
+
+/// Waits until the hub holds `n` follow responses open, so that a reader that has printed
+/// every record has also switched from paging to following.
+async fn wait_follows(url: &str, n: u64) {
+    let target = core_hub::client::ApiTarget::parse(url, None).unwrap();
+    let want = format!("tributary_hub_read_follows_active {n}\n");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let metrics = text(&core_hub::client::get(&target, "/metrics").await.unwrap().body);
+        if metrics.contains(&want) {
+            return;
+        }
+        let seen: Vec<&str> = metrics.lines().filter(|l| l.contains("follow")).collect();
+        assert!(Instant::now() < deadline, "not {n} follow responses: {seen:#?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -443,6 +461,9 @@ async fn follow_survives_a_hub_restart_without_gaps_or_duplicates() {
     commit_offline(&data, 101, 150).await;
     let hub = HubProcess::start(&config, port).await;
     read_lines(&mut out, &mut seqs, 150).await;
+    // The reader may still be paging through what committed while the hub was down; the
+    // shutdown line below is the follow response's.
+    wait_follows(&url, 1).await;
     // A clean stop (SIGTERM: the hub ends the follow with its shutdown line) and a restart.
     hub.stop().await;
     commit_offline(&data, 151, 160).await;
