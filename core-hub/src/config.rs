@@ -158,7 +158,21 @@ pub struct Tier2Config {
     pub table: TableFormat,
     /// The embedded Iceberg SQL catalog (SQLite) when `table` is Iceberg.
     pub iceberg_catalog: PathBuf,
+    /// Snapshot expiry and orphan removal of the Iceberg tables.
+    pub lake_maintenance: LakeMaintenance,
 }
+
+/// Upkeep of the Iceberg tables (`[tier2]` keys that apply to `table = "iceberg"` only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LakeMaintenance {
+    /// Time between two runs (`maintenance_interval`).
+    pub interval: Duration,
+    /// `snapshot_retention` and `orphan_grace`.
+    pub policy: tier::table::MaintainPolicy,
+}
+
+/// Default `tier2.maintenance_interval`.
+pub const DEFAULT_LAKE_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(3_600);
 
 /// `[tier2] table`: what a stream is in tier 2.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -380,6 +394,9 @@ impl std::fmt::Debug for Tier2Config {
             .field("scrub_interval", &self.scrub_interval)
             .field("scrub_bytes_per_sec_max", &self.scrub_bytes_per_sec_max)
             .field("field_types", &self.field_types)
+            .field("table", &self.table)
+            .field("iceberg_catalog", &self.iceberg_catalog)
+            .field("lake_maintenance", &self.lake_maintenance)
             .finish()
     }
 }
@@ -493,6 +510,9 @@ pub struct RawTier2 {
     pub scrub_bytes_per_sec_max: Option<String>,
     pub table: Option<String>,
     pub iceberg_catalog: Option<String>,
+    pub snapshot_retention: Option<String>,
+    pub orphan_grace: Option<String>,
+    pub maintenance_interval: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -909,26 +929,8 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         .as_deref()
         .map(|s| opt_bytes("tier2.tier2_retention_bytes", Some(s), 0))
         .transpose()?;
-    let table = match raw.table.as_deref() {
-        None | Some("parquet") => TableFormat::Parquet,
-        Some("iceberg") => TableFormat::Iceberg,
-        Some(other) => {
-            return Err(ConfigError::key(
-                "tier2.table",
-                format!("`{other}` is neither \"parquet\" nor \"iceberg\""),
-            ));
-        }
-    };
-    if table == TableFormat::Iceberg
-        && (raw.tier2_retention_time.is_some() || tier2_retention_bytes.is_some())
-    {
-        return Err(ConfigError::key(
-            "tier2.table",
-            "`iceberg` does not apply tier2_retention_time or tier2_retention_bytes yet \
-             (deleting a file an Iceberg snapshot references would break its readers); \
-             remove them or use table = \"parquet\"",
-        ));
-    }
+    let table = parse_table_format(raw.table.as_deref())?;
+    let lake_maintenance = parse_lake_maintenance(&raw, table)?;
     Ok(Tier2Config {
         field_types: BTreeMap::new(),
         url,
@@ -973,6 +975,60 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         iceberg_catalog: raw
             .iceberg_catalog
             .map_or_else(|| data_dir.join("iceberg.sqlite"), PathBuf::from),
+        lake_maintenance,
+    })
+}
+
+fn parse_table_format(v: Option<&str>) -> Result<TableFormat, ConfigError> {
+    match v {
+        None | Some("parquet") => Ok(TableFormat::Parquet),
+        Some("iceberg") => Ok(TableFormat::Iceberg),
+        Some(other) => Err(ConfigError::key(
+            "tier2.table",
+            format!("`{other}` is neither \"parquet\" nor \"iceberg\""),
+        )),
+    }
+}
+
+/// The Iceberg upkeep keys; set with `table = "parquet"`, they are refused (they would do
+/// nothing).
+fn parse_lake_maintenance(
+    raw: &RawTier2,
+    table: TableFormat,
+) -> Result<LakeMaintenance, ConfigError> {
+    let keys = [
+        ("snapshot_retention", &raw.snapshot_retention),
+        ("orphan_grace", &raw.orphan_grace),
+        ("maintenance_interval", &raw.maintenance_interval),
+    ];
+    if table == TableFormat::Parquet
+        && let Some((key, _)) = keys.iter().find(|(_, v)| v.is_some())
+    {
+        return Err(ConfigError::key(
+            &format!("tier2.{key}"),
+            "applies to Iceberg tables only; set tier2.table = \"iceberg\" or remove it",
+        ));
+    }
+    let defaults = tier::table::MaintainPolicy::default();
+    let dur = |key: &str, v: &Option<String>, default: Duration| match v.as_deref() {
+        Some(s) => parse_duration(&format!("tier2.{key}"), s),
+        None => Ok(default),
+    };
+    Ok(LakeMaintenance {
+        interval: dur(
+            "maintenance_interval",
+            &raw.maintenance_interval,
+            DEFAULT_LAKE_MAINTENANCE_INTERVAL,
+        )?,
+        policy: tier::table::MaintainPolicy {
+            snapshot_retention: dur(
+                "snapshot_retention",
+                &raw.snapshot_retention,
+                defaults.snapshot_retention,
+            )?,
+            orphan_grace: dur("orphan_grace", &raw.orphan_grace, defaults.orphan_grace)?,
+            deletes_max: defaults.deletes_max,
+        },
     })
 }
 
@@ -1569,7 +1625,7 @@ mod tests {
     }
 
     #[test]
-    fn tier2_table_format_parses_and_refuses_what_iceberg_cannot_do_yet() {
+    fn tier2_table_format_and_its_upkeep_parse() {
         let d = HubConfig::from_toml("data_dir = \"/d\"").unwrap().tier2;
         assert_eq!(d.table, TableFormat::Parquet);
         assert_eq!(d.iceberg_catalog, PathBuf::from("/d/iceberg.sqlite"));
@@ -1585,10 +1641,30 @@ mod tests {
             .to_string();
         assert!(bad.contains("delta") && bad.contains("iceberg"), "{bad}");
         assert_eq!(
-            problem_key(
-                "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\ntier2_retention_time = \"30days\""
-            ),
-            "tier2.table"
+            c.lake_maintenance.policy,
+            tier::table::MaintainPolicy::default()
+        );
+        assert_eq!(
+            c.lake_maintenance.interval,
+            DEFAULT_LAKE_MAINTENANCE_INTERVAL
+        );
+        let c = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\ntier2_retention_time = \"30days\"\n\
+             snapshot_retention = \"2h\"\norphan_grace = \"0s\"\nmaintenance_interval = \"10m\"",
+        )
+        .unwrap()
+        .tier2;
+        let m = c.lake_maintenance;
+        assert_eq!(m.policy.snapshot_retention, Duration::from_secs(7_200));
+        assert_eq!(m.policy.orphan_grace, Duration::ZERO);
+        assert_eq!(m.interval, Duration::from_secs(600));
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[tier2]\nsnapshot_retention = \"2h\""),
+            "tier2.snapshot_retention"
+        );
+        assert_eq!(
+            problem_key("data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\norphan_grace = \"soon\""),
+            "tier2.orphan_grace"
         );
     }
 

@@ -514,7 +514,7 @@ fn streams_metrics(out: &mut String, hub: &Hub) {
 fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let flag = |a: &std::sync::atomic::AtomicBool| u64::from(a.load(Ordering::Relaxed));
-    let counters: [(&str, &str, u64); 10] = [
+    let counters: [(&str, &str, u64); 14] = [
         (
             "tributary_hub_tier_rounds_total",
             "Tiering rounds run.",
@@ -554,6 +554,26 @@ fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
             "tributary_hub_tier2_chunks_deleted_total",
             "Tier-2 chunks deleted (retention or cleanup).",
             load(&t.tier2_chunks_deleted),
+        ),
+        (
+            "tributary_hub_iceberg_files_deleted_total",
+            "Data files removed from Iceberg tables by tier-2 retention.",
+            load(&t.lake_files_deleted),
+        ),
+        (
+            "tributary_hub_iceberg_snapshots_expired_total",
+            "Iceberg snapshots expired by table maintenance (tier2.snapshot_retention).",
+            load(&t.lake_snapshots_expired),
+        ),
+        (
+            "tributary_hub_iceberg_orphans_removed_total",
+            "Objects no retained Iceberg snapshot referenced, removed by table maintenance.",
+            load(&t.lake_orphans_removed),
+        ),
+        (
+            "tributary_hub_iceberg_maintenance_errors_total",
+            "Iceberg table maintenance runs that failed (retried at the next interval).",
+            load(&t.lake_maintenance_errors),
         ),
         (
             "tributary_hub_tier_pushbacks_total",

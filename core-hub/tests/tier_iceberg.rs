@@ -250,3 +250,128 @@ async fn mutation_without_the_table_recheck_the_range_lands_twice() {
         "the check is what keeps the re-run out of the table"
     );
 }
+
+/// The stream's committed chunks by plan range: (range_first, chunk keys, bytes).
+fn ranges(hub: &core_hub::Hub) -> Vec<(u64, Vec<String>, u64)> {
+    let sid = hub.stream_id(STREAM).unwrap();
+    let mut out: Vec<(u64, Vec<String>, u64)> = Vec::new();
+    for c in core_hub::tiering::store::committed_chunks(hub.catalog(), sid).unwrap() {
+        match out.last_mut() {
+            Some(r) if r.0 == c.range_first => {
+                r.1.push(c.path);
+                r.2 += c.bytes;
+            }
+            _ => out.push((c.range_first, vec![c.path], c.bytes)),
+        }
+    }
+    out
+}
+
+/// Every object under the table's location that no retained snapshot references.
+async fn unreferenced(t: &Tiering) -> Vec<String> {
+    let lake = t.lake().expect("an iceberg tier 2");
+    let table = lake.table(STREAM).await.unwrap();
+    let refs = tier::table::maintain::referenced(&table).await.unwrap();
+    let objects = t.store().list("streams/telemetry/").await.unwrap();
+    objects
+        .into_iter()
+        .map(|o| o.path)
+        .filter(|k| !refs.contains(&lake.uri(k)))
+        .collect()
+}
+
+fn upkeep(snapshot_retention: Duration) -> core_hub::config::LakeMaintenance {
+    core_hub::config::LakeMaintenance {
+        interval: Duration::from_secs(86_400),
+        policy: tier::table::MaintainPolicy {
+            snapshot_retention,
+            orphan_grace: Duration::ZERO,
+            deletes_max: 1_000,
+        },
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_orphans() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.tier2.lake_maintenance = upkeep(Duration::from_secs(7 * 86_400));
+    let (hub, t) = open(&cfg).await;
+    ship(&hub, "dev-1", 1, 40, u64::MAX).await;
+    flush(&t).await;
+    ship(&hub, "dev-1", 41, 80, u64::MAX).await;
+    flush(&t).await;
+    ship(&hub, "dev-2", 1, 25, u64::MAX).await;
+    flush(&t).await;
+    let before = ranges(&hub);
+    assert_eq!(before.len(), 3, "three ranges: {before:?}");
+    let total: u64 = before.iter().map(|r| r.2).sum();
+    drop((hub, t));
+
+    // Retention by size drops the oldest range: a `delete` snapshot, the files stay.
+    cfg.tier2.tier2_retention_bytes = Some(total - before[0].2);
+    let (hub, t) = open(&cfg).await;
+    t.run_once(true).await.unwrap();
+    let st = t.stats();
+    let deleted = st.lake_files_deleted.load(Ordering::Relaxed);
+    assert_eq!(
+        deleted,
+        before[0].1.len() as u64,
+        "the range's files left the table"
+    );
+    assert_eq!(st.lake_orphans_removed.load(Ordering::Relaxed), 0);
+    assert_eq!(st.lake_maintenance_errors.load(Ordering::Relaxed), 0);
+    let first = &before[0].1[0];
+    assert!(
+        dir.path().join("tier2").join(first).exists(),
+        "older snapshots still reference {first}"
+    );
+    let v = read_lake(dir.path());
+    let got: Vec<(String, u64)> = rows(&v).into_iter().map(|(d, s, _)| (d, s)).collect();
+    let mut want: Vec<(String, u64)> = (41..=80).map(|s| ("dev-1".to_owned(), s)).collect();
+    want.extend((1..=25).map(|s| ("dev-2".to_owned(), s)));
+    want.sort();
+    assert_eq!(got, want, "the current snapshot holds the rest, each once");
+    assert_eq!(v["duckdb"]["rows"], 65, "DuckDB reads the delete snapshot");
+    assert_eq!(v["polars_rows"], 65);
+    let snaps = v["snapshots"].as_array().unwrap();
+    assert_eq!(snaps.len(), 4, "three appends and a delete");
+    let last = &snaps[3];
+    assert_eq!(
+        last["tiered_end"], 105,
+        "the delete keeps the exactly-once mark"
+    );
+    assert_eq!(
+        snaps[2]["offsets"].as_array().unwrap().len(),
+        105,
+        "time travel to before the delete still reads every record"
+    );
+    drop((hub, t));
+
+    // Upkeep with no snapshot retention: only the current snapshot stays, and what only the
+    // expired ones referenced (the dropped range's files, their manifest lists) goes.
+    cfg.tier2.lake_maintenance = upkeep(Duration::ZERO);
+    let (hub, t) = open(&cfg).await;
+    let done = t.maintain_lake(true).await.expect("the upkeep ran");
+    assert_eq!(done.snapshots_expired, 3, "{done:?}");
+    assert!(done.orphans_removed > before[0].1.len() as u64, "{done:?}");
+    for key in &before[0].1 {
+        assert!(
+            !dir.path().join("tier2").join(key).exists(),
+            "{key} is an orphan now"
+        );
+    }
+    assert_eq!(
+        unreferenced(&t).await,
+        Vec::<String>::new(),
+        "no orphan is left"
+    );
+    let v = read_lake(dir.path());
+    assert_eq!(rows(&v).len(), 65, "the current snapshot reads as before");
+    assert_eq!(v["duckdb"]["rows"], 65);
+    assert_eq!(v["snapshots"].as_array().unwrap().len(), 1);
+    // The hub's own readers never depended on the removed files.
+    let again = t.maintain_lake(true).await.unwrap();
+    assert_eq!((again.snapshots_expired, again.orphans_removed), (0, 0));
+    drop((hub, t));
+}

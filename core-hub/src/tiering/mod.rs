@@ -30,6 +30,7 @@
 
 pub mod export;
 pub mod faults;
+pub mod lake;
 pub mod read;
 pub mod recover;
 pub mod store;
@@ -248,6 +249,14 @@ pub struct TierStats {
     /// Fields that arrived with a new kind (a string after numbers, ...) and got a column of
     /// their own (`{field}__{type}`, docs/format/parquet.md).
     pub field_kind_changes: AtomicU64,
+    /// Data files removed from Iceberg tables by tier-2 retention (`delete` snapshots).
+    pub lake_files_deleted: AtomicU64,
+    /// Iceberg snapshots expired by table maintenance.
+    pub lake_snapshots_expired: AtomicU64,
+    /// Objects under a table's location removed as orphans.
+    pub lake_orphans_removed: AtomicU64,
+    /// Table maintenance runs of a table that failed (retried at the next interval).
+    pub lake_maintenance_errors: AtomicU64,
     pub last_error: Mutex<Option<String>>,
 }
 
@@ -277,6 +286,8 @@ pub struct Tiering {
     encode: EncodeOptions,
     /// The streams' Iceberg tables, when `[tier2] table = "iceberg"`.
     lake: Option<tier::table::Lake>,
+    /// When the tables' upkeep last ran ([`lake`]).
+    lake_maintained: Mutex<Option<std::time::Instant>>,
 }
 
 impl std::fmt::Debug for Tiering {
@@ -417,6 +428,7 @@ impl Tiering {
             round: tokio::sync::Mutex::new(()),
             encode: EncodeOptions::default(),
             lake,
+            lake_maintained: Mutex::new(None),
         });
         t.install_gate();
         // Readers of the hub read evicted offsets through tier 2 (`crate::read::scan`).
@@ -459,6 +471,12 @@ impl Tiering {
     /// The hub this tiering serves.
     pub fn hub(&self) -> &Arc<Hub> {
         &self.hub
+    }
+
+    /// The tier-2 store.
+    /// The streams' Iceberg tables (`[tier2] table = "iceberg"`).
+    pub fn lake(&self) -> Option<&tier::table::Lake> {
+        self.lake.as_ref()
     }
 
     /// The tier-2 store.
@@ -605,6 +623,7 @@ impl Tiering {
         self.fault(TierFaultPoint::BeforeEvict)?;
         report.wal_files_evicted = self.evict()?;
         report.tier2_chunks_deleted = self.tier2_retention().await?;
+        self.maintain_lake(false).await;
         Ok(report)
     }
 
@@ -996,8 +1015,17 @@ impl Tiering {
                 if !too_old && !too_big {
                     break;
                 }
+                // A table keeps its files until no retained snapshot references them: the
+                // delete snapshot goes first, the objects go as orphans (`lake`).
+                if let Some(lake) = &self.lake {
+                    let paths: Vec<String> = chunks.iter().map(|c| c.path.clone()).collect();
+                    let removed = self.bounded(lake.delete_files(&name, &paths)).await?;
+                    (self.stats.lake_files_deleted).fetch_add(removed.files, Ordering::Relaxed);
+                }
                 for c in chunks {
-                    self.bounded(self.store.delete(&c.path)).await?;
+                    if self.lake.is_none() {
+                        self.bounded(self.store.delete(&c.path)).await?;
+                    }
                     let manifest = tier::manifest_path(&name, c.segment, c.first_offset);
                     self.bounded(self.store.delete(&manifest)).await?;
                     deleted += 1;

@@ -130,6 +130,57 @@ impl SqliteCatalog {
             .runtime(iceberg::Runtime::try_current()?)
             .build()
     }
+
+    /// Makes `metadata` the table's current metadata, if the table still is at `table`'s
+    /// metadata location (the same compare-and-set as every other commit). For the snapshots
+    /// the `iceberg` crate has no action for: deletes of whole files and rewrites.
+    pub async fn commit_metadata(&self, table: &Table, metadata: TableMetadata) -> Result<Table> {
+        let current_loc = table.metadata_location_result()?;
+        let next = current_loc
+            .parse::<MetadataLocation>()?
+            .with_next_version()
+            .with_new_metadata(&metadata)
+            .to_string();
+        self.swap(table.identifier(), current_loc, &next, metadata)
+            .await
+    }
+
+    /// Writes `metadata` at `staged_loc`, then swaps the table's row from `current_loc` to
+    /// it; fails with a retryable conflict if another commit moved the row first.
+    async fn swap(
+        &self,
+        ident: &TableIdent,
+        current_loc: &str,
+        staged_loc: &str,
+        metadata: TableMetadata,
+    ) -> Result<Table> {
+        let parsed = staged_loc.parse::<MetadataLocation>()?;
+        metadata.write_to(&self.file_io, &parsed).await?;
+        let swapped = self
+            .with_conn(|c| {
+                c.execute(
+                    "UPDATE iceberg_tables SET metadata_location = ?1, previous_metadata_location = ?2
+                     WHERE catalog_name = ?3 AND table_namespace = ?4 AND table_name = ?5
+                       AND metadata_location = ?2",
+                    params![
+                        staged_loc,
+                        current_loc,
+                        CATALOG_NAME,
+                        ns_key(ident.namespace()),
+                        ident.name()
+                    ],
+                )
+            })
+            .map_err(|e| sql_err("swapping a table's metadata location", e))?;
+        if swapped == 0 {
+            return Err(Error::new(
+                ErrorKind::CatalogCommitConflicts,
+                format!("table {ident} changed during the commit"),
+            )
+            .with_retryable(true));
+        }
+        self.table_from(ident.clone(), staged_loc.to_owned(), metadata)
+    }
 }
 
 fn no_table(t: &TableIdent) -> Error {
@@ -389,37 +440,8 @@ impl Catalog for SqliteCatalog {
         let current = self.load_table(&ident).await?;
         let current_loc = current.metadata_location_result()?.to_string();
         let staged = commit.apply(current)?;
-        let staged_loc = staged
-            .metadata_location_result()?
-            .parse::<MetadataLocation>()?;
-        staged
-            .metadata()
-            .write_to(staged.file_io(), &staged_loc)
-            .await?;
-        let staged_loc = staged_loc.to_string();
-        let swapped = self
-            .with_conn(|c| {
-                c.execute(
-                    "UPDATE iceberg_tables SET metadata_location = ?1, previous_metadata_location = ?2
-                     WHERE catalog_name = ?3 AND table_namespace = ?4 AND table_name = ?5
-                       AND metadata_location = ?2",
-                    params![
-                        staged_loc,
-                        current_loc,
-                        CATALOG_NAME,
-                        ns_key(ident.namespace()),
-                        ident.name()
-                    ],
-                )
-            })
-            .map_err(|e| sql_err("swapping a table's metadata location", e))?;
-        if swapped == 0 {
-            return Err(Error::new(
-                ErrorKind::CatalogCommitConflicts,
-                format!("table {ident} changed during the commit"),
-            )
-            .with_retryable(true));
-        }
-        Ok(staged)
+        let staged_loc = staged.metadata_location_result()?.to_string();
+        let metadata = staged.metadata().clone();
+        self.swap(&ident, &current_loc, &staged_loc, metadata).await
     }
 }

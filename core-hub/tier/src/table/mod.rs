@@ -21,6 +21,8 @@
 
 pub mod catalog;
 pub mod io;
+pub mod maintain;
+pub mod rewrite;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,6 +42,8 @@ use crate::store::Tier2;
 
 pub use catalog::{CATALOG_NAME, SqliteCatalog};
 pub use io::ObjectStoreIo;
+pub use maintain::{MaintainPolicy, Maintained};
+pub use rewrite::Removed;
 
 /// The namespace of every stream's table.
 pub const NAMESPACE: &str = "tributary";
@@ -65,6 +69,18 @@ pub enum LakeError {
         path: String,
         #[source]
         source: Box<iceberg::Error>,
+    },
+    #[error("iceberg table {table}: listing its files: {source}")]
+    List {
+        table: String,
+        #[source]
+        source: crate::store::ListError,
+    },
+    #[error("iceberg table {table}: removing an orphan: {source}")]
+    Delete {
+        table: String,
+        #[source]
+        source: crate::store::DeleteError,
     },
 }
 
@@ -131,6 +147,7 @@ pub enum CommitOutcome {
 pub struct Lake {
     catalog: Arc<SqliteCatalog>,
     io: ObjectStoreIo,
+    tier2: Tier2,
     namespace: NamespaceIdent,
     /// Mutation switch of the tests: off, a range is appended even if the table holds it.
     #[cfg(feature = "fault-injection")]
@@ -169,6 +186,7 @@ impl Lake {
         Ok(Lake {
             catalog: Arc::new(catalog),
             io,
+            tier2: tier2.clone(),
             namespace,
             #[cfg(feature = "fault-injection")]
             recheck: Arc::new(std::sync::atomic::AtomicBool::new(true)),
@@ -194,6 +212,11 @@ impl Lake {
     /// The catalog.
     pub fn catalog(&self) -> &Arc<SqliteCatalog> {
         &self.catalog
+    }
+
+    /// The URI a table's metadata names the tier-2 object `key` by.
+    pub fn uri(&self, key: &str) -> String {
+        self.io.uri(key)
     }
 
     fn ident(&self, stream: &str) -> TableIdent {
@@ -327,6 +350,60 @@ impl Lake {
             "the new snapshot carries the range's end"
         );
         Ok(CommitOutcome::Committed { snapshot_id })
+    }
+
+    /// Removes the chunk files at `paths` (tier-2 keys) from the stream's table in one
+    /// `delete` snapshot (tier-2 retention). The objects stay until no retained snapshot
+    /// references them ([`Lake::maintain`]); files the table no longer holds are skipped.
+    pub async fn delete_files(&self, stream: &str, paths: &[String]) -> Result<Removed, LakeError> {
+        let table = self.table(stream).await?;
+        let uris = paths.iter().map(|p| self.io.uri(p)).collect();
+        let (_, removed) = rewrite::remove_files(&self.catalog, table, &uris)
+            .await
+            .map_err(Self::err(stream, "deleting files"))?;
+        Ok(removed)
+    }
+
+    /// Expires the stream's old snapshots, then removes what no retained snapshot references
+    /// (see [`maintain`]). `keep` names the tier-2 keys the hub holds as chunks of its own.
+    pub async fn maintain(
+        &self,
+        stream: &str,
+        policy: &MaintainPolicy,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Maintained, LakeError> {
+        let table = self.table(stream).await?;
+        let now_ns = chrono::Utc::now().timestamp_nanos_opt().unwrap_or(i64::MAX);
+        let (table, snapshots_expired) = maintain::expire(
+            &self.catalog,
+            table,
+            policy.snapshot_retention,
+            now_ns / 1_000_000,
+        )
+        .await
+        .map_err(Self::err(stream, "expiring snapshots"))?;
+        let refs = (maintain::referenced(&table).await)
+            .map_err(Self::err(stream, "reading what its snapshots reference"))?;
+        let name = || format!("{NAMESPACE}.{stream}");
+        let objects =
+            (self.tier2.list(&crate::layout::chunks_prefix(stream)).await).map_err(|source| {
+                LakeError::List {
+                    table: name(),
+                    source,
+                }
+            })?;
+        let objects = objects.into_iter().map(|o| (o.path, o.last_modified_ns));
+        let orphans = maintain::orphans(&self.io, objects, &refs, keep, policy, now_ns);
+        for o in &orphans {
+            (self.tier2.delete(&o.key).await).map_err(|source| LakeError::Delete {
+                table: name(),
+                source,
+            })?;
+        }
+        Ok(Maintained {
+            snapshots_expired,
+            orphans_removed: orphans.len() as u64,
+        })
     }
 
     fn data_file(&self, stream: &str, f: &LakeFile) -> Result<iceberg::spec::DataFile, LakeError> {
