@@ -79,6 +79,11 @@ async fn ship(hub: &core_hub::Hub, dev: &str, first: u64, last: u64, decimal_fro
 
 /// What `lake_read.py` reports about the stream's table.
 fn read_lake(dir: &Path) -> serde_json::Value {
+    try_read_lake(dir).unwrap_or_else(|e| panic!("lake_read.py failed: {e}"))
+}
+
+/// [`read_lake`], or what the readers printed when they failed.
+fn try_read_lake(dir: &Path) -> Result<serde_json::Value, String> {
     let uri = format!("sqlite:///{}", dir.join("iceberg.sqlite").display());
     let warehouse = format!("file://{}", dir.join("tier2").display());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lake_read.py");
@@ -86,12 +91,10 @@ fn read_lake(dir: &Path) -> serde_json::Value {
         .args([script, &uri, &warehouse, STREAM])
         .output()
         .unwrap_or_else(|e| panic!("{} (prepared by .ci/test): {e}", python()));
-    assert!(
-        out.status.success(),
-        "lake_read.py failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("lake_read.py prints one JSON object")
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(serde_json::from_slice(&out.stdout).expect("lake_read.py prints one JSON object"))
 }
 
 fn rows(v: &serde_json::Value) -> Vec<(String, u64, u64)> {
@@ -291,10 +294,19 @@ fn upkeep(snapshot_retention: Duration) -> core_hub::config::LakeMaintenance {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_orphans() {
-    let dir = tempfile::tempdir().unwrap();
-    let mut cfg = config(dir.path());
+/// Three ranges tiered, then a round with retention by size that drops the oldest (the
+/// round's upkeep runs with a week of snapshot retention, so it expires nothing). Returns the
+/// hub, its tiering, the config and the ranges as they were before.
+async fn three_ranges_then_retention(
+    dir: &Path,
+    orphans_see_all_snapshots: bool,
+) -> (
+    Arc<core_hub::Hub>,
+    Arc<Tiering>,
+    core_hub::HubConfig,
+    Vec<(u64, Vec<String>, u64)>,
+) {
+    let mut cfg = config(dir);
     cfg.tier2.lake_maintenance = upkeep(Duration::from_secs(7 * 86_400));
     let (hub, t) = open(&cfg).await;
     ship(&hub, "dev-1", 1, 40, u64::MAX).await;
@@ -308,17 +320,27 @@ async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_
     let total: u64 = before.iter().map(|r| r.2).sum();
     drop((hub, t));
 
-    // Retention by size drops the oldest range: a `delete` snapshot, the files stay.
     cfg.tier2.tier2_retention_bytes = Some(total - before[0].2);
     let (hub, t) = open(&cfg).await;
+    t.lake()
+        .unwrap()
+        .set_orphans_see_all_snapshots(orphans_see_all_snapshots);
     t.run_once(true).await.unwrap();
-    let st = t.stats();
-    let deleted = st.lake_files_deleted.load(Ordering::Relaxed);
+    let deleted = t.stats().lake_files_deleted.load(Ordering::Relaxed);
     assert_eq!(
         deleted,
         before[0].1.len() as u64,
         "the range's files left the table"
     );
+    (hub, t, cfg, before)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_orphans() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hub, t, mut cfg, before) = three_ranges_then_retention(dir.path(), true).await;
+    // A `delete` snapshot; the files stay while older snapshots reference them.
+    let st = t.stats();
     assert_eq!(st.lake_orphans_removed.load(Ordering::Relaxed), 0);
     assert_eq!(st.lake_maintenance_errors.load(Ordering::Relaxed), 0);
     let first = &before[0].1[0];
@@ -336,9 +358,8 @@ async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_
     assert_eq!(v["polars_rows"], 65);
     let snaps = v["snapshots"].as_array().unwrap();
     assert_eq!(snaps.len(), 4, "three appends and a delete");
-    let last = &snaps[3];
     assert_eq!(
-        last["tiered_end"], 105,
+        snaps[3]["tiered_end"], 105,
         "the delete keeps the exactly-once mark"
     );
     assert_eq!(
@@ -370,8 +391,30 @@ async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_
     assert_eq!(rows(&v).len(), 65, "the current snapshot reads as before");
     assert_eq!(v["duckdb"]["rows"], 65);
     assert_eq!(v["snapshots"].as_array().unwrap().len(), 1);
-    // The hub's own readers never depended on the removed files.
     let again = t.maintain_lake(true).await.unwrap();
     assert_eq!((again.snapshots_expired, again.orphans_removed), (0, 0));
+    drop((hub, t));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mutation_orphans_seen_from_the_current_snapshot_only_break_time_travel() {
+    let dir = tempfile::tempdir().unwrap();
+    let (hub, t, _, before) = three_ranges_then_retention(dir.path(), false).await;
+    let removed = t.stats().lake_orphans_removed.load(Ordering::Relaxed);
+    assert!(
+        removed >= before[0].1.len() as u64,
+        "the mutant removed {removed}"
+    );
+    let err = try_read_lake(dir.path()).expect_err("time travel must lose the dropped files");
+    assert!(
+        err.contains("snapshot_id=") && err.contains("FileNotFoundError"),
+        "time travel to an older snapshot finds its files gone: {err}"
+    );
+    for key in &before[0].1 {
+        assert!(
+            !dir.path().join("tier2").join(key).exists(),
+            "the mutant removed {key}"
+        );
+    }
     drop((hub, t));
 }

@@ -89,12 +89,20 @@ pub async fn expire(
 /// Every URI a retained snapshot of `table` references: metadata files, manifest lists,
 /// manifests and the data files live in some snapshot.
 pub async fn referenced(table: &Table) -> Result<BTreeSet<String>> {
+    referenced_by(table, true).await
+}
+
+/// [`referenced`], or with `all_snapshots` off what the current snapshot alone references
+/// (the mutation of the tests: a time-travel reader then loses files).
+pub(crate) async fn referenced_by(table: &Table, all_snapshots: bool) -> Result<BTreeSet<String>> {
     let meta = table.metadata();
     let mut refs = BTreeSet::new();
     refs.insert(table.metadata_location_result()?.to_owned());
     refs.extend(meta.metadata_log().iter().map(|l| l.metadata_file.clone()));
     let mut manifests = BTreeSet::new();
-    for snapshot in meta.snapshots() {
+    let current = meta.current_snapshot_id();
+    let snapshots = meta.snapshots();
+    for snapshot in snapshots.filter(|s| all_snapshots || Some(s.snapshot_id()) == current) {
         refs.insert(snapshot.manifest_list().to_owned());
         let list = table.manifest_list_reader(snapshot).load().await?;
         for m in list.entries() {

@@ -152,6 +152,10 @@ pub struct Lake {
     /// Mutation switch of the tests: off, a range is appended even if the table holds it.
     #[cfg(feature = "fault-injection")]
     recheck: Arc<std::sync::atomic::AtomicBool>,
+    /// Mutation switch of the tests: off, orphan removal keeps only what the current
+    /// snapshot references.
+    #[cfg(feature = "fault-injection")]
+    all_snapshots: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn day_of(ns: i64) -> i32 {
@@ -190,6 +194,8 @@ impl Lake {
             namespace,
             #[cfg(feature = "fault-injection")]
             recheck: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            #[cfg(feature = "fault-injection")]
+            all_snapshots: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         })
     }
 
@@ -206,6 +212,24 @@ impl Lake {
 
     #[cfg(not(feature = "fault-injection"))]
     fn rechecks(&self) -> bool {
+        true
+    }
+
+    /// Makes orphan removal keep only what the current snapshot references (off) or what
+    /// any retained snapshot does (on, the default). Tests only.
+    #[cfg(feature = "fault-injection")]
+    pub fn set_orphans_see_all_snapshots(&self, on: bool) {
+        self.all_snapshots
+            .store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn orphans_see_all_snapshots(&self) -> bool {
+        self.all_snapshots.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    #[cfg(not(feature = "fault-injection"))]
+    fn orphans_see_all_snapshots(&self) -> bool {
         true
     }
 
@@ -382,7 +406,7 @@ impl Lake {
         )
         .await
         .map_err(Self::err(stream, "expiring snapshots"))?;
-        let refs = (maintain::referenced(&table).await)
+        let refs = (maintain::referenced_by(&table, self.orphans_see_all_snapshots()).await)
             .map_err(Self::err(stream, "reading what its snapshots reference"))?;
         let name = || format!("{NAMESPACE}.{stream}");
         let objects =
