@@ -10,7 +10,11 @@
 //!   snapshot returns exactly what was committed then;
 //! - a crash after the Iceberg commit and before the hub's catalog commit (the fault point
 //!   `AfterTableCommit`, counted) re-runs the range, finds it in the table and appends nothing;
-//!   with that check switched off (the `fault-injection` mutation) the table holds the range twice.
+//!   with that check switched off (the `fault-injection` mutation) the table holds the range twice;
+//! - retention by size drops the oldest range in a `delete` snapshot, time travel to before it
+//!   still reads every record, and upkeep with no snapshot retention expires the older
+//!   snapshots and removes exactly what only they referenced (no orphan left); judging orphans
+//!   by the current snapshot alone (the mutation) breaks time travel.
 //!
 //! Needs the interpreter `.ci/test` prepares (`TRIBUTARY_LAKE_PYTHON`, by default
 //! `/opt/tributary-lake/bin/python`, with pyiceberg, duckdb + its iceberg extension, polars).
