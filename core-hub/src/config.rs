@@ -158,18 +158,26 @@ pub struct Tier2Config {
     pub table: TableFormat,
     /// The embedded Iceberg SQL catalog (SQLite) when `table` is Iceberg.
     pub iceberg_catalog: PathBuf,
-    /// Snapshot expiry and orphan removal of the Iceberg tables.
-    pub lake_maintenance: LakeMaintenance,
+    /// Commits and upkeep of the Iceberg tables.
+    pub lake: LakeConfig,
 }
 
-/// Upkeep of the Iceberg tables (`[tier2]` keys that apply to `table = "iceberg"` only).
+/// The Iceberg tables' commits and upkeep (`[tier2]` keys that apply to `table = "iceberg"`
+/// only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LakeMaintenance {
-    /// Time between two runs (`maintenance_interval`).
-    pub interval: Duration,
+pub struct LakeConfig {
+    /// Least time between two tiering rounds that committed (`commit_interval`): what one
+    /// round uploads goes into one snapshot per table, so a table sees at most one commit per
+    /// interval (plus one per `RANGES_PER_SNAPSHOT_MAX` ranges after a backlog).
+    pub commit_interval: Duration,
+    /// Time between two upkeep runs (`maintenance_interval`).
+    pub maintenance_interval: Duration,
     /// `snapshot_retention` and `orphan_grace`.
     pub policy: tier::table::MaintainPolicy,
 }
+
+/// Default `tier2.commit_interval`.
+pub const DEFAULT_LAKE_COMMIT_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Default `tier2.maintenance_interval`.
 pub const DEFAULT_LAKE_MAINTENANCE_INTERVAL: Duration = Duration::from_secs(3_600);
@@ -396,7 +404,7 @@ impl std::fmt::Debug for Tier2Config {
             .field("field_types", &self.field_types)
             .field("table", &self.table)
             .field("iceberg_catalog", &self.iceberg_catalog)
-            .field("lake_maintenance", &self.lake_maintenance)
+            .field("lake", &self.lake)
             .finish()
     }
 }
@@ -510,6 +518,7 @@ pub struct RawTier2 {
     pub scrub_bytes_per_sec_max: Option<String>,
     pub table: Option<String>,
     pub iceberg_catalog: Option<String>,
+    pub commit_interval: Option<String>,
     pub snapshot_retention: Option<String>,
     pub orphan_grace: Option<String>,
     pub maintenance_interval: Option<String>,
@@ -930,7 +939,7 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         .map(|s| opt_bytes("tier2.tier2_retention_bytes", Some(s), 0))
         .transpose()?;
     let table = parse_table_format(raw.table.as_deref())?;
-    let lake_maintenance = parse_lake_maintenance(&raw, table)?;
+    let lake = parse_lake(&raw, table)?;
     Ok(Tier2Config {
         field_types: BTreeMap::new(),
         url,
@@ -975,7 +984,7 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
         iceberg_catalog: raw
             .iceberg_catalog
             .map_or_else(|| data_dir.join("iceberg.sqlite"), PathBuf::from),
-        lake_maintenance,
+        lake,
     })
 }
 
@@ -992,11 +1001,9 @@ fn parse_table_format(v: Option<&str>) -> Result<TableFormat, ConfigError> {
 
 /// The Iceberg upkeep keys; set with `table = "parquet"`, they are refused (they would do
 /// nothing).
-fn parse_lake_maintenance(
-    raw: &RawTier2,
-    table: TableFormat,
-) -> Result<LakeMaintenance, ConfigError> {
+fn parse_lake(raw: &RawTier2, table: TableFormat) -> Result<LakeConfig, ConfigError> {
     let keys = [
+        ("commit_interval", &raw.commit_interval),
         ("snapshot_retention", &raw.snapshot_retention),
         ("orphan_grace", &raw.orphan_grace),
         ("maintenance_interval", &raw.maintenance_interval),
@@ -1014,8 +1021,13 @@ fn parse_lake_maintenance(
         Some(s) => parse_duration(&format!("tier2.{key}"), s),
         None => Ok(default),
     };
-    Ok(LakeMaintenance {
-        interval: dur(
+    Ok(LakeConfig {
+        commit_interval: dur(
+            "commit_interval",
+            &raw.commit_interval,
+            DEFAULT_LAKE_COMMIT_INTERVAL,
+        )?,
+        maintenance_interval: dur(
             "maintenance_interval",
             &raw.maintenance_interval,
             DEFAULT_LAKE_MAINTENANCE_INTERVAL,
@@ -1640,24 +1652,24 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(bad.contains("delta") && bad.contains("iceberg"), "{bad}");
+        assert_eq!(c.lake.policy, tier::table::MaintainPolicy::default());
         assert_eq!(
-            c.lake_maintenance.policy,
-            tier::table::MaintainPolicy::default()
-        );
-        assert_eq!(
-            c.lake_maintenance.interval,
+            c.lake.maintenance_interval,
             DEFAULT_LAKE_MAINTENANCE_INTERVAL
         );
+        assert_eq!(c.lake.commit_interval, DEFAULT_LAKE_COMMIT_INTERVAL);
         let c = HubConfig::from_toml(
             "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\ntier2_retention_time = \"30days\"\n\
-             snapshot_retention = \"2h\"\norphan_grace = \"0s\"\nmaintenance_interval = \"10m\"",
+             snapshot_retention = \"2h\"\norphan_grace = \"0s\"\nmaintenance_interval = \"10m\"\n\
+             commit_interval = \"1m\"",
         )
         .unwrap()
         .tier2;
         let m = c.lake_maintenance;
         assert_eq!(m.policy.snapshot_retention, Duration::from_secs(7_200));
         assert_eq!(m.policy.orphan_grace, Duration::ZERO);
-        assert_eq!(m.interval, Duration::from_secs(600));
+        assert_eq!(m.maintenance_interval, Duration::from_secs(600));
+        assert_eq!(m.commit_interval, Duration::from_secs(60));
         assert_eq!(
             problem_key("data_dir = \"/d\"\n[tier2]\nsnapshot_retention = \"2h\""),
             "tier2.snapshot_retention"

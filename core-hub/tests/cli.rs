@@ -417,12 +417,20 @@ async fn wait_follows(url: &str, n: u64) {
     let want = format!("tributary_hub_read_follows_active {n}\n");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let metrics = text(&core_hub::client::get(&target, "/metrics").await.unwrap().body);
+        let metrics = text(
+            &core_hub::client::get(&target, "/metrics")
+                .await
+                .unwrap()
+                .body,
+        );
         if metrics.contains(&want) {
             return;
         }
         let seen: Vec<&str> = metrics.lines().filter(|l| l.contains("follow")).collect();
-        assert!(Instant::now() < deadline, "not {n} follow responses: {seen:#?}");
+        assert!(
+            Instant::now() < deadline,
+            "not {n} follow responses: {seen:#?}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }

@@ -287,9 +287,10 @@ async fn unreferenced(t: &Tiering) -> Vec<String> {
         .collect()
 }
 
-fn upkeep(snapshot_retention: Duration) -> core_hub::config::LakeMaintenance {
-    core_hub::config::LakeMaintenance {
-        interval: Duration::from_secs(86_400),
+fn upkeep(snapshot_retention: Duration) -> core_hub::config::LakeConfig {
+    core_hub::config::LakeConfig {
+        commit_interval: Duration::ZERO,
+        maintenance_interval: Duration::from_secs(86_400),
         policy: tier::table::MaintainPolicy {
             snapshot_retention,
             orphan_grace: Duration::ZERO,
@@ -311,7 +312,7 @@ async fn three_ranges_then_retention(
     Vec<(u64, Vec<String>, u64)>,
 ) {
     let mut cfg = config(dir);
-    cfg.tier2.lake_maintenance = upkeep(Duration::from_secs(7 * 86_400));
+    cfg.tier2.lake = upkeep(Duration::from_secs(7 * 86_400));
     let (hub, t) = open(&cfg).await;
     ship(&hub, "dev-1", 1, 40, u64::MAX).await;
     flush(&t).await;
@@ -375,7 +376,7 @@ async fn retention_deletes_whole_files_and_upkeep_expires_snapshots_and_removes_
 
     // Upkeep with no snapshot retention: only the current snapshot stays, and what only the
     // expired ones referenced (the dropped range's files, their manifest lists) goes.
-    cfg.tier2.lake_maintenance = upkeep(Duration::ZERO);
+    cfg.tier2.lake = upkeep(Duration::ZERO);
     let (hub, t) = open(&cfg).await;
     let done = t.maintain_lake(true).await.expect("the upkeep ran");
     assert_eq!(done.snapshots_expired, 3, "{done:?}");
@@ -420,5 +421,60 @@ async fn mutation_orphans_seen_from_the_current_snapshot_only_break_time_travel(
             "the mutant removed {key}"
         );
     }
+    drop((hub, t));
+}
+
+/// Ranges of 40 records, so one round uploads several.
+fn small_ranges(dir: &Path) -> core_hub::HubConfig {
+    let mut cfg = config(dir);
+    cfg.tier2.chunk_records_max = 40;
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_round_commits_its_ranges_in_one_snapshot_and_a_crash_after_it_appends_only_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_ranges(dir.path());
+    let hits = Arc::new(AtomicU64::new(0));
+    {
+        // Two ranges in one round; the round dies after the snapshot, before the hub commits.
+        let (hub, t) = open_failing_once(&cfg, hits.clone()).await;
+        ship(&hub, "dev-1", 1, 40, u64::MAX).await;
+        ship(&hub, "dev-1", 41, 80, u64::MAX).await;
+        match t.run_once(true).await {
+            Err(TierRunError::Fault(TierFaultPoint::AfterTableCommit)) => {}
+            other => panic!("the round must stop at the fault point, got {other:?}"),
+        }
+        // A third range arrives before the restart.
+        ship(&hub, "dev-2", 1, 25, u64::MAX).await;
+    }
+    assert_eq!(hits.load(Ordering::SeqCst), 1, "the fault landed once");
+    let v = read_lake(dir.path());
+    let snaps = v["snapshots"].as_array().unwrap();
+    assert_eq!(snaps.len(), 1, "two ranges, one snapshot: {snaps:?}");
+    assert_eq!(snaps[0]["tiered_end"], 80);
+    assert_eq!(rows(&v).len(), 80);
+
+    // The restart's round holds all three ranges; the table already has the first two.
+    let (hub, t) = open(&cfg).await;
+    flush(&t).await;
+    let st =
+        core_hub::tiering::store::state(hub.catalog(), hub.stream_id(STREAM).unwrap()).unwrap();
+    assert_eq!(st.tiered_end, 105);
+    let v = read_lake(dir.path());
+    let mut want: Vec<(String, u64)> = (1..=80).map(|s| ("dev-1".to_owned(), s)).collect();
+    want.extend((1..=25).map(|s| ("dev-2".to_owned(), s)));
+    want.sort();
+    let got: Vec<(String, u64)> = rows(&v).into_iter().map(|(d, s, _)| (d, s)).collect();
+    assert_eq!(got, want, "each record once");
+    let ends: Vec<u64> = (v["snapshots"].as_array().unwrap().iter())
+        .map(|s| s["tiered_end"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        ends,
+        vec![80, 105],
+        "the re-run appended the third range alone"
+    );
+    assert_eq!(v["duckdb"]["rows"], 105);
     drop((hub, t));
 }

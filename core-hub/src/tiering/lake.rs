@@ -25,7 +25,7 @@ impl Tiering {
     /// `force`). Returns what it did, `None` when it did not run.
     pub async fn maintain_lake(&self, force: bool) -> Option<LakeUpkeep> {
         let lake = self.lake.as_ref()?;
-        let interval = self.cfg.lake_maintenance.interval;
+        let interval = self.cfg.lake.maintenance_interval;
         {
             let mut last = self.lake_maintained.lock().expect("upkeep lock");
             if !force && last.is_some_and(|t| t.elapsed() < interval) {
@@ -34,7 +34,7 @@ impl Tiering {
             *last = Some(Instant::now());
         }
         let mut done = LakeUpkeep::default();
-        let policy = self.cfg.lake_maintenance.policy;
+        let policy = self.cfg.lake.policy;
         // A whole pass may take many requests: bounded as a whole, generously.
         let limit = self.cfg.request_timeout * 30;
         for (stream, keep) in self.hub_chunks_by_stream().ok()? {

@@ -59,6 +59,18 @@ struct BuiltRange {
 
 type BuildTask = tokio::task::JoinHandle<Result<BuiltRange, TierRunError>>;
 
+/// A range whose chunks and manifests are durably in tier 2, not committed yet.
+struct StagedRange {
+    commit: RangeCommit,
+    lake: tier::table::LakeRange,
+    /// The stream's fields after the range.
+    registry: FieldRegistry,
+    records: u64,
+}
+
+/// Most ranges one Iceberg snapshot appends; a round with more commits several.
+const RANGES_PER_SNAPSHOT_MAX: usize = 256;
+
 /// Logs how this range changed the stream's field columns (docs/format/parquet.md): a
 /// widened number column at INFO, a field arriving with a new kind (its values then land in a
 /// column of their own, `{field}__{type}`) at WARN, counted in `field_kind_changes`.
@@ -540,6 +552,12 @@ impl Tiering {
             let mut backoff = t.cfg.poll_interval;
             loop {
                 let wait = match t.run_once(false).await {
+                    // Iceberg tables: at most one committing round per `commit_interval`,
+                    // so each table sees at most one snapshot per interval.
+                    Ok(r) if r.chunks_committed > 0 && t.lake.is_some() => {
+                        backoff = t.cfg.poll_interval;
+                        t.cfg.lake.commit_interval
+                    }
                     Ok(r) if r.chunks_committed > 0 || r.ranges_planned > 0 => {
                         backoff = t.cfg.poll_interval;
                         Duration::ZERO
@@ -604,6 +622,7 @@ impl Tiering {
         let groups: Vec<(StreamId, Vec<ChunkRow>)> =
             groups.into_iter().map(|((s, _), c)| (s, c)).collect();
         let mut building: Option<BuildTask> = None;
+        let mut staged: Vec<StagedRange> = Vec::new();
         for (i, (stream, chunks)) in groups.iter().enumerate() {
             let task = match building.take() {
                 Some(t) => t,
@@ -616,9 +635,17 @@ impl Tiering {
                 let fields = (next == stream).then(|| built.registry.clone());
                 building = Some(self.start_build(*next, next_chunks, fields)?);
             }
-            let (n, records) = self.upload_range(*stream, chunks, built).await?;
-            report.chunks_committed += n;
-            report.records_tiered += records;
+            staged.push(self.upload_range(*stream, chunks, built).await?);
+            // Ranges of one stream wait for one snapshot (Iceberg), up to a bound; in the
+            // plain layout each commits at once.
+            let next_same = groups.get(i + 1).is_some_and(|(next, _)| next == stream);
+            if self.lake.is_none() || !next_same || staged.len() >= RANGES_PER_SNAPSHOT_MAX {
+                let (n, records) = self
+                    .commit_staged(*stream, std::mem::take(&mut staged))
+                    .await?;
+                report.chunks_committed += n;
+                report.records_tiered += records;
+            }
         }
         self.fault(TierFaultPoint::BeforeEvict)?;
         report.wal_files_evicted = self.evict()?;
@@ -791,7 +818,7 @@ impl Tiering {
         stream: StreamId,
         chunks: &[ChunkRow],
         built: BuiltRange,
-    ) -> Result<(u64, u64), TierRunError> {
+    ) -> Result<StagedRange, TierRunError> {
         let cat = self.hub.catalog().clone();
         let name = self.stream_name(stream)?;
         let BuiltRange { registry, encoded } = built;
@@ -885,39 +912,75 @@ impl Tiering {
         }
         self.fault(TierFaultPoint::AfterManifest)?;
         durable.assert_covers(&commit.chunks);
-        if let Some(lake) = self.lake.as_ref().filter(|_| !manifests.is_empty()) {
-            let files: Vec<tier::table::LakeFile> = manifests
-                .iter()
-                .map(|m| tier::table::LakeFile {
-                    path: m.path.clone(),
-                    summary: m.summary.clone(),
-                })
-                .collect();
-            let range_first = chunks.first().map_or(0, |c| c.range_first);
-            self.bounded(lake.commit_range(
-                &name,
-                &registry,
-                &files,
-                range_first,
-                commit.tiered_end,
-            ))
-            .await?;
+        commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();
+        let files = manifests
+            .iter()
+            .map(|m| tier::table::LakeFile {
+                path: m.path.clone(),
+                summary: m.summary.clone(),
+            })
+            .collect();
+        Ok(StagedRange {
+            lake: tier::table::LakeRange {
+                first: chunks.first().map_or(0, |c| c.range_first),
+                end: commit.tiered_end,
+                files,
+            },
+            commit,
+            registry,
+            records,
+        })
+    }
+
+    /// Step 2c: commits uploaded ranges of one stream (consecutive, in offset order): with
+    /// Iceberg tables one snapshot holds them all, then the hub's catalog commits each.
+    /// Returns the chunks and records committed.
+    async fn commit_staged(
+        &self,
+        stream: StreamId,
+        staged: Vec<StagedRange>,
+    ) -> Result<(u64, u64), TierRunError> {
+        let (Some(lake), Some(last)) = (&self.lake, staged.last()) else {
+            return self.commit_in_catalog(staged);
+        };
+        let ranges: Vec<tier::table::LakeRange> = (staged.iter())
+            .filter(|r| !r.lake.files.is_empty())
+            .map(|r| r.lake.clone())
+            .collect();
+        if !ranges.is_empty() {
+            let name = self.stream_name(stream)?;
+            self.bounded(lake.commit_ranges(&name, &last.registry, &ranges))
+                .await?;
             self.fault(TierFaultPoint::AfterTableCommit)?;
         }
-        commit.lanes = lanes.into_iter().map(|((d, e), s)| (d, e, s)).collect();
-        commit.committed_ns = now_ns();
-        // The commit moves `tiered_end` (eviction follows it) and the lanes' `tiered_seq`
-        // (agents free their copies on it): only now, behind the durable puts above.
-        let moved = store::commit_range(&cat, &commit)?;
-        let n = commit.chunks.len() as u64;
-        self.stats.chunks_committed.fetch_add(n, Ordering::Relaxed);
-        self.stats
-            .records_tiered
-            .fetch_add(records, Ordering::Relaxed);
-        if !moved.is_empty() {
-            self.tiered_tx.send_modify(|g| *g += 1);
+        self.commit_in_catalog(staged)
+    }
+
+    /// The hub's catalog commit of each range, in order.
+    fn commit_in_catalog(&self, staged: Vec<StagedRange>) -> Result<(u64, u64), TierRunError> {
+        let cat = self.hub.catalog();
+        let (mut chunks, mut records) = (0, 0);
+        for StagedRange {
+            mut commit,
+            records: r,
+            ..
+        } in staged
+        {
+            commit.committed_ns = now_ns();
+            // The commit moves `tiered_end` (eviction follows it) and the lanes' `tiered_seq`
+            // (agents free their copies on it): only now, behind the durable puts and the
+            // table's snapshot.
+            let moved = store::commit_range(cat, &commit)?;
+            let n = commit.chunks.len() as u64;
+            self.stats.chunks_committed.fetch_add(n, Ordering::Relaxed);
+            self.stats.records_tiered.fetch_add(r, Ordering::Relaxed);
+            if !moved.is_empty() {
+                self.tiered_tx.send_modify(|g| *g += 1);
+            }
+            chunks += n;
+            records += r;
         }
-        Ok((n, records))
+        Ok((chunks, records))
     }
 
     /// Step 3: deletes WAL files whose blocks are all tiered, oldest first, within retention.

@@ -13,10 +13,10 @@
 //!   changes, so every chunk lies in one partition and a day's chunks are one contiguous run
 //!   of hub offsets. `ts` (event time) bounds are in every data file's metrics, so engines
 //!   prune event-time filters from the manifests.
-//! - **Exactly once**: [`Lake::commit_range`] appends a range's files in one snapshot whose
-//!   summary records `tributary.tiered-end` (the range's end offset). Before it commits it
-//!   reads the current snapshot's mark: a range at or below it was committed before a crash,
-//!   and is not appended again. The hub's own catalog moves `tiered_end` only after this
+//! - **Exactly once**: [`Lake::commit_ranges`] appends ranges' files in one snapshot whose
+//!   summary records `tributary.tiered-end` (the last range's end offset). Before it commits
+//!   it reads the current snapshot's mark: a range at or below it was committed before a
+//!   crash, and is not appended again. The hub's own catalog moves `tiered_end` only after this
 //!   returns, so a crash anywhere leaves each record in the table once.
 
 pub mod catalog;
@@ -133,7 +133,15 @@ pub struct LakeFile {
     pub summary: ChunkSummary,
 }
 
-/// What [`Lake::commit_range`] did.
+/// One tiering range to append: `[first, end)` of the stream and its chunk files.
+#[derive(Debug, Clone)]
+pub struct LakeRange {
+    pub first: u64,
+    pub end: u64,
+    pub files: Vec<LakeFile>,
+}
+
+/// What [`Lake::commit_ranges`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CommitOutcome {
     /// A new snapshot holds the range.
@@ -199,7 +207,7 @@ impl Lake {
         })
     }
 
-    /// Turns the already-committed check of [`Lake::commit_range`] off or on (tests only).
+    /// Turns the already-committed check of [`Lake::commit_ranges`] off or on (tests only).
     #[cfg(feature = "fault-injection")]
     pub fn set_recheck(&self, on: bool) {
         self.recheck.store(on, std::sync::atomic::Ordering::SeqCst);
@@ -332,28 +340,38 @@ impl Lake {
         (tx.commit(&*self.catalog).await).map_err(Self::err(stream, "updating its name mapping"))
     }
 
-    /// Appends one tiering range (`[range_first, range_end)` of `stream`, its chunk `files`)
-    /// in one snapshot, unless the table already holds it.
-    pub async fn commit_range(
+    /// Appends tiering ranges of `stream` (consecutive, in offset order) in one snapshot,
+    /// leaving out those the table already holds (committed before a crash: a range ending at
+    /// or below the current snapshot's mark).
+    pub async fn commit_ranges(
         &self,
         stream: &str,
         registry: &FieldRegistry,
-        files: &[LakeFile],
-        range_first: u64,
-        range_end: u64,
+        ranges: &[LakeRange],
     ) -> Result<CommitOutcome, LakeError> {
         let table = self.table(stream).await?;
-        if self.rechecks() && tiered_end_of(&table) >= range_end {
+        let held = if self.rechecks() {
+            tiered_end_of(&table)
+        } else {
+            0
+        };
+        let todo: Vec<&LakeRange> = ranges.iter().filter(|r| r.end > held).collect();
+        let (Some(first), Some(last)) = (todo.first(), todo.last()) else {
             return Ok(CommitOutcome::AlreadyCommitted);
-        }
+        };
+        assert!(
+            first.first >= held,
+            "ranges end on range boundaries: {}..{} against the mark {held}",
+            first.first,
+            first.end
+        );
         let table = self.evolve(stream, table, registry).await?;
-        let data_files = files
-            .iter()
+        let data_files = (todo.iter().flat_map(|r| &r.files))
             .map(|f| self.data_file(stream, f))
             .collect::<Result<Vec<_>, _>>()?;
         let props = HashMap::from([
-            (TIERED_END.to_owned(), range_end.to_string()),
-            (RANGE_FIRST.to_owned(), range_first.to_string()),
+            (TIERED_END.to_owned(), last.end.to_string()),
+            (RANGE_FIRST.to_owned(), first.first.to_string()),
         ]);
         let tx = Transaction::new(&table);
         let tx = tx
@@ -364,14 +382,14 @@ impl Lake {
             .add_data_files(data_files)
             .set_snapshot_properties(props)
             .apply(tx)
-            .map_err(Self::err(stream, "appending a range"))?;
+            .map_err(Self::err(stream, "appending ranges"))?;
         let table =
-            (tx.commit(&*self.catalog).await).map_err(Self::err(stream, "appending a range"))?;
+            (tx.commit(&*self.catalog).await).map_err(Self::err(stream, "appending ranges"))?;
         let snapshot_id = table.metadata().current_snapshot_id().unwrap_or(-1);
         assert_eq!(
             tiered_end_of(&table),
-            range_end,
-            "the new snapshot carries the range's end"
+            last.end,
+            "the new snapshot carries the last range's end"
         );
         Ok(CommitOutcome::Committed { snapshot_id })
     }

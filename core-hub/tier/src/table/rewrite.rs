@@ -6,7 +6,7 @@
 //! the new manifest list and metadata are swapped in by the catalog's compare-and-set. The
 //! files themselves stay in storage: older snapshots still reference them until they expire
 //! ([`super::maintain`]). The snapshot carries the parent's `tributary.tiered-end` over, so
-//! the exactly-once mark of [`super::Lake::commit_range`] is never lost by a delete.
+//! the exactly-once mark of [`super::Lake::commit_ranges`] is never lost by a delete.
 
 use std::collections::{BTreeSet, HashMap};
 
