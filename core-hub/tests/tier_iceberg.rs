@@ -478,3 +478,66 @@ async fn one_round_commits_its_ranges_in_one_snapshot_and_a_crash_after_it_appen
     assert_eq!(v["duckdb"]["rows"], 105);
     drop((hub, t));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_hub_registers_the_table_again_and_appends_what_it_lacked() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    {
+        let (hub, t) = open(&cfg).await;
+        ship(&hub, "dev-1", 1, 40, u64::MAX).await;
+        flush(&t).await;
+        ship(&hub, "dev-1", 41, 80, u64::MAX).await;
+        flush(&t).await;
+        drop(t);
+        // The third range's files and manifests are durable, the snapshot never happened.
+        let hits = Arc::new(AtomicU64::new(0));
+        let seen = hits.clone();
+        let hook: core_hub::tiering::TierFaultHook = Arc::new(move |p| {
+            p == TierFaultPoint::AfterManifest && seen.fetch_add(1, Ordering::SeqCst) == 0
+        });
+        let t = Tiering::open(hub.clone(), &cfg, Some(hook)).await.unwrap();
+        ship(&hub, "dev-2", 1, 25, u64::MAX).await;
+        match t.run_once(true).await {
+            Err(TierRunError::Fault(TierFaultPoint::AfterManifest)) => {}
+            other => panic!("the round must stop at the fault point, got {other:?}"),
+        }
+        assert_eq!(hits.load(Ordering::SeqCst), 1, "the fault landed");
+        hub.shutdown();
+    }
+    // The disk is lost: the hub's data and the Iceberg catalog with it.
+    std::fs::remove_dir_all(dir.path().join("hub")).unwrap();
+    std::fs::remove_file(dir.path().join("iceberg.sqlite")).unwrap();
+    core_hub::tiering::recover::from_tier2(&cfg, |_, _, _| {})
+        .await
+        .unwrap();
+    let (hub, t) = open(&cfg).await;
+    let st =
+        core_hub::tiering::store::state(hub.catalog(), hub.stream_id(STREAM).unwrap()).unwrap();
+    assert_eq!(
+        st.tiered_end, 105,
+        "the rebuilt catalog counts the third range tiered"
+    );
+    let v = read_lake(dir.path());
+    let mut want: Vec<(String, u64)> = (1..=80).map(|s| ("dev-1".to_owned(), s)).collect();
+    want.extend((1..=25).map(|s| ("dev-2".to_owned(), s)));
+    want.sort();
+    let got: Vec<(String, u64)> = rows(&v).into_iter().map(|(d, s, _)| (d, s)).collect();
+    assert_eq!(
+        got, want,
+        "the table is back, with the range it lacked, each record once"
+    );
+    let ends: Vec<u64> = (v["snapshots"].as_array().unwrap().iter())
+        .map(|s| s["tiered_end"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        ends,
+        vec![40, 80, 105],
+        "its history is kept, the missing range appended"
+    );
+    // Tiering goes on from there.
+    ship(&hub, "dev-2", 26, 30, u64::MAX).await;
+    flush(&t).await;
+    assert_eq!(rows(&read_lake(dir.path())).len(), 110);
+    drop((hub, t));
+}

@@ -127,6 +127,12 @@ pub enum TierOpenError {
     Io(#[from] std::io::Error),
     #[error(transparent)]
     Lake(#[from] tier::table::LakeError),
+    #[error("bringing the Iceberg table of `{stream}` up to tier 2's manifests: {source}")]
+    Reconcile {
+        stream: String,
+        #[source]
+        source: tier::TierError,
+    },
     #[error("creating tier-2 directory {}: {source}", path.display())]
     LocalRoot {
         path: std::path::PathBuf,
@@ -442,6 +448,7 @@ impl Tiering {
             lake,
             lake_maintained: Mutex::new(None),
         });
+        t.reconcile_lake().await?;
         t.install_gate();
         // Readers of the hub read evicted offsets through tier 2 (`crate::read::scan`).
         t.hub.streams().set_tiering(&t);

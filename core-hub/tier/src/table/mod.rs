@@ -275,6 +275,15 @@ impl Lake {
             return (self.catalog.load_table(&ident).await)
                 .map_err(Self::err(stream, "loading it"));
         }
+        if let Some(location) = self.newest_metadata(stream).await? {
+            tracing::warn!(
+                table = %ident,
+                %location,
+                "the catalog lacks the table; registering its newest metadata file from tier 2"
+            );
+            return (self.catalog.register_table(&ident, location).await)
+                .map_err(Self::err(stream, "registering it again"));
+        }
         let schema = Schema::builder()
             .with_fields(fixed_fields().into_iter().map(Arc::new))
             .build()
@@ -296,6 +305,27 @@ impl Lake {
             .build();
         (self.catalog.create_table(&self.namespace, creation).await)
             .map_err(Self::err(stream, "creating it"))
+    }
+
+    /// The URI of the highest-versioned `*.metadata.json` under the stream's table location,
+    /// if any: the table as it was last committed (or as a commit that lost its swap left it,
+    /// which holds only ranges whose files and manifests were durable). A catalog lost with
+    /// the hub's data directory is rebuilt from it.
+    async fn newest_metadata(&self, stream: &str) -> Result<Option<String>, LakeError> {
+        let prefix = format!("{}metadata/", crate::layout::chunks_prefix(stream));
+        let objects = (self.tier2.list(&prefix).await).map_err(|source| LakeError::List {
+            table: format!("{NAMESPACE}.{stream}"),
+            source,
+        })?;
+        let version = |key: &str| -> Option<u64> {
+            let name = key.rsplit('/').next()?.strip_suffix(".metadata.json")?;
+            name.split('-').next()?.parse().ok()
+        };
+        Ok(objects
+            .iter()
+            .filter_map(|o| Some((version(&o.path)?, &o.path)))
+            .max()
+            .map(|(_, key)| self.io.uri(key)))
     }
 
     /// The offset below which every record of `stream` is in its table (0 for a new table).
