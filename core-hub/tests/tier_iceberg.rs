@@ -541,3 +541,312 @@ async fn a_rebuilt_hub_registers_the_table_again_and_appends_what_it_lacked() {
     assert_eq!(rows(&read_lake(dir.path())).len(), 110);
     drop((hub, t));
 }
+
+// ---- kill -9 while tiering, committing and maintaining ----
+
+const KILL_DIR_ENV: &str = "TRIBUTARY_LAKE_KILL9_DIR";
+const KILL_TOTAL_ENV: &str = "TRIBUTARY_LAKE_KILL9_TOTAL";
+const KILL_MUTANT_ENV: &str = "TRIBUTARY_LAKE_KILL9_NO_RECHECK";
+const KILL_DEVICES: u64 = 3;
+
+/// The crash loop's hub: ranges of 30 records, a commit and a full upkeep (expiry of every
+/// older snapshot, orphan removal) after every round.
+fn kill_config(dir: &Path) -> core_hub::HubConfig {
+    let mut cfg = config(dir);
+    cfg.tier2.chunk_records_max = 30;
+    cfg.tier2.chunk_age_max = Duration::ZERO;
+    cfg.tier2.lake = core_hub::config::LakeConfig {
+        commit_interval: Duration::ZERO,
+        maintenance_interval: Duration::ZERO,
+        policy: tier::table::MaintainPolicy {
+            snapshot_retention: Duration::ZERO,
+            orphan_grace: Duration::ZERO,
+            deletes_max: 1_000,
+        },
+    };
+    cfg
+}
+
+/// The child: a hub whose tiering loop runs rounds back to back while three devices write
+/// (each resuming a little before its mark); prints `ACK`, `ROUND` and, once every record is
+/// tiered and maintained, `DONE`. Runs only when the parent sets `TRIBUTARY_LAKE_KILL9_DIR`.
+#[test]
+fn child_lake_writer() {
+    let Ok(dir) = std::env::var(KILL_DIR_ENV) else {
+        return;
+    };
+    let total: u64 = std::env::var(KILL_TOTAL_ENV).unwrap().parse().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async move {
+        let cfg = kill_config(Path::new(&dir));
+        let hub = reopen(&cfg).await;
+        let hook = core_hub::tiering::faults::hook_from_env();
+        let t = Tiering::open(hub.clone(), &cfg, hook).await.unwrap();
+        // The mutation of `mutation_the_crash_loop_catches_a_missing_table_recheck`.
+        t.set_table_recheck(std::env::var(KILL_MUTANT_ENV).is_err());
+        let rounds = {
+            let t = t.clone();
+            tokio::spawn(async move {
+                loop {
+                    let r = t.run_once(false).await.unwrap();
+                    if r.chunks_committed > 0 {
+                        println!("ROUND");
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+            })
+        };
+        let mut writers = Vec::new();
+        for d in 0..KILL_DEVICES {
+            let hub = hub.clone();
+            writers.push(tokio::spawn(async move {
+                let dev = format!("dev-{d}");
+                let mark = hub.marks(&dev).first().map_or(0, |m| m.durable_seq);
+                let mut first = mark.saturating_sub(7).max(1);
+                while first <= total {
+                    let last = (first + 4 + d).min(total);
+                    ship(&hub, &dev, first, last, u64::MAX).await;
+                    println!("ACK {dev} {last}");
+                    first = last + 1;
+                    // Paced, so that rounds commit while the devices write.
+                    tokio::time::sleep(Duration::from_millis(3)).await;
+                }
+            }));
+        }
+        for w in writers {
+            w.await.unwrap();
+        }
+        rounds.abort();
+        let _ = rounds.await;
+        flush(&t).await;
+        t.maintain_lake(true).await.expect("the upkeep ran");
+        println!("DONE");
+    });
+}
+
+/// How a child life ends.
+#[derive(Debug, Clone)]
+enum End {
+    /// SIGKILL from the parent after this many committing rounds.
+    KillAfterRounds(usize),
+    /// The child exits at this tiering fault point (`TRIBUTARY_TIER_FAULT`, `point:exit:skip`).
+    Seam(&'static str, u64),
+    /// It finishes: every record written, tiered and maintained.
+    Finish,
+}
+
+const SEAMS: [&str; 4] = [
+    "after_upload",
+    "after_manifest",
+    "after_table_commit",
+    "before_evict",
+];
+
+/// What one child life did before it ended.
+struct Life {
+    rounds: usize,
+    killed: bool,
+    /// The fault point it exited at.
+    seam: Option<&'static str>,
+}
+
+fn run_lake_child(dir: &Path, total: u64, end: &End, mutant: bool) -> Life {
+    use std::io::BufRead;
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--exact",
+        "child_lake_writer",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(KILL_DIR_ENV, dir)
+    .env(KILL_TOTAL_ENV, total.to_string())
+    .env_remove(core_hub::tiering::faults::FAULT_ENV)
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::null());
+    if let End::Seam(point, skip) = end {
+        cmd.env(
+            core_hub::tiering::faults::FAULT_ENV,
+            format!("{point}:exit:{skip}"),
+        );
+    }
+    if mutant {
+        cmd.env(KILL_MUTANT_ENV, "1");
+    }
+    let mut child = cmd.spawn().unwrap();
+    let out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut rounds = 0;
+    let mut done = false;
+    for line in out.lines() {
+        let line = line.unwrap();
+        done |= line == "DONE";
+        rounds += usize::from(line == "ROUND");
+        if matches!(end, End::KillAfterRounds(k) if rounds >= *k) {
+            child.kill().unwrap(); // SIGKILL
+            break;
+        }
+    }
+    let status = child.wait().unwrap();
+    let exited_at_seam = status.code() == Some(core_hub::tiering::faults::FAULT_EXIT_CODE);
+    if matches!(end, End::Finish) {
+        assert!(status.success() && done, "the final child must finish");
+    }
+    Life {
+        rounds,
+        killed: std::os::unix::process::ExitStatusExt::signal(&status) == Some(9),
+        seam: match end {
+            End::Seam(point, _) if exited_at_seam => Some(point),
+            _ => None,
+        },
+    }
+}
+
+/// What a crash loop left.
+struct Loop {
+    seed: u64,
+    total: u64,
+    killed_while_tiering: u64,
+    seams: std::collections::BTreeMap<&'static str, u64>,
+}
+
+/// `lives` child lives in `dir`, alternating a random SIGKILL after one to three committing
+/// rounds with an exit at each fault point in turn (after zero to two earlier hits), then a
+/// last life that finishes.
+fn crash_loop(dir: &Path, lives: u64, mutant: bool) -> Loop {
+    let seed: u64 = match std::env::var("TRIBUTARY_SEED") {
+        Ok(s) => s.parse().unwrap(),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as u64,
+    };
+    println!(
+        "seed {seed} (replay: TRIBUTARY_SEED={seed} cargo test -p core-hub --test tier_iceberg kill_dash_nine)"
+    );
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(seed);
+    let step = 300u64;
+    let mut out = Loop {
+        seed,
+        total: step * (lives + 1),
+        killed_while_tiering: 0,
+        seams: Default::default(),
+    };
+    for k in 0..lives {
+        let end = if k % 2 == 0 {
+            End::KillAfterRounds(rand::Rng::random_range(&mut rng, 1..4))
+        } else {
+            let point = SEAMS[(k as usize / 2) % SEAMS.len()];
+            End::Seam(point, rand::Rng::random_range(&mut rng, 0..3))
+        };
+        let life = run_lake_child(dir, step * (k + 1), &end, mutant);
+        out.killed_while_tiering += u64::from(life.killed && life.rounds > 0);
+        if let Some(point) = life.seam {
+            *out.seams.entry(point).or_default() += 1;
+        }
+    }
+    run_lake_child(dir, out.total, &End::Finish, mutant);
+    out
+}
+
+#[test]
+fn kill_dash_nine_while_tiering_committing_and_maintaining_keeps_the_table_exactly_once() {
+    if std::env::var(KILL_DIR_ENV).is_ok() {
+        return; // we are the child
+    }
+    let soak = std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1");
+    let lives: u64 = if soak { 200 } else { 30 };
+    let dir = tempfile::tempdir().unwrap();
+    let l = crash_loop(dir.path(), lives, false);
+    let seed = l.seed;
+    println!(
+        "{} kills after rounds had committed, exits at seams {:?} (seed {seed})",
+        l.killed_while_tiering, l.seams
+    );
+    // Half the lives are random kills; a child that finished its share first is possible.
+    assert!(
+        l.killed_while_tiering * 2 >= lives / 2,
+        "most kills land while rounds commit: {} (seed {seed})",
+        l.killed_while_tiering
+    );
+    for point in SEAMS {
+        assert!(
+            l.seams.get(point).is_some_and(|&n| n > 0),
+            "the crash at {point} happened: {:?} (seed {seed})",
+            l.seams
+        );
+    }
+
+    let v = read_lake(dir.path());
+    let got = rows(&v);
+    let mut want: Vec<(String, u64)> = (0..KILL_DEVICES)
+        .flat_map(|d| (1..=l.total).map(move |s| (format!("dev-{d}"), s)))
+        .collect();
+    want.sort();
+    let keys: Vec<(String, u64)> = got.iter().map(|(d, s, _)| (d.clone(), *s)).collect();
+    assert_eq!(
+        keys, want,
+        "every record in the table exactly once (seed {seed})"
+    );
+    let offsets: std::collections::BTreeSet<u64> = got.iter().map(|r| r.2).collect();
+    assert_eq!(
+        offsets.len(),
+        got.len(),
+        "distinct hub offsets (seed {seed})"
+    );
+    let files: Vec<&str> = (v["data_files"].as_array().unwrap().iter())
+        .map(|f| f.as_str().unwrap())
+        .collect();
+    let distinct: std::collections::BTreeSet<&str> = files.iter().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        files.len(),
+        "no data file is referenced twice (seed {seed})"
+    );
+    assert_eq!(
+        v["duckdb"]["rows"],
+        got.len(),
+        "DuckDB agrees (seed {seed})"
+    );
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let (hub, t) = open(&kill_config(dir.path())).await;
+        let st =
+            core_hub::tiering::store::state(hub.catalog(), hub.stream_id(STREAM).unwrap()).unwrap();
+        assert_eq!(
+            st.tiered_end,
+            got.len() as u64,
+            "the hub and the table agree (seed {seed})"
+        );
+        assert_eq!(
+            unreferenced(&t).await,
+            Vec::<String>::new(),
+            "no orphan is left (seed {seed})"
+        );
+        drop((hub, t));
+    });
+}
+
+#[test]
+fn mutation_the_crash_loop_catches_a_missing_table_recheck() {
+    if std::env::var(KILL_DIR_ENV).is_ok() {
+        return; // we are the child
+    }
+    // Eight lives reach `after_table_commit` once (life 5); without the recheck its re-run
+    // appends the range a second time.
+    let dir = tempfile::tempdir().unwrap();
+    let l = crash_loop(dir.path(), 8, true);
+    assert_eq!(l.seams.get("after_table_commit"), Some(&1), "{:?}", l.seams);
+    let v = read_lake(dir.path());
+    let n = rows(&v).len() as u64;
+    assert!(
+        n > l.total * KILL_DEVICES,
+        "the table holds a range twice: {n} rows for {} records (seed {})",
+        l.total * KILL_DEVICES,
+        l.seed
+    );
+}
