@@ -50,7 +50,7 @@ fn config(dir: &Path, table: TableFormat) -> HubConfig {
     t.tier1_retention_time = Duration::ZERO;
     t.tier1_retention_bytes = 0;
     t.table = table;
-    t.iceberg_catalog = dir.join("iceberg.sqlite");
+    t.iceberg_catalog = tier::table::CatalogLocation::Sqlite(dir.join("iceberg.sqlite"));
     cfg
 }
 

@@ -156,8 +156,9 @@ pub struct Tier2Config {
     pub field_types: BTreeMap<String, BTreeMap<String, tier::ValueKind>>,
     /// How tier 2 presents a stream to SQL engines: Parquet files to glob, or an Iceberg table.
     pub table: TableFormat,
-    /// The embedded Iceberg SQL catalog (SQLite) when `table` is Iceberg.
-    pub iceberg_catalog: PathBuf,
+    /// The Iceberg SQL catalog when `table` is Iceberg: a SQLite file (the default,
+    /// `{data_dir}/iceberg.sqlite`) or a PostgreSQL URL.
+    pub iceberg_catalog: tier::table::CatalogLocation,
     /// Commits and upkeep of the Iceberg tables.
     pub lake: LakeConfig,
 }
@@ -981,9 +982,10 @@ fn parse_tier2(raw: RawTier2, data_dir: &Path) -> Result<Tier2Config, ConfigErro
             crate::scrub::DEFAULT_TIER2_BYTES_PER_SEC_MAX,
         )?,
         table,
-        iceberg_catalog: raw
-            .iceberg_catalog
-            .map_or_else(|| data_dir.join("iceberg.sqlite"), PathBuf::from),
+        iceberg_catalog: raw.iceberg_catalog.as_deref().map_or_else(
+            || tier::table::CatalogLocation::Sqlite(data_dir.join("iceberg.sqlite")),
+            tier::table::CatalogLocation::parse,
+        ),
         lake,
     })
 }
@@ -1640,14 +1642,34 @@ mod tests {
     fn tier2_table_format_and_its_upkeep_parse() {
         let d = HubConfig::from_toml("data_dir = \"/d\"").unwrap().tier2;
         assert_eq!(d.table, TableFormat::Parquet);
-        assert_eq!(d.iceberg_catalog, PathBuf::from("/d/iceberg.sqlite"));
+        use tier::table::CatalogLocation;
+        assert_eq!(
+            d.iceberg_catalog,
+            CatalogLocation::Sqlite(PathBuf::from("/d/iceberg.sqlite"))
+        );
         let c = HubConfig::from_toml(
             "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\niceberg_catalog = \"/c/cat.db\"",
         )
         .unwrap()
         .tier2;
         assert_eq!(c.table, TableFormat::Iceberg);
-        assert_eq!(c.iceberg_catalog, PathBuf::from("/c/cat.db"));
+        assert_eq!(
+            c.iceberg_catalog,
+            CatalogLocation::Sqlite(PathBuf::from("/c/cat.db"))
+        );
+        let pg = HubConfig::from_toml(
+            "data_dir = \"/d\"\n[tier2]\ntable = \"iceberg\"\n\
+             iceberg_catalog = \"postgresql://hub:s3cret@db:5432/lake\"",
+        )
+        .unwrap()
+        .tier2;
+        let url = "postgresql://hub:s3cret@db:5432/lake".to_owned();
+        assert_eq!(pg.iceberg_catalog, CatalogLocation::Postgres(url));
+        let shown = format!("{:?}", pg);
+        assert!(
+            shown.contains("postgresql://hub:***@db:5432/lake") && !shown.contains("s3cret"),
+            "{shown}"
+        );
         let bad = HubConfig::from_toml("data_dir = \"/d\"\n[tier2]\ntable = \"delta\"")
             .unwrap_err()
             .to_string();
@@ -1665,7 +1687,7 @@ mod tests {
         )
         .unwrap()
         .tier2;
-        let m = c.lake_maintenance;
+        let m = c.lake;
         assert_eq!(m.policy.snapshot_retention, Duration::from_secs(7_200));
         assert_eq!(m.policy.orphan_grace, Duration::ZERO);
         assert_eq!(m.maintenance_interval, Duration::from_secs(600));

@@ -68,7 +68,7 @@ fn config(dir: &Path) -> core_hub::HubConfig {
         t.chunk_age_max = Duration::from_secs(3600);
         t.tier1_budget_bytes = 1 << 40;
         t.table = TableFormat::Iceberg;
-        t.iceberg_catalog = dir.join("iceberg.sqlite");
+        t.iceberg_catalog = tier::table::CatalogLocation::Sqlite(dir.join("iceberg.sqlite"));
     })
 }
 

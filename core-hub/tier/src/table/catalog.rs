@@ -1,19 +1,22 @@
-//! The embedded Iceberg SQL catalog: one SQLite file beside the hub's data.
+//! The Iceberg SQL catalog of the hub's tables: on a SQLite file beside the hub's data (the
+//! default, nothing to run), or on a PostgreSQL database shared by several hubs.
 //!
 //! The tables and columns are those of the Iceberg SQL catalog that pyiceberg's `SqlCatalog`
 //! and iceberg-rust's `iceberg-catalog-sql` use (`iceberg_tables`,
-//! `iceberg_namespace_properties`), so any of them can open the same file and read the hub's
-//! tables. It is written with rusqlite rather than `iceberg-catalog-sql` because that crate's
-//! SQLite driver (sqlx) links a second, older `libsqlite3-sys` than the hub's rusqlite, and a
-//! binary can link only one.
+//! `iceberg_namespace_properties`), so any of them can open the same database and read the
+//! hub's tables. It is written with rusqlite and tokio-postgres rather than
+//! `iceberg-catalog-sql` because that crate's SQLite driver (sqlx) links a second, older
+//! `libsqlite3-sys` than the hub's rusqlite, and a binary can link only one. The statements
+//! are the same on both (`$N` parameters, numbered in the order they first appear, which
+//! SQLite binds by position too; upserts as `ON CONFLICT ... DO UPDATE`).
 //!
 //! A commit writes the new metadata file first (synced through the table's [`FileIO`]), then
-//! swaps the table's `metadata_location` with a compare-and-set `UPDATE` in one SQLite
-//! transaction (WAL journal, `synchronous = FULL`). A crash before the swap leaves an
+//! swaps the table's `metadata_location` with a compare-and-set `UPDATE` (SQLite: WAL journal,
+//! `synchronous = FULL`; PostgreSQL: one statement, atomic). A crash before the swap leaves an
 //! unreferenced metadata file and the table as it was; after it, the new snapshot.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 use async_trait::async_trait;
@@ -24,7 +27,7 @@ use iceberg::{
     Catalog, Error, ErrorKind, MetadataLocation, Namespace, NamespaceIdent, Result, TableCommit,
     TableCreation, TableIdent,
 };
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::Connection;
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS iceberg_tables (
@@ -47,45 +50,212 @@ CREATE TABLE IF NOT EXISTS iceberg_namespace_properties (
 /// The catalog name the hub registers its tables under (pyiceberg: `SqlCatalog("tributary")`).
 pub const CATALOG_NAME: &str = "tributary";
 
-/// An Iceberg SQL catalog on a SQLite file.
-#[derive(Debug)]
-pub struct SqliteCatalog {
-    path: PathBuf,
-    conn: Mutex<Connection>,
+/// Where the catalog lives (`[tier2] iceberg_catalog`).
+#[derive(Clone, PartialEq, Eq)]
+pub enum CatalogLocation {
+    /// A SQLite file.
+    Sqlite(PathBuf),
+    /// A PostgreSQL connection URL (`postgresql://user:password@host:port/database`).
+    Postgres(String),
+}
+
+impl CatalogLocation {
+    /// A `postgresql://` or `postgres://` URL, else a SQLite file path.
+    pub fn parse(v: &str) -> CatalogLocation {
+        if v.starts_with("postgresql://") || v.starts_with("postgres://") {
+            CatalogLocation::Postgres(v.to_owned())
+        } else {
+            CatalogLocation::Sqlite(PathBuf::from(v))
+        }
+    }
+}
+
+/// Shown without the password of a PostgreSQL URL (logs, errors, `Debug` of the config).
+impl std::fmt::Display for CatalogLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CatalogLocation::Sqlite(p) => write!(f, "{}", p.display()),
+            CatalogLocation::Postgres(url) => match (url.find("://"), url.rfind('@')) {
+                (Some(scheme), Some(at)) if at > scheme => {
+                    let userinfo = &url[scheme + 3..at];
+                    let user = userinfo.split(':').next().unwrap_or("");
+                    let hidden = if userinfo.contains(':') { ":***" } else { "" };
+                    write!(f, "{}{user}{hidden}{}", &url[..scheme + 3], &url[at..])
+                }
+                _ => f.write_str(url),
+            },
+        }
+    }
+}
+
+impl std::fmt::Debug for CatalogLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CatalogLocation({self})")
+    }
+}
+
+/// The database under the catalog.
+enum Db {
+    Sqlite(Mutex<Connection>),
+    Postgres {
+        url: String,
+        /// Connected on first use and again after the connection broke.
+        client: tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    },
+}
+
+type Row = Vec<Option<String>>;
+
+fn sql_err(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::new(ErrorKind::Unexpected, format!("iceberg catalog: {what}")).with_source(e)
+}
+
+impl Db {
+    async fn postgres(url: &str) -> Result<tokio_postgres::Client> {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .map_err(|e| sql_err("connecting to PostgreSQL", e))?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::warn!(error = %e, "iceberg catalog: the PostgreSQL connection ended");
+            }
+        });
+        Ok(client)
+    }
+
+    /// Runs `sql` with string parameters; returns its rows (every column as text).
+    async fn query(&self, what: &str, sql: &str, params: &[&str]) -> Result<Vec<Row>> {
+        match self {
+            Db::Sqlite(conn) => {
+                let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+                let run = || -> rusqlite::Result<Vec<Row>> {
+                    let mut st = conn.prepare(sql)?;
+                    let n = st.column_count();
+                    let rows = st.query_map(rusqlite::params_from_iter(params), |r| {
+                        (0..n).map(|i| r.get::<_, Option<String>>(i)).collect()
+                    })?;
+                    rows.collect()
+                };
+                run().map_err(|e| sql_err(what, e))
+            }
+            Db::Postgres { url, client } => {
+                let mut guard = client.lock().await;
+                if guard.as_ref().is_none_or(|c| c.is_closed()) {
+                    *guard = Some(Self::postgres(url).await?);
+                }
+                let c = guard.as_ref().expect("connected above");
+                let args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p as _).collect();
+                let rows = c.query(sql, &args).await.map_err(|e| sql_err(what, e))?;
+                Ok(rows
+                    .iter()
+                    .map(|r| {
+                        (0..r.len())
+                            .map(|i| r.get::<_, Option<String>>(i))
+                            .collect()
+                    })
+                    .collect())
+            }
+        }
+    }
+
+    /// Runs a statement; returns the rows it changed.
+    async fn execute(&self, what: &str, sql: &str, params: &[&str]) -> Result<u64> {
+        match self {
+            Db::Sqlite(conn) => {
+                let conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+                (conn.execute(sql, rusqlite::params_from_iter(params)))
+                    .map(|n| n as u64)
+                    .map_err(|e| sql_err(what, e))
+            }
+            Db::Postgres { url, client } => {
+                let mut guard = client.lock().await;
+                if guard.as_ref().is_none_or(|c| c.is_closed()) {
+                    *guard = Some(Self::postgres(url).await?);
+                }
+                let c = guard.as_ref().expect("connected above");
+                let args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p as _).collect();
+                c.execute(sql, &args).await.map_err(|e| sql_err(what, e))
+            }
+        }
+    }
+}
+
+/// An Iceberg SQL catalog on SQLite or PostgreSQL.
+pub struct SqlCatalog {
+    location: CatalogLocation,
+    db: Db,
     file_io: FileIO,
     /// Where tables without an explicit location go: `{warehouse}/{namespace}/{table}`.
     warehouse: String,
 }
 
-fn sql_err(what: &str, e: rusqlite::Error) -> Error {
-    Error::new(ErrorKind::Unexpected, format!("iceberg catalog: {what}")).with_source(e)
+impl std::fmt::Debug for SqlCatalog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlCatalog")
+            .field("location", &self.location)
+            .finish_non_exhaustive()
+    }
 }
 
 fn ns_key(ns: &NamespaceIdent) -> String {
     ns.join(".")
 }
 
-impl SqliteCatalog {
-    /// Opens (creating if needed) the catalog at `path`; table files go through `file_io`.
-    pub fn open(path: &Path, file_io: FileIO, warehouse: impl Into<String>) -> Result<Self> {
-        let conn = Connection::open(path).map_err(|e| sql_err("opening the catalog file", e))?;
-        conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")
-            .map_err(|e| sql_err("setting the journal mode", e))?;
-        conn.busy_timeout(std::time::Duration::from_secs(10))
-            .map_err(|e| sql_err("setting the busy timeout", e))?;
-        conn.execute_batch(SCHEMA)
-            .map_err(|e| sql_err("creating the catalog tables", e))?;
-        Ok(SqliteCatalog {
-            path: path.to_path_buf(),
-            conn: Mutex::new(conn),
+const TABLE_LOCATION: &str = "SELECT metadata_location FROM iceberg_tables
+     WHERE catalog_name = $1 AND table_namespace = $2 AND table_name = $3
+       AND (iceberg_type = 'TABLE' OR iceberg_type IS NULL)";
+
+const UPSERT_TABLE: &str = "INSERT INTO iceberg_tables VALUES ($1, $2, $3, $4, NULL, 'TABLE')
+     ON CONFLICT (catalog_name, table_namespace, table_name)
+     DO UPDATE SET metadata_location = EXCLUDED.metadata_location,
+                   previous_metadata_location = NULL, iceberg_type = 'TABLE'";
+
+impl SqlCatalog {
+    /// Opens (creating if needed) the catalog at `location`; table files go through
+    /// `file_io`. A PostgreSQL database is connected to (and its tables created) now, so a
+    /// wrong URL or an unreachable server fails the start with its reason.
+    pub async fn open(
+        location: &CatalogLocation,
+        file_io: FileIO,
+        warehouse: impl Into<String>,
+    ) -> Result<Self> {
+        let db = match location {
+            CatalogLocation::Sqlite(path) => {
+                let conn =
+                    Connection::open(path).map_err(|e| sql_err("opening the catalog file", e))?;
+                conn.execute_batch("PRAGMA journal_mode = WAL; PRAGMA synchronous = FULL;")
+                    .map_err(|e| sql_err("setting the journal mode", e))?;
+                conn.busy_timeout(std::time::Duration::from_secs(10))
+                    .map_err(|e| sql_err("setting the busy timeout", e))?;
+                conn.execute_batch(SCHEMA)
+                    .map_err(|e| sql_err("creating the catalog tables", e))?;
+                Db::Sqlite(Mutex::new(conn))
+            }
+            CatalogLocation::Postgres(url) => {
+                let client = Db::postgres(url).await?;
+                client
+                    .batch_execute(SCHEMA)
+                    .await
+                    .map_err(|e| sql_err("creating the catalog tables", e))?;
+                Db::Postgres {
+                    url: url.clone(),
+                    client: tokio::sync::Mutex::new(Some(client)),
+                }
+            }
+        };
+        Ok(SqlCatalog {
+            location: location.clone(),
+            db,
             file_io,
             warehouse: warehouse.into(),
         })
     }
 
-    /// The catalog file.
-    pub fn path(&self) -> &Path {
-        &self.path
+    /// Where the catalog lives.
+    pub fn location(&self) -> &CatalogLocation {
+        &self.location
     }
 
     /// The file IO every table of this catalog uses.
@@ -93,27 +263,19 @@ impl SqliteCatalog {
         &self.file_io
     }
 
-    fn with_conn<T>(
-        &self,
-        f: impl FnOnce(&Connection) -> rusqlite::Result<T>,
-    ) -> rusqlite::Result<T> {
-        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
-        f(&conn)
-    }
-
-    fn metadata_location(&self, t: &TableIdent) -> Result<Option<String>> {
-        self.with_conn(|c| {
-            c.query_row(
-                "SELECT metadata_location FROM iceberg_tables
-                 WHERE catalog_name = ?1 AND table_namespace = ?2 AND table_name = ?3
-                   AND (iceberg_type = 'TABLE' OR iceberg_type IS NULL)",
-                params![CATALOG_NAME, ns_key(t.namespace()), t.name()],
-                |r| r.get::<_, Option<String>>(0),
+    async fn metadata_location(&self, t: &TableIdent) -> Result<Option<String>> {
+        let ns = ns_key(t.namespace());
+        let rows = (self.db)
+            .query(
+                "reading a table's metadata location",
+                TABLE_LOCATION,
+                &[CATALOG_NAME, &ns, t.name()],
             )
-            .optional()
-        })
-        .map(Option::flatten)
-        .map_err(|e| sql_err("reading a table's metadata location", e))
+            .await?;
+        Ok(rows
+            .into_iter()
+            .next()
+            .and_then(|r| r.into_iter().next().flatten()))
     }
 
     fn table_from(
@@ -156,22 +318,16 @@ impl SqliteCatalog {
     ) -> Result<Table> {
         let parsed = staged_loc.parse::<MetadataLocation>()?;
         metadata.write_to(&self.file_io, &parsed).await?;
-        let swapped = self
-            .with_conn(|c| {
-                c.execute(
-                    "UPDATE iceberg_tables SET metadata_location = ?1, previous_metadata_location = ?2
-                     WHERE catalog_name = ?3 AND table_namespace = ?4 AND table_name = ?5
-                       AND metadata_location = ?2",
-                    params![
-                        staged_loc,
-                        current_loc,
-                        CATALOG_NAME,
-                        ns_key(ident.namespace()),
-                        ident.name()
-                    ],
-                )
-            })
-            .map_err(|e| sql_err("swapping a table's metadata location", e))?;
+        let ns = ns_key(ident.namespace());
+        let swapped = (self.db)
+            .execute(
+                "swapping a table's metadata location",
+                "UPDATE iceberg_tables SET metadata_location = $1, previous_metadata_location = $2
+                 WHERE catalog_name = $3 AND table_namespace = $4 AND table_name = $5
+                   AND metadata_location = $2",
+                &[staged_loc, current_loc, CATALOG_NAME, &ns, ident.name()],
+            )
+            .await?;
         if swapped == 0 {
             return Err(Error::new(
                 ErrorKind::CatalogCommitConflicts,
@@ -190,8 +346,14 @@ fn no_table(t: &TableIdent) -> Error {
     )
 }
 
+fn first_column(rows: Vec<Row>) -> Vec<String> {
+    rows.into_iter()
+        .filter_map(|r| r.into_iter().next().flatten())
+        .collect()
+}
+
 #[async_trait]
-impl Catalog for SqliteCatalog {
+impl Catalog for SqlCatalog {
     async fn list_namespaces(
         &self,
         parent: Option<&NamespaceIdent>,
@@ -199,17 +361,15 @@ impl Catalog for SqliteCatalog {
         if parent.is_some() {
             return Ok(Vec::new());
         }
-        let names = self
-            .with_conn(|c| {
-                let mut st = c.prepare(
-                    "SELECT namespace FROM iceberg_namespace_properties WHERE catalog_name = ?1
-                     UNION SELECT table_namespace FROM iceberg_tables WHERE catalog_name = ?1",
-                )?;
-                st.query_map([CATALOG_NAME], |r| r.get::<_, String>(0))?
-                    .collect::<rusqlite::Result<Vec<_>>>()
-            })
-            .map_err(|e| sql_err("listing namespaces", e))?;
-        names
+        let rows = (self.db)
+            .query(
+                "listing namespaces",
+                "SELECT namespace FROM iceberg_namespace_properties WHERE catalog_name = $1
+                 UNION SELECT table_namespace FROM iceberg_tables WHERE catalog_name = $1",
+                &[CATALOG_NAME],
+            )
+            .await?;
+        first_column(rows)
             .iter()
             .map(|n| NamespaceIdent::from_strs(n.split('.')))
             .collect()
@@ -225,16 +385,18 @@ impl Catalog for SqliteCatalog {
         props
             .entry("exists".into())
             .or_insert_with(|| "true".into());
-        self.with_conn(|c| {
-            for (k, v) in &props {
-                c.execute(
-                    "INSERT OR REPLACE INTO iceberg_namespace_properties VALUES (?1, ?2, ?3, ?4)",
-                    params![CATALOG_NAME, ns_key(namespace), k, v],
-                )?;
-            }
-            Ok(())
-        })
-        .map_err(|e| sql_err("creating a namespace", e))?;
+        let ns = ns_key(namespace);
+        for (k, v) in &props {
+            (self.db)
+                .execute(
+                    "creating a namespace",
+                    "INSERT INTO iceberg_namespace_properties VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (catalog_name, namespace, property_key)
+                     DO UPDATE SET property_value = EXCLUDED.property_value",
+                    &[CATALOG_NAME, &ns, k, v],
+                )
+                .await?;
+        }
         Ok(Namespace::with_properties(namespace.clone(), properties))
     }
 
@@ -245,36 +407,38 @@ impl Catalog for SqliteCatalog {
                 format!("no namespace {} in the catalog", ns_key(namespace)),
             ));
         }
-        let props = self
-            .with_conn(|c| {
-                let mut st = c.prepare(
-                    "SELECT property_key, property_value FROM iceberg_namespace_properties
-                     WHERE catalog_name = ?1 AND namespace = ?2",
-                )?;
-                st.query_map(params![CATALOG_NAME, ns_key(namespace)], |r| {
-                    Ok((
-                        r.get::<_, String>(0)?,
-                        r.get::<_, Option<String>>(1)?.unwrap_or_default(),
-                    ))
-                })?
-                .collect::<rusqlite::Result<HashMap<_, _>>>()
+        let ns = ns_key(namespace);
+        let rows = (self.db)
+            .query(
+                "reading a namespace",
+                "SELECT property_key, property_value FROM iceberg_namespace_properties
+                 WHERE catalog_name = $1 AND namespace = $2",
+                &[CATALOG_NAME, &ns],
+            )
+            .await?;
+        let props = rows
+            .into_iter()
+            .filter_map(|mut r| {
+                let v = r.pop().flatten().unwrap_or_default();
+                Some((r.pop().flatten()?, v))
             })
-            .map_err(|e| sql_err("reading a namespace", e))?;
+            .collect();
         Ok(Namespace::with_properties(namespace.clone(), props))
     }
 
     async fn namespace_exists(&self, namespace: &NamespaceIdent) -> Result<bool> {
-        self.with_conn(|c| {
-            c.query_row(
-                "SELECT EXISTS (SELECT 1 FROM iceberg_namespace_properties
-                                WHERE catalog_name = ?1 AND namespace = ?2)
-                     OR EXISTS (SELECT 1 FROM iceberg_tables
-                                WHERE catalog_name = ?1 AND table_namespace = ?2)",
-                params![CATALOG_NAME, ns_key(namespace)],
-                |r| r.get::<_, bool>(0),
+        let ns = ns_key(namespace);
+        let rows = (self.db)
+            .query(
+                "checking a namespace",
+                "SELECT namespace FROM iceberg_namespace_properties
+                 WHERE catalog_name = $1 AND namespace = $2
+                 UNION SELECT table_namespace FROM iceberg_tables
+                 WHERE catalog_name = $1 AND table_namespace = $2",
+                &[CATALOG_NAME, &ns],
             )
-        })
-        .map_err(|e| sql_err("checking a namespace", e))
+            .await?;
+        Ok(!rows.is_empty())
     }
 
     async fn update_namespace(
@@ -294,31 +458,29 @@ impl Catalog for SqliteCatalog {
                 format!("namespace {} still holds tables", ns_key(namespace)),
             ));
         }
-        self.with_conn(|c| {
-            c.execute(
-                "DELETE FROM iceberg_namespace_properties WHERE catalog_name = ?1 AND namespace = ?2",
-                params![CATALOG_NAME, ns_key(namespace)],
+        let ns = ns_key(namespace);
+        (self.db)
+            .execute(
+                "dropping a namespace",
+                "DELETE FROM iceberg_namespace_properties WHERE catalog_name = $1 AND namespace = $2",
+                &[CATALOG_NAME, &ns],
             )
-        })
-        .map_err(|e| sql_err("dropping a namespace", e))?;
+            .await?;
         Ok(())
     }
 
     async fn list_tables(&self, namespace: &NamespaceIdent) -> Result<Vec<TableIdent>> {
-        let names = self
-            .with_conn(|c| {
-                let mut st = c.prepare(
-                    "SELECT table_name FROM iceberg_tables
-                     WHERE catalog_name = ?1 AND table_namespace = ?2
-                       AND (iceberg_type = 'TABLE' OR iceberg_type IS NULL) ORDER BY table_name",
-                )?;
-                st.query_map(params![CATALOG_NAME, ns_key(namespace)], |r| {
-                    r.get::<_, String>(0)
-                })?
-                .collect::<rusqlite::Result<Vec<_>>>()
-            })
-            .map_err(|e| sql_err("listing tables", e))?;
-        Ok(names
+        let ns = ns_key(namespace);
+        let rows = (self.db)
+            .query(
+                "listing tables",
+                "SELECT table_name FROM iceberg_tables
+                 WHERE catalog_name = $1 AND table_namespace = $2
+                   AND (iceberg_type = 'TABLE' OR iceberg_type IS NULL) ORDER BY table_name",
+                &[CATALOG_NAME, &ns],
+            )
+            .await?;
+        Ok(first_column(rows)
             .into_iter()
             .map(|n| TableIdent::new(namespace.clone(), n))
             .collect())
@@ -330,7 +492,7 @@ impl Catalog for SqliteCatalog {
         creation: TableCreation,
     ) -> Result<Table> {
         let ident = TableIdent::new(namespace.clone(), creation.name.clone());
-        if self.metadata_location(&ident)?.is_some() {
+        if self.metadata_location(&ident).await?.is_some() {
             return Err(Error::new(
                 ErrorKind::TableAlreadyExists,
                 format!("table {ident} already exists"),
@@ -354,34 +516,36 @@ impl Catalog for SqliteCatalog {
         let meta_loc = MetadataLocation::new_with_metadata(location, &metadata);
         metadata.write_to(&self.file_io, &meta_loc).await?;
         let meta_loc = meta_loc.to_string();
-        self.with_conn(|c| {
-            c.execute(
-                "INSERT INTO iceberg_tables VALUES (?1, ?2, ?3, ?4, NULL, 'TABLE')",
-                params![CATALOG_NAME, ns_key(namespace), ident.name(), meta_loc],
+        let ns = ns_key(namespace);
+        (self.db)
+            .execute(
+                "registering a new table",
+                "INSERT INTO iceberg_tables VALUES ($1, $2, $3, $4, NULL, 'TABLE')",
+                &[CATALOG_NAME, &ns, ident.name(), &meta_loc],
             )
-        })
-        .map_err(|e| sql_err("registering a new table", e))?;
+            .await?;
         self.table_from(ident, meta_loc, metadata)
     }
 
     async fn load_table(&self, table: &TableIdent) -> Result<Table> {
         let location = self
-            .metadata_location(table)?
+            .metadata_location(table)
+            .await?
             .ok_or_else(|| no_table(table))?;
         let metadata = TableMetadata::read_from(&self.file_io, &location).await?;
         self.table_from(table.clone(), location, metadata)
     }
 
     async fn drop_table(&self, table: &TableIdent) -> Result<()> {
-        let n = self
-            .with_conn(|c| {
-                c.execute(
-                    "DELETE FROM iceberg_tables
-                     WHERE catalog_name = ?1 AND table_namespace = ?2 AND table_name = ?3",
-                    params![CATALOG_NAME, ns_key(table.namespace()), table.name()],
-                )
-            })
-            .map_err(|e| sql_err("dropping a table", e))?;
+        let ns = ns_key(table.namespace());
+        let n = (self.db)
+            .execute(
+                "dropping a table",
+                "DELETE FROM iceberg_tables
+                 WHERE catalog_name = $1 AND table_namespace = $2 AND table_name = $3",
+                &[CATALOG_NAME, &ns, table.name()],
+            )
+            .await?;
         if n == 0 {
             return Err(no_table(table));
         }
@@ -393,25 +557,19 @@ impl Catalog for SqliteCatalog {
     }
 
     async fn table_exists(&self, table: &TableIdent) -> Result<bool> {
-        Ok(self.metadata_location(table)?.is_some())
+        Ok(self.metadata_location(table).await?.is_some())
     }
 
     async fn rename_table(&self, src: &TableIdent, dest: &TableIdent) -> Result<()> {
-        let n = self
-            .with_conn(|c| {
-                c.execute(
-                    "UPDATE iceberg_tables SET table_namespace = ?4, table_name = ?5
-                     WHERE catalog_name = ?1 AND table_namespace = ?2 AND table_name = ?3",
-                    params![
-                        CATALOG_NAME,
-                        ns_key(src.namespace()),
-                        src.name(),
-                        ns_key(dest.namespace()),
-                        dest.name()
-                    ],
-                )
-            })
-            .map_err(|e| sql_err("renaming a table", e))?;
+        let (from_ns, to_ns) = (ns_key(src.namespace()), ns_key(dest.namespace()));
+        let n = (self.db)
+            .execute(
+                "renaming a table",
+                "UPDATE iceberg_tables SET table_namespace = $1, table_name = $2
+                 WHERE catalog_name = $3 AND table_namespace = $4 AND table_name = $5",
+                &[&to_ns, dest.name(), CATALOG_NAME, &from_ns, src.name()],
+            )
+            .await?;
         if n == 0 {
             return Err(no_table(src));
         }
@@ -420,18 +578,14 @@ impl Catalog for SqliteCatalog {
 
     async fn register_table(&self, table: &TableIdent, metadata_location: String) -> Result<Table> {
         let metadata = TableMetadata::read_from(&self.file_io, &metadata_location).await?;
-        self.with_conn(|c| {
-            c.execute(
-                "INSERT OR REPLACE INTO iceberg_tables VALUES (?1, ?2, ?3, ?4, NULL, 'TABLE')",
-                params![
-                    CATALOG_NAME,
-                    ns_key(table.namespace()),
-                    table.name(),
-                    metadata_location
-                ],
+        let ns = ns_key(table.namespace());
+        (self.db)
+            .execute(
+                "registering a table",
+                UPSERT_TABLE,
+                &[CATALOG_NAME, &ns, table.name(), &metadata_location],
             )
-        })
-        .map_err(|e| sql_err("registering a table", e))?;
+            .await?;
         self.table_from(table.clone(), metadata_location, metadata)
     }
 

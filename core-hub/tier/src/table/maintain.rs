@@ -22,7 +22,7 @@ use iceberg::Result;
 use iceberg::table::Table;
 use iceberg::transaction::{ApplyTransactionAction, Transaction};
 
-use super::catalog::SqliteCatalog;
+use super::catalog::SqlCatalog;
 use super::io::ObjectStoreIo;
 
 /// How far maintenance goes.
@@ -61,7 +61,7 @@ fn millis(d: Duration) -> i64 {
 /// Expires the snapshots older than `retention` (never the current one). Returns the table
 /// after it and how many expired; without any to expire nothing is committed.
 pub async fn expire(
-    catalog: &SqliteCatalog,
+    catalog: &SqlCatalog,
     table: Table,
     retention: Duration,
     now_ms: i64,

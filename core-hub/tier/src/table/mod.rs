@@ -40,7 +40,7 @@ use crate::chunk::ChunkSummary;
 use crate::schema::{FieldRegistry, ValueKind};
 use crate::store::Tier2;
 
-pub use catalog::{CATALOG_NAME, SqliteCatalog};
+pub use catalog::{CATALOG_NAME, CatalogLocation, SqlCatalog};
 pub use io::ObjectStoreIo;
 pub use maintain::{MaintainPolicy, Maintained};
 pub use rewrite::Removed;
@@ -153,7 +153,7 @@ pub enum CommitOutcome {
 /// The Iceberg tables of one hub's tier 2.
 #[derive(Debug, Clone)]
 pub struct Lake {
-    catalog: Arc<SqliteCatalog>,
+    catalog: Arc<SqlCatalog>,
     io: ObjectStoreIo,
     tier2: Tier2,
     namespace: NamespaceIdent,
@@ -171,19 +171,19 @@ fn day_of(ns: i64) -> i32 {
 }
 
 impl Lake {
-    /// Opens the catalog at `catalog_path` for the tables of `tier2`, whose root URI is
-    /// `base` (`file:///srv/tier2`, `s3://bucket`).
+    /// Opens the catalog at `catalog` for the tables of `tier2`, whose root URI is `base`
+    /// (`file:///srv/tier2`, `s3://bucket`).
     pub async fn open(
         tier2: &Tier2,
         base: &str,
-        catalog_path: &std::path::Path,
+        catalog: &CatalogLocation,
     ) -> Result<Lake, LakeError> {
         let io = ObjectStoreIo::new(base, tier2.store().clone());
         let cat_err = |source| LakeError::Catalog {
-            path: catalog_path.display().to_string(),
+            path: catalog.to_string(),
             source: Box::new(source),
         };
-        let catalog = SqliteCatalog::open(catalog_path, io.file_io(), base).map_err(cat_err)?;
+        let catalog = (SqlCatalog::open(catalog, io.file_io(), base).await).map_err(cat_err)?;
         let namespace = NamespaceIdent::new(NAMESPACE.to_owned());
         if !catalog
             .namespace_exists(&namespace)
@@ -242,7 +242,7 @@ impl Lake {
     }
 
     /// The catalog.
-    pub fn catalog(&self) -> &Arc<SqliteCatalog> {
+    pub fn catalog(&self) -> &Arc<SqlCatalog> {
         &self.catalog
     }
 

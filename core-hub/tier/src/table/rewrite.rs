@@ -18,7 +18,7 @@ use iceberg::table::Table;
 use iceberg::{Error, ErrorKind, Result};
 
 use super::TIERED_END;
-use super::catalog::SqliteCatalog;
+use super::catalog::SqlCatalog;
 
 /// Summary key: data files a `delete` snapshot removed.
 pub const DELETED_FILES: &str = "deleted-data-files";
@@ -110,7 +110,7 @@ impl Producer<'_> {
 /// so a retry after a crash is harmless; with none left to remove nothing is committed.
 /// Returns the table after the commit and what was removed.
 pub async fn remove_files(
-    catalog: &SqliteCatalog,
+    catalog: &SqlCatalog,
     table: Table,
     remove: &BTreeSet<String>,
 ) -> Result<(Table, Removed)> {
