@@ -89,10 +89,15 @@ fn read_lake(dir: &Path) -> serde_json::Value {
 /// [`read_lake`], or what the readers printed when they failed.
 fn try_read_lake(dir: &Path) -> Result<serde_json::Value, String> {
     let uri = format!("sqlite:///{}", dir.join("iceberg.sqlite").display());
+    try_read_lake_in(&uri, dir)
+}
+
+/// What the readers report with pyiceberg's catalog at the SQLAlchemy URI `uri`.
+fn try_read_lake_in(uri: &str, dir: &Path) -> Result<serde_json::Value, String> {
     let warehouse = format!("file://{}", dir.join("tier2").display());
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/lake_read.py");
     let out = std::process::Command::new(python())
-        .args([script, &uri, &warehouse, STREAM])
+        .args([script, uri, &warehouse, STREAM])
         .output()
         .unwrap_or_else(|e| panic!("{} (prepared by .ci/test): {e}", python()));
     if !out.status.success() {
@@ -849,4 +854,60 @@ fn mutation_the_crash_loop_catches_a_missing_table_recheck() {
         l.total * KILL_DEVICES,
         l.seed
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgresql_catalog_serves_the_same_tables_and_survives_a_server_restart() {
+    let pg = tier::testing::postgres::Postgres::start()
+        .expect("a PostgreSQL server (`.ci/test` installs Debian's postgresql)");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.tier2.iceberg_catalog = tier::table::CatalogLocation::Postgres(pg.url());
+    let uri = format!(
+        "postgresql+psycopg2://postgres@127.0.0.1:{}/{}",
+        pg.port(),
+        tier::testing::postgres::DATABASE
+    );
+    let (hub, t) = open(&cfg).await;
+    ship(&hub, "dev-1", 1, 40, u64::MAX).await;
+    flush(&t).await;
+    ship(&hub, "dev-1", 41, 80, u64::MAX).await;
+    flush(&t).await;
+    assert!(
+        !dir.path().join("iceberg.sqlite").exists(),
+        "no SQLite catalog beside the hub"
+    );
+    let v = try_read_lake_in(&uri, dir.path()).unwrap();
+    assert_eq!(rows(&v).len(), 80, "pyiceberg through PostgreSQL");
+    assert_eq!(v["duckdb"]["rows"], 80);
+    assert_eq!(v["polars_rows"], 80);
+    assert_eq!(v["columns"]["site"], "string");
+    let snaps = v["snapshots"].as_array().unwrap();
+    assert_eq!(snaps.len(), 2);
+    assert_eq!(
+        snaps[0]["offsets"].as_array().unwrap().len(),
+        40,
+        "time travel"
+    );
+
+    // The server restarts under the hub: the next commit connects again.
+    pg.restart().unwrap();
+    ship(&hub, "dev-2", 1, 25, u64::MAX).await;
+    flush(&t).await;
+    drop((hub, t));
+    // A restarted hub finds its tables in PostgreSQL.
+    let (hub, t) = open(&cfg).await;
+    ship(&hub, "dev-2", 26, 30, u64::MAX).await;
+    flush(&t).await;
+    let v = try_read_lake_in(&uri, dir.path()).unwrap();
+    let mut want: Vec<(String, u64)> = (1..=80).map(|s| ("dev-1".to_owned(), s)).collect();
+    want.extend((1..=30).map(|s| ("dev-2".to_owned(), s)));
+    want.sort();
+    let got: Vec<(String, u64)> = rows(&v).into_iter().map(|(d, s, _)| (d, s)).collect();
+    assert_eq!(got, want, "every record once");
+    let ends: Vec<u64> = (v["snapshots"].as_array().unwrap().iter())
+        .map(|s| s["tiered_end"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ends, vec![40, 80, 105, 110]);
+    drop((hub, t));
 }

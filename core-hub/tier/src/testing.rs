@@ -1,5 +1,5 @@
 //! Test support: an s3s-fs S3 server on loopback, for this crate's tests, the hub's tier-2
-//! tests and the benchmarks.
+//! tests and the benchmarks; a PostgreSQL server ([`postgres`]).
 //!
 //! s3s-fs is installed by `.ci/test` (`cargo install s3s-fs@0.14.1 --features binary --locked`).
 //! The binary is found through `S3S_FS_BIN`, then `PATH`, then `~/.cargo/bin`. A bucket is a
@@ -12,6 +12,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::config::TierConfig;
+
+pub mod postgres;
 
 pub const ACCESS_KEY: &str = "tributary-test";
 pub const SECRET_KEY: &str = "tributary-test-secret";
