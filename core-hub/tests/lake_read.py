@@ -2,6 +2,9 @@
 
 Usage: lake_read.py CATALOG_URI WAREHOUSE STREAM
 
+With a tier 2 on S3, `TRIBUTARY_LAKE_S3` holds `endpoint,access_key,secret_key` (path-style,
+plain HTTP), and DuckDB loads its httpfs extension too.
+
 - pyiceberg (its SqlCatalog on the hub's catalog): the table's columns and types, its
   snapshots with their `tributary.tiered-end`, every row's (device, seq, hub_offset) in the
   current snapshot, and the rows each earlier snapshot held (time travel);
@@ -16,8 +19,11 @@ import json
 import pathlib
 import sys
 
+import os
+
 import duckdb
 import duckdb_extension_avro
+import duckdb_extension_httpfs
 import duckdb_extension_iceberg
 import polars as pl
 from pyiceberg.catalog.sql import SqlCatalog
@@ -30,7 +36,17 @@ def extension(module, name):
 
 def main():
     uri, warehouse, stream = sys.argv[1:4]
-    catalog = SqlCatalog("tributary", uri=uri, warehouse=warehouse)
+    s3 = os.environ.get("TRIBUTARY_LAKE_S3")
+    props = {}
+    if s3:
+        endpoint, key, secret = s3.split(",")
+        props = {
+            "s3.endpoint": endpoint,
+            "s3.access-key-id": key,
+            "s3.secret-access-key": secret,
+            "s3.region": "us-east-1",
+        }
+    catalog = SqlCatalog("tributary", uri=uri, warehouse=warehouse, **props)
     table = catalog.load_table(f"tributary.{stream}")
     columns = {f.name: str(f.field_type) for f in table.schema().fields}
     rows = table.scan(selected_fields=("device", "seq", "hub_offset")).to_arrow()
@@ -51,12 +67,28 @@ def main():
     con = duckdb.connect()
     con.execute(f"LOAD '{extension(duckdb_extension_avro, 'avro')}'")
     con.execute(f"LOAD '{extension(duckdb_extension_iceberg, 'iceberg')}'")
+    if s3:
+        con.execute(f"LOAD '{extension(duckdb_extension_httpfs, 'httpfs')}'")
+        host = endpoint.removeprefix("http://")
+        con.execute(
+            f"CREATE SECRET (TYPE s3, KEY_ID '{key}', SECRET '{secret}', ENDPOINT '{host}', "
+            "URL_STYLE 'path', USE_SSL false, REGION 'us-east-1')"
+        )
     location = table.metadata_location.removeprefix("file://")
     duck = con.execute(
         f"SELECT count(*), count(DISTINCT hub_offset) FROM iceberg_scan('{location}')"
     ).fetchone()
 
-    polars_rows = pl.scan_iceberg(table).select(pl.len()).collect().item()
+    options = None
+    if s3:
+        options = {
+            "aws_endpoint_url": endpoint,
+            "aws_access_key_id": key,
+            "aws_secret_access_key": secret,
+            "aws_region": "us-east-1",
+            "aws_allow_http": "true",
+        }
+    polars_rows = pl.scan_iceberg(table, storage_options=options).select(pl.len()).collect().item()
 
     print(
         json.dumps(
