@@ -514,7 +514,7 @@ fn streams_metrics(out: &mut String, hub: &Hub) {
 fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
     let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let flag = |a: &std::sync::atomic::AtomicBool| u64::from(a.load(Ordering::Relaxed));
-    let counters: [(&str, &str, u64); 14] = [
+    let counters: [(&str, &str, u64); 16] = [
         (
             "tributary_hub_tier_rounds_total",
             "Tiering rounds run.",
@@ -554,6 +554,16 @@ fn tier_metrics(out: &mut String, t: &crate::tiering::TierStats) {
             "tributary_hub_tier2_chunks_deleted_total",
             "Tier-2 chunks deleted (retention or cleanup).",
             load(&t.tier2_chunks_deleted),
+        ),
+        (
+            "tributary_hub_iceberg_commits_total",
+            "Iceberg snapshots that appended tiering ranges (at most one per table per tier2.commit_interval).",
+            load(&t.lake_commits),
+        ),
+        (
+            "tributary_hub_iceberg_already_committed_total",
+            "Commits a restart skipped because the table already held the ranges.",
+            load(&t.lake_ranges_already_committed),
         ),
         (
             "tributary_hub_iceberg_files_deleted_total",

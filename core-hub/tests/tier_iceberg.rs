@@ -242,6 +242,13 @@ async fn crash_after_table_commit(recheck: bool) -> (serde_json::Value, u64) {
     let stream = hub.stream_id(STREAM).unwrap();
     let st = core_hub::tiering::store::state(hub.catalog(), stream).unwrap();
     assert_eq!(st.tiered_end, 30);
+    let stats = t.stats();
+    let (commits, skipped) = (
+        stats.lake_commits.load(Ordering::Relaxed),
+        stats.lake_ranges_already_committed.load(Ordering::Relaxed),
+    );
+    let want = if recheck { (0, 1) } else { (1, 0) };
+    assert_eq!((commits, skipped), want, "counted as a skipped commit");
     (read_lake(dir.path()), hits.load(Ordering::SeqCst))
 }
 

@@ -267,6 +267,10 @@ pub struct TierStats {
     /// Fields that arrived with a new kind (a string after numbers, ...) and got a column of
     /// their own (`{field}__{type}`, docs/format/parquet.md).
     pub field_kind_changes: AtomicU64,
+    /// Iceberg snapshots that appended tiering ranges.
+    pub lake_commits: AtomicU64,
+    /// Tiering ranges a restart found already in the table (nothing appended again).
+    pub lake_ranges_already_committed: AtomicU64,
     /// Data files removed from Iceberg tables by tier-2 retention (`delete` snapshots).
     pub lake_files_deleted: AtomicU64,
     /// Iceberg snapshots expired by table maintenance.
@@ -956,8 +960,16 @@ impl Tiering {
             .collect();
         if !ranges.is_empty() {
             let name = self.stream_name(stream)?;
-            self.bounded(lake.commit_ranges(&name, &last.registry, &ranges))
+            let outcome = self
+                .bounded(lake.commit_ranges(&name, &last.registry, &ranges))
                 .await?;
+            let counter = match outcome {
+                tier::table::CommitOutcome::Committed { .. } => &self.stats.lake_commits,
+                tier::table::CommitOutcome::AlreadyCommitted => {
+                    &self.stats.lake_ranges_already_committed
+                }
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
             self.fault(TierFaultPoint::AfterTableCommit)?;
         }
         self.commit_in_catalog(staged)
