@@ -1014,7 +1014,7 @@ fn parse_lake(raw: &RawTier2, table: TableFormat) -> Result<LakeConfig, ConfigEr
         && let Some((key, _)) = keys.iter().find(|(_, v)| v.is_some())
     {
         return Err(ConfigError::key(
-            &format!("tier2.{key}"),
+            format!("tier2.{key}"),
             "applies to Iceberg tables only; set tier2.table = \"iceberg\" or remove it",
         ));
     }

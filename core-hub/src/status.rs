@@ -521,7 +521,7 @@ fn is_permanent(e: &crate::tiering::TierOpenError) -> bool {
         E::Config(_) | E::Lake(_) => true,
         E::Store(tier::OpenError::MissingCredential { .. } | tier::OpenError::Store { .. }) => true,
         E::Store(_) | E::Catalog(_) => false,
-        E::Reconcile { source, .. } => !matches!(source, tier::TierError::List(_)),
+        E::Reconcile { source, .. } => !matches!(**source, tier::TierError::List(_)),
         E::LocalRoot { source, .. } | E::Io(source) => !is_transient_io(source),
     }
 }

@@ -43,7 +43,7 @@ impl Tiering {
             }
             let fail = |source: tier::TierError| TierOpenError::Reconcile {
                 stream: name.clone(),
-                source,
+                source: Box::new(source),
             };
             let manifests = (self.store.list_manifests(&name).await).map_err(|e| fail(e.into()))?;
             let (ranges, columns) = missing_ranges(manifests, held, st.tiered_end);

@@ -131,7 +131,7 @@ pub enum TierOpenError {
     Reconcile {
         stream: String,
         #[source]
-        source: tier::TierError,
+        source: Box<tier::TierError>,
     },
     #[error("creating tier-2 directory {}: {source}", path.display())]
     LocalRoot {

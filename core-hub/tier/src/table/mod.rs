@@ -74,13 +74,13 @@ pub enum LakeError {
     List {
         table: String,
         #[source]
-        source: crate::store::ListError,
+        source: Box<crate::store::ListError>,
     },
     #[error("iceberg table {table}: removing an orphan: {source}")]
     Delete {
         table: String,
         #[source]
-        source: crate::store::DeleteError,
+        source: Box<crate::store::DeleteError>,
     },
 }
 
@@ -315,7 +315,7 @@ impl Lake {
         let prefix = format!("{}metadata/", crate::layout::chunks_prefix(stream));
         let objects = (self.tier2.list(&prefix).await).map_err(|source| LakeError::List {
             table: format!("{NAMESPACE}.{stream}"),
-            source,
+            source: Box::new(source),
         })?;
         let version = |key: &str| -> Option<u64> {
             let name = key.rsplit('/').next()?.strip_suffix(".metadata.json")?;
@@ -461,7 +461,7 @@ impl Lake {
             (self.tier2.list(&crate::layout::chunks_prefix(stream)).await).map_err(|source| {
                 LakeError::List {
                     table: name(),
-                    source,
+                    source: Box::new(source),
                 }
             })?;
         let objects = objects.into_iter().map(|o| (o.path, o.last_modified_ns));
@@ -469,7 +469,7 @@ impl Lake {
         for o in &orphans {
             (self.tier2.delete(&o.key).await).map_err(|source| LakeError::Delete {
                 table: name(),
-                source,
+                source: Box::new(source),
             })?;
         }
         Ok(Maintained {
