@@ -21,9 +21,7 @@ const DEVICES: usize = 4;
 const DIR_ENV: &str = "TRIBUTARY_KILL9_DIR";
 const TOTAL_ENV: &str = "TRIBUTARY_KILL9_TOTAL";
 
-fn soak() -> bool {
-    std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1")
-}
+use common::soak;
 
 /// The child: runs only when the parent sets `TRIBUTARY_KILL9_DIR`.
 #[test]
@@ -32,11 +30,7 @@ fn child_writer() {
         return;
     };
     let total: u64 = std::env::var(TOTAL_ENV).unwrap().parse().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::child_runtime();
     rt.block_on(async move {
         let hub = common::open(std::path::Path::new(&dir));
         let mut tasks = Vec::new();
@@ -128,13 +122,7 @@ fn kill_dash_nine_loses_and_duplicates_nothing() {
     // (at least `step / 22` blocks per device), so each random kill lands mid-transfer on any
     // machine. The last child writes the whole total.
     let total = step * (kills as u64 + 1);
-    let seed: u64 = match std::env::var("TRIBUTARY_SEED") {
-        Ok(s) => s.parse().unwrap(),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    };
+    let seed = common::seed();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().unwrap();

@@ -21,9 +21,7 @@ const ENDPOINT_ENV: &str = "TRIBUTARY_TIER_KILL9_ENDPOINT";
 const TOTAL_ENV: &str = "TRIBUTARY_TIER_KILL9_TOTAL";
 const DEVICES: usize = 3;
 
-fn soak() -> bool {
-    std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1")
-}
+use common::soak;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fail_points_between_upload_and_commit() {
@@ -109,11 +107,7 @@ fn child_hub() {
     };
     let endpoint = std::env::var(ENDPOINT_ENV).unwrap();
     let total: u64 = std::env::var(TOTAL_ENV).unwrap().parse().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::child_runtime();
     rt.block_on(async move {
         let cfg = config(std::path::Path::new(&dir), &endpoint, |c| {
             c.tier2.chunk_records_max = 700;
@@ -221,13 +215,7 @@ async fn kill_dash_nine_between_upload_and_commit() {
     }
     let server = s3();
     let endpoint = server.endpoint();
-    let seed: u64 = match std::env::var("TRIBUTARY_SEED") {
-        Ok(s) => s.parse().unwrap(),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    };
+    let seed = common::seed();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let kills = if soak() { 30 } else { 8 };

@@ -595,11 +595,7 @@ fn child_lake_writer() {
         return;
     };
     let total: u64 = std::env::var(KILL_TOTAL_ENV).unwrap().parse().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = common::child_runtime();
     rt.block_on(async move {
         let cfg = kill_config(Path::new(&dir));
         let hub = reopen(&cfg).await;
@@ -736,13 +732,7 @@ struct Loop {
 /// rounds with an exit at each fault point in turn (after zero to two earlier hits), then a
 /// last life that finishes.
 fn crash_loop(dir: &Path, lives: u64, mutant: bool) -> Loop {
-    let seed: u64 = match std::env::var("TRIBUTARY_SEED") {
-        Ok(s) => s.parse().unwrap(),
-        Err(_) => std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos() as u64,
-    };
+    let seed = common::seed();
     println!(
         "seed {seed} (replay: TRIBUTARY_SEED={seed} cargo test -p core-hub --test tier_iceberg kill_dash_nine)"
     );
@@ -776,8 +766,7 @@ fn kill_dash_nine_while_tiering_committing_and_maintaining_keeps_the_table_exact
     if std::env::var(KILL_DIR_ENV).is_ok() {
         return; // we are the child
     }
-    let soak = std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1");
-    let lives: u64 = if soak { 200 } else { 30 };
+    let lives: u64 = if common::soak() { 200 } else { 30 };
     let dir = tempfile::tempdir().unwrap();
     let l = crash_loop(dir.path(), lives, false);
     let seed = l.seed;

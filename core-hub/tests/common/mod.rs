@@ -107,3 +107,27 @@ pub fn key_bomb(epoch: u64, first: u64, key_len: usize, n: usize) -> Vec<u8> {
     out.extend_from_slice(&body);
     out
 }
+
+/// `TRIBUTARY_SOAK=1`: the long versions of the crash loops (docs/reliability.md).
+pub fn soak() -> bool {
+    std::env::var("TRIBUTARY_SOAK").is_ok_and(|v| v == "1")
+}
+
+/// `TRIBUTARY_SEED`, or a fresh seed from the clock (printed by the caller for a replay).
+pub fn seed() -> u64 {
+    match std::env::var("TRIBUTARY_SEED") {
+        Ok(s) => s.parse().expect("TRIBUTARY_SEED is a number"),
+        Err(_) => std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+    }
+}
+
+/// The two-worker runtime a crash loop's child process runs its hub on.
+pub fn child_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}

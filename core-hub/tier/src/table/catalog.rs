@@ -106,6 +106,10 @@ enum Db {
 
 type Row = Vec<Option<String>>;
 
+fn pg_args<'a>(params: &'a [&'a str]) -> Vec<&'a (dyn tokio_postgres::types::ToSql + Sync)> {
+    params.iter().map(|p| p as _).collect()
+}
+
 fn sql_err(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Error {
     Error::new(ErrorKind::Unexpected, format!("iceberg catalog: {what}")).with_source(e)
 }
@@ -121,6 +125,18 @@ impl Db {
             }
         });
         Ok(client)
+    }
+
+    /// The PostgreSQL client, connected again if the connection broke.
+    async fn connected<'a>(
+        url: &str,
+        slot: &'a tokio::sync::Mutex<Option<tokio_postgres::Client>>,
+    ) -> Result<tokio::sync::MutexGuard<'a, Option<tokio_postgres::Client>>> {
+        let mut guard = slot.lock().await;
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            *guard = Some(Self::postgres(url).await?);
+        }
+        Ok(guard)
     }
 
     /// Runs `sql` with string parameters; returns its rows (every column as text).
@@ -139,14 +155,9 @@ impl Db {
                 run().map_err(|e| sql_err(what, e))
             }
             Db::Postgres { url, client } => {
-                let mut guard = client.lock().await;
-                if guard.as_ref().is_none_or(|c| c.is_closed()) {
-                    *guard = Some(Self::postgres(url).await?);
-                }
-                let c = guard.as_ref().expect("connected above");
-                let args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                    params.iter().map(|p| p as _).collect();
-                let rows = c.query(sql, &args).await.map_err(|e| sql_err(what, e))?;
+                let guard = Self::connected(url, client).await?;
+                let c = guard.as_ref().expect("connected");
+                let rows = (c.query(sql, &pg_args(params)).await).map_err(|e| sql_err(what, e))?;
                 Ok(rows
                     .iter()
                     .map(|r| {
@@ -169,14 +180,9 @@ impl Db {
                     .map_err(|e| sql_err(what, e))
             }
             Db::Postgres { url, client } => {
-                let mut guard = client.lock().await;
-                if guard.as_ref().is_none_or(|c| c.is_closed()) {
-                    *guard = Some(Self::postgres(url).await?);
-                }
-                let c = guard.as_ref().expect("connected above");
-                let args: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> =
-                    params.iter().map(|p| p as _).collect();
-                c.execute(sql, &args).await.map_err(|e| sql_err(what, e))
+                let guard = Self::connected(url, client).await?;
+                let c = guard.as_ref().expect("connected");
+                (c.execute(sql, &pg_args(params)).await).map_err(|e| sql_err(what, e))
             }
         }
     }
