@@ -138,11 +138,49 @@ pub fn parquet_ids(tier2_dir: &Path, stream: &str) -> Result<ParquetSummary> {
         tier2_dir.to_str().context("tier2 path not UTF-8")?,
         stream,
     ])?;
+    summary_of(&out, "duckdb")
+}
+
+const PYICEBERG_PY: &str = r#"
+import sys
+from pyiceberg.catalog.sql import SqlCatalog
+catalog, warehouse, stream = sys.argv[1:4]
+t = SqlCatalog("tributary", uri="sqlite:///" + catalog, warehouse="file://" + warehouse).load_table("tributary." + stream)
+a = t.scan(selected_fields=("device", "epoch", "seq")).to_arrow()
+ids = list(zip(a["device"].to_pylist(), a["epoch"].to_pylist(), a["seq"].to_pylist()))
+print(len(ids), len(set(ids)))
+for d, e, s in sorted(set(ids)):
+    print(d, e, s)
+"#;
+
+/// Reads a stream's Iceberg table (the SQLite catalog at `catalog`, a `file://` tier 2 under
+/// `tier2_dir`) with pyiceberg, in the interpreter `.ci/test` prepares (`TRIBUTARY_LAKE_PYTHON`,
+/// by default `/opt/tributary-lake/bin/python`).
+pub fn iceberg_ids(catalog: &Path, tier2_dir: &Path, stream: &str) -> Result<ParquetSummary> {
+    let lake = std::env::var("TRIBUTARY_LAKE_PYTHON")
+        .unwrap_or_else(|_| "/opt/tributary-lake/bin/python".into());
+    let out = run_python(
+        &lake,
+        &[
+            "-c",
+            PYICEBERG_PY,
+            catalog.to_str().context("catalog path not UTF-8")?,
+            tier2_dir.to_str().context("tier2 path not UTF-8")?,
+            stream,
+        ],
+    )?;
+    summary_of(&out, "pyiceberg")
+}
+
+/// `rows distinct` on the first line, then one `device epoch seq` per line.
+fn summary_of(out: &str, reader: &str) -> Result<ParquetSummary> {
     let mut lines = out.lines();
-    let head = lines.next().context("duckdb printed nothing")?;
+    let head = lines
+        .next()
+        .with_context(|| format!("{reader} printed nothing"))?;
     let (rows, distinct) = head
         .split_once(' ')
-        .with_context(|| format!("duckdb head {head:?}"))?;
+        .with_context(|| format!("{reader} head {head:?}"))?;
     let mut summary = ParquetSummary {
         rows: rows.parse()?,
         distinct: distinct.parse()?,
@@ -152,7 +190,7 @@ pub fn parquet_ids(tier2_dir: &Path, stream: &str) -> Result<ParquetSummary> {
         let mut parts = line.rsplitn(3, ' ');
         let (Some(seq), Some(epoch), Some(device)) = (parts.next(), parts.next(), parts.next())
         else {
-            anyhow::bail!("duckdb id line {line:?}");
+            anyhow::bail!("{reader} id line {line:?}");
         };
         summary
             .ids
@@ -162,13 +200,17 @@ pub fn parquet_ids(tier2_dir: &Path, stream: &str) -> Result<ParquetSummary> {
 }
 
 fn python(args: &[&str]) -> Result<String> {
-    let output = Command::new("python3")
+    run_python("python3", args)
+}
+
+fn run_python(interpreter: &str, args: &[&str]) -> Result<String> {
+    let output = Command::new(interpreter)
         .args(args)
         .output()
-        .context("running python3 (needed with duckdb for tier-2 checks)")?;
+        .with_context(|| format!("running {interpreter} (needed for the tier-2 checks)"))?;
     ensure!(
         output.status.success(),
-        "python3 failed with {}: {}",
+        "{interpreter} failed with {}: {}",
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );
