@@ -76,18 +76,28 @@ struct Load {
     committed: AtomicU64,
 }
 
-async fn produce(
-    hub: Arc<Hub>,
+/// How many producers write, how big their blocks are and how many records they write hot.
+struct Shape {
     devices: usize,
     block: usize,
-    keys: Arc<Vec<String>>,
     hot_records: u64,
+}
+
+async fn produce(
+    hub: Arc<Hub>,
+    shape: Shape,
+    keys: Arc<Vec<String>>,
     load: Arc<Load>,
     cool_until: impl Fn() -> bool + Send + Sync + 'static,
     stay_hot: impl Fn() -> bool + Send + Sync + 'static,
 ) -> u64 {
     let cool_until = Arc::new(cool_until);
     let stay_hot = Arc::new(stay_hot);
+    let Shape {
+        devices,
+        block,
+        hot_records,
+    } = shape;
     let per_device = hot_records / devices as u64 / block as u64;
     let mut tasks = Vec::new();
     for d in 0..devices {
@@ -277,12 +287,15 @@ async fn three_readers_read_live_through_three_splits_and_three_merges() {
     });
     let started = Instant::now();
     let (h, h2) = (hub.clone(), hub.clone());
+    let shape = Shape {
+        devices: 8,
+        block: 1000,
+        hot_records: records,
+    };
     let total = produce(
         hub.clone(),
-        8,
-        1000,
+        shape,
         keys(4096),
-        records,
         load.clone(),
         move || h.streams().stats().merges.load(Ordering::Relaxed) >= 3,
         move || h2.streams().stats().splits.load(Ordering::Relaxed) < 3,
@@ -378,12 +391,15 @@ async fn a_killed_reader_resumes_from_its_checkpoint() {
     });
     let h = hub.clone();
     let h2 = hub.clone();
+    let shape = Shape {
+        devices: 4,
+        block: 1000,
+        hot_records: records,
+    };
     let total = produce(
         hub.clone(),
-        4,
-        1000,
+        shape,
         keys(1024),
-        records,
         load,
         move || h.streams().stats().merges.load(Ordering::Relaxed) >= 1,
         move || h2.streams().stats().splits.load(Ordering::Relaxed) < 1,
