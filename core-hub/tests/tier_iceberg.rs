@@ -956,3 +956,49 @@ async fn tables_on_an_s3_tier2_read_by_pyiceberg_duckdb_and_polars() {
     }
     drop((hub, t));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgresql_outage_holds_commits_back_and_loses_nothing() {
+    let pg = tier::testing::postgres::Postgres::start()
+        .expect("a PostgreSQL server (`.ci/test` installs Debian's postgresql)");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.tier2.iceberg_catalog = tier::table::CatalogLocation::Postgres(pg.url());
+    cfg.tier2.request_timeout = Duration::from_secs(5);
+    let (hub, t) = open(&cfg).await;
+    ship(&hub, "dev-1", 1, 40, u64::MAX).await;
+    flush(&t).await;
+
+    // The catalog goes away: rounds fail (counted), the hub's catalog does not move, ingest
+    // goes on into tier 1.
+    pg.stop().unwrap();
+    ship(&hub, "dev-1", 41, 80, u64::MAX).await;
+    let failed = t.run_once(true).await;
+    assert!(failed.is_err(), "no commit without the catalog: {failed:?}");
+    assert!(t.stats().round_errors.load(Ordering::Relaxed) >= 1);
+    let sid = hub.stream_id(STREAM).unwrap();
+    let st = core_hub::tiering::store::state(hub.catalog(), sid).unwrap();
+    assert_eq!(
+        st.tiered_end, 40,
+        "nothing counts as tiered while the table cannot commit"
+    );
+
+    // Back: the next rounds commit what waited, once.
+    pg.resume().unwrap();
+    flush(&t).await;
+    let st = core_hub::tiering::store::state(hub.catalog(), sid).unwrap();
+    assert_eq!(st.tiered_end, 80);
+    let uri = format!(
+        "postgresql+psycopg2://postgres@127.0.0.1:{}/{}",
+        pg.port(),
+        tier::testing::postgres::DATABASE
+    );
+    let v = try_read_lake_in(&uri, dir.path()).unwrap();
+    let got: Vec<u64> = rows(&v).into_iter().map(|(_, s, _)| s).collect();
+    assert_eq!(got, (1..=80).collect::<Vec<_>>(), "each record once");
+    let ends: Vec<u64> = (v["snapshots"].as_array().unwrap().iter())
+        .map(|s| s["tiered_end"].as_u64().unwrap())
+        .collect();
+    assert_eq!(ends, vec![40, 80]);
+    drop((hub, t));
+}

@@ -83,16 +83,7 @@ impl Postgres {
             "initdb",
             &["-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8"],
         )?;
-        let opts = format!(
-            "-p {} -k {data} -c listen_addresses=127.0.0.1 -c fsync=on",
-            server.port
-        );
-        let log = server.root.path().join("server.log");
-        let log = log.to_str().unwrap_or_default();
-        server.run(
-            "pg_ctl",
-            &["-D", data, "-l", log, "-o", &opts, "-w", "start"],
-        )?;
+        server.pg_ctl(&["-w", "start"])?;
         let port = server.port.to_string();
         server.run(
             "psql",
@@ -175,6 +166,20 @@ impl Postgres {
     /// Stops the server (fast mode: open connections are cut) and starts it again on the
     /// same port and data.
     pub fn restart(&self) -> Result<(), PostgresError> {
+        self.pg_ctl(&["-m", "fast", "-w", "restart"])
+    }
+
+    /// Stops the server (fast mode); [`Postgres::resume`] starts it again.
+    pub fn stop(&self) -> Result<(), PostgresError> {
+        self.pg_ctl(&["-m", "fast", "-w", "stop"])
+    }
+
+    /// Starts a stopped server again on the same port and data.
+    pub fn resume(&self) -> Result<(), PostgresError> {
+        self.pg_ctl(&["-w", "start"])
+    }
+
+    fn pg_ctl(&self, action: &[&str]) -> Result<(), PostgresError> {
         let data = self.data();
         let data = data.to_str().unwrap_or_default();
         let log = self.root.path().join("server.log");
@@ -183,12 +188,9 @@ impl Postgres {
             "-p {} -k {data} -c listen_addresses=127.0.0.1 -c fsync=on",
             self.port
         );
-        self.run(
-            "pg_ctl",
-            &[
-                "-D", data, "-l", log, "-o", &opts, "-m", "fast", "-w", "restart",
-            ],
-        )
+        let mut args = vec!["-D", data, "-l", log, "-o", &opts];
+        args.extend_from_slice(action);
+        self.run("pg_ctl", &args)
     }
 
     /// The loopback port.
@@ -209,17 +211,6 @@ impl Postgres {
 
 impl Drop for Postgres {
     fn drop(&mut self) {
-        let data = self.data();
-        let _ = self.run(
-            "pg_ctl",
-            &[
-                "-D",
-                data.to_str().unwrap_or_default(),
-                "-m",
-                "immediate",
-                "-w",
-                "stop",
-            ],
-        );
+        let _ = self.pg_ctl(&["-m", "immediate", "-w", "stop"]);
     }
 }
