@@ -78,11 +78,13 @@ async def main(port: int, base: int, secure) -> None:
     ns = await server.register_namespace("urn:tributary:test")
     assert ns == 2, ns
     plant = await server.nodes.objects.add_object(ua.NodeId("Plant", ns), "Plant")
+    # The initial values are already this server's (a client that subscribes before the first
+    # write gets them): the Counter starts at BASE + 1, like the first write.
     specs = [
-        ("Counter", ua.VariantType.Int32, 0),
+        ("Counter", ua.VariantType.Int32, base + 1),
         ("Temp", ua.VariantType.Double, 20.0),
         ("Running", ua.VariantType.Boolean, False),
-        ("Label", ua.VariantType.String, "n0"),
+        ("Label", ua.VariantType.String, f"n{base + 1}"),
     ]
     nodes = {}
     for name, vt, initial in specs:
